@@ -1,1 +1,1 @@
-//! peregrine-sampling
+//! Logits processors and seeded sampling (in progress)

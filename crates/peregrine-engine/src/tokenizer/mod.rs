@@ -1,0 +1,1 @@
+//! Tokenizers (in progress)
