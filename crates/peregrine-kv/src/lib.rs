@@ -1,1 +1,47 @@
-//! peregrine-kv
+//! Per-layer KV caches. Attention over the cache belongs to the cache, because only the cache
+//! knows its representation: a model appends k/v and asks the cache to attend.
+//!
+//! Every cache rolls back exactly with [`LayerCache::trim`] (speculative decoding, prompt-cache
+//! reuse); a rotating cache refuses a rollback it cannot do exactly rather than approximating it.
+#![warn(missing_docs)]
+
+mod buffer;
+mod rotating;
+mod sequence;
+mod simple;
+
+pub use rotating::RotatingCache;
+pub use sequence::{LayerKind, SequenceCache};
+pub use simple::SimpleCache;
+
+use peregrine_tensor::{Result, Tensor};
+
+/// Per-call attention parameters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttnParams {
+    /// Multiplier applied to `q·k` (usually `1/sqrt(head_dim)`).
+    pub scale: f64,
+}
+
+/// One layer's key/value memory.
+pub trait LayerCache: Send + Sync {
+    /// Appends `k, v: [1, kv_heads, n, head_dim]` for the next `n` positions.
+    fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()>;
+    /// Attends `q: [1, heads, n, head_dim]`, the queries of the last `n` appended positions,
+    /// over everything they may see. Returns `[1, heads, n, head_dim]`.
+    fn attend(&self, q: &Tensor, params: &AttnParams) -> Result<Tensor>;
+    /// Number of positions seen so far (the next token's position).
+    fn len(&self) -> usize;
+    /// True when nothing has been appended.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Whether the last `n` positions can be forgotten exactly.
+    fn can_trim(&self, n: usize) -> bool;
+    /// Forgets the last `n` positions exactly, or fails without changing anything.
+    fn trim(&mut self, n: usize) -> Result<()>;
+    /// Bytes of memory the cache holds (allocated, not only used).
+    fn bytes(&self) -> usize;
+    /// An independent copy (for prompt-cache entries).
+    fn snapshot(&self) -> Result<Box<dyn LayerCache>>;
+}

@@ -1,1 +1,45 @@
-//! peregrine-models
+//! Model architectures and checkpoint loading.
+//!
+//! Models are stateless apart from their weights: [`CausalLm::forward`] takes the sequence's
+//! KV cache from outside, so one loaded model serves many sequences. Architecture files
+//! (`arch/<model_type>.rs`) are written against HF tensor names; `weights/` maps every checkpoint
+//! format (safetensors, sharded safetensors, GGUF) onto those names and onto [`ModelConfig`].
+#![warn(missing_docs)]
+
+pub mod arch;
+pub mod config;
+pub mod error;
+pub mod layers;
+pub mod registry;
+pub mod weights;
+
+pub use config::ModelConfig;
+pub use error::{ModelError, Result};
+pub use peregrine_kv::{LayerKind, SequenceCache};
+pub use registry::{LoadOptions, LoadedModel, load_model, supported_architectures};
+
+use peregrine_tensor::{Device, Tensor};
+
+/// Which positions' logits a forward pass returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// Only the last position's (generation).
+    Last,
+    /// Every position's (scoring, teacher forcing, parity tools).
+    All,
+}
+
+/// A decoder-only language model.
+pub trait CausalLm: Send + Sync {
+    /// The parsed configuration.
+    fn config(&self) -> &ModelConfig;
+    /// The memory each layer needs; build a sequence's cache with `SequenceCache::new(&spec)`.
+    fn cache_spec(&self) -> Vec<LayerKind>;
+    /// Runs `tokens` (the next positions of the sequence held in `cache`) and returns f32
+    /// logits `[positions, vocab]` for the positions `want` selects.
+    fn forward(&self, tokens: &[u32], cache: &mut SequenceCache, want: Logits) -> Result<Tensor>;
+    /// The device the weights live on.
+    fn device(&self) -> &Device;
+    /// Bytes of weights held in memory.
+    fn weight_bytes(&self) -> usize;
+}

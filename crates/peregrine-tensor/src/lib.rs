@@ -1,5 +1,17 @@
-//! Peregrine's tensor layer: device choice, dtype rules, `QLinear` (the one place where weight
-//! formats meet matmul) and fused ops, each with a plain candle-op reference (`*_ref`).
+//! Peregrine's tensor layer: device choice, dtype rules, [`QLinear`] (the one place where weight
+//! formats meet matmul) and fused ops, each with a plain candle-op reference (`*_ref`) that tests
+//! compare against on every compiled device.
+#![warn(missing_docs)]
 
 pub use candle_core as candle;
 pub use candle_nn as nn;
+
+pub mod attention;
+pub mod device;
+pub mod linear;
+pub mod ops;
+pub mod rope;
+
+pub use candle_core::{DType, Device, Result, Tensor};
+pub use linear::{Embedding, QLinear};
+pub use rope::{RopeScaling, RopeStyle, RotaryEmbedding};

@@ -1,0 +1,83 @@
+//! The sliding-window cache: keeps the last `window` positions plus a rollback margin.
+
+use peregrine_tensor::{Result, Tensor};
+
+use crate::buffer::KvBuffer;
+use crate::{AttnParams, LayerCache};
+
+/// Keeps the last `window - 1 + rollback` positions, so that a query sees exactly the keys
+/// `q - k < window` and the last `rollback` positions can still be trimmed exactly.
+#[derive(Debug, Clone)]
+pub struct RotatingCache {
+    buf: KvBuffer,
+    window: usize,
+    rollback: usize,
+}
+
+impl RotatingCache {
+    /// A cache for a `window`-wide sliding attention that can roll back `rollback` positions.
+    pub fn new(window: usize, rollback: usize) -> Self {
+        Self {
+            buf: KvBuffer::default(),
+            window: window.max(1),
+            rollback,
+        }
+    }
+
+    /// The attention window.
+    pub fn window(&self) -> usize {
+        self.window
+    }
+
+    fn keep(&self) -> usize {
+        self.window - 1 + self.rollback
+    }
+}
+
+impl LayerCache for RotatingCache {
+    fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
+        let keep = self.keep();
+        self.buf.append(k, v, Some(keep))
+    }
+
+    fn attend(&self, q: &Tensor, params: &AttnParams) -> Result<Tensor> {
+        self.buf.attend(q, params, Some(self.window))
+    }
+
+    fn len(&self) -> usize {
+        self.buf.end()
+    }
+
+    fn can_trim(&self, n: usize) -> bool {
+        // After trimming, the next query needs positions `new_end - (window - 1) ..`.
+        n <= self.buf.used && (self.buf.end() - n).saturating_sub(self.window - 1) >= self.buf.start
+    }
+
+    fn trim(&mut self, n: usize) -> Result<()> {
+        match self.can_trim(n) {
+            true => {
+                self.buf.trim(n);
+                Ok(())
+            }
+            false => peregrine_tensor::candle::bail!(
+                "cannot trim {n} positions exactly: the sliding-window cache keeps positions {}..{} \
+                 (window {}, rollback margin {})",
+                self.buf.start,
+                self.buf.end(),
+                self.window,
+                self.rollback
+            ),
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        self.buf.bytes()
+    }
+
+    fn snapshot(&self) -> Result<Box<dyn LayerCache>> {
+        Ok(Box::new(Self {
+            buf: self.buf.deep_copy()?,
+            ..*self
+        }))
+    }
+}

@@ -1,0 +1,87 @@
+//! A sequence's caches, one per layer, built from the model's cache spec.
+
+use peregrine_tensor::Result;
+
+use crate::{LayerCache, RotatingCache, SimpleCache};
+
+/// What kind of memory a layer needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerKind {
+    /// Attention over every earlier position.
+    Full,
+    /// Attention over the last `window` positions.
+    Sliding {
+        /// Window width (query `q` sees key `k` when `q - k < window`).
+        window: usize,
+    },
+}
+
+/// One sequence's caches, one per layer.
+pub struct SequenceCache {
+    layers: Vec<Box<dyn LayerCache>>,
+}
+
+/// Positions a sliding-window cache keeps beyond its window so that speculative rollback stays exact.
+pub const DEFAULT_ROLLBACK: usize = 64;
+
+impl SequenceCache {
+    /// Builds the caches a model's layers need.
+    pub fn new(spec: &[LayerKind]) -> Self {
+        let layers = spec
+            .iter()
+            .map(|kind| -> Box<dyn LayerCache> {
+                match *kind {
+                    LayerKind::Full => Box::new(SimpleCache::new()),
+                    LayerKind::Sliding { window } => {
+                        Box::new(RotatingCache::new(window, DEFAULT_ROLLBACK))
+                    }
+                }
+            })
+            .collect();
+        Self { layers }
+    }
+
+    /// The cache of layer `i`.
+    pub fn layer(&mut self, i: usize) -> &mut dyn LayerCache {
+        self.layers[i].as_mut()
+    }
+
+    /// Number of layers.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Positions seen so far (the next token's position).
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, |l| l.len())
+    }
+
+    /// True when no position has been seen.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Forgets the last `n` positions in every layer, exactly; on failure nothing changes.
+    pub fn trim(&mut self, n: usize) -> Result<()> {
+        if let Some(layer) = self.layers.iter().find(|l| !l.can_trim(n)) {
+            return layer.as_ref().snapshot()?.trim(n); // reports why, changing nothing here
+        }
+        self.layers.iter_mut().try_for_each(|l| l.trim(n))
+    }
+
+    /// Bytes held by all layers.
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().map(|l| l.bytes()).sum()
+    }
+
+    /// An independent copy of every layer.
+    pub fn snapshot(&self) -> Result<Self> {
+        Ok(Self {
+            layers: self
+                .layers
+                .iter()
+                .map(|l| l.snapshot())
+                .collect::<Result<_>>()?,
+        })
+    }
+}

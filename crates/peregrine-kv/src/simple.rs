@@ -1,0 +1,58 @@
+//! The full-attention cache: every position is kept.
+
+use peregrine_tensor::{Result, Tensor};
+
+use crate::buffer::KvBuffer;
+use crate::{AttnParams, LayerCache};
+
+/// Keeps every position; trims exactly to any length.
+#[derive(Debug, Clone, Default)]
+pub struct SimpleCache {
+    buf: KvBuffer,
+}
+
+impl SimpleCache {
+    /// An empty cache.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+impl LayerCache for SimpleCache {
+    fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
+        self.buf.append(k, v, None)
+    }
+
+    fn attend(&self, q: &Tensor, params: &AttnParams) -> Result<Tensor> {
+        self.buf.attend(q, params, None)
+    }
+
+    fn len(&self) -> usize {
+        self.buf.end()
+    }
+
+    fn can_trim(&self, n: usize) -> bool {
+        n <= self.buf.used
+    }
+
+    fn trim(&mut self, n: usize) -> Result<()> {
+        if !self.can_trim(n) {
+            peregrine_tensor::candle::bail!(
+                "cannot trim {n} positions from a cache of {}",
+                self.buf.used
+            )
+        }
+        self.buf.trim(n);
+        Ok(())
+    }
+
+    fn bytes(&self) -> usize {
+        self.buf.bytes()
+    }
+
+    fn snapshot(&self) -> Result<Box<dyn LayerCache>> {
+        Ok(Box::new(Self {
+            buf: self.buf.deep_copy()?,
+        }))
+    }
+}

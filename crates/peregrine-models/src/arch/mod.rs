@@ -1,0 +1,6 @@
+//! One file per HF `model_type`: what the architecture changes in the shared config and layers.
+
+pub mod llama;
+pub mod mistral;
+pub mod qwen2;
+pub mod qwen3;

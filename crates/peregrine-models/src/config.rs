@@ -1,0 +1,272 @@
+//! The one configuration type every architecture is built from, read from HF `config.json`
+//! (both legacy `rope_theta`/`rope_scaling` and transformers-5 `rope_parameters`) or from GGUF
+//! metadata (see `weights::gguf`).
+
+use std::path::{Path, PathBuf};
+
+use peregrine_tensor::{RopeScaling, RopeStyle};
+use serde_json::{Map, Value};
+
+use crate::{ModelError, Result};
+
+/// Hyper-parameters of a decoder-only transformer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// HF `model_type` (`llama`, `mistral`, `qwen2`, `qwen3`, ...).
+    pub model_type: String,
+    /// Vocabulary size (rows of the embedding table).
+    pub vocab_size: usize,
+    /// Width of the residual stream.
+    pub hidden_size: usize,
+    /// Width of the MLP's hidden layer.
+    pub intermediate_size: usize,
+    /// Number of decoder layers.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads (grouped-query attention when fewer than query heads).
+    pub num_key_value_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// RoPE base frequency.
+    pub rope_theta: f64,
+    /// RoPE frequency scaling.
+    pub rope_scaling: RopeScaling,
+    /// Which dimensions RoPE rotates together (depends on how the weights were converted).
+    pub rope_style: RopeStyle,
+    /// Longest context the model was trained for.
+    pub max_position_embeddings: usize,
+    /// The output projection reuses the embedding table.
+    pub tie_word_embeddings: bool,
+    /// Sliding-window width for every layer, when the model uses one.
+    pub sliding_window: Option<usize>,
+    /// q/k/v projections carry biases.
+    pub attention_bias: bool,
+    /// Per-head RMSNorm on q and k (Qwen3).
+    pub qk_norm: bool,
+    /// Beginning-of-sequence token, when the config names one.
+    pub bos_token_id: Option<u32>,
+    /// End-of-sequence tokens named by the config.
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// Reads fields from a JSON object, with errors that name the file and the field.
+pub struct Fields<'a> {
+    file: PathBuf,
+    map: &'a Map<String, Value>,
+}
+
+impl<'a> Fields<'a> {
+    /// Wraps a parsed JSON object read from `file`.
+    pub fn new(file: &Path, map: &'a Map<String, Value>) -> Self {
+        Self {
+            file: file.to_path_buf(),
+            map,
+        }
+    }
+
+    fn err(&self, message: String) -> ModelError {
+        ModelError::config(&self.file, message)
+    }
+
+    /// The raw value of `key`, treating JSON `null` as absent.
+    pub fn get(&self, key: &str) -> Option<&'a Value> {
+        self.map.get(key).filter(|v| !v.is_null())
+    }
+
+    /// A required positive integer.
+    pub fn usize(&self, key: &str) -> Result<usize> {
+        self.opt_usize(key)?
+            .ok_or_else(|| self.err(format!("missing required field `{key}`")))
+    }
+
+    /// An optional positive integer.
+    pub fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(n) if n > 0 => Ok(Some(n as usize)),
+                _ => Err(self.err(format!("field `{key}` must be a positive integer, got {v}"))),
+            },
+        }
+    }
+
+    /// An optional number.
+    pub fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| self.err(format!("field `{key}` must be a number, got {v}"))),
+        }
+    }
+
+    /// An optional boolean.
+    pub fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| self.err(format!("field `{key}` must be true or false, got {v}"))),
+        }
+    }
+
+    /// An optional string.
+    pub fn opt_str(&self, key: &str) -> Result<Option<&'a str>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_str()
+                .map(Some)
+                .ok_or_else(|| self.err(format!("field `{key}` must be a string, got {v}"))),
+        }
+    }
+
+    /// Token ids given as one integer or a list of integers.
+    pub fn token_ids(&self, key: &str) -> Result<Vec<u32>> {
+        let bad = || {
+            self.err(format!(
+                "field `{key}` must be a token id or a list of token ids"
+            ))
+        };
+        match self.get(key) {
+            None => Ok(vec![]),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| v.as_u64().map(|n| n as u32).ok_or_else(bad))
+                .collect(),
+            Some(v) => Ok(vec![v.as_u64().ok_or_else(bad)? as u32]),
+        }
+    }
+
+    /// A nested object.
+    pub fn object(&self, key: &str) -> Result<Option<Fields<'a>>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Object(map)) => Ok(Some(Fields {
+                file: self.file.clone(),
+                map,
+            })),
+            Some(v) => Err(self.err(format!("field `{key}` must be an object, got {v}"))),
+        }
+    }
+}
+
+/// Reads and parses a JSON object file.
+pub fn read_json_object(path: &Path) -> Result<Map<String, Value>> {
+    let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    match serde_json::from_str(&text) {
+        Ok(Value::Object(map)) => Ok(map),
+        Ok(_) => Err(ModelError::config(path, "expected a JSON object")),
+        Err(e) => Err(ModelError::config(path, format!("invalid JSON: {e}"))),
+    }
+}
+
+impl ModelConfig {
+    /// Parses the fields shared by llama-family configs; architecture files adjust the rest.
+    pub fn from_hf(fields: &Fields) -> Result<Self> {
+        let model_type = fields
+            .opt_str("model_type")?
+            .unwrap_or_default()
+            .to_string();
+        let hidden_size = fields.usize("hidden_size")?;
+        let num_attention_heads = fields.usize("num_attention_heads")?;
+        let head_dim = match fields.opt_usize("head_dim")? {
+            Some(d) => d,
+            None if hidden_size % num_attention_heads == 0 => hidden_size / num_attention_heads,
+            None => {
+                return Err(fields.err(format!(
+                    "`hidden_size` {hidden_size} is not a multiple of `num_attention_heads` {num_attention_heads}"
+                )));
+            }
+        };
+        let (rope_theta, rope_scaling) = rope_from_hf(fields)?;
+        let config = Self {
+            model_type,
+            vocab_size: fields.usize("vocab_size")?,
+            hidden_size,
+            intermediate_size: fields.usize("intermediate_size")?,
+            num_hidden_layers: fields.usize("num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads: fields
+                .opt_usize("num_key_value_heads")?
+                .unwrap_or(num_attention_heads),
+            head_dim,
+            rms_norm_eps: fields.opt_f64("rms_norm_eps")?.unwrap_or(1e-6),
+            rope_theta,
+            rope_scaling,
+            rope_style: RopeStyle::Half,
+            max_position_embeddings: fields.opt_usize("max_position_embeddings")?.unwrap_or(4096),
+            tie_word_embeddings: fields.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+            sliding_window: None,
+            attention_bias: fields.opt_bool("attention_bias")?.unwrap_or(false),
+            qk_norm: false,
+            bos_token_id: fields.token_ids("bos_token_id")?.first().copied(),
+            eos_token_ids: fields.token_ids("eos_token_id")?,
+        };
+        config.validate(&fields.file)?;
+        Ok(config)
+    }
+
+    /// Checks relations between fields that the forward pass relies on.
+    pub fn validate(&self, file: &Path) -> Result<()> {
+        if self.num_attention_heads % self.num_key_value_heads != 0 {
+            return Err(ModelError::config(
+                file,
+                format!(
+                    "`num_attention_heads` {} is not a multiple of `num_key_value_heads` {}",
+                    self.num_attention_heads, self.num_key_value_heads
+                ),
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return Err(ModelError::config(
+                file,
+                format!("`head_dim` {} must be even for RoPE", self.head_dim),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// RoPE base and scaling from either `rope_parameters` (transformers 5) or the legacy keys.
+fn rope_from_hf(fields: &Fields) -> Result<(f64, RopeScaling)> {
+    let params = fields.object("rope_parameters")?;
+    let legacy = fields.object("rope_scaling")?;
+    let theta = match &params {
+        Some(p) => p.opt_f64("rope_theta")?,
+        None => None,
+    };
+    let theta = theta.or(fields.opt_f64("rope_theta")?).unwrap_or(10_000.0);
+    let Some(scaling) = params.or(legacy) else {
+        return Ok((theta, RopeScaling::None));
+    };
+    let kind = match scaling.opt_str("rope_type")? {
+        Some(kind) => Some(kind),
+        None => scaling.opt_str("type")?,
+    };
+    let factor = || {
+        scaling
+            .opt_f64("factor")?
+            .ok_or_else(|| scaling.err("rope scaling needs `factor`".into()))
+    };
+    let scaling = match kind.unwrap_or("default") {
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear { factor: factor()? },
+        "llama3" => RopeScaling::Llama3 {
+            factor: factor()?,
+            low_freq_factor: scaling.opt_f64("low_freq_factor")?.unwrap_or(1.0),
+            high_freq_factor: scaling.opt_f64("high_freq_factor")?.unwrap_or(4.0),
+            original_max_position_embeddings: scaling.usize("original_max_position_embeddings")?,
+        },
+        other => return Err(scaling.err(format!("unsupported rope scaling type `{other}`"))),
+    };
+    Ok((theta, scaling))
+}

@@ -1,0 +1,90 @@
+//! Multi-head attention with grouped-query heads, optional q/k/v biases and q/k RMSNorm.
+
+use peregrine_kv::{AttnParams, LayerCache};
+use peregrine_tensor::ops::rms_norm;
+use peregrine_tensor::{QLinear, RotaryEmbedding, Tensor};
+
+use crate::weights::Weights;
+use crate::{ModelConfig, Result};
+
+/// Self-attention of one decoder layer.
+pub struct Attention {
+    q_proj: QLinear,
+    k_proj: QLinear,
+    v_proj: QLinear,
+    o_proj: QLinear,
+    q_norm: Option<Tensor>,
+    k_norm: Option<Tensor>,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    eps: f32,
+}
+
+impl Attention {
+    /// Loads `{prefix}.{q,k,v,o}_proj` (and `{q,k}_norm` when the config asks for them).
+    pub fn load(c: &ModelConfig, w: &Weights, prefix: &str) -> Result<Self> {
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let (q_dim, kv_dim) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+        let bias = c.attention_bias;
+        let norm = |name: &str| -> Result<Option<Tensor>> {
+            c.qk_norm
+                .then(|| w.tensor(&format!("{prefix}.{name}.weight"), &[hd]))
+                .transpose()
+        };
+        Ok(Self {
+            q_proj: w.linear(&format!("{prefix}.q_proj"), q_dim, h, bias)?,
+            k_proj: w.linear(&format!("{prefix}.k_proj"), kv_dim, h, bias)?,
+            v_proj: w.linear(&format!("{prefix}.v_proj"), kv_dim, h, bias)?,
+            o_proj: w.linear(&format!("{prefix}.o_proj"), h, q_dim, false)?,
+            q_norm: norm("q_norm")?,
+            k_norm: norm("k_norm")?,
+            heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads,
+            head_dim: hd,
+            eps: c.rms_norm_eps as f32,
+        })
+    }
+
+    /// `x: [1, n, hidden]` at positions `start..start + n` → `[1, n, hidden]`.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        rope: &RotaryEmbedding,
+        cache: &mut dyn LayerCache,
+        start: usize,
+    ) -> Result<Tensor> {
+        let (b, n, _) = x.dims3()?;
+        // [b, n, heads * hd] → [b, heads, n, hd]
+        let split = |t: Tensor, heads: usize, norm: &Option<Tensor>| -> Result<Tensor> {
+            let t = t.reshape((b, n, heads, self.head_dim))?;
+            let t = match norm {
+                Some(w) => rms_norm(&t, w, self.eps)?,
+                None => t,
+            };
+            Ok(t.transpose(1, 2)?)
+        };
+        let q = split(self.q_proj.forward(x)?, self.heads, &self.q_norm)?;
+        let k = split(self.k_proj.forward(x)?, self.kv_heads, &self.k_norm)?;
+        let v = split(self.v_proj.forward(x)?, self.kv_heads, &None)?;
+        let q = rope.apply(&q, start)?;
+        let k = rope.apply(&k, start)?;
+        cache.append(&k, &v)?;
+        let params = AttnParams {
+            scale: 1.0 / (self.head_dim as f64).sqrt(),
+        };
+        let y = cache.attend(&q, &params)?; // [b, heads, n, hd]
+        let y = y
+            .transpose(1, 2)?
+            .reshape((b, n, self.heads * self.head_dim))?;
+        Ok(self.o_proj.forward(&y)?)
+    }
+
+    /// Bytes of weights.
+    pub fn weight_bytes(&self) -> usize {
+        [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
+            .iter()
+            .map(|l| l.weight_bytes())
+            .sum()
+    }
+}

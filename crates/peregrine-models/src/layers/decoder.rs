@@ -1,0 +1,156 @@
+//! The llama-family decoder (pre-norm attention + gated MLP), parameterised by config flags:
+//! q/k/v bias (Qwen2), q/k norm (Qwen3), sliding window (Mistral). Architectures that differ
+//! only in such flags reuse it rather than copying it.
+
+use peregrine_kv::{LayerCache, LayerKind, SequenceCache};
+use peregrine_tensor::ops::rms_norm;
+use peregrine_tensor::{DType, Device, Embedding, QLinear, RotaryEmbedding, Tensor};
+
+use crate::layers::attention::Attention;
+use crate::layers::mlp::GatedMlp;
+use crate::weights::Weights;
+use crate::{CausalLm, Logits, ModelConfig, ModelError, Result};
+
+struct DecoderLayer {
+    input_layernorm: Tensor,
+    self_attn: Attention,
+    post_attention_layernorm: Tensor,
+    mlp: GatedMlp,
+}
+
+/// A decoder-only transformer of the llama family.
+pub struct DecoderLm {
+    config: ModelConfig,
+    embed_tokens: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: Tensor,
+    lm_head: QLinear,
+    rope: RotaryEmbedding,
+    device: Device,
+    dtype: DType,
+}
+
+impl DecoderLm {
+    /// Loads the weights for `config`; RoPE tables cover `max_context` positions.
+    pub fn load(config: ModelConfig, w: &Weights, max_context: usize) -> Result<Self> {
+        let c = &config;
+        let h = c.hidden_size;
+        let layers = (0..c.num_hidden_layers)
+            .map(|i| {
+                let p = format!("model.layers.{i}");
+                Ok(DecoderLayer {
+                    input_layernorm: w.tensor(&format!("{p}.input_layernorm.weight"), &[h])?,
+                    self_attn: Attention::load(c, w, &format!("{p}.self_attn"))?,
+                    post_attention_layernorm: w
+                        .tensor(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                    mlp: GatedMlp::load(c, w, &format!("{p}.mlp"))?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let embed_tokens = w.embedding("model.embed_tokens.weight", c.vocab_size, h)?;
+        let lm_head = match c.tie_word_embeddings && !w.contains("lm_head.weight") {
+            true => embed_tokens.as_linear()?,
+            false => w.linear("lm_head", c.vocab_size, h, false)?,
+        };
+        let rope = RotaryEmbedding::new(
+            c.head_dim,
+            c.rope_theta,
+            &c.rope_scaling,
+            c.rope_style,
+            max_context,
+            DType::F32,
+            w.device(),
+        )?;
+        Ok(Self {
+            norm: w.tensor("model.norm.weight", &[h])?,
+            embed_tokens,
+            layers,
+            lm_head,
+            rope,
+            device: w.device().clone(),
+            dtype: w.dtype(),
+            config,
+        })
+    }
+}
+
+impl DecoderLayer {
+    fn forward(
+        &self,
+        x: &Tensor,
+        eps: f32,
+        rope: &RotaryEmbedding,
+        cache: &mut dyn LayerCache,
+        start: usize,
+    ) -> Result<Tensor> {
+        let attn = self.self_attn.forward(
+            &rms_norm(x, &self.input_layernorm, eps)?,
+            rope,
+            cache,
+            start,
+        )?;
+        let x = (x + attn)?;
+        let mlp = self
+            .mlp
+            .forward(&rms_norm(&x, &self.post_attention_layernorm, eps)?)?;
+        Ok((x + mlp)?)
+    }
+}
+
+impl CausalLm for DecoderLm {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn cache_spec(&self) -> Vec<LayerKind> {
+        let kind = match self.config.sliding_window {
+            Some(window) => LayerKind::Sliding { window },
+            None => LayerKind::Full,
+        };
+        vec![kind; self.layers.len()]
+    }
+
+    fn forward(&self, tokens: &[u32], cache: &mut SequenceCache, want: Logits) -> Result<Tensor> {
+        let n = tokens.len();
+        let start = cache.len();
+        if n == 0 || start + n > self.rope.max_positions() {
+            return Err(ModelError::Tensor(peregrine_tensor::candle::Error::Msg(
+                format!(
+                    "cannot run {n} tokens at position {start}: the context holds {} positions",
+                    self.rope.max_positions()
+                ),
+            )));
+        }
+        let eps = self.config.rms_norm_eps as f32;
+        let ids = Tensor::new(tokens, &self.device)?.unsqueeze(0)?; // [1, n]
+        let mut x = self.embed_tokens.forward(&ids, self.dtype)?; // [1, n, hidden]
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer.forward(&x, eps, &self.rope, cache.layer(i), start)?;
+        }
+        let x = match want {
+            Logits::Last => x.narrow(1, n - 1, 1)?,
+            Logits::All => x,
+        };
+        let logits = self.lm_head.forward(&rms_norm(&x, &self.norm, eps)?)?; // [1, m, vocab]
+        Ok(logits.squeeze(0)?.to_dtype(DType::F32)?)
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn weight_bytes(&self) -> usize {
+        let norms =
+            (2 * self.layers.len() + 1) * self.config.hidden_size * self.dtype.size_in_bytes();
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| l.self_attn.weight_bytes() + l.mlp.weight_bytes())
+            .sum();
+        let head = match self.config.tie_word_embeddings {
+            true => 0,
+            false => self.lm_head.weight_bytes(),
+        };
+        norms + layers + self.embed_tokens.weight_bytes() + head
+    }
+}

@@ -1,0 +1,139 @@
+//! Maps a checkpoint (GGUF file or HF folder) to its architecture and loads it.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use peregrine_tensor::Device;
+use peregrine_tensor::device::compute_dtype;
+
+use crate::config::{Fields, read_json_object};
+use crate::layers::decoder::DecoderLm;
+use crate::weights::{GgufFile, SafetensorsFiles, Source, Weights, config_from_gguf};
+use crate::{CausalLm, ModelConfig, ModelError, Result, arch};
+
+type Configure = fn(&Fields, &mut ModelConfig) -> Result<()>;
+
+/// Registered architectures: HF `model_type` (also GGUF `general.architecture`) and its
+/// config adjustments. All four build the shared llama-family decoder.
+const ARCHITECTURES: &[(&str, Configure)] = &[
+    ("llama", arch::llama::configure),
+    ("mistral", arch::mistral::configure),
+    ("qwen2", arch::qwen2::configure),
+    ("qwen3", arch::qwen3::configure),
+];
+
+/// The `model_type`s this build can load.
+pub fn supported_architectures() -> Vec<&'static str> {
+    ARCHITECTURES.iter().map(|(name, _)| *name).collect()
+}
+
+/// How to load a model.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// Where the weights go.
+    pub device: Device,
+    /// Longest context to prepare for (RoPE tables); defaults to the model's trained length.
+    pub max_context: Option<usize>,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            device: Device::Cpu,
+            max_context: None,
+        }
+    }
+}
+
+/// A loaded model and what else its checkpoint carries.
+pub struct LoadedModel {
+    /// The model.
+    pub model: Arc<dyn CausalLm>,
+    /// The GGUF file or checkpoint folder it came from.
+    pub path: PathBuf,
+    /// The GGUF file (metadata carries the tokenizer and chat template), if loaded from GGUF.
+    pub gguf: Option<GgufFile>,
+    /// Context length the model was prepared for.
+    pub max_context: usize,
+}
+
+fn unsupported(file: &Path, arch: &str) -> ModelError {
+    ModelError::UnsupportedArchitecture {
+        file: file.to_path_buf(),
+        arch: arch.to_string(),
+        supported: supported_architectures().join(", "),
+    }
+}
+
+fn find_gguf(dir: &Path) -> Option<PathBuf> {
+    let mut ggufs = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "gguf"));
+    let first = ggufs.next()?;
+    ggufs.next().is_none().then_some(first)
+}
+
+/// Loads a GGUF file, or an HF checkpoint folder (`config.json` + safetensors).
+pub fn load_model(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
+    let meta = std::fs::metadata(path).map_err(|source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let dtype = compute_dtype(&opts.device);
+    if meta.is_dir() && !path.join("config.json").exists() {
+        match find_gguf(path) {
+            Some(gguf) => return load_model(&gguf, opts),
+            None => {
+                let source = std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "no config.json (nor a single .gguf file) in this folder",
+                );
+                return Err(ModelError::Io {
+                    path: path.to_path_buf(),
+                    source,
+                });
+            }
+        }
+    }
+    let (config, weights, gguf) = if meta.is_dir() {
+        let config_path = path.join("config.json");
+        let map = read_json_object(&config_path)?;
+        let fields = Fields::new(&config_path, &map);
+        let model_type = fields.opt_str("model_type")?.ok_or_else(|| {
+            ModelError::config(&config_path, "missing required field `model_type`")
+        })?;
+        let (_, configure) = ARCHITECTURES
+            .iter()
+            .find(|(name, _)| *name == model_type)
+            .ok_or_else(|| unsupported(&config_path, model_type))?;
+        let mut config = ModelConfig::from_hf(&fields)?;
+        configure(&fields, &mut config)?;
+        let files = SafetensorsFiles::open_dir(path)?;
+        (
+            config,
+            Weights::new(Source::Safetensors(files), opts.device.clone(), dtype),
+            None,
+        )
+    } else {
+        let file = GgufFile::open(path)?;
+        let config = config_from_gguf(&file)?;
+        if !supported_architectures().contains(&config.model_type.as_str()) {
+            return Err(unsupported(path, &config.model_type));
+        }
+        let weights = Weights::new(Source::Gguf(file), opts.device.clone(), dtype);
+        (config, weights, Some(()))
+    };
+    let max_context = opts.max_context.unwrap_or(config.max_position_embeddings);
+    let model = DecoderLm::load(config, &weights, max_context)?;
+    let gguf = gguf.and_then(|()| match weights.into_source() {
+        Source::Gguf(file) => Some(file),
+        Source::Safetensors(_) => None,
+    });
+    Ok(LoadedModel {
+        model: Arc::new(model),
+        path: path.to_path_buf(),
+        gguf,
+        max_context,
+    })
+}

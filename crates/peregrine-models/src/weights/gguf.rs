@@ -1,0 +1,250 @@
+//! GGUF checkpoints: HF tensor names mapped to GGUF names in one place, and GGUF metadata
+//! mapped onto [`ModelConfig`].
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use peregrine_tensor::candle::quantized::QTensor;
+use peregrine_tensor::candle::quantized::gguf_file::{Content, Value};
+use peregrine_tensor::{Device, RopeScaling, RopeStyle};
+
+use crate::{ModelConfig, ModelError, Result};
+
+/// An open GGUF file: metadata and tensor directory in memory, tensor data read on demand.
+pub struct GgufFile {
+    path: PathBuf,
+    content: Content,
+    file: Mutex<File>,
+}
+
+/// The GGUF name of an HF tensor name (llama.cpp's naming), or `None` if it has no counterpart.
+pub fn gguf_name(hf: &str) -> Option<String> {
+    let global = match hf {
+        "model.embed_tokens.weight" => Some("token_embd.weight"),
+        "model.norm.weight" => Some("output_norm.weight"),
+        "lm_head.weight" => Some("output.weight"),
+        _ => None,
+    };
+    if let Some(name) = global {
+        return Some(name.to_string());
+    }
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let (module, kind) = rest.rsplit_once('.')?;
+    let mapped = match module {
+        "input_layernorm" => "attn_norm",
+        "post_attention_layernorm" => "ffn_norm",
+        "self_attn.q_proj" => "attn_q",
+        "self_attn.k_proj" => "attn_k",
+        "self_attn.v_proj" => "attn_v",
+        "self_attn.o_proj" => "attn_output",
+        "self_attn.q_norm" => "attn_q_norm",
+        "self_attn.k_norm" => "attn_k_norm",
+        "mlp.gate_proj" => "ffn_gate",
+        "mlp.up_proj" => "ffn_up",
+        "mlp.down_proj" => "ffn_down",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{mapped}.{kind}"))
+}
+
+impl GgufFile {
+    /// Opens `path` and checks that every tensor's data lies inside the file.
+    pub fn open(path: &Path) -> Result<Self> {
+        let io_err = |source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let mut file = File::open(path).map_err(io_err)?;
+        let len = file.metadata().map_err(io_err)?.len();
+        let content = Content::read(&mut file).map_err(|e| ModelError::Checkpoint {
+            file: path.to_path_buf(),
+            message: format!("not a valid GGUF file: {e}"),
+        })?;
+        for (name, info) in &content.tensor_infos {
+            let dtype = info.ggml_dtype;
+            let bytes = info.shape.elem_count() / dtype.block_size() * dtype.type_size();
+            let end = content.tensor_data_offset + info.offset + bytes as u64;
+            if end > len {
+                return Err(ModelError::Checkpoint {
+                    file: path.to_path_buf(),
+                    message: format!(
+                        "tensor `{name}` ({dtype:?} {:?}) ends at byte {end} but the file has {len} bytes \
+                         (truncated download?)",
+                        info.shape.dims()
+                    ),
+                });
+            }
+        }
+        Ok(Self {
+            path: path.to_path_buf(),
+            content,
+            file: Mutex::new(file),
+        })
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// All key/value metadata (architecture, tokenizer, chat template).
+    pub fn metadata(&self) -> &HashMap<String, Value> {
+        &self.content.metadata
+    }
+
+    fn name_for(&self, hf: &str) -> Option<String> {
+        gguf_name(hf).filter(|n| self.content.tensor_infos.contains_key(n))
+    }
+
+    /// Whether the tensor with HF name `hf` is present.
+    pub fn contains(&self, hf: &str) -> bool {
+        self.name_for(hf).is_some()
+    }
+
+    /// Reads the tensor with HF name `hf` (GGUF shapes are reported as `[out, in]`).
+    pub fn qtensor(&self, hf: &str, device: &Device) -> Result<QTensor> {
+        let name = self.name_for(hf).ok_or_else(|| ModelError::MissingTensor {
+            file: self.path.clone(),
+            tensor: match gguf_name(hf) {
+                Some(g) => format!("{g}` (HF `{hf}`)"),
+                None => hf.to_string(),
+            },
+        })?;
+        let mut file = self.file.lock().unwrap_or_else(|e| e.into_inner());
+        self.content
+            .tensor(&mut *file, &name, device)
+            .map_err(|e| ModelError::Checkpoint {
+                file: self.path.clone(),
+                message: format!("tensor `{name}`: {e}"),
+            })
+    }
+}
+
+/// A typed view of GGUF metadata with errors naming the key.
+struct Meta<'a> {
+    file: &'a GgufFile,
+    arch: String,
+}
+
+impl Meta<'_> {
+    fn value(&self, key: &str) -> Option<&Value> {
+        self.file.metadata().get(&format!("{}.{key}", self.arch))
+    }
+
+    fn err(&self, key: &str, what: &str) -> ModelError {
+        ModelError::config(
+            &self.file.path,
+            format!("metadata `{}.{key}` {what}", self.arch),
+        )
+    }
+
+    fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+        match self.value(key) {
+            None => Ok(None),
+            Some(v) => v
+                .to_u64()
+                .map(|n| Some(n as usize))
+                .map_err(|_| self.err(key, "must be an integer")),
+        }
+    }
+
+    fn usize(&self, key: &str) -> Result<usize> {
+        self.opt_usize(key)?
+            .ok_or_else(|| self.err(key, "is missing"))
+    }
+
+    fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
+        match self.value(key) {
+            None => Ok(None),
+            Some(v) => v
+                .to_f64()
+                .map(Some)
+                .map_err(|_| self.err(key, "must be a number")),
+        }
+    }
+}
+
+/// Maps GGUF metadata to a [`ModelConfig`] (llama.cpp's keys, `{arch}.block_count` etc.).
+pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
+    let md = file.metadata();
+    let arch = match md.get("general.architecture").map(|v| v.to_string()) {
+        Some(Ok(a)) => a.clone(),
+        _ => {
+            return Err(ModelError::config(
+                &file.path,
+                "metadata `general.architecture` is missing",
+            ));
+        }
+    };
+    let meta = Meta {
+        file,
+        arch: arch.clone(),
+    };
+    let hidden_size = meta.usize("embedding_length")?;
+    let heads = meta.usize("attention.head_count")?;
+    let vocab_size = match md.get("tokenizer.ggml.tokens").map(|v| v.to_vec()) {
+        Some(Ok(tokens)) => tokens.len(),
+        _ => meta.usize("vocab_size")?,
+    };
+    let token_id = |key: &str| md.get(key).and_then(|v| v.to_u32().ok());
+    let rope_scaling = match md
+        .get(&format!("{arch}.rope.scaling.type"))
+        .map(|v| v.to_string())
+    {
+        Some(Ok(kind)) if kind == "linear" => RopeScaling::Linear {
+            factor: meta
+                .opt_f64("rope.scaling.factor")?
+                .ok_or_else(|| meta.err("rope.scaling.factor", "is missing"))?,
+        },
+        Some(Ok(kind)) if kind != "none" => {
+            return Err(meta.err("rope.scaling.type", &format!("`{kind}` is not supported")));
+        }
+        _ => RopeScaling::None,
+    };
+    if file.content.tensor_infos.contains_key("rope_freqs.weight") {
+        return Err(ModelError::config(
+            &file.path,
+            "per-frequency RoPE factors (`rope_freqs.weight`) are not supported yet",
+        ));
+    }
+    let config = ModelConfig {
+        model_type: arch.clone(),
+        vocab_size,
+        hidden_size,
+        intermediate_size: meta.usize("feed_forward_length")?,
+        num_hidden_layers: meta.usize("block_count")?,
+        num_attention_heads: heads,
+        num_key_value_heads: meta.opt_usize("attention.head_count_kv")?.unwrap_or(heads),
+        head_dim: meta
+            .opt_usize("attention.key_length")?
+            .unwrap_or(hidden_size / heads),
+        rms_norm_eps: meta
+            .opt_f64("attention.layer_norm_rms_epsilon")?
+            .unwrap_or(1e-5),
+        rope_theta: meta.opt_f64("rope.freq_base")?.unwrap_or(10_000.0),
+        rope_scaling,
+        // llama.cpp's converter permutes llama q/k weights for GPT-J-style rotation.
+        rope_style: if arch == "llama" {
+            RopeStyle::Interleaved
+        } else {
+            RopeStyle::Half
+        },
+        max_position_embeddings: meta.opt_usize("context_length")?.unwrap_or(4096),
+        tie_word_embeddings: !file.content.tensor_infos.contains_key("output.weight"),
+        sliding_window: meta.opt_usize("attention.sliding_window")?,
+        attention_bias: file.content.tensor_infos.contains_key("blk.0.attn_q.bias"),
+        qk_norm: file
+            .content
+            .tensor_infos
+            .contains_key("blk.0.attn_q_norm.weight"),
+        bos_token_id: token_id("tokenizer.ggml.bos_token_id"),
+        eos_token_ids: token_id("tokenizer.ggml.eos_token_id")
+            .into_iter()
+            .collect(),
+    };
+    config.validate(&file.path)?;
+    Ok(config)
+}

@@ -1,0 +1,133 @@
+//! Checkpoint formats mapped onto HF tensor names: architecture code asks for
+//! `model.layers.0.self_attn.q_proj` and never learns which format it came from.
+
+mod gguf;
+mod safetensors;
+
+pub use gguf::{GgufFile, config_from_gguf};
+pub use safetensors::SafetensorsFiles;
+
+use std::path::Path;
+
+use peregrine_tensor::{DType, Device, Embedding, QLinear, Tensor};
+
+use crate::{ModelError, Result};
+
+/// Where the tensors come from.
+pub enum Source {
+    /// One or more safetensors files (sharded checkpoints).
+    Safetensors(SafetensorsFiles),
+    /// A GGUF file.
+    Gguf(GgufFile),
+}
+
+/// A checkpoint's tensors, looked up by HF name and placed on one device.
+pub struct Weights {
+    source: Source,
+    device: Device,
+    dtype: DType,
+}
+
+impl Weights {
+    /// Wraps a source; dense tensors are converted to `dtype` on `device`.
+    pub fn new(source: Source, device: Device, dtype: DType) -> Self {
+        Self {
+            source,
+            device,
+            dtype,
+        }
+    }
+
+    /// The checkpoint's path, for error messages.
+    pub fn path(&self) -> &Path {
+        match &self.source {
+            Source::Safetensors(s) => s.path(),
+            Source::Gguf(g) => g.path(),
+        }
+    }
+
+    /// The compute dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The device tensors are placed on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Whether the checkpoint holds `name` (HF naming).
+    pub fn contains(&self, name: &str) -> bool {
+        match &self.source {
+            Source::Safetensors(s) => s.contains(name),
+            Source::Gguf(g) => g.contains(name),
+        }
+    }
+
+    fn check_shape(&self, name: &str, got: &[usize], expected: &[usize]) -> Result<()> {
+        if got == expected {
+            return Ok(());
+        }
+        Err(ModelError::Shape {
+            file: self.path().to_path_buf(),
+            tensor: name.to_string(),
+            expected: expected.to_vec(),
+            got: got.to_vec(),
+        })
+    }
+
+    /// A dense tensor of the given shape in the compute dtype.
+    pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let t = match &self.source {
+            Source::Safetensors(s) => s.load(name, &self.device)?,
+            Source::Gguf(g) => g.qtensor(name, &self.device)?.dequantize(&self.device)?,
+        };
+        self.check_shape(name, t.dims(), shape)?;
+        Ok(t.to_dtype(self.dtype)?)
+    }
+
+    /// The linear layer `{prefix}.weight` `[out, in]` (and `{prefix}.bias` `[out]` when `bias`).
+    pub fn linear(
+        &self,
+        prefix: &str,
+        out_dim: usize,
+        in_dim: usize,
+        bias: bool,
+    ) -> Result<QLinear> {
+        let w_name = format!("{prefix}.weight");
+        let b = match bias {
+            true => Some(self.tensor(&format!("{prefix}.bias"), &[out_dim])?),
+            false => None,
+        };
+        match &self.source {
+            Source::Safetensors(_) => Ok(QLinear::Dense {
+                w: self.tensor(&w_name, &[out_dim, in_dim])?,
+                b,
+            }),
+            Source::Gguf(g) => {
+                let q = g.qtensor(&w_name, &self.device)?;
+                self.check_shape(&w_name, q.shape().dims(), &[out_dim, in_dim])?;
+                Ok(QLinear::from_qtensor(std::sync::Arc::new(q), b)?)
+            }
+        }
+    }
+
+    /// The embedding table `name` `[vocab, hidden]`, kept quantized when the file is.
+    pub fn embedding(&self, name: &str, vocab: usize, hidden: usize) -> Result<Embedding> {
+        match &self.source {
+            Source::Safetensors(_) => Ok(Embedding::Dense(self.tensor(name, &[vocab, hidden])?)),
+            Source::Gguf(g) => {
+                let q = g.qtensor(name, &self.device)?;
+                self.check_shape(name, q.shape().dims(), &[vocab, hidden])?;
+                Ok(Embedding::Gguf(std::sync::Arc::new(q)))
+            }
+        }
+    }
+}
+
+impl Weights {
+    /// Gives back the source (e.g. to keep a GGUF file's metadata after loading).
+    pub fn into_source(self) -> Source {
+        self.source
+    }
+}

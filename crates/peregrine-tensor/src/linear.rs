@@ -1,0 +1,122 @@
+//! Linear layers and embeddings over every weight format Peregrine loads.
+
+use std::sync::Arc;
+
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{D, Module, Result, Tensor};
+
+/// A linear layer `y = x Wᵀ + b`; the only place where weight formats meet matmul.
+/// Adding a format adds a variant here and a mapping in the loader, nothing in model code.
+#[derive(Debug, Clone)]
+pub enum QLinear {
+    /// A plain weight `[out, in]` in the compute dtype.
+    Dense {
+        /// Weight, `[out, in]`.
+        w: Tensor,
+        /// Optional bias, `[out]`.
+        b: Option<Tensor>,
+    },
+    /// A GGUF block-quantized weight, multiplied by candle's quantized kernels.
+    Gguf {
+        /// The quantized weight, logical shape `[out, in]`.
+        w: QMatMul,
+        /// Optional bias, `[out]`.
+        b: Option<Tensor>,
+    },
+}
+
+impl QLinear {
+    /// Wraps a GGUF tensor; f32/f16/bf16 GGUF tensors are dequantized once by candle.
+    pub fn from_qtensor(w: Arc<QTensor>, b: Option<Tensor>) -> Result<Self> {
+        Ok(Self::Gguf {
+            w: QMatMul::from_arc(w)?,
+            b,
+        })
+    }
+
+    /// `x: [.., in]` → `[.., out]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (y, b) = match self {
+            Self::Dense { w, b } => (dense_matmul(x, w)?, b),
+            Self::Gguf { w, b } => (w.forward(x)?, b),
+        };
+        match b {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+
+    /// Bytes the weights occupy in memory.
+    pub fn weight_bytes(&self) -> usize {
+        let bias = |b: &Option<Tensor>| b.as_ref().map_or(0, tensor_bytes);
+        match self {
+            Self::Dense { w, b } => tensor_bytes(w) + bias(b),
+            Self::Gguf { w, b } => qmatmul_bytes(w) + bias(b),
+        }
+    }
+}
+
+fn dense_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    match x.dims() {
+        [b1, b2, _, _] => x.matmul(&w.broadcast_left((*b1, *b2))?.t()?),
+        [b, _, _] => x.matmul(&w.broadcast_left(*b)?.t()?),
+        _ => x.matmul(&w.t()?),
+    }
+}
+
+/// Bytes of a dense tensor's elements.
+pub fn tensor_bytes(t: &Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
+}
+
+fn qmatmul_bytes(w: &QMatMul) -> usize {
+    match w {
+        QMatMul::QTensor(q) => q.storage_size_in_bytes(),
+        QMatMul::Tensor(t) | QMatMul::TensorF16(t) => tensor_bytes(t),
+    }
+}
+
+/// A token embedding table. Quantized tables stay quantized: only the looked-up rows are
+/// dequantized, so a 262K-row vocabulary costs its file size, not an f32 copy.
+#[derive(Debug, Clone)]
+pub enum Embedding {
+    /// Dense table `[vocab, hidden]`.
+    Dense(Tensor),
+    /// GGUF-quantized table `[vocab, hidden]`.
+    Gguf(Arc<QTensor>),
+}
+
+impl Embedding {
+    /// `ids: [..]` (u32) → `[.., hidden]` in `dtype`.
+    pub fn forward(&self, ids: &Tensor, dtype: candle_core::DType) -> Result<Tensor> {
+        match self {
+            Self::Dense(w) => {
+                let mut dims = ids.dims().to_vec();
+                dims.push(w.dim(D::Minus1)?);
+                w.index_select(&ids.flatten_all()?, 0)?
+                    .reshape(dims)?
+                    .to_dtype(dtype)
+            }
+            Self::Gguf(q) => q.embedding(ids)?.to_dtype(dtype),
+        }
+    }
+
+    /// The same table as an output projection (tied embeddings).
+    pub fn as_linear(&self) -> Result<QLinear> {
+        match self {
+            Self::Dense(w) => Ok(QLinear::Dense {
+                w: w.clone(),
+                b: None,
+            }),
+            Self::Gguf(q) => QLinear::from_qtensor(q.clone(), None),
+        }
+    }
+
+    /// Bytes the table occupies in memory.
+    pub fn weight_bytes(&self) -> usize {
+        match self {
+            Self::Dense(w) => tensor_bytes(w),
+            Self::Gguf(q) => q.storage_size_in_bytes(),
+        }
+    }
+}
