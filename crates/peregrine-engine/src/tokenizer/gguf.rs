@@ -1,0 +1,450 @@
+//! Reading `tokenizer.ggml.*` metadata and deciding special tokens the way llama.cpp's
+//! `llama_vocab::impl::load` does, then handing off to the `gpt2` or `llama` builder.
+
+use std::collections::HashMap;
+
+use peregrine_tensor::candle::quantized::gguf_file::Value;
+use tokenizers::AddedToken;
+
+use super::{SpecialTokens, Tokenizer, TokenizerError, gguf_bpe, gguf_spm};
+
+pub(super) const KEY_MODEL: &str = "tokenizer.ggml.model";
+const KEY_TOKENS: &str = "tokenizer.ggml.tokens";
+const KEY_TYPES: &str = "tokenizer.ggml.token_type";
+const KEY_SCORES: &str = "tokenizer.ggml.scores";
+const KEY_BOS: &str = "tokenizer.ggml.bos_token_id";
+const KEY_EOS: &str = "tokenizer.ggml.eos_token_id";
+const KEY_EOT: &str = "tokenizer.ggml.eot_token_id";
+const KEY_EOM: &str = "tokenizer.ggml.eom_token_id";
+const KEY_ADD_BOS: &str = "tokenizer.ggml.add_bos_token";
+const KEY_ADD_EOS: &str = "tokenizer.ggml.add_eos_token";
+const KEY_CHAT_TEMPLATE: &str = "tokenizer.chat_template";
+
+/// llama.cpp token attributes (`llama_token_attr`), derived from `tokenizer.ggml.token_type`.
+pub(super) mod attr {
+    pub const UNKNOWN: u32 = 1 << 0;
+    pub const NORMAL: u32 = 1 << 2;
+    pub const CONTROL: u32 = 1 << 3;
+    pub const USER_DEFINED: u32 = 1 << 4;
+    pub const BYTE: u32 = 1 << 5;
+
+    /// The attribute of a stored `token_type` (1 normal, 2 unknown, 3 control, 4 user-defined,
+    /// 5 unused, 6 byte); unused and undefined tokens get no attribute llama.cpp acts on.
+    pub fn from_type(t: i64) -> u32 {
+        match t {
+            1 => NORMAL,
+            2 => UNKNOWN,
+            3 => CONTROL,
+            4 => USER_DEFINED,
+            6 => BYTE,
+            _ => 0,
+        }
+    }
+}
+
+/// Token texts that llama.cpp takes as end-of-turn when `eot_token_id` is absent.
+const EOT_TEXTS: &[&str] = &[
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "<end_of_utterance>",
+];
+
+/// Token texts that llama.cpp adds to the end-of-generation set whatever the metadata says.
+const EOG_TEXTS: &[&str] = &[
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|flush|>",
+    "<|calls|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "[EOS]",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<eos>",
+    "<turn|>",
+    "<|tool_response>",
+];
+
+/// Fill-in-the-middle tokens: (metadata keys, texts llama.cpp detects, ends generation).
+const FIM: &[(&[&str], &[&str], bool)] = &[
+    (
+        &[
+            "tokenizer.ggml.fim_pre_token_id",
+            "tokenizer.ggml.prefix_token_id",
+        ],
+        &[
+            "<|fim_prefix|>",
+            "<fim-prefix>",
+            "<fim_prefix>",
+            "<PRE>",
+            "<|code_prefix|>",
+            "<|prefix|>",
+        ],
+        false,
+    ),
+    (
+        &[
+            "tokenizer.ggml.fim_suf_token_id",
+            "tokenizer.ggml.suffix_token_id",
+        ],
+        &[
+            "<|fim_suffix|>",
+            "<fim-suffix>",
+            "<fim_suffix>",
+            "<SUF>",
+            "<|code_suffix|>",
+            "<|suffix|>",
+        ],
+        false,
+    ),
+    (
+        &[
+            "tokenizer.ggml.fim_mid_token_id",
+            "tokenizer.ggml.middle_token_id",
+        ],
+        &[
+            "<|fim_middle|>",
+            "<fim-middle>",
+            "<fim_middle>",
+            "<MID>",
+            "<|code_middle|>",
+            "<|middle|>",
+        ],
+        false,
+    ),
+    (
+        &["tokenizer.ggml.fim_pad_token_id"],
+        &["<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"],
+        true,
+    ),
+    (
+        &["tokenizer.ggml.fim_rep_token_id"],
+        &[
+            "<|fim_repo|>",
+            "<|repo_name|>",
+            "<fim-repo>",
+            "<REPO>",
+            "<reponame>",
+        ],
+        true,
+    ),
+    (
+        &["tokenizer.ggml.fim_sep_token_id"],
+        &["<|file_sep|>"],
+        true,
+    ),
+];
+
+/// The vocabulary as stored in GGUF, with token types already adjusted as llama.cpp adjusts them.
+pub(super) struct GgufVocab {
+    /// Token texts; empty ones renamed `[EMPTY_i]` as llama.cpp does.
+    pub tokens: Vec<String>,
+    /// llama.cpp attributes per token ([`attr`]), from `token_type` (all normal when absent).
+    pub attrs: Vec<u32>,
+    /// `scores` per token, if stored.
+    pub scores: Option<Vec<f32>>,
+}
+
+impl GgufVocab {
+    /// The tokens llama.cpp splits out of the text before tokenizing (control, user-defined and
+    /// unknown), as `tokenizers` added tokens; control and unknown ones are dropped by `skip_special`.
+    pub fn added_tokens(&self) -> Vec<AddedToken> {
+        let special = attr::CONTROL | attr::UNKNOWN;
+        self.tokens
+            .iter()
+            .zip(&self.attrs)
+            .filter(|&(_, &a)| a & (special | attr::USER_DEFINED) != 0)
+            .map(|(text, &a)| AddedToken::from(text.clone(), a & special != 0).normalized(false))
+            .collect()
+    }
+
+    fn find(&self, texts: &[&str]) -> Option<u32> {
+        self.tokens
+            .iter()
+            .position(|t| texts.contains(&t.as_str()))
+            .map(|i| i as u32)
+    }
+}
+
+/// Builds the tokenizer for `tokenizer.ggml.model` (`gpt2` or `llama`).
+pub(super) fn load(md: &HashMap<String, Value>) -> Result<Tokenizer, TokenizerError> {
+    let model = string(md, KEY_MODEL)?.ok_or_else(|| missing(KEY_MODEL))?;
+    let mut vocab = read_vocab(md)?;
+    let n = vocab.tokens.len() as u32;
+    // llama.cpp's defaults: SentencePiece models put BOS at 1 and EOS at 2 and add BOS.
+    let (mut bos, mut eos, mut add_bos) = match model {
+        "llama" => (Some(1), Some(2), true),
+        "gpt2" => (None, None, gguf_bpe::adds_bos_by_default(md)?),
+        other => {
+            return Err(TokenizerError::Metadata {
+                key: KEY_MODEL.into(),
+                message: format!("unsupported tokenizer `{other}` (supported: gpt2, llama)"),
+            });
+        }
+    };
+    bos = token_id(md, KEY_BOS, n)?.or(bos);
+    eos = token_id(md, KEY_EOS, n)?.or(eos);
+    add_bos = boolean(md, KEY_ADD_BOS)?.unwrap_or(add_bos);
+    let add_eos = boolean(md, KEY_ADD_EOS)?.unwrap_or(false);
+    let eos_ids = end_of_generation(md, &mut vocab, eos)?;
+    let specials = SpecialTokens {
+        bos_id: bos,
+        eos_ids,
+        add_bos,
+        add_eos,
+        chat_template: string(md, KEY_CHAT_TEMPLATE)?.map(str::to_owned),
+    };
+    let inner = match model {
+        "gpt2" => gguf_bpe::build(md, &vocab)?,
+        _ => gguf_spm::build(md, &vocab, unk_id(md, n)?)?,
+    };
+    Ok(specials.build(inner))
+}
+
+/// The unknown-token id for SentencePiece vocabularies (llama.cpp default 0).
+fn unk_id(md: &HashMap<String, Value>, n: u32) -> Result<Option<u32>, TokenizerError> {
+    Ok(token_id(md, "tokenizer.ggml.unknown_token_id", n)?.or(Some(0).filter(|_| n > 0)))
+}
+
+/// The end-of-generation ids (EOS first), marking text-detected ones as control tokens so that
+/// they are parsed out of text, as llama.cpp does.
+fn end_of_generation(
+    md: &HashMap<String, Value>,
+    vocab: &mut GgufVocab,
+    eos: Option<u32>,
+) -> Result<Vec<u32>, TokenizerError> {
+    let n = vocab.tokens.len() as u32;
+    let mut forced = Vec::new();
+    let mut eog = Vec::new();
+    let eot = match token_id(md, KEY_EOT, n)? {
+        Some(id) => Some(id),
+        None => vocab.find(EOT_TEXTS).inspect(|&id| forced.push(id)),
+    };
+    let eom = match token_id(md, KEY_EOM, n)? {
+        Some(id) => Some(id),
+        None => vocab.find(&["<|eom_id|>"]).inspect(|&id| forced.push(id)),
+    };
+    for (keys, texts, ends) in FIM {
+        let mut id = None;
+        for key in *keys {
+            id = id.or(token_id(md, key, n)?);
+        }
+        if id.is_none() {
+            id = vocab.find(texts).inspect(|&id| forced.push(id));
+        }
+        if *ends {
+            eog.extend(id);
+        }
+    }
+    for (i, text) in vocab.tokens.iter().enumerate() {
+        if EOG_TEXTS.contains(&text.as_str()) {
+            forced.push(i as u32);
+            eog.push(i as u32);
+        }
+    }
+    for id in forced {
+        vocab.attrs[id as usize] |= attr::CONTROL;
+    }
+    // gpt-oss: llama.cpp always renders these, i.e. makes them user-defined.
+    for (text, a) in vocab.tokens.iter().zip(vocab.attrs.iter_mut()) {
+        if matches!(
+            text.as_str(),
+            "<|channel|>" | "<|message|>" | "<|start|>" | "<|constrain|>"
+        ) {
+            *a = attr::USER_DEFINED;
+        }
+    }
+    eog.extend(eot);
+    eog.extend(eom);
+    let has = |eog: &[u32], s: &str| eog.iter().any(|&id| vocab.tokens[id as usize] == s);
+    // o200k_harmony and solar-open: `<|end|>` ends a message, not generation.
+    let call = has(&eog, "<|call|>") || has(&eog, "<|calls|>");
+    if call && (has(&eog, "<|return|>") || has(&eog, "<|flush|>")) {
+        if let Some(end) = eog
+            .iter()
+            .copied()
+            .find(|&id| vocab.tokens[id as usize] == "<|end|>")
+        {
+            eog.retain(|&id| id != end);
+            vocab.attrs[end as usize] = attr::USER_DEFINED;
+        }
+    }
+    // gemma4 and paddleocr: `</s>` is text when `<|tool_response>` exists.
+    if has(&eog, "<|tool_response>") {
+        if let Some(s) = eog
+            .iter()
+            .copied()
+            .find(|&id| vocab.tokens[id as usize] == "</s>")
+        {
+            eog.retain(|&id| id != s);
+            vocab.attrs[s as usize] = attr::NORMAL;
+        }
+    }
+    eog.sort_unstable();
+    let mut ids: Vec<u32> = eos.into_iter().collect();
+    ids.extend(eog);
+    Ok(ids)
+}
+
+fn read_vocab(md: &HashMap<String, Value>) -> Result<GgufVocab, TokenizerError> {
+    let tokens: Vec<String> = array(md, KEY_TOKENS)?
+        .ok_or_else(|| missing(KEY_TOKENS))?
+        .iter()
+        .enumerate()
+        .map(|(i, v)| match v {
+            Value::String(s) if s.is_empty() => Ok(format!("[EMPTY_{i}]")),
+            Value::String(s) => Ok(s.clone()),
+            other => Err(bad(
+                KEY_TOKENS,
+                format!("entry {i} is {:?}, not a string", other.value_type()),
+            )),
+        })
+        .collect::<Result<_, _>>()?;
+    let n = tokens.len();
+    let attrs = match array(md, KEY_TYPES)? {
+        None => vec![attr::NORMAL; n],
+        Some(values) => values
+            .iter()
+            .map(|v| {
+                integer(v)
+                    .map(attr::from_type)
+                    .ok_or_else(|| bad(KEY_TYPES, "non-integer entry"))
+            })
+            .collect::<Result<Vec<_>, _>>()?,
+    };
+    let scores = match array(md, KEY_SCORES)? {
+        None => None,
+        Some(values) => Some(
+            values
+                .iter()
+                .map(|v| match v {
+                    Value::F32(x) => Ok(*x),
+                    Value::F64(x) => Ok(*x as f32),
+                    _ => Err(bad(KEY_SCORES, "non-float entry")),
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+        ),
+    };
+    if attrs.len() != n || scores.as_ref().is_some_and(|s| s.len() != n) {
+        return Err(bad(
+            KEY_TYPES,
+            format!("token_type/scores length differs from {n} tokens"),
+        ));
+    }
+    Ok(GgufVocab {
+        tokens,
+        attrs,
+        scores,
+    })
+}
+
+/// Wraps an error from `tokenizers` while building the `model` tokenizer.
+pub(super) fn build_error(model: &str) -> impl Fn(tokenizers::Error) -> TokenizerError + '_ {
+    move |e| TokenizerError::Build {
+        model: model.to_owned(),
+        message: e.to_string(),
+    }
+}
+
+pub(super) fn missing(key: &str) -> TokenizerError {
+    TokenizerError::MissingKey { key: key.into() }
+}
+
+pub(super) fn bad(key: &str, message: impl Into<String>) -> TokenizerError {
+    TokenizerError::Metadata {
+        key: key.into(),
+        message: message.into(),
+    }
+}
+
+fn integer(v: &Value) -> Option<i64> {
+    Some(match *v {
+        Value::U8(x) => x.into(),
+        Value::I8(x) => x.into(),
+        Value::U16(x) => x.into(),
+        Value::I16(x) => x.into(),
+        Value::U32(x) => x.into(),
+        Value::I32(x) => x.into(),
+        Value::U64(x) => i64::try_from(x).ok()?,
+        Value::I64(x) => x,
+        _ => return None,
+    })
+}
+
+pub(super) fn string<'a>(
+    md: &'a HashMap<String, Value>,
+    key: &str,
+) -> Result<Option<&'a str>, TokenizerError> {
+    match md.get(key) {
+        None => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(v) => Err(bad(
+            key,
+            format!("expected a string, found {:?}", v.value_type()),
+        )),
+    }
+}
+
+pub(super) fn array<'a>(
+    md: &'a HashMap<String, Value>,
+    key: &str,
+) -> Result<Option<&'a [Value]>, TokenizerError> {
+    match md.get(key) {
+        None => Ok(None),
+        Some(Value::Array(a)) => Ok(Some(a)),
+        Some(v) => Err(bad(
+            key,
+            format!("expected an array, found {:?}", v.value_type()),
+        )),
+    }
+}
+
+pub(super) fn boolean(
+    md: &HashMap<String, Value>,
+    key: &str,
+) -> Result<Option<bool>, TokenizerError> {
+    match md.get(key) {
+        None => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(v) => Err(bad(
+            key,
+            format!("expected a bool, found {:?}", v.value_type()),
+        )),
+    }
+}
+
+/// A token id; ids outside the vocabulary are ignored, as llama.cpp ignores them (with a warning).
+fn token_id(md: &HashMap<String, Value>, key: &str, n: u32) -> Result<Option<u32>, TokenizerError> {
+    let Some(v) = md.get(key) else {
+        return Ok(None);
+    };
+    let id = integer(v).ok_or_else(|| {
+        bad(
+            key,
+            format!("expected an integer, found {:?}", v.value_type()),
+        )
+    })?;
+    if (0..i64::from(n)).contains(&id) {
+        Ok(Some(id as u32))
+    } else {
+        tracing::warn!(
+            "GGUF metadata `{key}` = {id} is outside the vocabulary of {n} tokens; ignored"
+        );
+        Ok(None)
+    }
+}
