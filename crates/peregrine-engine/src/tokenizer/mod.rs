@@ -13,6 +13,7 @@
 
 mod gguf;
 mod gguf_bpe;
+mod gguf_special;
 mod gguf_spm;
 mod hf_dir;
 #[cfg(test)]
