@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Record reference token ids for Peregrine's tokenizer parity tests (crates/peregrine-engine/tests/tokenizer.rs).
 
-Writes tests/data/tokenizer/*.json, each with the strings below (plus seeded random strings) and:
+Writes tests/data/tokenizer/*.json, each with the strings below (plus 450 seeded random strings) and:
   - smollm2_llamacpp.json, gemma3_llamacpp.json: llama.cpp's ids (llama-cpp-python, vocab_only,
     parse_special=True) without and with add_special, llama.cpp's own detokenization
     (llama_detokenize, remove_special=False, unparse_special=True), and its end-of-generation ids;
@@ -103,15 +103,33 @@ RANDOM_ALPHABET = (
     "     \t\n\n.,;:!?'\"()[]{}<>-_=+*/\\|@#$%^&~`"
     "éèüößñçÅØ日本語中文한국어абвгдеαβγδ🙂🎉∑∞½²١"
 )
+# Fragments that stress special-token splitting, whitespace runs and merges across boundaries.
+PIECES = [
+    "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<start_of_turn>", "<end_of_turn>", "<unused12>",
+    "<0x41>", "\u2581", "  ", "   ", "\n\n", "\n", "\t", "<s>", "</s>", "<table>", "<bos>", "<eos>",
+    "<|im_", "end|>", "<pad>", "[multimodal]", " ", "'s", "'ll", "ing", "the", "12", "345", "日本",
+    "語", "🙂", "é", "e\u0301",
+]
 N_RANDOM = 150
 
 
 def random_strings():
+    """Seeded random strings: characters from a mixed alphabet, fragments from PIECES, and code
+    points from the BMP and beyond (no surrogates)."""
     rng = random.Random(20261129)
     out = []
     for _ in range(N_RANDOM):
-        n = rng.randint(1, 40)
-        out.append("".join(rng.choice(RANDOM_ALPHABET) for _ in range(n)))
+        out.append("".join(rng.choice(RANDOM_ALPHABET) for _ in range(rng.randint(1, 40))))
+    for _ in range(N_RANDOM):
+        out.append("".join(rng.choice(PIECES) for _ in range(rng.randint(1, 12))))
+    for _ in range(N_RANDOM):
+        cps, n = [], rng.randint(1, 30)
+        while len(cps) < n:
+            r = rng.random()
+            c = rng.randint(0x20, 0x7E) if r < 0.5 else rng.randint(0xA0, 0x2FFF) if r < 0.8 else rng.randint(0x3000, 0x1FAFF)
+            if not 0xD800 <= c <= 0xDFFF:
+                cps.append(chr(c))
+        out.append("".join(cps))
     return out
 
 
