@@ -84,6 +84,21 @@ fn gpt2_smollm_splits_digits() {
 }
 
 #[test]
+fn gpt2_pre_types_follow_llama_cpp() {
+    let mut md = gpt2_metadata("llama-bpe");
+    md.insert("tokenizer.ggml.merges".into(), strings(&["h e"]));
+    // llama-bpe: `12` is one word and a token, so ignore_merges emits it without any merge; BOS on.
+    let tok = Tokenizer::from_gguf(&md).unwrap();
+    assert_eq!(tok.encode("12", true).unwrap(), vec![260, 259]);
+    md.insert("tokenizer.ggml.pre".into(), Value::String("gpt-2".into()));
+    let tok = Tokenizer::from_gguf(&md).unwrap();
+    assert_eq!(tok.encode("12", true).unwrap(), vec![byte_id(b'1'), byte_id(b'2')]);
+    // qwen2 splits numbers into single digits even when a merge would join them.
+    let tok = Tokenizer::from_gguf(&gpt2_metadata("qwen2")).unwrap();
+    assert_eq!(tok.encode("12", false).unwrap(), vec![byte_id(b'1'), byte_id(b'2')]);
+}
+
+#[test]
 fn gpt2_special_tokens_are_parsed_and_end_generation() {
     let tok = Tokenizer::from_gguf(&gpt2_metadata("smollm")).unwrap();
     let ids = tok.encode("<|im_start|>he<|im_end|>", true).unwrap();
