@@ -92,10 +92,16 @@ fn gpt2_pre_types_follow_llama_cpp() {
     assert_eq!(tok.encode("12", true).unwrap(), vec![260, 259]);
     md.insert("tokenizer.ggml.pre".into(), Value::String("gpt-2".into()));
     let tok = Tokenizer::from_gguf(&md).unwrap();
-    assert_eq!(tok.encode("12", true).unwrap(), vec![byte_id(b'1'), byte_id(b'2')]);
+    assert_eq!(
+        tok.encode("12", true).unwrap(),
+        vec![byte_id(b'1'), byte_id(b'2')]
+    );
     // qwen2 splits numbers into single digits even when a merge would join them.
     let tok = Tokenizer::from_gguf(&gpt2_metadata("qwen2")).unwrap();
-    assert_eq!(tok.encode("12", false).unwrap(), vec![byte_id(b'1'), byte_id(b'2')]);
+    assert_eq!(
+        tok.encode("12", false).unwrap(),
+        vec![byte_id(b'1'), byte_id(b'2')]
+    );
 }
 
 #[test]
