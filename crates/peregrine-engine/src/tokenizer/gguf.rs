@@ -130,10 +130,16 @@ fn read_vocab(md: &HashMap<String, Value>) -> Result<GgufVocab, TokenizerError> 
                 .collect::<Result<Vec<_>, _>>()?,
         ),
     };
-    if attrs.len() != n || scores.as_ref().is_some_and(|s| s.len() != n) {
+    if attrs.len() != n {
         return Err(bad(
             KEY_TYPES,
-            format!("token_type/scores length differs from {n} tokens"),
+            format!("{} entries for {n} tokens", attrs.len()),
+        ));
+    }
+    if let Some(s) = scores.as_ref().filter(|s| s.len() != n) {
+        return Err(bad(
+            KEY_SCORES,
+            format!("{} entries for {n} tokens", s.len()),
         ));
     }
     Ok(GgufVocab {
