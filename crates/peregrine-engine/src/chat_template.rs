@@ -6,7 +6,6 @@
 //! (`.strip()`, `.split()`, `.startswith()`). This module rebuilds that environment so a template
 //! renders byte-for-byte as `tokenizer.apply_chat_template(..., tokenize=False)` would.
 
-use std::fmt;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use minijinja::value::{Kwargs, Serde, Value, ValueKind};
@@ -61,16 +60,9 @@ pub enum TemplateError {
 }
 
 /// Carries `raise_exception`'s message through minijinja's error chain.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
 struct Raised(String);
-
-impl fmt::Display for Raised {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for Raised {}
 
 /// A compiled chat template with the special tokens it may reference.
 #[derive(Debug)]
@@ -201,15 +193,16 @@ fn strip_generation_tags(source: &str) -> String {
     let mut out = String::with_capacity(source.len());
     let mut rest = source;
     while let Some(open) = rest.find("{%") {
-        let Some(close) = rest[open..].find("%}") else {
+        let Some(len) = rest[open + 2..].find("%}") else {
             break;
         };
-        let inner = rest[open + 2..open + close].trim_matches(['-', '+', ' ', '\t', '\n']);
+        let end = open + 2 + len + 2;
+        let inner = rest[open + 2..end - 2].trim_matches(['-', '+', ' ', '\t', '\n']);
         out.push_str(&rest[..open]);
         if inner != "generation" && inner != "endgeneration" {
-            out.push_str(&rest[open..open + close + 2]);
+            out.push_str(&rest[open..end]);
         }
-        rest = &rest[open + close + 2..];
+        rest = &rest[end..];
     }
     out.push_str(rest);
     out
@@ -382,6 +375,8 @@ const MONTHS: [&str; 12] = [
     "October", "November", "December",
 ];
 #[rustfmt::skip]
+const DAYS_BEFORE_MONTH: [i64; 12] = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
+#[rustfmt::skip]
 const WEEKDAYS: [&str; 7] = [
     "Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday",
 ];
@@ -396,7 +391,8 @@ pub fn strftime_utc(format: &str, unix_secs: i64) -> String {
     let (h, m, s) = (secs / 3600, secs / 60 % 60, secs % 60);
     // 1970-01-01 was a Thursday (index 3 from Monday).
     let weekday = (days + 3).rem_euclid(7) as usize;
-    let yday = days - days_from_civil(year, 1, 1) + 1;
+    let leap = year % 4 == 0 && (year % 100 != 0 || year % 400 == 0);
+    let yday = DAYS_BEFORE_MONTH[(month - 1) as usize] + day + i64::from(leap && month > 2);
     let mut out = String::new();
     let mut chars = format.chars();
     while let Some(c) = chars.next() {
@@ -447,15 +443,4 @@ fn civil_from_days(z: i64) -> (i64, i64, i64) {
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
     (year, month, day)
-}
-
-/// Days since 1970-01-01 of a civil date (inverse of [`civil_from_days`]).
-fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
-    let y = if month <= 2 { year - 1 } else { year };
-    let era = y.div_euclid(400);
-    let yoe = y.rem_euclid(400);
-    let mp = (month + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + day - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
 }

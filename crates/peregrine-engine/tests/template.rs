@@ -376,6 +376,10 @@ fn python_string_methods_and_generation_tags() {
 #[test]
 fn errors_are_reported_not_panicked() {
     assert!(matches!(
+        ChatTemplate::new("{%}", None, None),
+        Err(TemplateError::Syntax(_))
+    ));
+    assert!(matches!(
         ChatTemplate::new("{% for %}", None, None),
         Err(TemplateError::Syntax(_))
     ));

@@ -1,5 +1,7 @@
 //! Log-probabilities of the chosen token and the most likely alternatives (OpenAI `logprobs`).
 
+use crate::sampler::{Cand, top_k_into};
+
 /// The log-probability of one sampled token and the `top_n` most likely tokens at its position.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenLogprob {
@@ -20,10 +22,12 @@ pub fn logsumexp(logits: &[f32]) -> f64 {
     if !max.is_finite() {
         return max;
     }
+    let max32 = max as f32;
+    // f32 exp (fast) summed in f64 (no loss over a 262K vocabulary).
     let sum: f64 = logits
         .iter()
         .filter(|l| !l.is_nan())
-        .map(|&l| (l as f64 - max).exp())
+        .map(|&l| (l - max32).exp() as f64)
         .sum();
     max + sum.ln()
 }
@@ -48,24 +52,15 @@ pub fn token_logprobs(logits: &[f32], chosen: u32, top_n: usize) -> TokenLogprob
         .map_or(f32::NEG_INFINITY, |&l| logprob(l, lse));
     let mut top = Vec::new();
     if top_n > 0 {
-        let desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        top.extend(
-            logits
-                .iter()
-                .enumerate()
-                .filter(|(_, l)| !l.is_nan())
-                .map(|(i, &l)| (i as u32, l)),
-        );
-        if top_n < top.len() {
-            // Linear-time selection; only the survivors get sorted.
-            top.select_nth_unstable_by(top_n - 1, desc);
-            top.truncate(top_n);
-        }
-        top.sort_unstable_by(desc);
-        for t in &mut top {
-            t.1 = logprob(t.1, lse);
-        }
+        let items = logits
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| !l.is_nan())
+            .map(|(i, &l)| Cand(i as u32, l));
+        top_k_into(items, top_n, &mut top);
+        top.sort_unstable_by(Cand::desc);
     }
+    let top = top.into_iter().map(|c| (c.0, logprob(c.1, lse))).collect();
     TokenLogprob {
         id: chosen,
         logprob: lp,

@@ -13,14 +13,40 @@ const NUCLEUS_FIRST_GUESS: usize = 64;
 /// Growth factor of the nucleus guess when the mass falls short.
 const NUCLEUS_GROWTH: usize = 8;
 
-/// A candidate token: id and its temperature-scaled logit relative to the maximum (so `<= 0`).
+/// A candidate token: id and a score that orders tokens by likelihood (a temperature-scaled logit
+/// relative to the maximum, later its weight `exp(score)`).
 #[derive(Debug, Clone, Copy)]
-struct Cand(u32, f32);
+pub(crate) struct Cand(pub u32, pub f32);
 
 impl Cand {
     /// Most likely first; ties by lower id, so every ordering is deterministic.
-    fn desc(a: &Cand, b: &Cand) -> Ordering {
+    pub(crate) fn desc(a: &Cand, b: &Cand) -> Ordering {
         b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+    }
+}
+
+/// Replaces `out` with the `k` most likely of `items` (in no particular order), in linear time
+/// and without sorting; `k == 0` or `k >= len` keeps everything.
+pub(crate) fn top_k_into(items: impl Iterator<Item = Cand>, k: usize, out: &mut Vec<Cand>) {
+    out.clear();
+    if k > 0 && k <= HEAP_TOP_K_MAX {
+        // A bounded min-heap: one pass, and most tokens lose a single comparison.
+        let mut heap = BinaryHeap::with_capacity(k + 1);
+        for c in items {
+            if heap.len() < k {
+                heap.push(Reverse(c));
+            } else if heap.peek().is_some_and(|Reverse(min)| c > *min) {
+                heap.pop();
+                heap.push(Reverse(c));
+            }
+        }
+        out.extend(heap.into_iter().map(|Reverse(c)| c));
+    } else {
+        out.extend(items);
+        if k > 0 && k < out.len() {
+            out.select_nth_unstable_by(k - 1, Cand::desc);
+            out.truncate(k);
+        }
     }
 }
 
@@ -168,39 +194,25 @@ impl Sampler {
             .enumerate()
             .filter(|(_, l)| **l > f32::NEG_INFINITY)
             .map(|(i, &l)| Cand(i as u32, (l - max) * inv_t));
-        let k = self.params.top_k;
-        self.cand.clear();
-        if k > 0 && k <= HEAP_TOP_K_MAX && k < logits.len() {
-            // A bounded min-heap: one pass, and most tokens lose a single comparison.
-            let mut heap = BinaryHeap::with_capacity(k + 1);
-            for c in scaled {
-                if heap.len() < k {
-                    heap.push(Reverse(c));
-                } else if heap.peek().is_some_and(|Reverse(min)| c > *min) {
-                    heap.pop();
-                    heap.push(Reverse(c));
-                }
-            }
-            self.cand.extend(heap.into_iter().map(|Reverse(c)| c));
-        } else {
-            self.cand.extend(scaled);
-            if k > 0 && k < self.cand.len() {
-                self.cand.select_nth_unstable_by(k - 1, Cand::desc);
-                self.cand.truncate(k);
-            }
+        top_k_into(scaled, self.params.top_k, &mut self.cand);
+        // From here on scores are weights exp(score): one exp per candidate, the top one is 1.
+        let mut total = 0.0f64;
+        for c in &mut self.cand {
+            c.1 = c.1.exp();
+            total += c.1 as f64;
         }
         if self.params.top_p < 1.0 {
-            nucleus(&mut self.cand, self.params.top_p);
+            total = nucleus(&mut self.cand, total, self.params.top_p);
         }
         if self.params.min_p > 0.0 {
-            // Relative to the top token (scaled logit 0), so the threshold is a fixed log-prob.
-            let threshold = self.params.min_p.ln();
-            self.cand.retain(|c| c.1 >= threshold);
+            // Relative to the top token's weight of 1, so min_p itself is the threshold.
+            let min_p = self.params.min_p;
+            self.cand.retain(|c| c.1 >= min_p);
+            total = self.cand.iter().map(|c| c.1 as f64).sum();
         }
-        let total: f64 = self.cand.iter().map(|c| c.1.exp() as f64).sum();
         let mut u = self.rng.next_f64() * total;
         for c in &self.cand {
-            u -= c.1.exp() as f64;
+            u -= c.1 as f64;
             if u < 0.0 {
                 return c.0;
             }
@@ -210,11 +222,11 @@ impl Sampler {
     }
 }
 
-/// Keeps the smallest most-likely prefix whose mass reaches `top_p` of the total (HF semantics:
-/// the token that crosses the threshold stays), without sorting the whole vocabulary.
-fn nucleus(cand: &mut Vec<Cand>, top_p: f32) {
+/// Keeps the smallest most-likely prefix of weighted candidates whose mass reaches `top_p` of
+/// `total` (HF semantics: the token that crosses the threshold stays), without sorting the whole
+/// vocabulary. Returns the kept mass.
+fn nucleus(cand: &mut Vec<Cand>, total: f64, top_p: f32) -> f64 {
     let len = cand.len();
-    let total: f64 = cand.iter().map(|c| c.1.exp() as f64).sum();
     let target = top_p as f64 * total;
     let mut m = len.min(NUCLEUS_FIRST_GUESS);
     loop {
@@ -224,14 +236,14 @@ fn nucleus(cand: &mut Vec<Cand>, top_p: f32) {
         cand[..m].sort_unstable_by(Cand::desc);
         let mut cum = 0.0;
         for i in 0..m {
-            cum += cand[i].1.exp() as f64;
+            cum += cand[i].1 as f64;
             if cum >= target {
                 cand.truncate(i + 1);
-                return;
+                return cum;
             }
         }
         if m == len {
-            return;
+            return cum;
         }
         m = len.min(m * NUCLEUS_GROWTH);
     }
