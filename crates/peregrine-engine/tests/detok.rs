@@ -219,3 +219,25 @@ fn llama_fixture_tokenizer() {
     let before = tok.decode(&prompt, false).unwrap();
     assert_eq!(before.clone() + &deltas.concat() + &rest, full);
 }
+
+#[test]
+fn special_tokens_skipped_while_streaming() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/fixtures/llama/hf/tokenizer.json"
+    );
+    let Ok(tok) = Tokenizer::from_file(path) else {
+        eprintln!("skipping special_tokens_skipped_while_streaming: {path} is missing");
+        return;
+    };
+    let generated = ids(&tok, "Paris 🦀.<|im_end|>");
+    let decode = |ids: &[u32]| tok.decode(ids, true);
+    let mut d = IncrementalDetokenizer::new(&[]);
+    let mut text = String::new();
+    for &id in &generated {
+        text.push_str(&d.step(id, decode).unwrap());
+    }
+    text.push_str(&d.finish(decode).unwrap());
+    assert_eq!(text, tok.decode(&generated, true).unwrap());
+    assert_eq!(text, "Paris 🦀.");
+}

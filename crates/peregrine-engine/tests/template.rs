@@ -402,3 +402,23 @@ fn strftime_utc_formats_python_directives() {
     assert_eq!(strftime_utc("%d %B %Y %A", 0), "01 January 1970 Thursday");
     assert_eq!(strftime_utc("%Y-%m-%d", 951_782_400), "2000-02-29");
 }
+
+#[test]
+fn fixture_tokenizer_config_template() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/llama/hf");
+    let Ok(text) = std::fs::read_to_string(format!("{dir}/tokenizer_config.json")) else {
+        eprintln!("skipping fixture_tokenizer_config_template: {dir} is missing");
+        return;
+    };
+    let config: Value = serde_json::from_str(&text).unwrap();
+    let source = config["chat_template"].as_str().unwrap();
+    let eos = config["eos_token"].as_str().map(String::from);
+    let t = ChatTemplate::new(source, None, eos).unwrap();
+    let msgs = [ChatMessage::text(
+        "user",
+        "Hello, world! What is the capital of France?",
+    )];
+    // The prompt the fixture's reference logits were computed on (tests/fixtures/README.md).
+    let want = "<|im_start|>user\nHello, world! What is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
+    assert_eq!(t.render(&msgs, true, &Map::new()).unwrap(), want);
+}
