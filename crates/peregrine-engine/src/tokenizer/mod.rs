@@ -84,7 +84,7 @@ pub enum TokenizerError {
 }
 
 /// The engine's tokenizer: text <-> token ids, with the special tokens generation needs.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     bos_id: Option<u32>,
@@ -208,6 +208,20 @@ impl Tokenizer {
     /// The wrapped `tokenizers` tokenizer (for incremental decoding and offsets).
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
+    }
+}
+
+// Not derived: the wrapped tokenizer would print its whole vocabulary.
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.vocab_size())
+            .field("bos_id", &self.bos_id)
+            .field("eos_ids", &self.eos_ids)
+            .field("add_bos", &self.add_bos)
+            .field("add_eos", &self.add_eos)
+            .field("chat_template", &self.chat_template.is_some())
+            .finish()
     }
 }
 

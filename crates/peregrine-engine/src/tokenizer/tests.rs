@@ -70,6 +70,7 @@ fn gpt2_merges_and_no_prefix_space() {
         "the the"
     );
     assert_eq!(tok.vocab_size(), 262);
+    assert!(format!("{tok:?}").starts_with("Tokenizer { vocab_size: 262,"));
     assert_eq!(tok.chat_template(), Some("{{ messages }}"));
 }
 
