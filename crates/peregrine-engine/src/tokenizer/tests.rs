@@ -271,6 +271,22 @@ fn from_dir_reads_side_files() {
     assert_eq!(tok.chat_template(), Some("J"));
     assert_eq!(tok.eos_ids(), &[2]);
 
+    // Without `add_bos_token`, BOS follows tokenizer.json's post-processor (Llama 3 style).
+    let mut inner = built.inner().clone();
+    let template = tokenizers::processors::template::TemplateProcessing::builder()
+        .try_single("<s> $A")
+        .unwrap()
+        .special_tokens(vec![("<s>", 1)])
+        .build()
+        .unwrap();
+    inner.with_post_processor(Some(template));
+    inner.save(dir.join("tokenizer.json"), false).unwrap();
+    std::fs::write(dir.join("tokenizer_config.json"), r#"{"bos_token": "<s>"}"#).unwrap();
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    assert!(tok.add_bos() && !tok.add_eos());
+    assert_eq!(tok.encode("he", true).unwrap(), vec![1, piece(&tok, "he")]);
+    assert_eq!(tok.encode("he", false).unwrap(), vec![piece(&tok, "he")]);
+
     std::fs::write(
         dir.join("tokenizer_config.json"),
         r#"{"add_bos_token": "yes"}"#,
