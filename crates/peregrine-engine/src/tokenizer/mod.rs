@@ -10,6 +10,16 @@
 //!
 //! Special tokens written in the text (`<|im_start|>`) are always parsed as special tokens, as
 //! llama.cpp does with `parse_special = true`: prompts come from chat templates that write them.
+//!
+//! Known corners where the GGUF tokenizer can still differ from llama.cpp (none is hit by the
+//! parity data in tests/data/tokenizer/):
+//! - overlapping special tokens: `tokenizers` takes the leftmost-longest match, llama.cpp the
+//!   longest token first, wherever it is;
+//! - SentencePiece pieces with equal scores: ties go to the lower id here, to the leftmost pair in
+//!   llama.cpp (Gemma 3's normal pieces all have distinct scores);
+//! - decoding: user-defined SentencePiece tokens containing `▁` come out with spaces here, verbatim
+//!   in llama.cpp; `clean_spaces` (gpt-2/default pre-tokenizers) is not applied;
+//! - `gpt2` vocabularies without `bos_token_id`/`eos_token_id` have none here (llama.cpp uses 11).
 
 mod gguf;
 mod gguf_bpe;
