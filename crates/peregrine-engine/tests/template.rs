@@ -422,3 +422,36 @@ fn fixture_tokenizer_config_template() {
     let want = "<|im_start|>user\nHello, world! What is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
     assert_eq!(t.render(&msgs, true, &Map::new()).unwrap(), want);
 }
+
+/// Idioms seen in real templates (macros, filtered loops, selectattr, namespace, loop.previtem,
+/// Python dict/str methods, slicing, `%`-format); expected output from jinja2 in transformers'
+/// environment.
+const IDIOMS: &str = r#"{%- macro render_content(content) -%}
+    {%- if content is string -%}{{ content | trim }}{%- else -%}
+        {%- for part in content if part['type'] == 'text' -%}{{ part['text'] }}{% if not loop.last %} {% endif %}{%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+{%- set systems = messages | selectattr('role', 'equalto', 'system') | list -%}
+{%- set ns = namespace(n=0, roles=[]) -%}
+n_system={{ systems | length }} first={{ (messages | first)['role'] }} last={{ messages[-1].role | upper }}
+{% for m in messages | rejectattr('role', 'equalto', 'system') -%}
+{%- set ns.n = ns.n + 1 -%}
+[{{ loop.index }}/{{ loop.length }}{% if loop.previtem is defined %} after {{ loop.previtem.role }}{% endif %}] {{ m.role | replace('assistant', 'model') | capitalize }}: {{ render_content(m.content) }}
+{% endfor -%}
+meta={{ meta.get('missing', 'dflt') }} keys={{ meta.keys() | list | join(',') }} items={% for k, v in meta.items() %}{{ k }}={{ v }};{% endfor %}
+{{ 'mapping' if meta is mapping }} {{ 'seq' if messages is sequence }} {{ range(3) | list | tojson }} count={{ ns.n }} d={{ undefined_var | default('fallback') }}
+{{ "a-b-c".split('-') | reverse | join('') }} {{ "  x  ".lstrip() }}| {{ "Title case".title() }} {{ "%05.1f" | format(3.14159) }} {{ 'abc'[1:] }} {{ [1,2,3] | max }} {{ 7 // 2 }} {{ 7 % 3 }} {{ 2 ** 3 }}
+"#;
+
+#[test]
+fn jinja_idioms_match_jinja2() {
+    let msgs = json!([
+        {"role": "system", "content": "  sys  "},
+        {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image"},
+            {"type": "text", "text": "here"}]},
+        {"role": "assistant", "content": " ok "}, {"role": "user", "content": "thanks"}
+    ]);
+    let out = render(IDIOMS, msgs, false, json!({"meta": {"a": 1, "b": "two"}})).unwrap();
+    let want = "n_system=1 first=system last=USER\n[1/3] User: look here\n[2/3 after user] Model: ok\n[3/3 after assistant] User: thanks\nmeta=dflt keys=a,b items=a=1;b=two;mapping seq [0, 1, 2] count=3 d=fallback\ncba x  | Title Case 003.1 bc 3 3 1 8";
+    assert_eq!(out, want);
+}
