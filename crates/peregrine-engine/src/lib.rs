@@ -1,7 +1,33 @@
 //! Peregrine's generation engine: tokenizers, chat templates, incremental detokenization, stop
-//! strings and the request/event API that the server uses.
+//! strings, the generation loop and the request/event API that the server uses.
+//!
+//! ```no_run
+//! use peregrine_engine::{Engine, EngineConfig, Event, Prompt, Request};
+//! let engine = Engine::load("model.gguf".as_ref(), EngineConfig::default())?;
+//! let mut request = Request::new(Prompt::Text("The capital of France is".into()));
+//! request.max_tokens = Some(16);
+//! for event in engine.submit(request)? {
+//!     if let Event::Delta { text, .. } = event { print!("{text}"); }
+//! }
+//! # Ok::<(), peregrine_engine::EngineError>(())
+//! ```
+#![warn(missing_docs)]
 
+pub mod api;
 pub mod chat_template;
 pub mod detok;
+mod engine;
+mod error;
+mod generate;
 pub mod stop;
 pub mod tokenizer;
+
+pub use api::{Event, FinishReason, Prompt, Request, Timings, Usage};
+pub use chat_template::{ChatMessage, ChatTemplate};
+pub use engine::{Engine, EngineConfig, EventStream};
+pub use error::EngineError;
+pub use peregrine_models::KvOptions;
+pub use peregrine_sampling::{SamplingParams, TokenLogprob};
+/// The tensor layer, for callers that handle logits.
+pub use peregrine_tensor as tensor;
+pub use tokenizer::Tokenizer;

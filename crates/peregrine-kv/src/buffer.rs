@@ -1,7 +1,7 @@
 //! A growable k/v buffer shared by the cache variants.
 
 use peregrine_tensor::attention::{MaskSpec, attention};
-use peregrine_tensor::{Result, Tensor};
+use peregrine_tensor::{DType, Result, Tensor};
 
 use crate::AttnParams;
 
@@ -13,11 +13,21 @@ const GROW_STEP: usize = 256;
 #[derive(Debug, Clone, Default)]
 pub(crate) struct KvBuffer {
     kv: Option<(Tensor, Tensor)>,
+    /// Storage dtype; `None` keeps the activations' dtype.
+    pub(crate) dtype: Option<DType>,
     pub(crate) start: usize,
     pub(crate) used: usize,
 }
 
 impl KvBuffer {
+    /// An empty buffer storing k/v in `dtype` (`None`: the activations' dtype).
+    pub(crate) fn new(dtype: Option<DType>) -> Self {
+        Self {
+            dtype,
+            ..Self::default()
+        }
+    }
+
     pub(crate) fn end(&self) -> usize {
         self.start + self.used
     }
@@ -36,8 +46,8 @@ impl KvBuffer {
             self.reallocate(k, kept, want.div_ceil(GROW_STEP) * GROW_STEP)?;
         }
         let (bk, bv) = self.kv.as_ref().expect("allocated above");
-        bk.slice_set(&k.contiguous()?, 2, self.used)?;
-        bv.slice_set(&v.contiguous()?, 2, self.used)?;
+        bk.slice_set(&k.to_dtype(bk.dtype())?.contiguous()?, 2, self.used)?;
+        bv.slice_set(&v.to_dtype(bv.dtype())?.contiguous()?, 2, self.used)?;
         self.used += n;
         Ok(())
     }
@@ -45,7 +55,8 @@ impl KvBuffer {
     /// Moves the last `kept` positions into a fresh buffer of `capacity` slots.
     fn reallocate(&mut self, like: &Tensor, kept: usize, capacity: usize) -> Result<()> {
         let (b, h, _, d) = like.dims4()?;
-        let new_k = Tensor::zeros((b, h, capacity, d), like.dtype(), like.device())?;
+        let dtype = self.dtype.unwrap_or(like.dtype());
+        let new_k = Tensor::zeros((b, h, capacity, d), dtype, like.device())?;
         let new_v = new_k.zeros_like()?;
         if let Some((k, v)) = &self.kv {
             let from = self.used - kept;
@@ -79,6 +90,8 @@ impl KvBuffer {
             k.narrow(2, skip, self.used - skip)?,
             v.narrow(2, skip, self.used - skip)?,
         );
+        // A narrower storage dtype is widened for the matmul (a copy of the visible keys).
+        let (k, v) = (k.to_dtype(q.dtype())?, v.to_dtype(q.dtype())?);
         attention(
             q,
             &k,
@@ -110,6 +123,7 @@ impl KvBuffer {
         };
         Ok(Self {
             kv,
+            dtype: self.dtype,
             start: self.start,
             used: self.used,
         })

@@ -1,6 +1,6 @@
 //! The sliding-window cache: keeps the last `window` positions plus a rollback margin.
 
-use peregrine_tensor::{Result, Tensor};
+use peregrine_tensor::{DType, Result, Tensor};
 
 use crate::buffer::KvBuffer;
 use crate::{AttnParams, LayerCache};
@@ -16,9 +16,10 @@ pub struct RotatingCache {
 
 impl RotatingCache {
     /// A cache for a `window`-wide sliding attention that can roll back `rollback` positions.
-    pub fn new(window: usize, rollback: usize) -> Self {
+    /// K/v are stored in `dtype` (`None`: the activations' dtype).
+    pub fn new(window: usize, rollback: usize, dtype: Option<DType>) -> Self {
         Self {
-            buf: KvBuffer::default(),
+            buf: KvBuffer::new(dtype),
             window: window.max(1),
             rollback,
         }

@@ -1,6 +1,6 @@
 //! A sequence's caches, one per layer, built from the model's cache spec.
 
-use peregrine_tensor::Result;
+use peregrine_tensor::{DType, Result};
 
 use crate::{LayerCache, RotatingCache, SimpleCache};
 
@@ -16,6 +16,14 @@ pub enum LayerKind {
     },
 }
 
+/// Per-request cache choices.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KvOptions {
+    /// Storage dtype of keys and values; `None` keeps the activations' dtype (f32 on CPU).
+    /// `F16` halves memory and matches llama.cpp's default cache precision.
+    pub dtype: Option<DType>,
+}
+
 /// One sequence's caches, one per layer.
 pub struct SequenceCache {
     layers: Vec<Box<dyn LayerCache>>,
@@ -26,14 +34,14 @@ pub const DEFAULT_ROLLBACK: usize = 64;
 
 impl SequenceCache {
     /// Builds the caches a model's layers need.
-    pub fn new(spec: &[LayerKind]) -> Self {
+    pub fn new(spec: &[LayerKind], options: &KvOptions) -> Self {
         let layers = spec
             .iter()
             .map(|kind| -> Box<dyn LayerCache> {
                 match *kind {
-                    LayerKind::Full => Box::new(SimpleCache::new()),
+                    LayerKind::Full => Box::new(SimpleCache::new(options.dtype)),
                     LayerKind::Sliding { window } => {
-                        Box::new(RotatingCache::new(window, DEFAULT_ROLLBACK))
+                        Box::new(RotatingCache::new(window, DEFAULT_ROLLBACK, options.dtype))
                     }
                 }
             })

@@ -1,6 +1,6 @@
 //! The full-attention cache: every position is kept.
 
-use peregrine_tensor::{Result, Tensor};
+use peregrine_tensor::{DType, Result, Tensor};
 
 use crate::buffer::KvBuffer;
 use crate::{AttnParams, LayerCache};
@@ -12,9 +12,11 @@ pub struct SimpleCache {
 }
 
 impl SimpleCache {
-    /// An empty cache.
-    pub fn new() -> Self {
-        Self::default()
+    /// An empty cache storing k/v in `dtype` (`None`: the activations' dtype).
+    pub fn new(dtype: Option<DType>) -> Self {
+        Self {
+            buf: KvBuffer::new(dtype),
+        }
     }
 }
 

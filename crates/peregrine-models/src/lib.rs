@@ -15,7 +15,7 @@ pub mod weights;
 
 pub use config::ModelConfig;
 pub use error::{ModelError, Result};
-pub use peregrine_kv::{LayerKind, SequenceCache};
+pub use peregrine_kv::{KvOptions, LayerKind, SequenceCache};
 pub use registry::{LoadOptions, LoadedModel, load_model, supported_architectures};
 
 use peregrine_tensor::{Device, Tensor};
@@ -33,7 +33,7 @@ pub enum Logits {
 pub trait CausalLm: Send + Sync {
     /// The parsed configuration.
     fn config(&self) -> &ModelConfig;
-    /// The memory each layer needs; build a sequence's cache with `SequenceCache::new(&spec)`.
+    /// The memory each layer needs; build a sequence's cache with `SequenceCache::new(&spec, &options)`.
     fn cache_spec(&self) -> Vec<LayerKind>;
     /// Runs `tokens` (the next positions of the sequence held in `cache`) and returns f32
     /// logits `[positions, vocab]` for the positions `want` selects.

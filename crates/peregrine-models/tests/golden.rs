@@ -7,7 +7,9 @@
 
 use std::path::PathBuf;
 
-use peregrine_models::{LoadOptions, Logits, SequenceCache, load_model, supported_architectures};
+use peregrine_models::{
+    KvOptions, LoadOptions, Logits, SequenceCache, load_model, supported_architectures,
+};
 use peregrine_tensor::candle::safetensors::load;
 use peregrine_tensor::{DType, Device, Tensor};
 
@@ -61,7 +63,7 @@ fn logits_in_chunks(arch: &str, chunk: usize) -> (Tensor, Reference) {
     let loaded = load_model(&fixture(arch), &LoadOptions::default()).expect("fixture loads");
     let model = loaded.model;
     let r = reference(arch);
-    let mut cache = SequenceCache::new(&model.cache_spec());
+    let mut cache = SequenceCache::new(&model.cache_spec(), &KvOptions::default());
     let parts: Vec<Tensor> = r
         .ids
         .chunks(chunk)
@@ -87,7 +89,7 @@ fn check_greedy(arch: &str) {
         .unwrap()
         .model;
     let r = reference(arch);
-    let mut cache = SequenceCache::new(&model.cache_spec());
+    let mut cache = SequenceCache::new(&model.cache_spec(), &KvOptions::default());
     let mut next = r.ids.clone();
     let mut out = vec![];
     for _ in 0..r.greedy.len() {

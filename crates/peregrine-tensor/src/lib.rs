@@ -12,6 +12,6 @@ pub mod linear;
 pub mod ops;
 pub mod rope;
 
-pub use candle_core::{DType, Device, Result, Tensor};
+pub use candle_core::{D, DType, Device, Result, Tensor};
 pub use linear::{Embedding, QLinear};
 pub use rope::{RopeScaling, RopeStyle, RotaryEmbedding};

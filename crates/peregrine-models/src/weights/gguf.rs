@@ -159,9 +159,11 @@ impl Meta<'_> {
     fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
         match self.value(key) {
             None => Ok(None),
+            Some(Value::F32(x)) => Ok(Some(*x as f64)),
+            Some(Value::F64(x)) => Ok(Some(*x)),
             Some(v) => v
-                .to_f64()
-                .map(Some)
+                .to_u64()
+                .map(|n| Some(n as f64))
                 .map_err(|_| self.err(key, "must be a number")),
         }
     }

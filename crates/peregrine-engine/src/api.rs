@@ -1,0 +1,131 @@
+//! The request/event types of the engine's public API.
+
+use std::time::Duration;
+
+use peregrine_sampling::{SamplingParams, TokenLogprob};
+use serde_json::{Map, Value};
+
+use crate::chat_template::ChatMessage;
+use crate::error::EngineError;
+
+/// What to continue.
+#[derive(Debug, Clone)]
+pub enum Prompt {
+    /// Raw text, tokenized with the tokenizer's special tokens (BOS where the model wants it).
+    Text(String),
+    /// A conversation rendered by the model's chat template.
+    Chat {
+        /// The messages.
+        messages: Vec<ChatMessage>,
+        /// Extra template variables (`chat_template_kwargs`, e.g. `enable_thinking`).
+        template_kwargs: Map<String, Value>,
+    },
+    /// Token ids, used as given.
+    Tokens(Vec<u32>),
+}
+
+/// One generation request.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// The prompt.
+    pub prompt: Prompt,
+    /// How tokens are drawn.
+    pub sampling: SamplingParams,
+    /// Generation ends when the text contains any of these (they are not returned).
+    pub stop: Vec<String>,
+    /// Most tokens to generate; `None` runs to the end of the context.
+    pub max_tokens: Option<usize>,
+    /// Return log-probabilities of each chosen token and of this many alternatives.
+    pub logprobs: Option<usize>,
+    /// Keep generating past end-of-sequence tokens (benchmarks).
+    pub ignore_eos: bool,
+}
+
+impl Request {
+    /// A request with default sampling and no limits but the context.
+    pub fn new(prompt: Prompt) -> Self {
+        Self {
+            prompt,
+            sampling: SamplingParams::default(),
+            stop: vec![],
+            max_tokens: None,
+            logprobs: None,
+            ignore_eos: false,
+        }
+    }
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token or a stop string.
+    Stop,
+    /// `max_tokens` or the end of the context.
+    Length,
+    /// The caller dropped the stream.
+    Cancelled,
+}
+
+/// Token counts of a finished request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Tokens in the prompt.
+    pub prompt_tokens: usize,
+    /// Tokens generated (an end-of-sequence token counts).
+    pub completion_tokens: usize,
+}
+
+/// Where the time went, and what memory the sequence held.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Timings {
+    /// Time spent waiting in the queue.
+    pub queued: Duration,
+    /// Time of the prompt's forward passes.
+    pub prefill: Duration,
+    /// From the start of processing to the first generated token.
+    pub time_to_first_token: Duration,
+    /// Time of the forward passes after the first token.
+    pub decode: Duration,
+    /// Tokens produced by those decode passes.
+    pub decode_tokens: usize,
+    /// Bytes held by the sequence's KV cache at the end.
+    pub kv_bytes: usize,
+}
+
+impl Timings {
+    /// Prompt tokens per second of prefill.
+    pub fn prefill_tps(&self, prompt_tokens: usize) -> f64 {
+        prompt_tokens as f64 / self.prefill.as_secs_f64().max(1e-9)
+    }
+
+    /// Generated tokens per second after the first.
+    pub fn decode_tps(&self) -> f64 {
+        self.decode_tokens as f64 / self.decode.as_secs_f64().max(1e-9)
+    }
+}
+
+/// What a request's stream yields.
+#[derive(Debug)]
+pub enum Event {
+    /// Newly generated tokens and the text they completed (possibly empty while a multi-byte
+    /// character or a possible stop string is held back).
+    Delta {
+        /// Text to append.
+        text: String,
+        /// The token ids generated in this step.
+        tokens: Vec<u32>,
+        /// Their log-probabilities, when the request asked.
+        logprobs: Vec<TokenLogprob>,
+    },
+    /// The request finished; always the last event unless an error came.
+    Done {
+        /// Why.
+        finish: FinishReason,
+        /// Token counts.
+        usage: Usage,
+        /// Timings.
+        timings: Timings,
+    },
+    /// The request failed; the last event.
+    Error(EngineError),
+}

@@ -1,0 +1,287 @@
+//! The `Engine`: a loaded model, its tokenizer and chat template, and worker threads that run
+//! requests. `submit` returns a stream of events; dropping the stream cancels the request.
+
+use std::ops::Range;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use peregrine_models::{CausalLm, KvOptions, LoadOptions, Logits, SequenceCache, load_model};
+use peregrine_tensor::{Device, Tensor};
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+
+use crate::api::{Event, Prompt, Request};
+use crate::chat_template::{CHATML, ChatTemplate};
+use crate::error::EngineError;
+use crate::generate::{GenContext, generate, prefill};
+use crate::tokenizer::Tokenizer;
+
+/// How the engine runs.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Device for weights and compute.
+    pub device: Device,
+    /// Context length; defaults to the model's trained length.
+    pub max_context: Option<usize>,
+    /// Prompt tokens per forward pass during prefill.
+    pub prefill_size: usize,
+    /// Requests generating at once.
+    pub parallel: usize,
+    /// Requests that may wait for a free slot before `submit` refuses more.
+    pub queue_size: usize,
+    /// KV cache storage.
+    pub kv: KvOptions,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            device: Device::Cpu,
+            max_context: None,
+            prefill_size: 512,
+            parallel: 1,
+            queue_size: 64,
+            kv: KvOptions::default(),
+        }
+    }
+}
+
+struct Job {
+    request: Request,
+    ids: Vec<u32>,
+    submitted: Instant,
+    events: UnboundedSender<Event>,
+    cancel: Arc<AtomicBool>,
+}
+
+struct Shared {
+    model: Arc<dyn CausalLm>,
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    prefill_size: usize,
+    max_context: usize,
+    kv: KvOptions,
+}
+
+/// A loaded model ready to serve requests.
+pub struct Engine {
+    shared: Arc<Shared>,
+    jobs: SyncSender<Job>,
+    queue_size: usize,
+}
+
+/// The events of one request. Dropping it cancels the request within one decode step.
+pub struct EventStream {
+    events: UnboundedReceiver<Event>,
+    cancel: Arc<AtomicBool>,
+}
+
+impl EventStream {
+    /// The next event, waiting for it; `None` after the last. Do not call inside an async runtime.
+    pub fn blocking_recv(&mut self) -> Option<Event> {
+        self.events.blocking_recv()
+    }
+
+    /// The next event; `None` after the last.
+    pub async fn recv(&mut self) -> Option<Event> {
+        self.events.recv().await
+    }
+}
+
+impl Iterator for EventStream {
+    type Item = Event;
+    fn next(&mut self) -> Option<Event> {
+        self.blocking_recv()
+    }
+}
+
+impl Drop for EventStream {
+    fn drop(&mut self) {
+        self.cancel.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Engine {
+    /// Loads a GGUF file or HF checkpoint folder with its tokenizer and chat template.
+    pub fn load(path: &Path, config: EngineConfig) -> Result<Self, EngineError> {
+        let opts = LoadOptions {
+            device: config.device.clone(),
+            max_context: config.max_context,
+        };
+        let loaded = load_model(path, &opts)?;
+        let tokenizer = match &loaded.gguf {
+            Some(gguf) => Tokenizer::from_gguf(gguf.metadata())?,
+            None => Tokenizer::from_dir(path)?,
+        };
+        Self::new(loaded.model, tokenizer, loaded.max_context, config)
+    }
+
+    /// Builds an engine from parts and starts `config.parallel` workers.
+    pub fn new(
+        model: Arc<dyn CausalLm>,
+        tokenizer: Tokenizer,
+        max_context: usize,
+        config: EngineConfig,
+    ) -> Result<Self, EngineError> {
+        let source = tokenizer.chat_template().unwrap_or_else(|| {
+            tracing::warn!("the model has no chat template; using ChatML");
+            CHATML
+        });
+        let template = ChatTemplate::new(
+            source,
+            tokenizer.bos_token().map(str::to_owned),
+            tokenizer.eos_token().map(str::to_owned),
+        )?;
+        let shared = Arc::new(Shared {
+            model,
+            tokenizer,
+            template,
+            prefill_size: config.prefill_size.max(1),
+            max_context,
+            kv: config.kv,
+        });
+        let (jobs, queue) = sync_channel::<Job>(config.queue_size);
+        let queue = Arc::new(Mutex::new(queue));
+        for i in 0..config.parallel.max(1) {
+            let (shared, queue) = (shared.clone(), queue.clone());
+            std::thread::Builder::new()
+                .name(format!("peregrine-worker-{i}"))
+                .spawn(move || worker(&shared, &queue))
+                .map_err(|e| EngineError::Model(peregrine_models::ModelError::Tensor(e.into())))?;
+        }
+        Ok(Self {
+            shared,
+            jobs,
+            queue_size: config.queue_size,
+        })
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.shared.tokenizer
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Arc<dyn CausalLm> {
+        &self.shared.model
+    }
+
+    /// The context length in tokens.
+    pub fn max_context(&self) -> usize {
+        self.shared.max_context
+    }
+
+    /// Renders and tokenizes a prompt exactly as `submit` will.
+    pub fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<u32>, EngineError> {
+        let tok = &self.shared.tokenizer;
+        let ids = match prompt {
+            Prompt::Text(text) => tok.encode(text, true)?,
+            Prompt::Chat {
+                messages,
+                template_kwargs,
+            } => {
+                let text = self
+                    .shared
+                    .template
+                    .render(messages, true, template_kwargs)?;
+                // Templates write BOS themselves, as with HF's apply_chat_template.
+                tok.encode(&text, false)?
+            }
+            Prompt::Tokens(ids) => ids.clone(),
+        };
+        let vocab_size = self.shared.model.config().vocab_size;
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab_size) {
+            return Err(EngineError::TokenOutOfRange { id, vocab_size });
+        }
+        Ok(ids)
+    }
+
+    /// Validates and queues a request. Errors found before generation (bad parameters, a
+    /// prompt that does not fit, a full queue) are returned here; later ones arrive as events.
+    pub fn submit(&self, request: Request) -> Result<EventStream, EngineError> {
+        request.sampling.validate()?;
+        let ids = self.prompt_ids(&request.prompt)?;
+        if ids.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if ids.len() >= self.shared.max_context {
+            return Err(EngineError::ContextLengthExceeded {
+                prompt_tokens: ids.len(),
+                max_context: self.shared.max_context,
+            });
+        }
+        let (tx, rx) = unbounded_channel();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let job = Job {
+            request,
+            ids,
+            submitted: Instant::now(),
+            events: tx,
+            cancel: cancel.clone(),
+        };
+        match self.jobs.try_send(job) {
+            Ok(()) => Ok(EventStream { events: rx, cancel }),
+            Err(TrySendError::Full(_)) => Err(EngineError::QueueFull(self.queue_size)),
+            Err(TrySendError::Disconnected(_)) => Err(EngineError::ShutDown),
+        }
+    }
+
+    /// f32 logits `[positions, vocab]` for `positions` of `ids`, computed through the same
+    /// chunked prefill as generation (a parity tool).
+    pub fn logits(&self, ids: &[u32], positions: Range<usize>) -> Result<Tensor, EngineError> {
+        let s = &self.shared;
+        if ids.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if ids.len() > s.max_context {
+            return Err(EngineError::ContextLengthExceeded {
+                prompt_tokens: ids.len(),
+                max_context: s.max_context,
+            });
+        }
+        let mut cache = SequenceCache::new(&s.model.cache_spec(), &s.kv);
+        let all = prefill(
+            s.model.as_ref(),
+            ids,
+            &mut cache,
+            s.prefill_size,
+            Logits::All,
+        )?;
+        let len = positions.end.min(ids.len()).saturating_sub(positions.start);
+        Ok(all
+            .narrow(0, positions.start.min(ids.len()), len)
+            .map_err(peregrine_models::ModelError::from)?)
+    }
+}
+
+fn worker(shared: &Shared, queue: &Mutex<Receiver<Job>>) {
+    loop {
+        let job = match queue.lock().unwrap_or_else(|e| e.into_inner()).recv() {
+            Ok(job) => job,
+            Err(_) => return, // the engine was dropped
+        };
+        if job.cancel.load(Ordering::Relaxed) {
+            continue;
+        }
+        let ctx = GenContext {
+            model: shared.model.as_ref(),
+            tokenizer: &shared.tokenizer,
+            prefill_size: shared.prefill_size,
+            max_context: shared.max_context,
+            cancel: &job.cancel,
+            kv: shared.kv,
+        };
+        let mut send = |event: Event| job.events.send(event).is_ok();
+        if let Err(e) = generate(
+            &ctx,
+            &job.request,
+            &job.ids,
+            job.submitted.elapsed(),
+            &mut send,
+        ) {
+            let _ = job.events.send(Event::Error(e));
+        }
+    }
+}

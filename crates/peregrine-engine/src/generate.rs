@@ -1,0 +1,163 @@
+//! The generation loop of one request: chunked prefill, then decode with sampling, stop
+//! strings and incremental detokenization, until EOS, a stop string, the token budget or
+//! cancellation.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use peregrine_models::{CausalLm, KvOptions, Logits, SequenceCache};
+use peregrine_sampling::{Sampler, token_logprobs};
+use peregrine_tensor::Tensor;
+
+use crate::api::{Event, FinishReason, Request, Timings, Usage};
+use crate::detok::{IncrementalDetokenizer, PROMPT_TAIL};
+use crate::error::EngineError;
+use crate::stop::StopMatcher;
+use crate::tokenizer::Tokenizer;
+
+/// Everything a generation needs besides the request.
+pub(crate) struct GenContext<'a> {
+    pub model: &'a dyn CausalLm,
+    pub tokenizer: &'a Tokenizer,
+    pub prefill_size: usize,
+    pub max_context: usize,
+    pub cancel: &'a AtomicBool,
+    pub kv: KvOptions,
+}
+
+/// Runs the prompt through the model in chunks of `prefill_size`, returning the last
+/// position's logits (or every position's when `want` is `All`).
+pub(crate) fn prefill(
+    model: &dyn CausalLm,
+    ids: &[u32],
+    cache: &mut SequenceCache,
+    prefill_size: usize,
+    want: Logits,
+) -> Result<Tensor, EngineError> {
+    let chunks: Vec<&[u32]> = ids.chunks(prefill_size.max(1)).collect();
+    let mut parts = Vec::with_capacity(chunks.len());
+    for (i, chunk) in chunks.iter().enumerate() {
+        let last = i + 1 == chunks.len();
+        // Intermediate chunks only fill the cache; their last-position logits are cheap.
+        let want = if last || want == Logits::All {
+            want
+        } else {
+            Logits::Last
+        };
+        let logits = model.forward(chunk, cache, want)?;
+        if want == Logits::All || last {
+            parts.push(logits);
+        }
+    }
+    Ok(Tensor::cat(&parts, 0).map_err(peregrine_models::ModelError::from)?)
+}
+
+fn last_row(logits: &Tensor) -> Result<Vec<f32>, EngineError> {
+    let rows = logits.dim(0).map_err(peregrine_models::ModelError::from)?;
+    let row = logits.get(rows - 1).and_then(|r| r.to_vec1::<f32>());
+    Ok(row.map_err(peregrine_models::ModelError::from)?)
+}
+
+/// Generates for `req` whose prompt is `ids`, sending events through `send`; returns when done.
+pub(crate) fn generate(
+    ctx: &GenContext,
+    req: &Request,
+    ids: &[u32],
+    queued: Duration,
+    send: &mut dyn FnMut(Event) -> bool,
+) -> Result<(), EngineError> {
+    let started = Instant::now();
+    let budget = req
+        .max_tokens
+        .unwrap_or(usize::MAX)
+        .min(ctx.max_context - ids.len());
+    let mut cache = SequenceCache::new(&ctx.model.cache_spec(), &ctx.kv);
+    let mut logits = last_row(&prefill(
+        ctx.model,
+        ids,
+        &mut cache,
+        ctx.prefill_size,
+        Logits::Last,
+    )?)?;
+    let prefill_time = started.elapsed();
+    let mut timings = Timings {
+        queued,
+        prefill: prefill_time,
+        ..Timings::default()
+    };
+
+    let mut sampler = Sampler::new(req.sampling.clone());
+    let mut detok = IncrementalDetokenizer::new(&ids[ids.len().saturating_sub(PROMPT_TAIL)..]);
+    let mut stop = StopMatcher::new(&req.stop);
+    let decode = |t: &[u32]| ctx.tokenizer.decode(t, true);
+    let mut generated: Vec<u32> = Vec::new();
+    let mut decode_started = None;
+    let finish = loop {
+        if ctx.cancel.load(Ordering::Relaxed) {
+            break FinishReason::Cancelled;
+        }
+        // Logprobs are reported on the raw distribution; sampling rewrites `logits` in place.
+        let raw = req.logprobs.map(|_| logits.clone());
+        let token = sampler.sample(&mut logits, ids, &generated);
+        generated.push(token);
+        if generated.len() == 1 {
+            timings.time_to_first_token = started.elapsed();
+            decode_started = Some(Instant::now());
+        }
+        let logprobs: Vec<_> = raw
+            .iter()
+            .map(|raw| token_logprobs(raw, token, req.logprobs.unwrap_or(0)))
+            .collect();
+        let is_eos = !req.ignore_eos && ctx.tokenizer.is_eos(token);
+        let text = if is_eos {
+            String::new()
+        } else {
+            detok.step(token, decode)?
+        };
+        let step = stop.push(&text);
+        if !send(Event::Delta {
+            text: step.emit,
+            tokens: vec![token],
+            logprobs,
+        }) {
+            break FinishReason::Cancelled;
+        }
+        if step.stopped || is_eos {
+            break FinishReason::Stop;
+        }
+        if generated.len() >= budget {
+            break FinishReason::Length;
+        }
+        let step_logits = ctx.model.forward(&[token], &mut cache, Logits::Last)?;
+        logits = last_row(&step_logits)?;
+    };
+    if finish != FinishReason::Cancelled && !stop.is_stopped() {
+        let tail = detok.finish(decode)?;
+        let mut text = stop.push(&tail).emit;
+        if !stop.is_stopped() {
+            text.push_str(&stop.finish());
+        }
+        if !text.is_empty() {
+            send(Event::Delta {
+                text,
+                tokens: vec![],
+                logprobs: vec![],
+            });
+        }
+    }
+    if let Some(t) = decode_started {
+        timings.decode = t.elapsed();
+        timings.decode_tokens = generated.len().saturating_sub(1);
+    }
+    timings.kv_bytes = cache.bytes();
+    let usage = Usage {
+        prompt_tokens: ids.len(),
+        completion_tokens: generated.len(),
+    };
+    send(Event::Done {
+        finish,
+        usage,
+        timings,
+    });
+    Ok(())
+}

@@ -1,0 +1,111 @@
+//! `peregrine bench`: prefill and decode speed, time to first token and memory, as JSON.
+
+use std::time::Instant;
+
+use anyhow::{Result, bail};
+use clap::Args;
+use peregrine_engine::{Engine, Event, Prompt, Request, SamplingParams, Timings, Usage};
+use serde_json::json;
+
+use crate::cli::ModelArgs;
+
+/// Text repeated to make the synthetic prompt (any text works; speed does not depend on it).
+const PROMPT_TEXT: &str = "The quick brown fox jumps over the lazy dog while the river runs to the sea, \
+    and every morning the baker opens the shop before the sun rises over the old town. ";
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prompt length in tokens.
+    #[arg(long, default_value_t = 512)]
+    prompt_tokens: usize,
+    /// Tokens to generate (greedy, end-of-sequence ignored).
+    #[arg(long, default_value_t = 128)]
+    gen_tokens: usize,
+    /// Timed runs; figures are medians.
+    #[arg(long, default_value_t = 3)]
+    repeat: usize,
+    /// Untimed runs first.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Print JSON only (the default output is JSON too; kept for scripts).
+    #[arg(long)]
+    json: bool,
+}
+
+fn synthetic_prompt(engine: &Engine, n: usize) -> Result<Vec<u32>> {
+    let unit = engine.prompt_ids(&Prompt::Text(PROMPT_TEXT.to_string()))?;
+    if unit.is_empty() {
+        bail!("the tokenizer turned the benchmark text into no tokens");
+    }
+    Ok(unit.iter().copied().cycle().take(n).collect())
+}
+
+fn run_once(engine: &Engine, ids: &[u32], gen_tokens: usize) -> Result<(Usage, Timings)> {
+    let request = Request {
+        sampling: SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        },
+        max_tokens: Some(gen_tokens),
+        ignore_eos: true,
+        ..Request::new(Prompt::Tokens(ids.to_vec()))
+    };
+    for event in engine.submit(request)? {
+        match event {
+            Event::Done { usage, timings, .. } => return Ok((usage, timings)),
+            Event::Error(e) => return Err(e.into()),
+            Event::Delta { .. } => {}
+        }
+    }
+    bail!("the request ended without a result")
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+/// Peak resident memory of this process (`VmHWM`), in bytes; 0 where /proc is unavailable.
+fn peak_rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+pub fn run(args: BenchArgs, threads: Option<usize>) -> Result<()> {
+    if args.prompt_tokens == 0 || args.gen_tokens == 0 || args.repeat == 0 {
+        bail!("--prompt-tokens, --gen-tokens and --repeat must be at least 1");
+    }
+    let load_start = Instant::now();
+    let engine = args.model.load()?;
+    let load_ms = load_start.elapsed().as_secs_f64() * 1e3;
+    let ids = synthetic_prompt(&engine, args.prompt_tokens)?;
+    for _ in 0..args.warmup {
+        run_once(&engine, &ids, args.gen_tokens.min(8))?;
+    }
+    let runs = (0..args.repeat)
+        .map(|_| run_once(&engine, &ids, args.gen_tokens))
+        .collect::<Result<Vec<_>>>()?;
+    let pick = |f: &dyn Fn(&(Usage, Timings)) -> f64| median(runs.iter().map(f).collect());
+    let report = json!({
+        "model": args.model.model,
+        "threads": threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+        "prompt_tokens": args.prompt_tokens,
+        "gen_tokens": args.gen_tokens,
+        "repeat": args.repeat,
+        "prefill_tps": pick(&|(u, t)| t.prefill_tps(u.prompt_tokens)),
+        "decode_tps": pick(&|(_, t)| t.decode_tps()),
+        "ttft_ms": pick(&|(_, t)| t.time_to_first_token.as_secs_f64() * 1e3),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "kv_bytes": runs.iter().map(|(_, t)| t.kv_bytes).max().unwrap_or(0),
+        "weight_bytes": engine.model().weight_bytes(),
+        "load_ms": load_ms,
+    });
+    println!("{report}");
+    Ok(())
+}

@@ -1,0 +1,245 @@
+//! Command-line interface: `generate`, `logits`, `bench`.
+
+use std::io::Write;
+use std::ops::Range;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand};
+use peregrine_engine::tensor::DType;
+use peregrine_engine::{
+    ChatMessage, Engine, EngineConfig, Event, KvOptions, Prompt, Request, SamplingParams,
+};
+
+use crate::hub::resolve_model;
+
+/// Peregrine: a native LLM inference engine and OpenAI-compatible server.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+pub struct Cli {
+    /// CPU threads for compute (default: all cores).
+    #[arg(long, global = true)]
+    pub threads: Option<usize>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Generate a completion and print it.
+    Generate(GenerateArgs),
+    /// Write the model's logits for given tokens to a safetensors file (a parity tool).
+    Logits(LogitsArgs),
+    /// Measure prefill and decode speed; prints one JSON object.
+    Bench(crate::bench::BenchArgs),
+}
+
+/// Options every command that loads a model shares.
+#[derive(Debug, Args)]
+pub struct ModelArgs {
+    /// A GGUF file, an HF/MLX checkpoint folder, or a hub id (`owner/name`, `owner/name:file.gguf`).
+    #[arg(long, short)]
+    pub model: String,
+    /// Context length (default: the model's).
+    #[arg(long)]
+    pub ctx_size: Option<usize>,
+    /// Prompt tokens per forward pass during prefill.
+    #[arg(long, default_value_t = 512)]
+    pub prefill_size: usize,
+    /// KV cache storage: f32 (exact), f16 (half the memory; llama.cpp's default) or bf16.
+    #[arg(long, default_value = "f32", value_parser = ["f32", "f16", "bf16"])]
+    pub cache_type: String,
+}
+
+impl ModelArgs {
+    /// Loads the engine the arguments describe.
+    pub fn load(&self) -> Result<Engine> {
+        let path = resolve_model(&self.model)?;
+        let dtype = match self.cache_type.as_str() {
+            "f16" => Some(DType::F16),
+            "bf16" => Some(DType::BF16),
+            _ => None,
+        };
+        let config = EngineConfig {
+            max_context: self.ctx_size,
+            prefill_size: self.prefill_size,
+            kv: KvOptions { dtype },
+            ..Default::default()
+        };
+        Engine::load(&path, config).map_err(Into::into)
+    }
+}
+
+#[derive(Debug, Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Raw prompt text.
+    #[arg(long, conflicts_with = "chat", required_unless_present = "chat")]
+    prompt: Option<String>,
+    /// A user message, wrapped by the model's chat template.
+    #[arg(long)]
+    chat: Option<String>,
+    /// An optional system message for --chat.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f32,
+    /// 0 disables.
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop when this text appears (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+struct LogitsArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Comma-separated token ids.
+    #[arg(
+        long,
+        conflicts_with = "prompt_file",
+        required_unless_present = "prompt_file"
+    )]
+    input_ids: Option<String>,
+    /// A text file, tokenized with the model's special tokens (BOS where the model adds one).
+    #[arg(long)]
+    prompt_file: Option<PathBuf>,
+    /// Positions to write, `A..B` (default: all).
+    #[arg(long)]
+    positions: Option<String>,
+    /// Output file (`logits`: f32 [positions, vocab]; `input_ids`: u32).
+    #[arg(long)]
+    out: PathBuf,
+}
+
+/// Runs a parsed command line.
+pub fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Generate(args) => generate(args),
+        Command::Logits(args) => logits(args),
+        Command::Bench(args) => crate::bench::run(args, cli.threads),
+    }
+}
+
+fn generate(args: GenerateArgs) -> Result<()> {
+    let engine = args.model.load()?;
+    let prompt = match (&args.prompt, &args.chat) {
+        (Some(text), _) => Prompt::Text(text.clone()),
+        (None, Some(chat)) => {
+            let mut messages: Vec<ChatMessage> = args
+                .system
+                .iter()
+                .map(|s| ChatMessage::text("system", s.clone()))
+                .collect();
+            messages.push(ChatMessage::text("user", chat.clone()));
+            Prompt::Chat {
+                messages,
+                template_kwargs: Default::default(),
+            }
+        }
+        (None, None) => bail!("give --prompt or --chat"),
+    };
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        min_p: args.min_p,
+        repetition_penalty: args.repeat_penalty,
+        seed: args.seed,
+        ..Default::default()
+    };
+    let request = Request {
+        sampling,
+        stop: args.stop,
+        max_tokens: Some(args.max_tokens),
+        ..Request::new(prompt)
+    };
+    let mut out = std::io::stdout().lock();
+    for event in engine.submit(request)? {
+        match event {
+            Event::Delta { text, .. } => {
+                out.write_all(text.as_bytes())?;
+                out.flush()?;
+            }
+            Event::Done { usage, timings, .. } => {
+                writeln!(out)?;
+                eprintln!(
+                    "[{} prompt tokens, {:.1} tok/s prefill; {} generated, {:.1} tok/s decode]",
+                    usage.prompt_tokens,
+                    timings.prefill_tps(usage.prompt_tokens),
+                    usage.completion_tokens,
+                    timings.decode_tps()
+                );
+            }
+            Event::Error(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+fn parse_positions(spec: &str) -> Result<Range<usize>> {
+    let (a, b) = spec
+        .split_once("..")
+        .context("--positions must look like A..B")?;
+    let a: usize = a.trim().parse().context("--positions: bad start")?;
+    let b: usize = b.trim().parse().context("--positions: bad end")?;
+    if a >= b {
+        bail!("--positions {spec}: the range is empty");
+    }
+    Ok(a..b)
+}
+
+fn logits(args: LogitsArgs) -> Result<()> {
+    let engine = args.model.load()?;
+    let ids: Vec<u32> = match (&args.input_ids, &args.prompt_file) {
+        (Some(list), _) => list
+            .split(',')
+            .map(|s| {
+                s.trim()
+                    .parse::<u32>()
+                    .with_context(|| format!("--input-ids: `{s}` is not a token id"))
+            })
+            .collect::<Result<_>>()?,
+        (None, Some(file)) => {
+            let text =
+                std::fs::read_to_string(file).with_context(|| format!("{}", file.display()))?;
+            engine.prompt_ids(&Prompt::Text(text))?
+        }
+        (None, None) => bail!("give --input-ids or --prompt-file"),
+    };
+    let positions = match &args.positions {
+        Some(spec) => parse_positions(spec)?,
+        None => 0..ids.len(),
+    };
+    if positions.end > ids.len() {
+        bail!(
+            "--positions {positions:?} is past the {} input tokens",
+            ids.len()
+        );
+    }
+    engine.prompt_ids(&Prompt::Tokens(ids.clone()))?; // range-checks the ids
+    let logits = engine.logits(&ids, positions)?;
+    let device = logits.device().clone();
+    let ids = peregrine_engine::tensor::Tensor::new(ids.as_slice(), &device)?;
+    let tensors = std::collections::HashMap::from([
+        ("logits".to_string(), logits),
+        ("input_ids".to_string(), ids),
+    ]);
+    peregrine_engine::tensor::candle::safetensors::save(&tensors, &args.out)
+        .with_context(|| format!("writing {}", args.out.display()))?;
+    Ok(())
+}

@@ -1,0 +1,4 @@
+//! Integration tests over the public API with real models (fetched by `scripts/fetch-models.sh`).
+
+mod common;
+mod real_models;
