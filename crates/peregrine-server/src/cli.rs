@@ -1,4 +1,4 @@
-//! Command-line interface: `generate`, `logits`, `bench`.
+//! Command-line interface: `generate`, `logits`, `bench`, `serve`.
 
 use std::io::Write;
 use std::ops::Range;
@@ -32,6 +32,8 @@ enum Command {
     Logits(LogitsArgs),
     /// Measure prefill and decode speed; prints one JSON object.
     Bench(crate::bench::BenchArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(crate::server::ServeArgs),
 }
 
 /// Options every command that loads a model shares.
@@ -132,6 +134,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Generate(args) => generate(args),
         Command::Logits(args) => logits(args),
         Command::Bench(args) => crate::bench::run(args, cli.threads),
+        Command::Serve(args) => crate::server::run(args),
     }
 }
 

@@ -3,6 +3,7 @@
 mod bench;
 mod cli;
 mod hub;
+mod server;
 
 use std::process::ExitCode;
 

@@ -1,0 +1,265 @@
+//! Running a decoded request: submit its choices to the engine, then answer with one JSON
+//! object or a server-sent event stream.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use hyper::Response;
+use peregrine_engine::{Event, EventStream, Prompt, Usage};
+use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+
+use super::error::ApiError;
+use super::openai::{Decoded, Endpoint};
+use super::sse::{self, Body, Closed, SseSender};
+use super::wire::{Choice, Delta, Envelope};
+use super::{RequestLog, State, json_response};
+
+/// Idle time after which a stream gets an SSE comment, so proxies and clients keep waiting
+/// through a long prefill.
+const KEEPALIVE: Duration = Duration::from_secs(5);
+
+/// Totals over a request's choices, for `usage`, the log line and metrics.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Totals {
+    /// Summed over prompts (not over the `n` copies of one prompt) and over choices.
+    pub usage: Usage,
+    /// Time to first token of the first choice that finished.
+    pub ttft: Option<Duration>,
+    /// Decode tokens per second of the first choice that finished.
+    pub tps: f64,
+}
+
+/// Submits every choice (`n` per prompt) and answers. Submission errors (bad parameters, a
+/// prompt too long, a full queue) come back before any byte is sent.
+pub async fn run(
+    state: Arc<State>,
+    endpoint: Endpoint,
+    decoded: Decoded,
+    log: RequestLog,
+) -> Result<Response<Body>, ApiError> {
+    let engine = state.engine()?;
+    let prompt_param = match endpoint {
+        Endpoint::Chat => "messages",
+        Endpoint::Completions => "prompt",
+    };
+    let n = decoded.n;
+    let mut streams = Vec::with_capacity(decoded.requests.len() * n);
+    let mut echo = vec![];
+    for request in &decoded.requests {
+        for j in 0..n {
+            let mut r = request.clone();
+            r.sampling.seed = r.sampling.seed.map(|s| s.wrapping_add(j as u64));
+            // Dropping the streams already taken cancels them if a later submit fails.
+            streams.push(
+                engine
+                    .submit(r)
+                    .map_err(|e| ApiError::from_engine(&e, prompt_param))?,
+            );
+        }
+        echo.push(match (&request.prompt, decoded.echo) {
+            (Prompt::Text(t), true) => t.clone(),
+            (Prompt::Tokens(ids), true) => {
+                engine.tokenizer().decode(ids, false).unwrap_or_default()
+            }
+            _ => String::new(),
+        });
+    }
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let prefix = match endpoint {
+        Endpoint::Chat => "chatcmpl",
+        Endpoint::Completions => "cmpl",
+    };
+    let env = Envelope {
+        id: format!("{prefix}-{}", log.id),
+        created,
+        model: state.model_id.clone(),
+        endpoint,
+    };
+    let events = merge(&state, streams);
+    let job = Job {
+        state: state.clone(),
+        env,
+        n,
+        echo,
+        decoded,
+        prompt_param,
+    };
+    if job.decoded.stream {
+        let (tx, body) = sse::channel();
+        tokio::spawn(async move {
+            let (totals, outcome) = job.stream(events, &tx).await;
+            let status = if outcome.is_err() { 499 } else { 200 };
+            log.finish(&job.state, status, Some(totals));
+        });
+        let response = Response::builder()
+            .header("content-type", "text/event-stream")
+            .header("cache-control", "no-cache")
+            .body(body)
+            .map_err(|e| ApiError::internal(e.to_string()))?;
+        Ok(response)
+    } else {
+        let (body, totals) = job.collect(events).await?;
+        log.finish(&state, 200, Some(totals));
+        Ok(json_response(200, &body))
+    }
+}
+
+/// Forwards each choice's events into one channel tagged with the choice index. A forwarder
+/// stops, dropping its `EventStream` and so cancelling generation, once the receiver is gone.
+fn merge(state: &Arc<State>, streams: Vec<EventStream>) -> UnboundedReceiver<(usize, Event)> {
+    let (tx, rx) = unbounded_channel();
+    for (i, mut stream) in streams.into_iter().enumerate() {
+        let (tx, state) = (tx.clone(), state.clone());
+        state.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    event = stream.recv() => match event {
+                        Some(event) => if tx.send((i, event)).is_err() { break },
+                        None => break,
+                    },
+                    () = tx.closed() => break,
+                }
+            }
+            drop(stream);
+            state.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
+        });
+    }
+    rx
+}
+
+/// A submitted request being answered.
+struct Job {
+    state: Arc<State>,
+    env: Envelope,
+    n: usize,
+    /// Text prepended to each prompt's choices (`echo`), per prompt.
+    echo: Vec<String>,
+    decoded: Decoded,
+    prompt_param: &'static str,
+}
+
+impl Job {
+    fn record(&self, totals: &mut Totals, choice: usize, event: &Event) {
+        if let Event::Done { usage, timings, .. } = event {
+            if choice.is_multiple_of(self.n) {
+                totals.usage.prompt_tokens += usage.prompt_tokens;
+            }
+            totals.usage.completion_tokens += usage.completion_tokens;
+            if totals.ttft.is_none() {
+                totals.ttft = Some(timings.time_to_first_token);
+                totals.tps = timings.decode_tps();
+            }
+            self.state.metrics.generation(
+                usage.prompt_tokens,
+                usage.completion_tokens,
+                timings.time_to_first_token.as_secs_f64(),
+                timings.decode_tps(),
+                timings.kv_bytes,
+            );
+        }
+    }
+
+    /// Waits for every choice and builds the whole response.
+    async fn collect(
+        &self,
+        mut events: UnboundedReceiver<(usize, Event)>,
+    ) -> Result<(serde_json::Value, Totals), ApiError> {
+        let mut totals = Totals::default();
+        let mut choices: Vec<Choice> = (0..self.echo.len() * self.n)
+            .map(|i| Choice {
+                text: self.echo[i / self.n].clone(),
+                ..Choice::default()
+            })
+            .collect();
+        while let Some((i, event)) = events.recv().await {
+            self.record(&mut totals, i, &event);
+            match event {
+                Event::Delta { text, logprobs, .. } => {
+                    choices[i].text.push_str(&text);
+                    choices[i].logprobs.extend(logprobs);
+                }
+                Event::Done { finish, .. } => choices[i].finish = Some(finish),
+                Event::Error(e) => return Err(ApiError::from_engine(&e, self.prompt_param)),
+            }
+        }
+        let engine = self.state.engine()?;
+        let body = self.env.response(
+            &choices,
+            totals.usage,
+            engine.tokenizer(),
+            self.decoded.logprobs,
+        );
+        Ok((body, totals))
+    }
+
+    /// Streams every choice's chunks, then the usage chunk when asked, then `[DONE]`.
+    async fn stream(
+        &self,
+        mut events: UnboundedReceiver<(usize, Event)>,
+        sse: &SseSender,
+    ) -> (Totals, Result<(), Closed>) {
+        let mut totals = Totals::default();
+        let outcome = self.stream_inner(&mut events, sse, &mut totals).await;
+        (totals, outcome)
+    }
+
+    async fn stream_inner(
+        &self,
+        events: &mut UnboundedReceiver<(usize, Event)>,
+        sse: &SseSender,
+        totals: &mut Totals,
+    ) -> Result<(), Closed> {
+        let engine = self.state.engine().map_err(|_| Closed)?;
+        let tok = engine.tokenizer();
+        let usage_field = self.decoded.include_usage;
+        let choices = self.echo.len() * self.n;
+        for i in 0..choices {
+            let echo = &self.echo[i / self.n];
+            if self.env.endpoint == Endpoint::Chat {
+                sse.data(&self.env.chunk(i, Delta::Role, None, usage_field))
+                    .await?;
+            } else if !echo.is_empty() {
+                sse.data(&self.env.chunk(i, Delta::Text(echo), None, usage_field))
+                    .await?;
+            }
+        }
+        loop {
+            let next = tokio::select! {
+                next = events.recv() => next,
+                () = tokio::time::sleep(KEEPALIVE) => {
+                    sse.comment("keep-alive").await?;
+                    continue;
+                }
+                () = sse.closed() => return Err(Closed),
+            };
+            let Some((i, event)) = next else { break };
+            self.record(totals, i, &event);
+            let chunk = match event {
+                Event::Delta { text, logprobs, .. } => {
+                    if text.is_empty() && logprobs.is_empty() {
+                        continue;
+                    }
+                    let lp = self.decoded.logprobs.then_some((&logprobs[..], tok));
+                    self.env.chunk(i, Delta::Text(&text), lp, usage_field)
+                }
+                Event::Done { finish, .. } => {
+                    self.env.chunk(i, Delta::Finish(finish), None, usage_field)
+                }
+                Event::Error(e) => {
+                    let error = ApiError::from_engine(&e, self.prompt_param);
+                    sse.data(&error.body()).await?;
+                    return sse.done().await;
+                }
+            };
+            sse.data(&chunk).await?;
+        }
+        if usage_field {
+            sse.data(&self.env.usage_chunk(totals.usage)).await?;
+        }
+        sse.done().await
+    }
+}

@@ -1,0 +1,150 @@
+//! Prometheus counters and histograms for `/metrics`, kept with atomics and one small mutex.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+/// Upper bounds (seconds) of the time-to-first-token histogram.
+const TTFT_BUCKETS: [f64; 10] = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+/// Upper bounds of the decode tokens-per-second histogram.
+const TPS_BUCKETS: [f64; 9] = [1.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0];
+
+/// A cumulative histogram.
+#[derive(Debug, Default)]
+struct Histogram {
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    fn observe(&mut self, bounds: &[f64], x: f64) {
+        self.counts.resize(bounds.len(), 0);
+        for (c, &b) in self.counts.iter_mut().zip(bounds) {
+            if x <= b {
+                *c += 1;
+            }
+        }
+        self.sum += x;
+        self.count += 1;
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str, bounds: &[f64]) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (i, b) in bounds.iter().enumerate() {
+            let c = self.counts.get(i).copied().unwrap_or(0);
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {c}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
+        let _ = writeln!(out, "{name}_sum {}\n{name}_count {}", self.sum, self.count);
+    }
+}
+
+#[derive(Debug, Default)]
+struct Locked {
+    by_status: BTreeMap<(String, u16), u64>,
+    ttft: Histogram,
+    tps: Histogram,
+}
+
+/// The server's metrics.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    locked: Mutex<Locked>,
+    prompt_tokens: AtomicU64,
+    completion_tokens: AtomicU64,
+    kv_bytes: AtomicU64,
+    /// Requests submitted and not yet finished (waiting or generating).
+    pub in_flight: AtomicUsize,
+}
+
+impl Metrics {
+    /// Counts a finished request.
+    pub fn request(&self, path: &str, status: u16) {
+        let mut l = self.locked.lock().unwrap_or_else(|e| e.into_inner());
+        *l.by_status.entry((path.to_string(), status)).or_default() += 1;
+    }
+
+    /// Records one finished generation.
+    pub fn generation(&self, prompt: usize, completion: usize, ttft_s: f64, tps: f64, kv: usize) {
+        self.prompt_tokens
+            .fetch_add(prompt as u64, Ordering::Relaxed);
+        self.completion_tokens
+            .fetch_add(completion as u64, Ordering::Relaxed);
+        self.kv_bytes.store(kv as u64, Ordering::Relaxed);
+        let mut l = self.locked.lock().unwrap_or_else(|e| e.into_inner());
+        l.ttft.observe(&TTFT_BUCKETS, ttft_s);
+        if completion > 1 {
+            l.tps.observe(&TPS_BUCKETS, tps);
+        }
+    }
+
+    /// The Prometheus text exposition; `parallel` is the number of generation slots.
+    pub fn render(&self, parallel: usize) -> String {
+        let mut out = String::new();
+        let l = self.locked.lock().unwrap_or_else(|e| e.into_inner());
+        out.push_str("# HELP peregrine_requests_total HTTP requests by path and status.\n");
+        out.push_str("# TYPE peregrine_requests_total counter\n");
+        for ((path, status), n) in &l.by_status {
+            let _ = writeln!(
+                out,
+                "peregrine_requests_total{{path=\"{path}\",status=\"{status}\"}} {n}"
+            );
+        }
+        let in_flight = self.in_flight.load(Ordering::Relaxed);
+        let counters = [
+            (
+                "prompt_tokens_total",
+                "counter",
+                "Prompt tokens processed.",
+                self.prompt_tokens.load(Ordering::Relaxed) as usize,
+            ),
+            (
+                "completion_tokens_total",
+                "counter",
+                "Tokens generated.",
+                self.completion_tokens.load(Ordering::Relaxed) as usize,
+            ),
+            (
+                "active_slots",
+                "gauge",
+                "Generations running now.",
+                in_flight.min(parallel),
+            ),
+            (
+                "queue_depth",
+                "gauge",
+                "Requests waiting for a slot.",
+                in_flight.saturating_sub(parallel),
+            ),
+            (
+                "kv_bytes",
+                "gauge",
+                "KV cache bytes of the last finished sequence.",
+                self.kv_bytes.load(Ordering::Relaxed) as usize,
+            ),
+        ];
+        for (name, kind, help, value) in counters {
+            let _ = writeln!(
+                out,
+                "# HELP peregrine_{name} {help}\n# TYPE peregrine_{name} {kind}\nperegrine_{name} {value}"
+            );
+        }
+        let ttft_help = "Time to first token in seconds.";
+        l.ttft.render(
+            &mut out,
+            "peregrine_time_to_first_token_seconds",
+            ttft_help,
+            &TTFT_BUCKETS,
+        );
+        let tps_help = "Decode speed per request in tokens per second.";
+        l.tps.render(
+            &mut out,
+            "peregrine_decode_tokens_per_second",
+            tps_help,
+            &TPS_BUCKETS,
+        );
+        out
+    }
+}

@@ -1,0 +1,315 @@
+//! `peregrine serve`: an OpenAI-compatible HTTP server on hyper 1 and tokio.
+//!
+//! The server binds first and loads the model in the background, so `/health` answers 503 while
+//! loading. Each request is decoded strictly (`openai`), submitted to the engine (`complete`) and
+//! answered as JSON or server-sent events (`wire`, `sse`); every failure is an OpenAI-shaped
+//! error (`error`). SIGINT/SIGTERM stop accepting connections and let open ones finish briefly.
+
+mod complete;
+mod error;
+mod metrics;
+pub mod openai;
+mod prompt;
+mod routes;
+mod sse;
+mod wire;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result};
+use clap::Args;
+use hyper::Response;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use hyper_util::server::graceful::GracefulShutdown;
+use peregrine_engine::tensor::DType;
+use peregrine_engine::{Engine, EngineConfig, KvOptions, SamplingParams};
+
+use crate::cli::ModelArgs;
+use complete::Totals;
+use error::ApiError;
+pub use sse::Body;
+
+/// How long open connections may finish after a shutdown signal.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// `peregrine serve` options.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0 picks a free one; the bound address is printed).
+    #[arg(long, default_value_t = 5413)]
+    port: u16,
+    /// Requests generating at once.
+    #[arg(long, default_value_t = 1)]
+    parallel: usize,
+    /// Requests that may wait for a slot; more get 503.
+    #[arg(long, default_value_t = 64)]
+    queue_size: usize,
+    /// Completion tokens when a request sets no `max_tokens`.
+    #[arg(long, default_value_t = 2048)]
+    max_tokens: usize,
+    /// Default temperature for requests that give none.
+    #[arg(long, default_value_t = 1.0)]
+    temp: f32,
+    /// Default top-p.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Default top-k (0 disables).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Default min-p.
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Default repetition penalty.
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    /// Require `Authorization: Bearer KEY` on /v1 routes.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Answer CORS preflights and allow any origin.
+    #[arg(long)]
+    cors: bool,
+    /// Largest request body in MiB; larger ones get 413.
+    #[arg(long, default_value_t = 16)]
+    max_body_mb: usize,
+    /// The model id clients use (default: the file or folder name).
+    #[arg(long)]
+    alias: Option<String>,
+    /// Print the model, its memory estimate and context length, and exit.
+    #[arg(long)]
+    info: bool,
+}
+
+/// What every handler shares.
+pub struct State {
+    engine: OnceLock<Arc<Engine>>,
+    model_id: String,
+    /// The `--model` argument, also accepted as the `model` field.
+    model_arg: String,
+    api_key: Option<String>,
+    cors: bool,
+    max_body: usize,
+    max_tokens: usize,
+    sampling: SamplingParams,
+    parallel: usize,
+    metrics: metrics::Metrics,
+}
+
+impl State {
+    /// The engine, or 503 while it loads.
+    fn engine(&self) -> Result<&Arc<Engine>, ApiError> {
+        self.engine.get().ok_or_else(|| {
+            ApiError::with_status(
+                hyper::StatusCode::SERVICE_UNAVAILABLE,
+                "the model is loading",
+            )
+        })
+    }
+}
+
+/// One request's identity and clock, for its log line.
+#[derive(Debug, Clone)]
+pub struct RequestLog {
+    /// Unique per process: time-based prefix and a counter.
+    pub id: String,
+    method: String,
+    path: &'static str,
+    start: Instant,
+}
+
+impl RequestLog {
+    fn new(method: &str, path: &'static str) -> Self {
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let secs = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        Self {
+            id: format!("{secs:x}{n:06x}"),
+            method: method.to_string(),
+            path,
+            start: Instant::now(),
+        }
+    }
+
+    /// Writes the request's one log line and counts it.
+    fn finish(&self, state: &State, status: u16, totals: Option<Totals>) {
+        state.metrics.request(self.path, status);
+        let ms = self.start.elapsed().as_millis();
+        let mut line = format!(
+            "request id={} method={} path={} status={status} ms={ms}",
+            self.id, self.method, self.path
+        );
+        if let Some(t) = totals {
+            let ttft = t.ttft.map_or(0, |d| d.as_millis());
+            line += &format!(
+                " prompt_tokens={} completion_tokens={} ttft_ms={ttft} tok_s={:.1}",
+                t.usage.prompt_tokens, t.usage.completion_tokens, t.tps
+            );
+        }
+        eprintln!("{line}");
+    }
+}
+
+/// A JSON response with `status`.
+fn json_response(status: u16, body: &serde_json::Value) -> Response<Body> {
+    let mut response = Response::new(sse::full(body.to_string()));
+    *response.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or_default();
+    response.headers_mut().insert(
+        "content-type",
+        hyper::header::HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+fn model_id(arg: &str) -> String {
+    let path = Path::new(arg.trim_end_matches('/'));
+    let name = if path.is_dir() {
+        path.file_name()
+    } else {
+        path.file_stem()
+    };
+    name.map_or_else(|| arg.to_string(), |n| n.to_string_lossy().into_owned())
+}
+
+fn load(args: &ModelArgs, parallel: usize, queue_size: usize) -> Result<Engine> {
+    let path = crate::hub::resolve_model(&args.model)?;
+    let dtype = match args.cache_type.as_str() {
+        "f16" => Some(DType::F16),
+        "bf16" => Some(DType::BF16),
+        _ => None,
+    };
+    let config = EngineConfig {
+        max_context: args.ctx_size,
+        prefill_size: args.prefill_size,
+        parallel: parallel.max(1),
+        queue_size,
+        kv: KvOptions { dtype },
+        ..Default::default()
+    };
+    Engine::load(&path, config).with_context(|| format!("loading {}", path.display()))
+}
+
+/// Runs `peregrine serve` until SIGINT/SIGTERM.
+pub fn run(args: ServeArgs) -> Result<()> {
+    if args.info {
+        let engine = load(&args.model, 1, 1)?;
+        let info = serde_json::json!({
+            "model": model_id(&args.model.model),
+            "weight_bytes": engine.model().weight_bytes(),
+            "context_length": engine.max_context(),
+            "vocab_size": engine.tokenizer().vocab_size(),
+        });
+        println!("{info:#}");
+        return Ok(());
+    }
+    let sampling = SamplingParams {
+        temperature: args.temp,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        min_p: args.min_p,
+        repetition_penalty: args.repeat_penalty,
+        ..SamplingParams::default()
+    };
+    sampling.validate().context("default sampling flags")?;
+    let state = Arc::new(State {
+        engine: OnceLock::new(),
+        model_id: args
+            .alias
+            .clone()
+            .unwrap_or_else(|| model_id(&args.model.model)),
+        model_arg: args.model.model.clone(),
+        api_key: args.api_key.clone(),
+        cors: args.cors,
+        max_body: args.max_body_mb.saturating_mul(1 << 20),
+        max_tokens: args.max_tokens,
+        sampling,
+        parallel: args.parallel.max(1),
+        metrics: Default::default(),
+    });
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(serve(args, state))
+}
+
+async fn serve(args: ServeArgs, state: Arc<State>) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+        .await
+        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    let addr: SocketAddr = listener.local_addr()?;
+    eprintln!(
+        "peregrine: listening on http://{addr} (loading {})",
+        args.model.model
+    );
+    let loader = state.clone();
+    tokio::task::spawn_blocking(
+        move || match load(&args.model, args.parallel, args.queue_size) {
+            Ok(engine) => {
+                let _ = loader.engine.set(Arc::new(engine));
+                eprintln!("peregrine: model `{}` ready", loader.model_id);
+            }
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                std::process::exit(1);
+            }
+        },
+    );
+    let graceful = GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown_signal());
+    loop {
+        tokio::select! {
+            conn = listener.accept() => {
+                let Ok((stream, _)) = conn else { continue };
+                let state = state.clone();
+                let service = service_fn(move |req| routes::handle(state.clone(), req));
+                let conn = http1::Builder::new().serve_connection(TokioIo::new(stream), service);
+                let conn = graceful.watch(conn);
+                tokio::spawn(async move {
+                    let _ = conn.await;
+                });
+            }
+            () = &mut shutdown => break,
+        }
+    }
+    drop(listener);
+    eprintln!("peregrine: shutting down");
+    tokio::select! {
+        () = graceful.shutdown() => {}
+        () = tokio::time::sleep(SHUTDOWN_GRACE) => eprintln!("peregrine: closing open connections"),
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+}

@@ -1,0 +1,305 @@
+//! Decoding OpenAI request bodies into engine requests.
+//!
+//! Decoding walks the JSON by hand rather than through `#[derive(Deserialize)]` so that each
+//! rejection names the exact field (`messages[2].role`, `stop[1]`) in `error.param`, as OpenAI
+//! does. Unknown fields are ignored; `null` counts as absent; known fields with a wrong type or
+//! out of range are errors.
+
+use peregrine_engine::{Prompt, Request, SamplingParams};
+use serde_json::{Map, Value};
+
+use super::error::ApiError;
+use super::prompt::{chat_prompt, completion_prompts};
+
+/// Which endpoint a body was sent to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completions,
+}
+
+/// Most choices one request may ask for (`n`).
+pub const MAX_N: u64 = 16;
+/// Most alternatives per token (`top_logprobs`, completions' `logprobs`).
+pub const MAX_TOP_LOGPROBS: u64 = 20;
+/// Most stop sequences.
+pub const MAX_STOP: usize = 16;
+/// Largest temperature: the engine's cap (OpenAI's is 2; larger values work, as in vLLM).
+pub const MAX_TEMPERATURE: f64 = 100.0;
+/// Roles a chat message may have.
+pub const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
+/// A decoded request: one engine request per prompt, and how to answer.
+#[derive(Debug, Clone)]
+pub struct Decoded {
+    /// The `model` field, if given.
+    pub model: Option<String>,
+    /// One request per prompt (completions take a list); each runs `n` times.
+    pub requests: Vec<Request>,
+    /// Prepend the prompt to the text (completions' `echo`).
+    pub echo: bool,
+    /// Choices per prompt.
+    pub n: usize,
+    /// Answer with server-sent events.
+    pub stream: bool,
+    /// Send a usage chunk at the end of the stream.
+    pub include_usage: bool,
+    /// Whether logprobs were asked for (the response then carries them).
+    pub logprobs: bool,
+}
+
+/// Parses and validates a body. `default_max_tokens` and `defaults` apply to fields the body
+/// leaves out.
+pub fn decode(
+    body: &[u8],
+    endpoint: Endpoint,
+    default_max_tokens: usize,
+    defaults: &SamplingParams,
+) -> Result<Decoded, ApiError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))?;
+    let Value::Object(obj) = value else {
+        return Err(ApiError::bad_request("the body must be a JSON object"));
+    };
+    let f = Fields(&obj);
+    let model = f.string("model")?.map(str::to_string);
+    f.string("user")?;
+    let stream = f.bool("stream")?.unwrap_or(false);
+    let include_usage = match f.get("stream_options") {
+        None => false,
+        Some(Value::Object(o)) => Fields(o)
+            .bool("include_usage")
+            .map_err(|e| ApiError::invalid("stream_options.include_usage", e.message))?
+            .unwrap_or(false),
+        Some(_) => return Err(type_error("stream_options", "an object")),
+    };
+    let max_tokens = match endpoint {
+        Endpoint::Chat => f.uint("max_completion_tokens", 1, u32::MAX as u64)?,
+        Endpoint::Completions => None,
+    };
+    let max_tokens = match max_tokens {
+        Some(m) => Some(m),
+        None => f.uint("max_tokens", 1, u32::MAX as u64)?,
+    };
+    let n = f.uint("n", 1, MAX_N)?.unwrap_or(1) as usize;
+    let sampling = sampling(&f, defaults)?;
+    let stop = stop(&f)?;
+    let (logprobs, top) = match endpoint {
+        Endpoint::Chat => {
+            let on = f.bool("logprobs")?.unwrap_or(false);
+            let top = f.uint("top_logprobs", 0, MAX_TOP_LOGPROBS)?;
+            if top.is_some() && !on {
+                return Err(ApiError::invalid(
+                    "top_logprobs",
+                    "`top_logprobs` requires `logprobs` to be true",
+                ));
+            }
+            (on, top.unwrap_or(0))
+        }
+        Endpoint::Completions => {
+            let top = f.uint("logprobs", 0, MAX_TOP_LOGPROBS)?;
+            (top.is_some(), top.unwrap_or(0))
+        }
+    };
+    response_format(&f)?;
+    let ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
+    let template = Prompt::Tokens(vec![]);
+    let base = Request {
+        sampling,
+        stop,
+        max_tokens: Some(max_tokens.map_or(default_max_tokens, |m| m as usize)),
+        logprobs: logprobs.then_some(top as usize),
+        ignore_eos,
+        ..Request::new(template)
+    };
+    let (prompts, echo) = match endpoint {
+        Endpoint::Chat => (vec![chat_prompt(&f)?], false),
+        Endpoint::Completions => {
+            if let Some(suffix) = f.string("suffix")?
+                && !suffix.is_empty()
+            {
+                return Err(ApiError::invalid(
+                    "suffix",
+                    "`suffix` (fill-in-the-middle) is not supported by this model",
+                ));
+            }
+            let prompts = completion_prompts(&f)?;
+            (prompts, f.bool("echo")?.unwrap_or(false))
+        }
+    };
+    let requests = prompts
+        .into_iter()
+        .map(|prompt| Request {
+            prompt,
+            ..base.clone()
+        })
+        .collect();
+    Ok(Decoded {
+        model,
+        requests,
+        echo,
+        n,
+        stream,
+        include_usage,
+        logprobs,
+    })
+}
+
+pub(super) fn type_error(param: &str, expected: &str) -> ApiError {
+    ApiError::invalid(param, format!("`{param}` must be {expected}"))
+}
+
+/// Typed access to an object's fields; `null` reads as absent.
+pub(super) struct Fields<'a>(pub(super) &'a Map<String, Value>);
+
+impl<'a> Fields<'a> {
+    pub(super) fn get(&self, key: &str) -> Option<&'a Value> {
+        self.0.get(key).filter(|v| !v.is_null())
+    }
+
+    pub(super) fn string(&self, key: &str) -> Result<Option<&'a str>, ApiError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(_) => Err(type_error(key, "a string")),
+        }
+    }
+
+    pub(super) fn bool(&self, key: &str) -> Result<Option<bool>, ApiError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(_) => Err(type_error(key, "a boolean")),
+        }
+    }
+
+    /// A number in `[lo, hi]` (`open_lo` excludes `lo`).
+    pub(super) fn number(
+        &self,
+        key: &str,
+        lo: f64,
+        hi: f64,
+        open_lo: bool,
+    ) -> Result<Option<f32>, ApiError> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        let x = v.as_f64().ok_or_else(|| type_error(key, "a number"))?;
+        let above = if open_lo { x > lo } else { x >= lo };
+        if !(above && x <= hi) {
+            let open = if open_lo { '(' } else { '[' };
+            return Err(ApiError::invalid(
+                key,
+                format!("`{key}` = {x} is out of range: must be in {open}{lo}, {hi}]"),
+            ));
+        }
+        Ok(Some(x as f32))
+    }
+
+    /// An integer in `[lo, hi]`.
+    pub(super) fn uint(&self, key: &str, lo: u64, hi: u64) -> Result<Option<u64>, ApiError> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        if !(v.is_i64() || v.is_u64()) {
+            return Err(type_error(key, "an integer"));
+        }
+        match v.as_u64() {
+            Some(x) if (lo..=hi).contains(&x) => Ok(Some(x)),
+            _ => Err(ApiError::invalid(
+                key,
+                format!("`{key}` = {v} is out of range: must be in [{lo}, {hi}]"),
+            )),
+        }
+    }
+}
+
+fn sampling(f: &Fields, d: &SamplingParams) -> Result<SamplingParams, ApiError> {
+    let top_k = match f.get("top_k") {
+        // -1 means "off" in vLLM and llama.cpp.
+        Some(v) if v.as_i64() == Some(-1) => 0,
+        _ => f
+            .uint("top_k", 0, u32::MAX as u64)?
+            .map_or(d.top_k, |k| k as usize),
+    };
+    let seed = match f.get("seed") {
+        None => None,
+        Some(v) => match (v.as_u64(), v.as_i64()) {
+            (Some(s), _) => Some(s),
+            (None, Some(s)) => Some(s as u64),
+            _ => return Err(type_error("seed", "an integer")),
+        },
+    };
+    Ok(SamplingParams {
+        temperature: f
+            .number("temperature", 0.0, MAX_TEMPERATURE, false)?
+            .unwrap_or(d.temperature),
+        top_k,
+        top_p: f.number("top_p", 0.0, 1.0, true)?.unwrap_or(d.top_p),
+        min_p: f.number("min_p", 0.0, 1.0, false)?.unwrap_or(d.min_p),
+        repetition_penalty: f
+            .number("repetition_penalty", 0.0, 100.0, true)?
+            .unwrap_or(d.repetition_penalty),
+        frequency_penalty: f
+            .number("frequency_penalty", -2.0, 2.0, false)?
+            .unwrap_or(d.frequency_penalty),
+        presence_penalty: f
+            .number("presence_penalty", -2.0, 2.0, false)?
+            .unwrap_or(d.presence_penalty),
+        seed,
+    })
+}
+
+fn stop(f: &Fields) -> Result<Vec<String>, ApiError> {
+    let list = match f.get("stop") {
+        None => return Ok(vec![]),
+        Some(Value::String(s)) => vec![(s.clone(), "stop".to_string())],
+        Some(Value::Array(items)) => {
+            if items.len() > MAX_STOP {
+                return Err(ApiError::invalid(
+                    "stop",
+                    format!("`stop` holds at most {MAX_STOP} sequences"),
+                ));
+            }
+            let mut out = vec![];
+            for (i, item) in items.iter().enumerate() {
+                let param = format!("stop[{i}]");
+                let s = item
+                    .as_str()
+                    .ok_or_else(|| type_error(&param, "a string"))?;
+                out.push((s.to_string(), param));
+            }
+            out
+        }
+        Some(_) => return Err(type_error("stop", "a string or an array of strings")),
+    };
+    list.into_iter()
+        .map(|(s, param)| {
+            if s.is_empty() {
+                Err(ApiError::invalid(param, "stop sequences must not be empty"))
+            } else {
+                Ok(s)
+            }
+        })
+        .collect()
+}
+
+fn response_format(f: &Fields) -> Result<(), ApiError> {
+    let Some(v) = f.get("response_format") else {
+        return Ok(());
+    };
+    let kind = v.get("type").and_then(Value::as_str);
+    match kind {
+        Some("text" | "json_object") => Ok(()),
+        Some("json_schema") => Err(ApiError::invalid(
+            "response_format",
+            "`response_format` of type `json_schema` is not supported yet (structured output)",
+        )),
+        _ => Err(ApiError::invalid(
+            "response_format",
+            "`response_format.type` must be `text`, `json_object` or `json_schema`",
+        )),
+    }
+}

@@ -1,0 +1,223 @@
+//! Routing, authentication, CORS and body limits; every answer goes through here.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use hyper::header::{ALLOW, AUTHORIZATION, CONTENT_LENGTH, HeaderValue};
+use hyper::{Method, Request, Response, StatusCode};
+use serde_json::json;
+
+use super::error::ApiError;
+use super::openai::{self, Endpoint};
+use super::sse::{self, Body};
+use super::{RequestLog, State, complete, json_response};
+
+/// The routes and the methods each accepts; the name doubles as the metrics label.
+const ROUTES: [(&str, Method); 6] = [
+    ("/health", Method::GET),
+    ("/metrics", Method::GET),
+    ("/v1/models", Method::GET),
+    ("/v1/models/{id}", Method::GET),
+    ("/v1/chat/completions", Method::POST),
+    ("/v1/completions", Method::POST),
+];
+
+fn route_of(path: &str) -> Option<&'static str> {
+    let path = path.trim_end_matches('/');
+    if let Some(id) = path.strip_prefix("/v1/models/")
+        && !id.is_empty()
+    {
+        return Some("/v1/models/{id}");
+    }
+    ROUTES.iter().map(|(r, _)| *r).find(|r| *r == path)
+}
+
+/// Answers one request; never fails (errors become OpenAI error bodies).
+pub async fn handle(
+    state: Arc<State>,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, Infallible> {
+    let route = route_of(req.uri().path());
+    let log = RequestLog::new(req.method().as_str(), route.unwrap_or("other"));
+    let cors = state.cors;
+    let mut response = match dispatch(&state, route, req, log.clone()).await {
+        Ok(response) => response,
+        Err(e) => {
+            log.finish(&state, e.status.as_u16(), None);
+            let mut response = json_response(e.status.as_u16(), &e.body());
+            if e.status == StatusCode::METHOD_NOT_ALLOWED
+                && let Some(allow) = route.and_then(allowed)
+            {
+                response.headers_mut().insert(ALLOW, allow);
+            }
+            response
+        }
+    };
+    if cors {
+        let headers = response.headers_mut();
+        headers.insert("access-control-allow-origin", HeaderValue::from_static("*"));
+    }
+    Ok(response)
+}
+
+fn allowed(route: &str) -> Option<HeaderValue> {
+    let (_, method) = ROUTES.iter().find(|(r, _)| *r == route)?;
+    HeaderValue::from_str(method.as_str()).ok()
+}
+
+async fn dispatch(
+    state: &Arc<State>,
+    route: Option<&'static str>,
+    req: Request<Incoming>,
+    log: RequestLog,
+) -> Result<Response<Body>, ApiError> {
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let Some(route) = route else {
+        return Err(ApiError::with_status(
+            StatusCode::NOT_FOUND,
+            format!("no route for {method} {path}"),
+        ));
+    };
+    if method == Method::OPTIONS && state.cors {
+        log.finish(state, 204, None);
+        let mut response = Response::new(sse::full(""));
+        *response.status_mut() = StatusCode::NO_CONTENT;
+        let h = response.headers_mut();
+        h.insert(
+            "access-control-allow-methods",
+            HeaderValue::from_static("GET, POST, OPTIONS"),
+        );
+        h.insert(
+            "access-control-allow-headers",
+            HeaderValue::from_static("authorization, content-type"),
+        );
+        h.insert("access-control-max-age", HeaderValue::from_static("86400"));
+        return Ok(response);
+    }
+    if route.starts_with("/v1/") {
+        authorize(state, &req)?;
+    }
+    if allowed(route) != HeaderValue::from_str(method.as_str()).ok() {
+        return Err(ApiError::with_status(
+            StatusCode::METHOD_NOT_ALLOWED,
+            format!("{path} does not accept {method}"),
+        ));
+    }
+    let endpoint = match route {
+        "/v1/chat/completions" => Endpoint::Chat,
+        "/v1/completions" => Endpoint::Completions,
+        _ => {
+            let response = simple_get(state, route, &path)?;
+            log.finish(state, response.status().as_u16(), None);
+            return Ok(response);
+        }
+    };
+    let body = read_body(state, req).await?;
+    state.engine()?;
+    let decoded = openai::decode(&body, endpoint, state.max_tokens, &state.sampling)?;
+    if let Some(model) = &decoded.model
+        && model != &state.model_id
+        && model != &state.model_arg
+    {
+        return Err(ApiError::invalid(
+            "model",
+            format!(
+                "the model `{model}` does not exist; this server serves `{}`",
+                state.model_id
+            ),
+        )
+        .status(StatusCode::NOT_FOUND)
+        .code("model_not_found"));
+    }
+    complete::run(state.clone(), endpoint, decoded, log).await
+}
+
+fn authorize(state: &State, req: &Request<Incoming>) -> Result<(), ApiError> {
+    let Some(key) = &state.api_key else {
+        return Ok(());
+    };
+    let given = req
+        .headers()
+        .get(AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    if given.and_then(|v| v.strip_prefix("Bearer ")) == Some(key.as_str()) {
+        return Ok(());
+    }
+    Err(ApiError::with_status(
+        StatusCode::UNAUTHORIZED,
+        "missing or incorrect API key (send `Authorization: Bearer KEY`)",
+    )
+    .code("invalid_api_key"))
+}
+
+async fn read_body(state: &State, req: Request<Incoming>) -> Result<bytes::Bytes, ApiError> {
+    let too_large = || {
+        ApiError::with_status(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the body is larger than {} bytes", state.max_body),
+        )
+        .code("request_too_large")
+    };
+    let declared = req
+        .headers()
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok());
+    if declared
+        .and_then(|v| v.parse::<usize>().ok())
+        .is_some_and(|n| n > state.max_body)
+    {
+        return Err(too_large());
+    }
+    match Limited::new(req.into_body(), state.max_body)
+        .collect()
+        .await
+    {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
+        Err(e) => Err(ApiError::bad_request(format!(
+            "reading the body failed: {e}"
+        ))),
+    }
+}
+
+fn simple_get(state: &State, route: &str, path: &str) -> Result<Response<Body>, ApiError> {
+    let model = json!({
+        "id": state.model_id, "object": "model", "created": 0, "owned_by": "peregrine",
+    });
+    let body = match route {
+        "/health" => {
+            let engine = state.engine()?;
+            json!({
+                "status": "ok",
+                "model": state.model_id,
+                "capabilities": ["chat", "completions", "streaming", "logprobs"],
+                "context_length": engine.max_context(),
+                "memory": {"weight_bytes": engine.model().weight_bytes()},
+            })
+        }
+        "/metrics" => {
+            let mut response = Response::new(sse::full(state.metrics.render(state.parallel)));
+            response.headers_mut().insert(
+                "content-type",
+                HeaderValue::from_static("text/plain; version=0.0.4"),
+            );
+            return Ok(response);
+        }
+        "/v1/models" => json!({"object": "list", "data": [model]}),
+        _ => {
+            let id = path.trim_end_matches('/').trim_start_matches("/v1/models/");
+            if id != state.model_id && id != state.model_arg {
+                return Err(
+                    ApiError::invalid("model", format!("the model `{id}` does not exist"))
+                        .status(StatusCode::NOT_FOUND)
+                        .code("model_not_found"),
+                );
+            }
+            model
+        }
+    };
+    Ok(json_response(200, &body))
+}

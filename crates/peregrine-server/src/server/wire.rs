@@ -1,0 +1,196 @@
+//! OpenAI response and stream-chunk JSON for chat completions and completions.
+
+use peregrine_engine::{FinishReason, TokenLogprob, Tokenizer, Usage};
+use serde_json::{Value, json};
+
+use super::openai::Endpoint;
+
+/// What every object of one response shares: one `id` and `created` for a whole stream.
+#[derive(Debug, Clone)]
+pub struct Envelope {
+    /// `chatcmpl-…` or `cmpl-…`.
+    pub id: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// The served model id.
+    pub model: String,
+    /// Chat or completions.
+    pub endpoint: Endpoint,
+}
+
+/// One finished choice of a non-streaming answer.
+#[derive(Debug, Clone, Default)]
+pub struct Choice {
+    /// The generated text (with the prompt first for `echo`).
+    pub text: String,
+    /// Per-token log-probabilities, when asked.
+    pub logprobs: Vec<TokenLogprob>,
+    /// Why it ended.
+    pub finish: Option<FinishReason>,
+}
+
+/// OpenAI's name for a finish reason.
+pub fn finish_name(finish: FinishReason) -> &'static str {
+    match finish {
+        FinishReason::Length => "length",
+        FinishReason::Stop | FinishReason::Cancelled => "stop",
+    }
+}
+
+/// The `usage` object.
+pub fn usage_json(usage: Usage) -> Value {
+    json!({
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    })
+}
+
+impl Envelope {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.endpoint, chunk) {
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+            (Endpoint::Completions, _) => "text_completion",
+        }
+    }
+
+    fn wrap(&self, chunk: bool, choices: Vec<Value>) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(chunk),
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": null,
+            "choices": choices,
+        })
+    }
+
+    /// A whole non-streaming response.
+    pub fn response(
+        &self,
+        choices: &[Choice],
+        usage: Usage,
+        tok: &Tokenizer,
+        logprobs: bool,
+    ) -> Value {
+        let choices = choices
+            .iter()
+            .enumerate()
+            .map(|(index, c)| {
+                let finish = c.finish.map(finish_name);
+                let lp = logprobs.then(|| self.logprobs(&c.logprobs, tok));
+                match self.endpoint {
+                    Endpoint::Chat => json!({
+                        "index": index,
+                        "message": {"role": "assistant", "content": c.text, "refusal": null},
+                        "logprobs": lp,
+                        "finish_reason": finish,
+                    }),
+                    Endpoint::Completions => json!({
+                        "index": index, "text": c.text, "logprobs": lp, "finish_reason": finish,
+                    }),
+                }
+            })
+            .collect();
+        let mut body = self.wrap(false, choices);
+        body["usage"] = usage_json(usage);
+        body
+    }
+
+    /// A stream chunk for one choice: `text` (or the role, for chat's first chunk), optional
+    /// logprobs, and the finish reason on the last.
+    pub fn chunk(
+        &self,
+        index: usize,
+        delta: Delta<'_>,
+        logprobs: Option<(&[TokenLogprob], &Tokenizer)>,
+        with_usage_field: bool,
+    ) -> Value {
+        let lp = logprobs.map(|(lp, tok)| self.logprobs(lp, tok));
+        let (finish, text) = match delta {
+            Delta::Role => (None, None),
+            Delta::Text(t) => (None, Some(t)),
+            Delta::Finish(f) => (Some(finish_name(f)), None),
+        };
+        let choice = match self.endpoint {
+            Endpoint::Chat => {
+                let delta = match delta {
+                    Delta::Role => json!({"role": "assistant", "content": ""}),
+                    Delta::Text(t) => json!({"content": t}),
+                    Delta::Finish(_) => json!({}),
+                };
+                json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish})
+            }
+            Endpoint::Completions => json!({
+                "index": index, "text": text.unwrap_or(""), "logprobs": lp, "finish_reason": finish,
+            }),
+        };
+        let mut body = self.wrap(true, vec![choice]);
+        if with_usage_field {
+            body["usage"] = Value::Null;
+        }
+        body
+    }
+
+    /// The final usage chunk (`choices: []`), for `stream_options.include_usage`.
+    pub fn usage_chunk(&self, usage: Usage) -> Value {
+        let mut body = self.wrap(true, vec![]);
+        body["usage"] = usage_json(usage);
+        body
+    }
+
+    /// The logprobs object in the endpoint's shape.
+    fn logprobs(&self, lps: &[TokenLogprob], tok: &Tokenizer) -> Value {
+        let text = |id: u32| tok.decode(&[id], false).unwrap_or_default();
+        match self.endpoint {
+            Endpoint::Chat => {
+                let entry = |id: u32, lp: f32| {
+                    let t = text(id);
+                    json!({"token": t, "logprob": lp, "bytes": t.as_bytes()})
+                };
+                let content: Vec<Value> = lps
+                    .iter()
+                    .map(|l| {
+                        let mut e = entry(l.id, l.logprob);
+                        let top: Vec<Value> = l.top.iter().map(|&(id, lp)| entry(id, lp)).collect();
+                        e["top_logprobs"] = Value::Array(top);
+                        e
+                    })
+                    .collect();
+                json!({"content": content, "refusal": null})
+            }
+            Endpoint::Completions => {
+                let mut offset = 0;
+                let (mut tokens, mut token_lps, mut tops, mut offsets) =
+                    (vec![], vec![], vec![], vec![]);
+                for l in lps {
+                    let t = text(l.id);
+                    offsets.push(offset);
+                    offset += t.len();
+                    tokens.push(t);
+                    token_lps.push(l.logprob);
+                    let top: serde_json::Map<String, Value> = l
+                        .top
+                        .iter()
+                        .map(|&(id, lp)| (text(id), json!(lp)))
+                        .collect();
+                    tops.push(top);
+                }
+                json!({"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                       "text_offset": offsets})
+            }
+        }
+    }
+}
+
+/// What a stream chunk carries.
+#[derive(Debug, Clone, Copy)]
+pub enum Delta<'a> {
+    /// The assistant role (chat's first chunk per choice).
+    Role,
+    /// New text.
+    Text(&'a str),
+    /// The end, with its reason.
+    Finish(FinishReason),
+}
