@@ -63,7 +63,7 @@ pub enum ModelError {
         got: Vec<usize>,
     },
     /// A tensor operation failed.
-    #[error(transparent)]
+    #[error("{}", peregrine_tensor::error_message(.0))]
     Tensor(#[from] peregrine_tensor::candle::Error),
 }
 

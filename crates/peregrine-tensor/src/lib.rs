@@ -15,3 +15,14 @@ pub mod rope;
 pub use candle_core::{D, DType, Device, Result, Tensor};
 pub use linear::{Embedding, QLinear};
 pub use rope::{RopeScaling, RopeStyle, RotaryEmbedding};
+
+/// A candle error's message for users: without the backtrace candle attaches when
+/// `RUST_BACKTRACE` is set, and without its `path:` prefix (our errors name the file already).
+pub fn error_message(e: &candle_core::Error) -> String {
+    match e {
+        candle_core::Error::WithBacktrace { inner, .. } | candle_core::Error::WithPath { inner, .. } => {
+            error_message(inner)
+        }
+        other => other.to_string(),
+    }
+}

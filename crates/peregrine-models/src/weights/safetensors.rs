@@ -45,7 +45,7 @@ impl SafetensorsFiles {
                 } else {
                     dir.to_path_buf()
                 },
-                message: format!("not a valid safetensors file: {e}"),
+                message: format!("not a valid safetensors file: {}", peregrine_tensor::error_message(&e)),
             })?;
         Ok(Self {
             root: dir.to_path_buf(),
@@ -75,7 +75,7 @@ impl SafetensorsFiles {
             .load(name, device)
             .map_err(|e| ModelError::Checkpoint {
                 file: self.root.clone(),
-                message: format!("tensor `{name}`: {e}"),
+                message: format!("tensor `{name}`: {}", peregrine_tensor::error_message(&e)),
             })
     }
 }

@@ -1,0 +1,234 @@
+//! The `peregrine` binary as a user runs it: parity through `peregrine logits`, and one clear
+//! error (naming the file, tensor or field) with a non-zero exit and no panic for each kind of
+//! broken checkpoint.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use peregrine_engine::tensor::candle::safetensors::load;
+use peregrine_engine::tensor::{DType, Device};
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn fixture(arch: &str) -> PathBuf {
+    repo().join("tests/fixtures").join(arch).join("hf")
+}
+
+fn peregrine(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_peregrine"))
+        .args(args)
+        .output()
+        .expect("the binary runs")
+}
+
+/// A fresh scratch folder for one test.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("peregrine-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn copy_fixture(arch: &str, to: &Path) {
+    for entry in std::fs::read_dir(fixture(arch)).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, to.join(path.file_name().unwrap())).unwrap();
+    }
+}
+
+/// Runs `generate` on `model` and returns stderr, asserting a clean failure.
+fn expect_failure(model: &Path) -> String {
+    let out = peregrine(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "2",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(
+        !out.status.success(),
+        "expected failure, got success; stderr: {stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "panicked: {stderr}");
+    assert_eq!(
+        stderr.lines().filter(|l| l.starts_with("error:")).count(),
+        1,
+        "one error line: {stderr}"
+    );
+    stderr
+}
+
+#[test]
+fn logits_command_matches_transformers() {
+    for arch in ["llama", "mistral", "qwen2", "qwen3"] {
+        let reference = load(fixture(arch).join("reference.safetensors"), &Device::Cpu).unwrap();
+        let ids = reference["input_ids"]
+            .to_dtype(DType::U32)
+            .unwrap()
+            .to_vec1::<u32>()
+            .unwrap();
+        let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
+        let out_file = scratch(&format!("logits-{arch}")).join("logits.safetensors");
+        // A small prefill size makes the command cross chunk boundaries.
+        let out = peregrine(&[
+            "logits",
+            "--model",
+            fixture(arch).to_str().unwrap(),
+            "--input-ids",
+            &ids.join(","),
+            "--prefill-size",
+            "7",
+            "--out",
+            out_file.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{arch}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let ours = load(&out_file, &Device::Cpu).unwrap();
+        let diff = (&ours["logits"] - &reference["logits"])
+            .unwrap()
+            .abs()
+            .unwrap();
+        let max = diff
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        // f32 weights and compute on both sides: only summation order differs (see golden.rs).
+        assert!(max < 1e-3, "{arch}: max abs diff {max}");
+    }
+}
+
+#[test]
+fn logits_command_selects_positions() {
+    let out_file = scratch("positions").join("l.safetensors");
+    let out = peregrine(&[
+        "logits",
+        "--model",
+        fixture("llama").to_str().unwrap(),
+        "--input-ids",
+        "5,6,7,8",
+        "--positions",
+        "1..3",
+        "--out",
+        out_file.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        load(&out_file, &Device::Cpu).unwrap()["logits"].dims(),
+        &[2, 512]
+    );
+}
+
+#[test]
+fn missing_model_file_is_one_clear_error() {
+    let stderr = expect_failure(Path::new("/nonexistent/model.gguf"));
+    assert!(stderr.contains("/nonexistent/model.gguf"), "{stderr}");
+}
+
+#[test]
+fn truncated_safetensors_names_the_file() {
+    let dir = scratch("truncated-st");
+    copy_fixture("llama", &dir);
+    let weights = dir.join("model.safetensors");
+    let bytes = std::fs::read(&weights).unwrap();
+    std::fs::write(&weights, &bytes[..bytes.len() / 2]).unwrap();
+    let stderr = expect_failure(&dir);
+    assert!(stderr.contains("model.safetensors"), "{stderr}");
+}
+
+#[test]
+fn unknown_architecture_lists_the_supported_ones() {
+    let dir = scratch("unknown-arch");
+    copy_fixture("llama", &dir);
+    let config = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        config.replace("\"model_type\": \"llama\"", "\"model_type\": \"llama9000\""),
+    )
+    .unwrap();
+    let stderr = expect_failure(&dir);
+    assert!(
+        stderr.contains("llama9000") && stderr.contains("qwen3") && stderr.contains("config.json"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn config_missing_a_field_names_it() {
+    let dir = scratch("missing-field");
+    copy_fixture("qwen2", &dir);
+    let config = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    let without: String = config
+        .lines()
+        .filter(|l| !l.contains("\"hidden_size\""))
+        .collect::<Vec<_>>()
+        .join("\n");
+    std::fs::write(dir.join("config.json"), without).unwrap();
+    let stderr = expect_failure(&dir);
+    assert!(
+        stderr.contains("hidden_size") && stderr.contains("config.json"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn wrong_tensor_shape_names_tensor_and_shapes() {
+    let dir = scratch("wrong-shape");
+    copy_fixture("llama", &dir);
+    let config = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        config.replace("\"intermediate_size\": 128", "\"intermediate_size\": 96"),
+    )
+    .unwrap();
+    let stderr = expect_failure(&dir);
+    assert!(
+        stderr.contains("gate_proj.weight") && stderr.contains("[96, 64]"),
+        "{stderr}"
+    );
+}
+
+/// A GGUF cut short, in its header and in its tensor data. Built from SmolLM2 (fetched by
+/// `scripts/fetch-models.sh`; the test fails, rather than skips, when it is absent).
+#[test]
+fn truncated_gguf_names_the_file_and_tensor() {
+    let models = std::env::var_os("PEREGRINE_MODELS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/peregrine/models")
+        });
+    let source = models.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        source.exists(),
+        "{} is missing: run scripts/fetch-models.sh",
+        source.display()
+    );
+    let bytes = std::fs::read(&source).unwrap();
+    let dir = scratch("truncated-gguf");
+    for (name, len) in [("header.gguf", 4096), ("data.gguf", bytes.len() / 2)] {
+        let path = dir.join(name);
+        std::fs::write(&path, &bytes[..len]).unwrap();
+        let stderr = expect_failure(&path);
+        assert!(stderr.contains(name), "{stderr}");
+        if name == "data.gguf" {
+            assert!(
+                stderr.contains("tensor `") && stderr.contains("truncated"),
+                "{stderr}"
+            );
+        }
+    }
+}
