@@ -1,0 +1,222 @@
+//! Black-box tests of `peregrine serve` over raw HTTP with the tiny llama fixture: every error
+//! row of the OpenAI error contract, and the happy paths (whole and streamed answers agree at
+//! temperature 0, stop strings, limits, `n`, logprobs, concurrency, disconnects, shutdown).
+
+mod support;
+
+use std::io::Read;
+
+use serde_json::{Value, json};
+use support::{Reply, Server};
+
+const CHAT: &str = "/v1/chat/completions";
+const COMPLETIONS: &str = "/v1/completions";
+
+fn chat(content: &str) -> Value {
+    json!({"model": "tiny", "messages": [{"role": "user", "content": content}],
+           "temperature": 0, "max_tokens": 12})
+}
+
+fn with(mut base: Value, extra: Value) -> Value {
+    for (k, v) in extra.as_object().unwrap() {
+        base[k] = v.clone();
+    }
+    base
+}
+
+fn assert_error(reply: &Reply, status: u16, param: Option<&str>, what: &str) {
+    assert_eq!(reply.status, status, "{what}: {}", reply.body);
+    let error = &reply.json()["error"];
+    let kind = error["type"].as_str().unwrap_or_default();
+    let expected_kind = match status {
+        500.. => "server_error",
+        _ => "invalid_request_error",
+    };
+    assert_eq!(kind, expected_kind, "{what}: {}", reply.body);
+    assert_eq!(error["param"].as_str(), param, "{what}: {}", reply.body);
+    assert!(
+        error["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{what}"
+    );
+    assert!(
+        error.get("code").is_some(),
+        "{what}: code must be present (maybe null)"
+    );
+}
+
+/// Every 4xx/5xx row of the contract, against one server with `--queue-size 0` (a busy worker
+/// means 503) and `--max-body-mb 1`.
+#[test]
+fn every_error_row_has_status_type_and_param() {
+    let server = Server::start(&["--queue-size", "0", "--max-body-mb", "1"]);
+    // 503 first, while the only worker is idle: `n: 2` takes the worker, then finds no room.
+    let reply = server.post(CHAT, &with(chat("hi"), json!({"n": 2})));
+    assert_error(&reply, 503, None, "queue full");
+    assert_eq!(reply.json()["error"]["code"], "queue_full");
+
+    let long = "word ".repeat(400);
+    let bad_chat: Vec<(Value, &str)> = vec![
+        (json!({"temperature": 0}), "messages"),
+        (json!({"messages": []}), "messages"),
+        (json!({"messages": "hi"}), "messages"),
+        (
+            json!({"messages": [{"role": "bot", "content": "x"}]}),
+            "messages[0].role",
+        ),
+        (json!({"messages": [{"content": "x"}]}), "messages[0].role"),
+        (
+            json!({"messages": [{"role": 1, "content": "x"}]}),
+            "messages[0].role",
+        ),
+        (json!({"messages": ["hi"]}), "messages[0]"),
+        (
+            json!({"messages": [{"role": "user", "content": 5}]}),
+            "messages[0].content",
+        ),
+        (
+            json!({"messages": [{"role": "user"}]}),
+            "messages[0].content",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
+            "messages[0].content[0]",
+        ),
+        (json!({"temperature": "hot"}), "temperature"),
+        (json!({"temperature": -1}), "temperature"),
+        (json!({"temperature": 101}), "temperature"),
+        (json!({"top_p": 0}), "top_p"),
+        (json!({"top_p": 1.5}), "top_p"),
+        (json!({"top_k": -2}), "top_k"),
+        (json!({"top_k": 1.5}), "top_k"),
+        (json!({"min_p": 2}), "min_p"),
+        (json!({"repetition_penalty": 0}), "repetition_penalty"),
+        (json!({"frequency_penalty": 3}), "frequency_penalty"),
+        (json!({"presence_penalty": -3}), "presence_penalty"),
+        (json!({"max_tokens": 0}), "max_tokens"),
+        (json!({"max_tokens": "5"}), "max_tokens"),
+        (
+            json!({"max_completion_tokens": -1}),
+            "max_completion_tokens",
+        ),
+        (json!({"n": 0}), "n"),
+        (json!({"n": 17}), "n"),
+        (json!({"stop": 5}), "stop"),
+        (json!({"stop": ["a", 3]}), "stop[1]"),
+        (json!({"stop": [""]}), "stop[0]"),
+        (json!({"stream": "yes"}), "stream"),
+        (json!({"stream_options": 3}), "stream_options"),
+        (
+            json!({"stream_options": {"include_usage": "y"}}),
+            "stream_options.include_usage",
+        ),
+        (json!({"seed": "x"}), "seed"),
+        (json!({"logprobs": "yes"}), "logprobs"),
+        (json!({"top_logprobs": 3}), "top_logprobs"),
+        (
+            json!({"logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {}}}),
+            "response_format",
+        ),
+        (
+            json!({"response_format": {"type": "xml"}}),
+            "response_format",
+        ),
+        (json!({"chat_template_kwargs": []}), "chat_template_kwargs"),
+        (json!({"user": 5}), "user"),
+        (json!({"model": 5}), "model"),
+    ];
+    for (patch, param) in bad_chat {
+        let mut body = with(chat("hi"), patch.clone());
+        if patch.get("messages").is_none() && param == "messages" {
+            body.as_object_mut().unwrap().remove("messages");
+        }
+        assert_error(
+            &server.post(CHAT, &body),
+            400,
+            Some(param),
+            &patch.to_string(),
+        );
+    }
+    let reply = server.post(CHAT, &chat(&long));
+    assert_error(&reply, 400, Some("messages"), "context length");
+    assert_eq!(reply.json()["error"]["code"], "context_length_exceeded");
+    let reply = server.post(CHAT, &with(chat("hi"), json!({"model": "nope"})));
+    assert_error(&reply, 404, Some("model"), "unknown model");
+    assert_eq!(reply.json()["error"]["code"], "model_not_found");
+
+    let bad_completions: Vec<(Value, &str)> = vec![
+        (json!({}), "prompt"),
+        (json!({"prompt": 5}), "prompt"),
+        (json!({"prompt": []}), "prompt"),
+        (json!({"prompt": ["a", 5]}), "prompt[1]"),
+        (json!({"prompt": [1, -1]}), "prompt"),
+        (json!({"prompt": [999999]}), "prompt"),
+        (json!({"prompt": "a", "suffix": "b"}), "suffix"),
+        (json!({"prompt": "a", "logprobs": 21}), "logprobs"),
+        (json!({"prompt": "a", "logprobs": true}), "logprobs"),
+        (json!({"prompt": "a", "echo": "y"}), "echo"),
+        (json!({"prompt": "a", "max_tokens": -5}), "max_tokens"),
+        (json!({"prompt": long}), "prompt"),
+    ];
+    for (body, param) in bad_completions {
+        let what = body.to_string();
+        assert_error(&server.post(COMPLETIONS, &body), 400, Some(param), &what);
+    }
+
+    for (body, what) in [
+        ("{not json", "malformed"),
+        ("[1, 2]", "not an object"),
+        ("", "empty"),
+    ] {
+        let reply = server.send("POST", CHAT, &[], body.as_bytes());
+        assert_error(&reply, 400, None, what);
+    }
+    for (method, path) in [
+        ("GET", CHAT),
+        ("PUT", COMPLETIONS),
+        ("DELETE", "/v1/models"),
+        ("POST", "/health"),
+    ] {
+        let reply = server.send(method, path, &[], b"");
+        assert_error(&reply, 405, None, &format!("{method} {path}"));
+        assert!(
+            reply.header("allow").is_some(),
+            "405 names the allowed method"
+        );
+    }
+    assert_error(&server.get("/nope"), 404, None, "unknown route");
+    assert_error(&server.get("/v1/model"), 404, None, "unknown route");
+    let reply = server.get("/v1/models/nope");
+    assert_error(&reply, 404, Some("model"), "unknown model id");
+
+    // 413: the declared length is over the limit; the server answers without reading it.
+    let mut stream = server.open("POST", CHAT, &[], b"{", Some(2 << 20));
+    let mut raw = vec![];
+    let _ = stream.read_to_end(&mut raw);
+    let text = String::from_utf8_lossy(&raw);
+    assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+    assert!(text.contains("invalid_request_error"), "{text}");
+}
+
+#[test]
+fn api_key_is_required_on_v1_routes() {
+    let server = Server::start(&["--api-key", "sekret"]);
+    assert_eq!(server.get("/health").status, 200, "health stays open");
+    for headers in [
+        vec![],
+        vec![("Authorization", "Bearer wrong")],
+        vec![("Authorization", "sekret")],
+    ] {
+        let reply = server.send("GET", "/v1/models", &headers, b"");
+        assert_eq!(reply.status, 401, "{headers:?}");
+        assert_eq!(reply.json()["error"]["code"], "invalid_api_key");
+        assert_eq!(reply.json()["error"]["param"], Value::Null);
+    }
+    let ok = [("Authorization", "Bearer sekret")];
+    assert_eq!(server.send("GET", "/v1/models", &ok, b"").status, 200);
+    let body = chat("hi").to_string();
+    assert_eq!(server.send("POST", CHAT, &ok, body.as_bytes()).status, 200);
+}
