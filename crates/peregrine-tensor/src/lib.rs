@@ -9,11 +9,13 @@ pub use candle_nn as nn;
 pub mod attention;
 pub mod device;
 pub mod linear;
+pub mod mlx;
 pub mod ops;
 pub mod rope;
 
 pub use candle_core::{D, DType, Device, Result, Tensor};
 pub use linear::{Embedding, QLinear};
+pub use mlx::MlxQuantized;
 pub use rope::{RopeScaling, RopeStyle, RotaryEmbedding};
 
 /// A candle error's message for users: without the backtrace candle attaches when

@@ -5,6 +5,8 @@ use std::sync::Arc;
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{D, Module, Result, Tensor};
 
+use crate::mlx::MlxQuantized;
+
 /// A linear layer `y = x Wᵀ + b`; the only place where weight formats meet matmul.
 /// Adding a format adds a variant here and a mapping in the loader, nothing in model code.
 #[derive(Debug, Clone)]
@@ -20,6 +22,13 @@ pub enum QLinear {
     Gguf {
         /// The quantized weight, logical shape `[out, in]`.
         w: QMatMul,
+        /// Optional bias, `[out]`.
+        b: Option<Tensor>,
+    },
+    /// An MLX affine-quantized weight, multiplied without dequantizing the whole matrix.
+    MlxAffine {
+        /// The quantized weight, logical shape `[out, in]`.
+        w: MlxQuantized,
         /// Optional bias, `[out]`.
         b: Option<Tensor>,
     },
@@ -39,6 +48,7 @@ impl QLinear {
         let (y, b) = match self {
             Self::Dense { w, b } => (dense_matmul(x, w)?, b),
             Self::Gguf { w, b } => (w.forward(x)?, b),
+            Self::MlxAffine { w, b } => (w.forward(x)?, b),
         };
         match b {
             Some(b) => y.broadcast_add(b),
@@ -52,11 +62,12 @@ impl QLinear {
         match self {
             Self::Dense { w, b } => tensor_bytes(w) + bias(b),
             Self::Gguf { w, b } => qmatmul_bytes(w) + bias(b),
+            Self::MlxAffine { w, b } => w.weight_bytes() + bias(b),
         }
     }
 }
 
-fn dense_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+pub(crate) fn dense_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     match x.dims() {
         [b1, b2, _, _] => x.matmul(&w.broadcast_left((*b1, *b2))?.t()?),
         [b, _, _] => x.matmul(&w.broadcast_left(*b)?.t()?),
@@ -84,6 +95,8 @@ pub enum Embedding {
     Dense(Tensor),
     /// GGUF-quantized table `[vocab, hidden]`.
     Gguf(Arc<QTensor>),
+    /// MLX affine-quantized table `[vocab, hidden]`.
+    MlxAffine(MlxQuantized),
 }
 
 impl Embedding {
@@ -98,6 +111,13 @@ impl Embedding {
                     .to_dtype(dtype)
             }
             Self::Gguf(q) => q.embedding(ids)?.to_dtype(dtype),
+            Self::MlxAffine(q) => {
+                let mut dims = ids.dims().to_vec();
+                dims.push(q.dims().1);
+                let flat = ids.flatten_all()?.to_dtype(candle_core::DType::U32)?;
+                let rows = q.gather_rows(&flat.to_vec1::<u32>()?)?;
+                rows.to_device(ids.device())?.reshape(dims)?.to_dtype(dtype)
+            }
         }
     }
 
@@ -109,6 +129,10 @@ impl Embedding {
                 b: None,
             }),
             Self::Gguf(q) => QLinear::from_qtensor(q.clone(), None),
+            Self::MlxAffine(q) => Ok(QLinear::MlxAffine {
+                w: q.clone(),
+                b: None,
+            }),
         }
     }
 
@@ -117,6 +141,7 @@ impl Embedding {
         match self {
             Self::Dense(w) => tensor_bytes(w),
             Self::Gguf(q) => q.storage_size_in_bytes(),
+            Self::MlxAffine(q) => q.weight_bytes(),
         }
     }
 }

@@ -1,0 +1,337 @@
+//! MLX affine-quantized weights: `w = scale * q + bias` per group of `group_size` inputs, with the
+//! `bits`-wide unsigned `q` packed as a little-endian bit stream over u32 words (values cross word
+//! boundaries for 3, 5 and 6 bits). The CPU path never materialises the dequantized matrix:
+//! decode (one input row) computes dot products group by group straight from the packed words;
+//! batches dequantize a block of rows to f32 scratch, multiply it, and move on.
+
+use candle_core::{DType, Device, Layout, Result, Storage, Tensor, bail};
+use rayon::prelude::*;
+
+/// Bit widths MLX's affine mode supports.
+pub const SUPPORTED_BITS: [usize; 6] = [2, 3, 4, 5, 6, 8];
+
+/// f32 elements of dequantized scratch per tile (4 MiB): large enough for efficient matmuls,
+/// small enough to stay in L2/L3 instead of growing with the weight.
+const SCRATCH_ELEMS: usize = 1 << 20;
+
+/// The largest group MLX writes; bounds the stack buffer of the decode kernel.
+const MAX_GROUP: usize = 128;
+
+/// An MLX affine-quantized matrix, logical shape `[out, in]`.
+#[derive(Debug, Clone)]
+pub struct MlxQuantized {
+    /// Packed codes, u32 `[out, in * bits / 32]`, contiguous.
+    packed: Tensor,
+    /// Per-group scales, f32 `[out, in / group_size]`, contiguous.
+    scales: Tensor,
+    /// Per-group biases, f32 `[out, in / group_size]`, contiguous.
+    biases: Tensor,
+    bits: usize,
+    group_size: usize,
+    in_dim: usize,
+}
+
+impl MlxQuantized {
+    /// Wraps MLX's `weight` (u32), `scales` and `biases` (any float dtype, kept as f32: they are
+    /// 1/8 of the packed bytes at 4-bit g64 and conversion on every call would cost more).
+    pub fn new(
+        packed: Tensor,
+        scales: Tensor,
+        biases: Tensor,
+        bits: usize,
+        group_size: usize,
+    ) -> Result<Self> {
+        if !SUPPORTED_BITS.contains(&bits) {
+            bail!("mlx: unsupported bits {bits} (supported: {SUPPORTED_BITS:?})");
+        }
+        if !matches!(group_size, 32 | 64 | 128) {
+            bail!("mlx: unsupported group size {group_size} (supported: 32, 64, 128)");
+        }
+        if packed.dtype() != DType::U32 {
+            bail!(
+                "mlx: packed weight has dtype {:?}, expected u32",
+                packed.dtype()
+            );
+        }
+        let (out, words) = packed.dims2()?;
+        let in_dim = words * 32 / bits;
+        if !(words * 32).is_multiple_of(bits) || !in_dim.is_multiple_of(group_size) {
+            bail!(
+                "mlx: packed shape [{out}, {words}] does not fit bits {bits} / group {group_size}"
+            );
+        }
+        let groups = [out, in_dim / group_size];
+        for (name, t) in [("scales", &scales), ("biases", &biases)] {
+            if t.dims() != groups {
+                bail!("mlx: {name} have shape {:?}, expected {groups:?}", t.dims());
+            }
+        }
+        Ok(Self {
+            packed: packed.contiguous()?,
+            scales: scales.to_dtype(DType::F32)?.contiguous()?,
+            biases: biases.to_dtype(DType::F32)?.contiguous()?,
+            bits,
+            group_size,
+            in_dim,
+        })
+    }
+
+    /// Logical `(out, in)`.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.packed.dim(0).unwrap_or(0), self.in_dim)
+    }
+
+    /// Bits per code.
+    pub fn bits(&self) -> usize {
+        self.bits
+    }
+
+    /// Inputs per scale/bias pair.
+    pub fn group_size(&self) -> usize {
+        self.group_size
+    }
+
+    /// Bytes held in memory (packed codes + f32 scales and biases).
+    pub fn weight_bytes(&self) -> usize {
+        [&self.packed, &self.scales, &self.biases]
+            .iter()
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum()
+    }
+
+    /// The whole f32 matrix `[out, in]`, decoded bit by bit: the slow, obviously-right reference
+    /// the fused kernels are tested against.
+    pub fn dequantize_ref(&self) -> Result<Tensor> {
+        let (out, in_dim) = self.dims();
+        let words = self.packed.to_vec2::<u32>()?;
+        let scales = self.scales.to_vec2::<f32>()?;
+        let biases = self.biases.to_vec2::<f32>()?;
+        let mut w = Vec::with_capacity(out * in_dim);
+        for r in 0..out {
+            for i in 0..in_dim {
+                let mut q = 0u32;
+                for b in 0..self.bits {
+                    let bit = i * self.bits + b;
+                    q |= ((words[r][bit / 32] >> (bit % 32)) & 1) << b;
+                }
+                let g = i / self.group_size;
+                w.push(scales[r][g] * q as f32 + biases[r][g]);
+            }
+        }
+        Tensor::from_vec(w, (out, in_dim), self.packed.device())
+    }
+
+    /// Reference `x: [.., in]` → `[.., out]`: dequantize everything, then a candle matmul.
+    pub fn forward_ref(&self, x: &Tensor) -> Result<Tensor> {
+        let w = self.dequantize_ref()?.to_dtype(x.dtype())?;
+        crate::linear::dense_matmul(x, &w)
+    }
+
+    /// `x: [.., in]` → `[.., out]` in `x`'s dtype; computes in f32. CPU uses the fused kernels,
+    /// other devices the reference path until they get kernels of their own.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_tiled(x, 0)
+    }
+
+    /// [`forward`](Self::forward) with `tile_rows` output rows per dequantized tile for batches
+    /// (0 picks a size from the scratch budget); exposed so tests can make tiles not divide `out`.
+    pub fn forward_tiled(&self, x: &Tensor, tile_rows: usize) -> Result<Tensor> {
+        if !matches!(x.device(), Device::Cpu) {
+            return self.forward_ref(x);
+        }
+        let (out, in_dim) = self.dims();
+        let mut dims = x.dims().to_vec();
+        if dims.last() != Some(&in_dim) {
+            bail!("mlx: input shape {dims:?} does not end in {in_dim}");
+        }
+        let m = x.elem_count() / in_dim;
+        let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let y = match m {
+            1 => Tensor::from_vec(self.matvec(&xs)?, (1, out), &Device::Cpu)?,
+            _ => {
+                let xt = Tensor::from_vec(xs, (m, in_dim), &Device::Cpu)?;
+                let tile = match tile_rows {
+                    0 => (SCRATCH_ELEMS / in_dim).clamp(16, out.max(16)),
+                    t => t,
+                };
+                let parts = (0..out)
+                    .step_by(tile)
+                    .map(|r0| xt.matmul(&self.dequantize_rows(r0, (r0 + tile).min(out))?.t()?))
+                    .collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&parts, 1)?
+            }
+        };
+        *dims.last_mut().expect("checked above") = out;
+        y.reshape(dims)?.to_dtype(x.dtype())
+    }
+
+    /// Rows `r0..r1` dequantized to f32 `[r1 - r0, in]` with the fused decoder (rows in parallel).
+    pub fn dequantize_rows(&self, r0: usize, r1: usize) -> Result<Tensor> {
+        let mut w = vec![0f32; (r1 - r0) * self.in_dim];
+        self.with_view(|v| {
+            w.par_chunks_mut(self.in_dim)
+                .enumerate()
+                .for_each(|(i, row)| v.dequantize_row(r0 + i, row))
+        })?;
+        Tensor::from_vec(w, (r1 - r0, self.in_dim), &Device::Cpu)
+    }
+
+    /// Rows selected by `ids` (embedding lookup), f32 `[ids.len(), in]`; other rows stay packed.
+    pub fn gather_rows(&self, ids: &[u32]) -> Result<Tensor> {
+        let out = self.dims().0;
+        if let Some(bad) = ids.iter().find(|&&i| i as usize >= out) {
+            bail!("mlx: row {bad} out of range for {out} rows");
+        }
+        if !matches!(self.packed.device(), Device::Cpu) {
+            let idx = Tensor::new(ids, self.packed.device())?;
+            return self.dequantize_ref()?.index_select(&idx, 0);
+        }
+        let mut w = vec![0f32; ids.len() * self.in_dim];
+        self.with_view(|v| {
+            w.par_chunks_mut(self.in_dim)
+                .zip(ids.par_iter())
+                .for_each(|(row, &id)| v.dequantize_row(id as usize, row))
+        })?;
+        Tensor::from_vec(w, (ids.len(), self.in_dim), &Device::Cpu)
+    }
+
+    /// Decode: `y[r] = Σ_g scale[r,g]·(q[r,g]·x[g]) + bias[r,g]·Σx[g]`, rows in parallel.
+    fn matvec(&self, x: &[f32]) -> Result<Vec<f32>> {
+        // Σx per group is shared by every row: the bias term costs one multiply per group.
+        let xsum: Vec<f32> = x.chunks(self.group_size).map(|c| c.iter().sum()).collect();
+        let mut y = vec![0f32; self.dims().0];
+        self.with_view(|v| {
+            y.par_iter_mut().enumerate().for_each(|(r, y)| {
+                let mut q = [0f32; MAX_GROUP];
+                let q = &mut q[..self.group_size];
+                let mut acc = 0f32;
+                for (g, (xg, xs)) in x.chunks(self.group_size).zip(&xsum).enumerate() {
+                    v.unpack(r, g, q);
+                    let i = r * v.groups + g;
+                    acc += v.scales[i] * dot(q, xg) + v.biases[i] * xs;
+                }
+                *y = acc;
+            })
+        })?;
+        Ok(y)
+    }
+
+    /// Runs `f` over borrowed CPU slices of the three tensors (the storage guards live here).
+    fn with_view<R>(&self, f: impl FnOnce(&CpuView) -> R) -> Result<R> {
+        let in_dim = self.in_dim;
+        let (p, s, b) = (
+            self.packed.storage_and_layout(),
+            self.scales.storage_and_layout(),
+            self.biases.storage_and_layout(),
+        );
+        let view = CpuView {
+            packed: cpu_slice::<u32>(&p.0, p.1)?,
+            scales: cpu_slice::<f32>(&s.0, s.1)?,
+            biases: cpu_slice::<f32>(&b.0, b.1)?,
+            bits: self.bits,
+            group_size: self.group_size,
+            groups: in_dim / self.group_size,
+            words_per_row: in_dim * self.bits / 32,
+        };
+        Ok(f(&view))
+    }
+}
+
+/// Borrowed CPU slices of the three tensors, shareable across rayon workers.
+struct CpuView<'a> {
+    packed: &'a [u32],
+    scales: &'a [f32],
+    biases: &'a [f32],
+    bits: usize,
+    group_size: usize,
+    groups: usize,
+    words_per_row: usize,
+}
+
+impl CpuView<'_> {
+    /// Codes of group `g` of row `r` into `q` (as f32). Every group starts on a word boundary
+    /// because `group_size * bits` is a multiple of 32 for every supported pair.
+    fn unpack(&self, r: usize, g: usize, q: &mut [f32]) {
+        let words_per_group = self.group_size * self.bits / 32;
+        let start = r * self.words_per_row + g * words_per_group;
+        let words = &self.packed[start..start + words_per_group];
+        match self.bits {
+            2 => unpack_aligned::<2>(words, q),
+            4 => unpack_aligned::<4>(words, q),
+            8 => unpack_aligned::<8>(words, q),
+            3 => unpack_stream::<3>(words, q),
+            5 => unpack_stream::<5>(words, q),
+            _ => unpack_stream::<6>(words, q),
+        }
+    }
+
+    fn dequantize_row(&self, r: usize, row: &mut [f32]) {
+        for (g, w) in row.chunks_mut(self.group_size).enumerate() {
+            self.unpack(r, g, w);
+            let (s, b) = (
+                self.scales[r * self.groups + g],
+                self.biases[r * self.groups + g],
+            );
+            w.iter_mut().for_each(|v| *v = s * *v + b);
+        }
+    }
+}
+
+/// Widths that divide 32: each word holds `32 / BITS` whole codes, lowest bits first.
+fn unpack_aligned<const BITS: usize>(words: &[u32], q: &mut [f32]) {
+    let per_word = 32 / BITS;
+    let mask = (1u32 << BITS) - 1;
+    for (w, out) in words.iter().zip(q.chunks_exact_mut(per_word)) {
+        for (k, o) in out.iter_mut().enumerate() {
+            *o = ((w >> (BITS * k)) & mask) as f32;
+        }
+    }
+}
+
+/// Widths that straddle words (3, 5, 6): a 64-bit window refilled one word at a time.
+fn unpack_stream<const BITS: usize>(words: &[u32], q: &mut [f32]) {
+    let mask = (1u64 << BITS) - 1;
+    let (mut acc, mut have, mut next) = (0u64, 0usize, 0usize);
+    for o in q.iter_mut() {
+        if have < BITS {
+            acc |= (words[next] as u64) << have;
+            next += 1;
+            have += 32;
+        }
+        *o = (acc & mask) as f32;
+        acc >>= BITS;
+        have -= BITS;
+    }
+}
+
+/// Dot product with 8 independent accumulators so the compiler can vectorise it.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ac
+        .remainder()
+        .iter()
+        .zip(bc.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ac.zip(bc) {
+        for k in 0..8 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// The contiguous CPU slice behind a storage guard ([`MlxQuantized::new`] made it contiguous).
+fn cpu_slice<'a, T: candle_core::WithDType>(
+    storage: &'a Storage,
+    layout: &Layout,
+) -> Result<&'a [T]> {
+    let Storage::Cpu(cpu) = storage else {
+        bail!("mlx: fused kernels need CPU tensors");
+    };
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        bail!("mlx: tensor is not contiguous");
+    };
+    Ok(&T::cpu_storage_as_slice(cpu)?[start..end])
+}
