@@ -6,6 +6,8 @@
 //! error (`error`). SIGINT/SIGTERM stop accepting connections and let open ones finish briefly.
 
 mod complete;
+#[cfg(test)]
+mod decode_fuzz;
 mod error;
 mod metrics;
 pub mod openai;
