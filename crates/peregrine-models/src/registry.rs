@@ -8,7 +8,9 @@ use peregrine_tensor::device::compute_dtype;
 
 use crate::config::{Fields, read_json_object};
 use crate::layers::decoder::DecoderLm;
-use crate::weights::{GgufFile, SafetensorsFiles, Source, Weights, config_from_gguf};
+use crate::weights::{
+    GgufFile, MlxQuantization, SafetensorsFiles, Source, Weights, config_from_gguf,
+};
 use crate::{CausalLm, ModelConfig, ModelError, Result, arch};
 
 type Configure = fn(&Fields, &mut ModelConfig) -> Result<()>;
@@ -110,11 +112,10 @@ pub fn load_model(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         let mut config = ModelConfig::from_hf(&fields)?;
         configure(&fields, &mut config)?;
         let files = SafetensorsFiles::open_dir(path)?;
-        (
-            config,
-            Weights::new(Source::Safetensors(files), opts.device.clone(), dtype),
-            None,
-        )
+        // MLX checkpoints: quantized modules are found per tensor by their `.scales`.
+        let mlx = MlxQuantization::from_config(&config_path, &map)?;
+        let weights = Weights::new(Source::Safetensors(files), opts.device.clone(), dtype);
+        (config, weights.with_mlx(mlx), None)
     } else {
         let file = GgufFile::open(path)?;
         let config = config_from_gguf(&file)?;

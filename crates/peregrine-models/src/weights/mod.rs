@@ -2,14 +2,16 @@
 //! `model.layers.0.self_attn.q_proj` and never learns which format it came from.
 
 mod gguf;
+pub mod mlx;
 mod safetensors;
 
 pub use gguf::{GgufFile, config_from_gguf};
+pub use mlx::MlxQuantization;
 pub use safetensors::SafetensorsFiles;
 
 use std::path::Path;
 
-use peregrine_tensor::{DType, Device, Embedding, QLinear, Tensor};
+use peregrine_tensor::{DType, Device, Embedding, MlxQuantized, QLinear, Tensor};
 
 use crate::{ModelError, Result};
 
@@ -26,6 +28,8 @@ pub struct Weights {
     source: Source,
     device: Device,
     dtype: DType,
+    /// MLX quantization settings from config.json, when the checkpoint has them.
+    mlx: Option<MlxQuantization>,
 }
 
 impl Weights {
@@ -35,6 +39,23 @@ impl Weights {
             source,
             device,
             dtype,
+            mlx: None,
+        }
+    }
+
+    /// Adds an MLX checkpoint's quantization settings (bits, group size, per-module overrides).
+    pub fn with_mlx(mut self, mlx: Option<MlxQuantization>) -> Self {
+        self.mlx = mlx;
+        self
+    }
+
+    /// `{prefix}.weight` as MLX affine-quantized, when `{prefix}.scales` exists beside it.
+    fn mlx_quantized(&self, prefix: &str, out: usize, inp: usize) -> Result<Option<MlxQuantized>> {
+        match &self.source {
+            Source::Safetensors(s) => {
+                mlx::load_quantized(s, self.mlx.as_ref(), prefix, out, inp, &self.device)
+            }
+            Source::Gguf(_) => Ok(None),
         }
     }
 
@@ -99,6 +120,9 @@ impl Weights {
             true => Some(self.tensor(&format!("{prefix}.bias"), &[out_dim])?),
             false => None,
         };
+        if let Some(w) = self.mlx_quantized(prefix, out_dim, in_dim)? {
+            return Ok(QLinear::MlxAffine { w, b });
+        }
         match &self.source {
             Source::Safetensors(_) => Ok(QLinear::Dense {
                 w: self.tensor(&w_name, &[out_dim, in_dim])?,
@@ -114,6 +138,11 @@ impl Weights {
 
     /// The embedding table `name` `[vocab, hidden]`, kept quantized when the file is.
     pub fn embedding(&self, name: &str, vocab: usize, hidden: usize) -> Result<Embedding> {
+        if let Some(prefix) = name.strip_suffix(".weight")
+            && let Some(q) = self.mlx_quantized(prefix, vocab, hidden)?
+        {
+            return Ok(Embedding::MlxAffine(q));
+        }
         match &self.source {
             Source::Safetensors(_) => Ok(Embedding::Dense(self.tensor(name, &[vocab, hidden])?)),
             Source::Gguf(g) => {

@@ -1,0 +1,178 @@
+//! MLX affine-quantized safetensors (`mlx-community/*-4bit` and `mlx_lm.convert -q` output).
+//!
+//! A quantized module `W` stores `W.weight` (u32 `[out, in * bits / 32]`), `W.scales` and
+//! `W.biases` (`[out, in / group_size]`). config.json's `quantization` (or
+//! `quantization_config`) gives the default `bits`/`group_size` and per-module overrides keyed by
+//! module path. Whether a module is quantized is decided per tensor by whether `W.scales` exists,
+//! because MLX leaves modules whose input does not divide by the group size in float.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use peregrine_tensor::{Device, MlxQuantized};
+use serde_json::{Map, Value};
+
+use super::SafetensorsFiles;
+use crate::{ModelError, Result};
+
+/// Bits and group size of one quantized module.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MlxParams {
+    /// Bits per code (2, 3, 4, 5, 6 or 8).
+    pub bits: usize,
+    /// Inputs sharing one scale/bias pair (32, 64 or 128).
+    pub group_size: usize,
+}
+
+/// An MLX checkpoint's quantization settings from config.json.
+#[derive(Debug, Clone)]
+pub struct MlxQuantization {
+    file: PathBuf,
+    default: MlxParams,
+    /// Per-module settings; `None` marks a module MLX was told to leave unquantized.
+    overrides: HashMap<String, Option<MlxParams>>,
+}
+
+impl MlxQuantization {
+    /// Reads `quantization` (or `quantization_config`) from a parsed config.json. `Ok(None)` when
+    /// there is none or it is another library's (`quant_method`: GPTQ, AWQ, ...).
+    pub fn from_config(file: &Path, config: &Map<String, Value>) -> Result<Option<Self>> {
+        let key = ["quantization", "quantization_config"]
+            .into_iter()
+            .find(|k| config.get(*k).is_some_and(Value::is_object));
+        let Some(key) = key else { return Ok(None) };
+        let q = config[key].as_object().expect("checked to be an object");
+        if q.contains_key("quant_method") {
+            return Ok(None);
+        }
+        let err = |m: String| ModelError::config(file, format!("`{key}`: {m}"));
+        match q.get("mode").and_then(Value::as_str).unwrap_or("affine") {
+            "affine" => {}
+            mode => {
+                return Err(err(format!(
+                    "unsupported MLX mode `{mode}` (supported: affine)"
+                )));
+            }
+        }
+        let default = params(q, None).map_err(|m| err(m.to_string()))?;
+        let mut overrides = HashMap::new();
+        for (module, v) in q {
+            match v {
+                Value::Object(o) => {
+                    let p =
+                        params(o, Some(default)).map_err(|m| err(format!("`{module}`: {m}")))?;
+                    overrides.insert(module.clone(), Some(p));
+                }
+                Value::Bool(false) => {
+                    overrides.insert(module.clone(), None);
+                }
+                _ => {}
+            }
+        }
+        Ok(Some(Self {
+            file: file.to_path_buf(),
+            default,
+            overrides,
+        }))
+    }
+
+    /// The settings for module `prefix` (`model.layers.0.mlp.gate_proj`).
+    pub fn params(&self, prefix: &str) -> Option<MlxParams> {
+        match self.overrides.get(prefix) {
+            Some(p) => *p,
+            None => Some(self.default),
+        }
+    }
+}
+
+/// `bits` and `group_size` of one JSON object, falling back to `default` (module overrides).
+fn params(
+    o: &Map<String, Value>,
+    default: Option<MlxParams>,
+) -> std::result::Result<MlxParams, String> {
+    let get = |k: &str, d: Option<usize>| match o.get(k).map(Value::as_u64) {
+        Some(Some(n)) => Ok(n as usize),
+        Some(None) => Err(format!("field `{k}` must be a positive integer")),
+        None => d.ok_or_else(|| format!("missing field `{k}`")),
+    };
+    let p = MlxParams {
+        bits: get("bits", default.map(|d| d.bits))?,
+        group_size: get("group_size", default.map(|d| d.group_size))?,
+    };
+    if !peregrine_tensor::mlx::SUPPORTED_BITS.contains(&p.bits) {
+        return Err(format!(
+            "unsupported bits {} (supported: 2, 3, 4, 5, 6, 8)",
+            p.bits
+        ));
+    }
+    if !matches!(p.group_size, 32 | 64 | 128) {
+        return Err(format!(
+            "unsupported group_size {} (supported: 32, 64, 128)",
+            p.group_size
+        ));
+    }
+    Ok(p)
+}
+
+/// The quantized matrix `{prefix}.weight` `[out, in]`, or `None` when the module is stored in
+/// float (no `{prefix}.scales`). Without a config entry the settings are read off the shapes.
+pub fn load_quantized(
+    files: &SafetensorsFiles,
+    quant: Option<&MlxQuantization>,
+    prefix: &str,
+    out_dim: usize,
+    in_dim: usize,
+    device: &Device,
+) -> Result<Option<MlxQuantized>> {
+    let scales_name = format!("{prefix}.scales");
+    if !files.contains(&scales_name) {
+        return Ok(None);
+    }
+    let w_name = format!("{prefix}.weight");
+    let packed = files.load(&w_name, device)?;
+    let scales = files.load(&scales_name, device)?;
+    let biases = files.load(&format!("{prefix}.biases"), device)?;
+    let p = match quant.and_then(|q| q.params(prefix)) {
+        Some(p) => p,
+        None => inferred(&packed, &scales, in_dim),
+    };
+    let shape_err = |tensor: &str, got: &[usize], expected: Vec<usize>| ModelError::Shape {
+        file: quant.map_or_else(|| files.path().to_path_buf(), |q| q.file.clone()),
+        tensor: format!("{tensor} (MLX {} bits, group {})", p.bits, p.group_size),
+        expected,
+        got: got.to_vec(),
+    };
+    let words = [out_dim, in_dim * p.bits / 32];
+    if packed.dims() != words || !(in_dim * p.bits).is_multiple_of(32) {
+        return Err(shape_err(&w_name, packed.dims(), words.to_vec()));
+    }
+    let groups = [out_dim, in_dim / p.group_size];
+    for (name, t) in [
+        (&scales_name, &scales),
+        (&format!("{prefix}.biases"), &biases),
+    ] {
+        if t.dims() != groups || !in_dim.is_multiple_of(p.group_size) {
+            return Err(shape_err(name, t.dims(), groups.to_vec()));
+        }
+    }
+    Ok(Some(MlxQuantized::new(
+        packed,
+        scales,
+        biases,
+        p.bits,
+        p.group_size,
+    )?))
+}
+
+/// Settings implied by the shapes (checkpoints whose config lost its `quantization`).
+fn inferred(
+    packed: &peregrine_tensor::Tensor,
+    scales: &peregrine_tensor::Tensor,
+    in_dim: usize,
+) -> MlxParams {
+    let last = |t: &peregrine_tensor::Tensor| t.dims().last().copied().unwrap_or(0).max(1);
+    MlxParams {
+        bits: last(packed) * 32 / in_dim.max(1),
+        group_size: in_dim / last(scales),
+    }
+}

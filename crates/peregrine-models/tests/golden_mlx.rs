@@ -1,0 +1,216 @@
+//! Golden logits for MLX checkpoints (`tests/fixtures/<arch>/mlx-*`, made by
+//! `scripts/fixtures/make_mlx.py` with mlx-lm from the HF fixtures): bf16 and affine-quantized
+//! (4-bit g64, 8-bit g64, 4-bit g32), loaded through `load_model` like any other folder.
+//!
+//! The reference is transformers in f32 on the weights dequantized by an independent numpy
+//! decoder; mlx-lm's own f32 logits are stored too and agree with it to ~4e-6 (see
+//! tests/fixtures/README-mlx.md), so we check both. Tolerance 1e-3 max abs: the dequantized
+//! weights are the same f32 numbers on both sides and we compute in f32, so only summation order
+//! differs (observed ~1e-5); one misdecoded code or a wrong group moves logits by 1e-2 or more.
+
+use std::path::PathBuf;
+
+use peregrine_models::weights::MlxQuantization;
+use peregrine_models::{KvOptions, LoadOptions, Logits, SequenceCache, load_model};
+use peregrine_tensor::candle::safetensors::load;
+use peregrine_tensor::{DType, Device, Tensor};
+
+const TOLERANCE: f32 = 1e-3;
+
+/// Quantized weights may take this much more memory than the file: scales and biases are kept
+/// in f32 (bf16 in the file) so the kernels need no conversion; dequantized copies would be 8×.
+const MAX_MEMORY_OVER_FILE: f64 = 1.3;
+
+fn fixture(arch: &str, variant: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(arch)
+        .join(variant)
+}
+
+struct Reference {
+    ids: Vec<u32>,
+    logits: Tensor,
+    logits_mlx: Tensor,
+    greedy: Vec<u32>,
+}
+
+fn reference(arch: &str, variant: &str) -> Reference {
+    let r = load(
+        fixture(arch, variant).join("reference.safetensors"),
+        &Device::Cpu,
+    )
+    .expect("reference.safetensors");
+    let ids = |name: &str| -> Vec<u32> {
+        r[name]
+            .to_dtype(DType::U32)
+            .unwrap()
+            .to_vec1::<u32>()
+            .unwrap()
+    };
+    Reference {
+        ids: ids("input_ids"),
+        logits: r["logits"].clone(),
+        logits_mlx: r["logits_mlx"].clone(),
+        greedy: ids("greedy_ids"),
+    }
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+fn check_logits(arch: &str, variant: &str) {
+    let model = load_model(&fixture(arch, variant), &LoadOptions::default())
+        .expect("fixture loads")
+        .model;
+    let r = reference(arch, variant);
+    // The whole prompt (tiled batch kernel), chunks of 5, and token by token (decode kernel).
+    for chunk in [1024, 5, 1] {
+        let mut cache = SequenceCache::new(&model.cache_spec(), &KvOptions::default());
+        let parts: Vec<Tensor> = r
+            .ids
+            .chunks(chunk)
+            .map(|c| model.forward(c, &mut cache, Logits::All).expect("forward"))
+            .collect();
+        let ours = Tensor::cat(&parts, 0).unwrap();
+        assert_eq!(
+            ours.dims(),
+            r.logits.dims(),
+            "{arch}/{variant}: logits shape"
+        );
+        for (what, want) in [("transformers", &r.logits), ("mlx-lm", &r.logits_mlx)] {
+            let diff = max_abs_diff(&ours, want);
+            assert!(
+                diff < TOLERANCE,
+                "{arch}/{variant} (chunk {chunk}) vs {what}: max abs diff {diff} ≥ {TOLERANCE}"
+            );
+        }
+    }
+}
+
+fn check_greedy(arch: &str, variant: &str) {
+    let model = load_model(&fixture(arch, variant), &LoadOptions::default())
+        .unwrap()
+        .model;
+    let r = reference(arch, variant);
+    let mut cache = SequenceCache::new(&model.cache_spec(), &KvOptions::default());
+    let mut next = r.ids.clone();
+    let mut out = vec![];
+    for _ in 0..r.greedy.len() {
+        let logits = model.forward(&next, &mut cache, Logits::Last).unwrap();
+        let id = logits
+            .squeeze(0)
+            .unwrap()
+            .argmax(0)
+            .unwrap()
+            .to_scalar::<u32>()
+            .unwrap();
+        out.push(id);
+        next = vec![id];
+    }
+    assert_eq!(out, r.greedy, "{arch}/{variant}: greedy continuation");
+}
+
+fn check_memory(arch: &str, variant: &str) {
+    let dir = fixture(arch, variant);
+    let model = load_model(&dir, &LoadOptions::default()).unwrap().model;
+    let file = std::fs::metadata(dir.join("model.safetensors"))
+        .unwrap()
+        .len() as f64;
+    let held = model.weight_bytes() as f64;
+    assert!(
+        held <= file * MAX_MEMORY_OVER_FILE,
+        "{arch}/{variant}: weights hold {held} bytes for a {file}-byte file"
+    );
+}
+
+macro_rules! golden_mlx {
+    ($($arch:ident: $($variant:ident = $dir:literal),*;)*) => {$(
+        mod $arch {$(
+            mod $variant {
+                #[test]
+                fn logits_match_transformers_and_mlx_lm() {
+                    super::super::check_logits(stringify!($arch), $dir);
+                }
+                #[test]
+                fn greedy_ids_match_transformers() {
+                    super::super::check_greedy(stringify!($arch), $dir);
+                }
+            }
+        )*}
+    )*};
+}
+
+golden_mlx! {
+    llama: bf16 = "mlx-bf16", q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64", q4_g32 = "mlx-q4-g32";
+    qwen3: bf16 = "mlx-bf16", q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64", q4_g32 = "mlx-q4-g32";
+}
+
+#[test]
+fn quantized_checkpoints_stay_about_their_file_size() {
+    for arch in ["llama", "qwen3"] {
+        for variant in ["mlx-q4-g64", "mlx-q8-g64", "mlx-q4-g32"] {
+            check_memory(arch, variant);
+        }
+    }
+}
+
+fn parse(json: &str) -> peregrine_models::Result<Option<MlxQuantization>> {
+    let v: serde_json::Value = serde_json::from_str(json).unwrap();
+    MlxQuantization::from_config(&PathBuf::from("config.json"), v.as_object().unwrap())
+}
+
+#[test]
+fn config_quantization_defaults_and_overrides() {
+    let q = parse(
+        r#"{"quantization_config": {"group_size": 64, "bits": 4,
+            "model.layers.0.mlp.gate": {"group_size": 64, "bits": 8},
+            "lm_head": {"bits": 6}, "model.embed_tokens": false}}"#,
+    )
+    .unwrap()
+    .expect("MLX quantization");
+    let p = |m: &str| q.params(m).map(|p| (p.bits, p.group_size));
+    assert_eq!(p("model.layers.0.self_attn.q_proj"), Some((4, 64)));
+    assert_eq!(p("model.layers.0.mlp.gate"), Some((8, 64)));
+    assert_eq!(p("lm_head"), Some((6, 64)));
+    assert_eq!(p("model.embed_tokens"), None);
+}
+
+#[test]
+fn config_without_mlx_quantization_is_plain() {
+    assert!(parse(r#"{"model_type": "llama"}"#).unwrap().is_none());
+    let gptq = r#"{"quantization_config": {"quant_method": "gptq", "bits": 4}}"#;
+    assert!(parse(gptq).unwrap().is_none());
+}
+
+#[test]
+fn config_errors_name_the_field() {
+    let e = parse(r#"{"quantization": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}"#);
+    assert!(
+        e.unwrap_err()
+            .to_string()
+            .contains("unsupported MLX mode `mxfp4`")
+    );
+    let e = parse(r#"{"quantization": {"group_size": 48, "bits": 4}}"#);
+    assert!(
+        e.unwrap_err()
+            .to_string()
+            .contains("unsupported group_size 48")
+    );
+    let e = parse(r#"{"quantization": {"group_size": 64, "bits": 4, "lm_head": {"bits": 7}}}"#);
+    assert!(
+        e.unwrap_err()
+            .to_string()
+            .contains("`lm_head`: unsupported bits 7")
+    );
+}
