@@ -91,6 +91,65 @@ impl MlxQuantized {
         self.group_size
     }
 
+    /// `(packed u32, scales f32, biases f32)`, shaped as MLX stores them.
+    pub fn parts(&self) -> (&Tensor, &Tensor, &Tensor) {
+        (&self.packed, &self.scales, &self.biases)
+    }
+
+    /// Quantizes `w: [out, in]` as MLX's affine mode: each group's codes span its [min, max];
+    /// scales and biases are rounded to bf16 first (what MLX files store), then codes chosen.
+    pub fn quantize(w: &Tensor, bits: usize, group_size: usize) -> Result<Self> {
+        let (out, in_dim) = w.dims2()?;
+        if !in_dim.is_multiple_of(group_size) || !SUPPORTED_BITS.contains(&bits) {
+            bail!("mlx: cannot quantize [{out}, {in_dim}] with {bits} bits, group {group_size}");
+        }
+        let w = w.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let levels = ((1u32 << bits) - 1) as f32;
+        let (mut scales, mut biases) = (vec![], vec![]);
+        for g in w.chunks(group_size) {
+            let (lo, hi) = g
+                .iter()
+                .fold((f32::MAX, f32::MIN), |(l, h), &v| (l.min(v), h.max(v)));
+            scales.push((hi - lo) / levels);
+            biases.push(lo);
+        }
+        let bf16 = |v: Vec<f32>| -> Result<Vec<f32>> {
+            let t = Tensor::new(v, &Device::Cpu)?;
+            t.to_dtype(DType::BF16)?.to_dtype(DType::F32)?.to_vec1()
+        };
+        let (scales, biases) = (bf16(scales)?, bf16(biases)?);
+        let words_per_row = in_dim * bits / 32;
+        let mut packed = vec![0u32; out * words_per_row];
+        packed
+            .par_chunks_mut(words_per_row)
+            .zip(w.par_chunks(in_dim))
+            .enumerate()
+            .for_each(|(r, (words, row))| {
+                for (i, &v) in row.iter().enumerate() {
+                    let g = r * (in_dim / group_size) + i / group_size;
+                    let q = match scales[g] {
+                        0.0 => 0,
+                        s => ((v - biases[g]) / s).round().clamp(0.0, levels) as u64,
+                    };
+                    // Codes are a little-endian bit stream; a u64 window covers word straddles.
+                    let (bit, word) = (i * bits % 32, i * bits / 32);
+                    let q = q << bit;
+                    words[word] |= q as u32;
+                    if bit + bits > 32 {
+                        words[word + 1] |= (q >> 32) as u32;
+                    }
+                }
+            });
+        let groups = (out, in_dim / group_size);
+        Self::new(
+            Tensor::from_vec(packed, (out, words_per_row), &Device::Cpu)?,
+            Tensor::from_vec(scales, groups, &Device::Cpu)?,
+            Tensor::from_vec(biases, groups, &Device::Cpu)?,
+            bits,
+            group_size,
+        )
+    }
+
     /// Bytes held in memory (packed codes + f32 scales and biases).
     pub fn weight_bytes(&self) -> usize {
         [&self.packed, &self.scales, &self.biases]

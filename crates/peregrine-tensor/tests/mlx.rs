@@ -214,3 +214,27 @@ fn rejects_inconsistent_shapes() {
         MlxQuantized::new(packed.to_dtype(DType::F32).unwrap(), sb.clone(), sb, 4, 32).is_err()
     );
 }
+
+#[test]
+fn quantize_round_trips_within_half_a_step() {
+    let mut rng = Rng(13);
+    for bits in SUPPORTED_BITS {
+        for group in GROUPS {
+            let w = random_input(&mut rng, &[7, group * 2]);
+            let q = MlxQuantized::quantize(&w, bits, group).unwrap();
+            let back = q.dequantize_ref().unwrap().to_vec2::<f32>().unwrap();
+            let scales = q.parts().1.to_vec2::<f32>().unwrap();
+            for (r, (orig, back)) in w.to_vec2::<f32>().unwrap().iter().zip(&back).enumerate() {
+                for (i, (a, b)) in orig.iter().zip(back).enumerate() {
+                    // Half a step, plus the bf16 rounding of the bias (relative 2^-8 of |min| ≤ 1).
+                    let step = scales[r][i / group].abs();
+                    let tol = step / 2.0 + 1.0 / 256.0 + 1e-6;
+                    assert!(
+                        (a - b).abs() <= tol,
+                        "bits {bits} group {group}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+}
