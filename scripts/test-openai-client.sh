@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Drive `peregrine serve` with the official `openai` Python client (tests/openai_client).
+#   1. creates the git-ignored venv .venv-openai and installs openai + pytest into it (once),
+#   2. fetches SmolLM2-135M-Instruct (scripts/fetch-models.sh smollm2) and builds the binary,
+#   3. starts the server on a free loopback port, runs pytest, stops the server.
+# Usage: scripts/test-openai-client.sh [pytest args...]
+# Env: PEREGRINE_BIN (skip the build and use this binary), PYTHON (default python3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=.venv-openai
+PY="${PYTHON:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+if ! "$VENV/bin/python" -c "import openai, pytest" 2>/dev/null; then
+  "$VENV/bin/pip" install --quiet openai pytest
+fi
+
+MODEL_PATH="$(scripts/fetch-models.sh smollm2 | tail -n 1)"
+if [ -z "${PEREGRINE_BIN:-}" ]; then
+  cargo build --quiet -p peregrine-server
+  PEREGRINE_BIN=target/debug/peregrine
+fi
+
+LOG="$(mktemp)"
+"$PEREGRINE_BIN" serve --model "$MODEL_PATH" --port 0 --parallel 2 --alias smollm2 2>"$LOG" &
+SERVER=$!
+trap 'kill "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true; rm -f "$LOG"' EXIT
+
+ADDR=""
+for _ in $(seq 1 600); do
+  ADDR="$(sed -n 's|.*listening on http://\([^ ]*\).*|\1|p' "$LOG" | head -n 1)"
+  if [ -n "$ADDR" ] && "$VENV/bin/python" -c "import urllib.request as u; u.urlopen('http://$ADDR/health')" 2>/dev/null; then
+    break
+  fi
+  kill -0 "$SERVER" 2>/dev/null || { cat "$LOG"; echo "the server exited" >&2; exit 1; }
+  sleep 0.5
+done
+echo "peregrine serving SmolLM2 on $ADDR"
+
+PEREGRINE_BASE_URL="http://$ADDR/v1" PEREGRINE_MODEL=smollm2 \
+  "$VENV/bin/python" -m pytest -q tests/openai_client "$@"
