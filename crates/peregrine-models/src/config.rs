@@ -217,7 +217,7 @@ impl ModelConfig {
 
     /// Checks relations between fields that the forward pass relies on.
     pub fn validate(&self, file: &Path) -> Result<()> {
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             return Err(ModelError::config(
                 file,
                 format!(
@@ -226,7 +226,7 @@ impl ModelConfig {
                 ),
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(ModelError::config(
                 file,
                 format!("`head_dim` {} must be even for RoPE", self.head_dim),
