@@ -1,0 +1,119 @@
+//! `trim` is exact: after appending and trimming, attention equals a cache that never saw the
+//! trimmed positions; a rollback the sliding window cannot honour exactly is refused.
+
+use peregrine_kv::{
+    AttnParams, KvOptions, LayerCache, LayerKind, RotatingCache, SequenceCache, SimpleCache,
+};
+use peregrine_tensor::{Device, Tensor};
+
+const HEADS: usize = 4;
+const KV_HEADS: usize = 2;
+const DIM: usize = 8;
+
+/// Deterministic pseudo-random `[1, heads, n, DIM]` tensor for positions `start..start + n`.
+fn rows(heads: usize, start: usize, n: usize, salt: f32) -> Tensor {
+    let data: Vec<f32> = (0..heads * n * DIM)
+        .map(|i| {
+            let (h, rest) = (i / (n * DIM), i % (n * DIM));
+            let (p, d) = (start + rest / DIM, rest % DIM);
+            ((p * 31 + d * 7 + h * 13) as f32 * 0.37 + salt).sin()
+        })
+        .collect();
+    Tensor::from_vec(data, (1, heads, n, DIM), &Device::Cpu).unwrap()
+}
+
+fn fill(cache: &mut dyn LayerCache, from: usize, n: usize) {
+    cache
+        .append(&rows(KV_HEADS, from, n, 0.1), &rows(KV_HEADS, from, n, 0.7))
+        .unwrap();
+}
+
+/// Appends one position at a time, as decoding does (one big append keeps everything).
+fn decode_steps(cache: &mut dyn LayerCache, n: usize) {
+    for p in 0..n {
+        fill(cache, p, 1);
+    }
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar()
+        .unwrap()
+}
+
+fn check_trim_is_exact(mut make: impl FnMut() -> Box<dyn LayerCache>, total: usize, trim: usize) {
+    let mut trimmed = make();
+    for start in (0..total).step_by(5) {
+        fill(trimmed.as_mut(), start, 5.min(total - start));
+    }
+    trimmed.trim(trim).unwrap();
+    let mut fresh = make();
+    fill(fresh.as_mut(), 0, total - trim);
+    assert_eq!(trimmed.len(), fresh.len());
+    // Both then take the same next 3 positions.
+    fill(trimmed.as_mut(), total - trim, 3);
+    fill(fresh.as_mut(), total - trim, 3);
+    let q = rows(HEADS, total - trim, 3, 1.3);
+    let params = AttnParams { scale: 0.35 };
+    let diff = max_diff(
+        &trimmed.attend(&q, &params).unwrap(),
+        &fresh.attend(&q, &params).unwrap(),
+    );
+    assert!(diff < 1e-6, "trimmed cache attends differently: {diff}");
+}
+
+#[test]
+fn simple_cache_trims_exactly() {
+    check_trim_is_exact(|| Box::new(SimpleCache::new(None)), 23, 7);
+}
+
+#[test]
+fn rotating_cache_trims_exactly_after_the_window_wrapped() {
+    // 300 positions through a window of 8 (the buffer compacts several times), then roll back 4.
+    check_trim_is_exact(|| Box::new(RotatingCache::new(8, 4, None)), 300, 4);
+}
+
+#[test]
+fn rotating_cache_refuses_an_inexact_rollback() {
+    let mut cache = RotatingCache::new(8, 4, None);
+    decode_steps(&mut cache, 300);
+    assert!(!cache.can_trim(100));
+    assert!(cache.trim(100).is_err());
+    assert_eq!(cache.len(), 300, "a refused trim changes nothing");
+}
+
+#[test]
+fn sequence_trim_is_all_or_nothing() {
+    let spec = [LayerKind::Full, LayerKind::Sliding { window: 4 }];
+    let mut seq = SequenceCache::new(&spec, &KvOptions::default());
+    for i in 0..seq.num_layers() {
+        decode_steps(seq.layer(i), 400);
+    }
+    assert!(
+        seq.trim(300).is_err(),
+        "the sliding layer no longer holds what 300 back needs"
+    );
+    assert_eq!(seq.len(), 400);
+    seq.trim(10).unwrap();
+    assert_eq!(seq.len(), 390);
+}
+
+#[test]
+fn f16_storage_halves_memory_and_stays_close() {
+    let mut wide = SimpleCache::new(None);
+    let mut half = SimpleCache::new(Some(peregrine_tensor::DType::F16));
+    fill(&mut wide, 0, 40);
+    fill(&mut half, 0, 40);
+    assert_eq!(half.bytes() * 2, wide.bytes());
+    let q = rows(HEADS, 39, 1, 0.5);
+    let p = AttnParams { scale: 0.35 };
+    // f16 keeps 11 significant bits: values in [-1, 1] round by at most ~5e-4.
+    assert!(max_diff(&wide.attend(&q, &p).unwrap(), &half.attend(&q, &p).unwrap()) < 5e-3);
+}

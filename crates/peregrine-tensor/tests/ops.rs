@@ -1,0 +1,125 @@
+//! Each fused op against its plain candle-op reference (`*_ref`), on odd shapes. Tolerances are
+//! f32 rounding (both compute in f32; only operation order differs).
+
+use peregrine_tensor::attention::{MaskSpec, attention, attention_ref};
+use peregrine_tensor::ops::{rms_norm, rms_norm_ref, silu_mul, silu_mul_ref};
+use peregrine_tensor::{Device, RopeScaling, RopeStyle, RotaryEmbedding, Tensor};
+
+const TOL: f32 = 1e-5;
+
+fn randn(shape: &[usize], seed: u64) -> Tensor {
+    let n: usize = shape.iter().product();
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let data: Vec<f32> = (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+        })
+        .collect();
+    Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar()
+        .unwrap()
+}
+
+#[test]
+fn rms_norm_matches_reference() {
+    let (x, w) = (randn(&[3, 7, 33], 1), randn(&[33], 2));
+    assert!(
+        max_diff(
+            &rms_norm(&x, &w, 1e-6).unwrap(),
+            &rms_norm_ref(&x, &w, 1e-6).unwrap()
+        ) < TOL
+    );
+}
+
+#[test]
+fn silu_mul_matches_reference() {
+    let (g, u) = (randn(&[5, 19], 3), randn(&[5, 19], 4));
+    assert!(max_diff(&silu_mul(&g, &u).unwrap(), &silu_mul_ref(&g, &u).unwrap()) < TOL);
+}
+
+#[test]
+fn rope_matches_reference_for_every_style_and_scaling() {
+    let scalings = [
+        RopeScaling::None,
+        RopeScaling::Linear { factor: 4.0 },
+        RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 64,
+        },
+    ];
+    for style in [RopeStyle::Half, RopeStyle::Interleaved] {
+        for scaling in &scalings {
+            let rope = RotaryEmbedding::new(
+                16,
+                10_000.0,
+                scaling,
+                style,
+                100,
+                peregrine_tensor::DType::F32,
+                &Device::Cpu,
+            )
+            .unwrap();
+            let x = randn(&[1, 3, 9, 16], 5);
+            let diff = max_diff(
+                &rope.apply(&x, 37).unwrap(),
+                &rope.apply_ref(&x, 37).unwrap(),
+            );
+            assert!(diff < TOL, "{style:?} {scaling:?}: {diff}");
+        }
+    }
+}
+
+#[test]
+fn rope_past_the_table_is_an_error() {
+    let rope = RotaryEmbedding::new(
+        8,
+        1e4,
+        &RopeScaling::None,
+        RopeStyle::Half,
+        10,
+        peregrine_tensor::DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    assert!(rope.apply(&randn(&[1, 1, 4, 8], 6), 8).is_err());
+}
+
+#[test]
+fn grouped_attention_matches_reference() {
+    // 6 query heads over 2 kv heads; queries at positions 10..15 over keys 3..15.
+    for window in [None, Some(4)] {
+        for (q_len, k_len, k_start) in [(5, 12, 3), (1, 12, 3), (5, 5, 10)] {
+            let q_start = k_start + k_len - q_len;
+            let q = randn(&[1, 6, q_len, 16], 7);
+            let k = randn(&[1, 2, k_len, 16], 8);
+            let v = randn(&[1, 2, k_len, 16], 9);
+            let mask = MaskSpec {
+                q_start,
+                k_start,
+                window,
+            };
+            let ours = attention(&q, &k, &v, 0.25, &mask).unwrap();
+            let reference = attention_ref(&q, &k, &v, 0.25, &mask).unwrap();
+            let diff = max_diff(&ours, &reference);
+            assert!(diff < TOL, "window {window:?} q {q_len} k {k_len}: {diff}");
+        }
+    }
+}
