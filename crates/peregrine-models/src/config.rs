@@ -217,7 +217,10 @@ impl ModelConfig {
 
     /// Checks relations between fields that the forward pass relies on.
     pub fn validate(&self, file: &Path) -> Result<()> {
-        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return Err(ModelError::config(
                 file,
                 format!(

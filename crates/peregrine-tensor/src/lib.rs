@@ -22,9 +22,8 @@ pub use rope::{RopeScaling, RopeStyle, RotaryEmbedding};
 /// `RUST_BACKTRACE` is set, and without its `path:` prefix (our errors name the file already).
 pub fn error_message(e: &candle_core::Error) -> String {
     match e {
-        candle_core::Error::WithBacktrace { inner, .. } | candle_core::Error::WithPath { inner, .. } => {
-            error_message(inner)
-        }
+        candle_core::Error::WithBacktrace { inner, .. }
+        | candle_core::Error::WithPath { inner, .. } => error_message(inner),
         other => other.to_string(),
     }
 }

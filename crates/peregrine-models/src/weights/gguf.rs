@@ -61,7 +61,10 @@ impl GgufFile {
         let len = file.metadata().map_err(io_err)?.len();
         let content = Content::read(&mut file).map_err(|e| ModelError::Checkpoint {
             file: path.to_path_buf(),
-            message: format!("not a valid GGUF file: {}", peregrine_tensor::error_message(&e)),
+            message: format!(
+                "not a valid GGUF file: {}",
+                peregrine_tensor::error_message(&e)
+            ),
         })?;
         for (name, info) in &content.tensor_infos {
             let dtype = info.ggml_dtype;

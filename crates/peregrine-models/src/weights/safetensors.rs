@@ -45,7 +45,10 @@ impl SafetensorsFiles {
                 } else {
                     dir.to_path_buf()
                 },
-                message: format!("not a valid safetensors file: {}", peregrine_tensor::error_message(&e)),
+                message: format!(
+                    "not a valid safetensors file: {}",
+                    peregrine_tensor::error_message(&e)
+                ),
             })?;
         Ok(Self {
             root: dir.to_path_buf(),
