@@ -273,3 +273,58 @@ fn rope_from_hf(fields: &Fields) -> Result<(f64, RopeScaling)> {
     };
     Ok((theta, scaling))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(json: &str) -> Result<ModelConfig> {
+        let map: Map<String, Value> = serde_json::from_str(json).unwrap();
+        ModelConfig::from_hf(&Fields::new(Path::new("config.json"), &map))
+    }
+
+    const BASE: &str = r#""model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+        "num_hidden_layers": 1, "num_attention_heads": 2"#;
+
+    #[test]
+    fn legacy_and_transformers5_rope_keys_agree() {
+        let legacy = parse(&format!(
+            r#"{{{BASE}, "rope_theta": 5e5, "rope_scaling": {{"type": "llama3", "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}}}"#
+        ))
+        .unwrap();
+        let v5 = parse(&format!(
+            r#"{{{BASE}, "rope_parameters": {{"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(legacy.rope_theta, 5e5);
+        assert_eq!(legacy, v5);
+        assert!(matches!(
+            legacy.rope_scaling,
+            RopeScaling::Llama3 { factor: 8.0, .. }
+        ));
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let err = parse(r#"{"model_type": "llama"}"#).unwrap_err().to_string();
+        assert!(
+            err.contains("config.json") && err.contains("hidden_size"),
+            "{err}"
+        );
+        let err = parse(&format!(r#"{{{BASE}, "num_key_value_heads": "two"}}"#))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("num_key_value_heads") && err.contains("positive integer"),
+            "{err}"
+        );
+        let err = parse(&format!(
+            r#"{{{BASE}, "rope_scaling": {{"type": "dynamic-ntk"}}}}"#
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("dynamic-ntk"), "{err}");
+    }
+}
