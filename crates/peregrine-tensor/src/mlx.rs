@@ -96,8 +96,9 @@ impl MlxQuantized {
         (&self.packed, &self.scales, &self.biases)
     }
 
-    /// Quantizes `w: [out, in]` as MLX's affine mode: each group's codes span its [min, max];
-    /// scales and biases are rounded to bf16 first (what MLX files store), then codes chosen.
+    /// Quantizes `w: [out, in]` with MLX's affine algorithm (codes span each group's range, the
+    /// extreme of larger magnitude exact); scales and biases are rounded to bf16 (what MLX files
+    /// store) before the codes are chosen, so the codes fit the stored values.
     pub fn quantize(w: &Tensor, bits: usize, group_size: usize) -> Result<Self> {
         let (out, in_dim) = w.dims2()?;
         if !in_dim.is_multiple_of(group_size) || !SUPPORTED_BITS.contains(&bits) {
@@ -110,8 +111,13 @@ impl MlxQuantized {
             let (lo, hi) = g
                 .iter()
                 .fold((f32::MAX, f32::MIN), |(l, h), &v| (l.min(v), h.max(v)));
-            scales.push((hi - lo) / levels);
-            biases.push(lo);
+            // As MLX: the extreme of larger magnitude is exact, so scales may be negative.
+            let step = ((hi - lo) / levels).max(1e-7);
+            let (step, edge) = if lo.abs() > hi.abs() { (step, lo) } else { (-step, hi) };
+            let q0 = (edge / step).round();
+            let (s, b) = if q0 != 0.0 { (edge / q0, edge) } else { (step, 0.0) };
+            scales.push(s);
+            biases.push(b);
         }
         let bf16 = |v: Vec<f32>| -> Result<Vec<f32>> {
             let t = Tensor::new(v, &Device::Cpu)?;
@@ -127,10 +133,7 @@ impl MlxQuantized {
             .for_each(|(r, (words, row))| {
                 for (i, &v) in row.iter().enumerate() {
                     let g = r * (in_dim / group_size) + i / group_size;
-                    let q = match scales[g] {
-                        0.0 => 0,
-                        s => ((v - biases[g]) / s).round().clamp(0.0, levels) as u64,
-                    };
+                    let q = ((v - biases[g]) / scales[g]).round().clamp(0.0, levels) as u64;
                     // Codes are a little-endian bit stream; a u64 window covers word straddles.
                     let (bit, word) = (i * bits % 32, i * bits / 32);
                     let q = q << bit;
