@@ -108,14 +108,16 @@ impl MlxQuantized {
         let levels = ((1u32 << bits) - 1) as f32;
         let (mut scales, mut biases) = (vec![], vec![]);
         for g in w.chunks(group_size) {
-            let (lo, hi) = g
-                .iter()
-                .fold((f32::MAX, f32::MIN), |(l, h), &v| (l.min(v), h.max(v)));
+            let lo = g.iter().copied().fold(f32::MAX, f32::min);
+            let hi = g.iter().copied().fold(f32::MIN, f32::max);
             // As MLX: the extreme of larger magnitude is exact, so scales may be negative.
-            let step = ((hi - lo) / levels).max(1e-7);
-            let (step, edge) = if lo.abs() > hi.abs() { (step, lo) } else { (-step, hi) };
+            let edge = if lo.abs() > hi.abs() { lo } else { hi };
+            let step = ((hi - lo) / levels).max(1e-7).copysign(-edge);
             let q0 = (edge / step).round();
-            let (s, b) = if q0 != 0.0 { (edge / q0, edge) } else { (step, 0.0) };
+            let (s, b) = match q0 == 0.0 {
+                true => (step, 0.0),
+                false => (edge / q0, edge),
+            };
             scales.push(s);
             biases.push(b);
         }
@@ -135,8 +137,7 @@ impl MlxQuantized {
                     let g = r * (in_dim / group_size) + i / group_size;
                     let q = ((v - biases[g]) / scales[g]).round().clamp(0.0, levels) as u64;
                     // Codes are a little-endian bit stream; a u64 window covers word straddles.
-                    let (bit, word) = (i * bits % 32, i * bits / 32);
-                    let q = q << bit;
+                    let (bit, word, q) = (i * bits % 32, i * bits / 32, q << (i * bits % 32));
                     words[word] |= q as u32;
                     if bit + bits > 32 {
                         words[word + 1] |= (q >> 32) as u32;
@@ -166,8 +167,7 @@ impl MlxQuantized {
     pub fn dequantize_ref(&self) -> Result<Tensor> {
         let (out, in_dim) = self.dims();
         let words = self.packed.to_vec2::<u32>()?;
-        let scales = self.scales.to_vec2::<f32>()?;
-        let biases = self.biases.to_vec2::<f32>()?;
+        let (scales, biases) = (self.scales.to_vec2::<f32>()?, self.biases.to_vec2::<f32>()?);
         let mut w = Vec::with_capacity(out * in_dim);
         for r in 0..out {
             for i in 0..in_dim {
