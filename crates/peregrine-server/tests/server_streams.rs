@@ -283,14 +283,28 @@ fn a_disconnected_stream_frees_its_slot() {
         completion("a", 240),
         json!({"ignore_eos": true, "stream": true}),
     );
-    let stream = server.open("POST", COMPLETIONS, &[], body.to_string().as_bytes(), None);
-    let mut reader = BufReader::new(stream);
-    let mut line = String::new();
-    while !line.starts_with("data: ") {
-        line.clear();
+    // Until the worker waits for work, a request with no queue gets 503; retry until it streams.
+    let start = Instant::now();
+    loop {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "no stream started"
+        );
+        let stream = server.open("POST", COMPLETIONS, &[], body.to_string().as_bytes(), None);
+        let mut reader = BufReader::new(stream);
+        let mut line = String::new();
         reader.read_line(&mut line).unwrap();
+        if !line.starts_with("HTTP/1.1 200") {
+            std::thread::sleep(Duration::from_millis(20));
+            continue;
+        }
+        while !line.starts_with("data: ") {
+            line.clear();
+            let n = reader.read_line(&mut line).unwrap();
+            assert!(n > 0, "the stream ended before its first event");
+        }
+        break; // dropping the reader disconnects mid-stream
     }
-    drop(reader);
     // With no queue, a new request is refused (503) until the slot is free again.
     let start = Instant::now();
     while server.post(COMPLETIONS, &completion("b", 2)).status != 200 {

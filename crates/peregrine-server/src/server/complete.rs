@@ -73,7 +73,7 @@ pub async fn run(
         Endpoint::Completions => "cmpl",
     };
     let env = Envelope {
-        id: format!("{prefix}-{}", log.id),
+        id: format!("{prefix}-{}", log.id()),
         created,
         model: state.model_id.clone(),
         endpoint,
@@ -92,7 +92,7 @@ pub async fn run(
         tokio::spawn(async move {
             let (totals, outcome) = job.stream(events, &tx).await;
             let status = if outcome.is_err() { 499 } else { 200 };
-            log.finish(&job.state, status, Some(totals));
+            log.finish(status, Some(totals));
         });
         let response = Response::builder()
             .header("content-type", "text/event-stream")
@@ -102,7 +102,7 @@ pub async fn run(
         Ok(response)
     } else {
         let (body, totals) = job.collect(events).await?;
-        log.finish(&state, 200, Some(totals));
+        log.finish(200, Some(totals));
         Ok(json_response(200, &body))
     }
 }

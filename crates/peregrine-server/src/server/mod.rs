@@ -90,6 +90,10 @@ pub struct ServeArgs {
     /// Print the model, its memory estimate and context length, and exit.
     #[arg(long)]
     info: bool,
+    /// Shut down when stdin reaches end-of-file (for supervisors and tests: the server goes
+    /// away with the process that started it).
+    #[arg(long)]
+    exit_on_stdin_eof: bool,
 }
 
 /// What every handler shares.
@@ -119,34 +123,54 @@ impl State {
     }
 }
 
-/// One request's identity and clock, for its log line.
-#[derive(Debug, Clone)]
-pub struct RequestLog {
+/// One request's identity and clock, for its one log line. Clones share the line: it is written
+/// by `finish`, or, if every clone is dropped unfinished (the client went away), with status 499.
+#[derive(Clone)]
+pub struct RequestLog(Arc<LogInner>);
+
+struct LogInner {
     /// Unique per process: time-based prefix and a counter.
-    pub id: String,
+    id: String,
     method: String,
     path: &'static str,
     start: Instant,
+    state: Arc<State>,
+    finished: std::sync::atomic::AtomicBool,
 }
 
 impl RequestLog {
-    fn new(method: &str, path: &'static str) -> Self {
+    fn new(state: &Arc<State>, method: &str, path: &'static str) -> Self {
         static COUNTER: AtomicU64 = AtomicU64::new(0);
         let secs = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        Self {
+        Self(Arc::new(LogInner {
             id: format!("{secs:x}{n:06x}"),
             method: method.to_string(),
             path,
             start: Instant::now(),
-        }
+            state: state.clone(),
+            finished: Default::default(),
+        }))
     }
 
-    /// Writes the request's one log line and counts it.
-    fn finish(&self, state: &State, status: u16, totals: Option<Totals>) {
-        state.metrics.request(self.path, status);
+    /// The request id.
+    pub fn id(&self) -> &str {
+        &self.0.id
+    }
+
+    /// Writes the request's log line and counts it (once; later calls do nothing).
+    fn finish(&self, status: u16, totals: Option<Totals>) {
+        if !self.0.finished.swap(true, Ordering::Relaxed) {
+            self.0.write(status, totals);
+        }
+    }
+}
+
+impl LogInner {
+    fn write(&self, status: u16, totals: Option<Totals>) {
+        self.state.metrics.request(self.path, status);
         let ms = self.start.elapsed().as_millis();
         let mut line = format!(
             "request id={} method={} path={} status={status} ms={ms}",
@@ -160,6 +184,15 @@ impl RequestLog {
             );
         }
         eprintln!("{line}");
+    }
+}
+
+impl Drop for LogInner {
+    fn drop(&mut self) {
+        if !*self.finished.get_mut() {
+            // 499: nginx's "client closed request".
+            self.write(499, None);
+        }
     }
 }
 
@@ -255,6 +288,7 @@ async fn serve(args: ServeArgs, state: Arc<State>) -> Result<()> {
         "peregrine: listening on http://{addr} (loading {})",
         args.model.model
     );
+    let exit_on_stdin_eof = args.exit_on_stdin_eof;
     let loader = state.clone();
     tokio::task::spawn_blocking(
         move || match load(&args.model, args.parallel, args.queue_size) {
@@ -268,8 +302,15 @@ async fn serve(args: ServeArgs, state: Arc<State>) -> Result<()> {
             }
         },
     );
+    let (stdin_closed, on_stdin_closed) = tokio::sync::oneshot::channel::<()>();
+    if exit_on_stdin_eof {
+        std::thread::spawn(move || {
+            let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
+            let _ = stdin_closed.send(());
+        });
+    }
     let graceful = GracefulShutdown::new();
-    let mut shutdown = std::pin::pin!(shutdown_signal());
+    let mut shutdown = std::pin::pin!(shutdown_signal(on_stdin_closed));
     loop {
         tokio::select! {
             conn = listener.accept() => {
@@ -294,7 +335,8 @@ async fn serve(args: ServeArgs, state: Arc<State>) -> Result<()> {
     Ok(())
 }
 
-async fn shutdown_signal() {
+/// Resolves on SIGINT, SIGTERM, or when `stdin_closed` fires.
+async fn shutdown_signal(stdin_closed: tokio::sync::oneshot::Receiver<()>) {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };
@@ -310,8 +352,14 @@ async fn shutdown_signal() {
     };
     #[cfg(not(unix))]
     let term = std::future::pending::<()>();
+    let stdin_closed = async {
+        if stdin_closed.await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
     tokio::select! {
         () = ctrl_c => {}
         () = term => {}
+        () = stdin_closed => {}
     }
 }

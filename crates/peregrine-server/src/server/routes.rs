@@ -40,12 +40,12 @@ pub async fn handle(
     req: Request<Incoming>,
 ) -> Result<Response<Body>, Infallible> {
     let route = route_of(req.uri().path());
-    let log = RequestLog::new(req.method().as_str(), route.unwrap_or("other"));
+    let log = RequestLog::new(&state, req.method().as_str(), route.unwrap_or("other"));
     let cors = state.cors;
     let mut response = match dispatch(&state, route, req, log.clone()).await {
         Ok(response) => response,
         Err(e) => {
-            log.finish(&state, e.status.as_u16(), None);
+            log.finish(e.status.as_u16(), None);
             let mut response = json_response(e.status.as_u16(), &e.body());
             if e.status == StatusCode::METHOD_NOT_ALLOWED
                 && let Some(allow) = route.and_then(allowed)
@@ -82,7 +82,7 @@ async fn dispatch(
         ));
     };
     if method == Method::OPTIONS && state.cors {
-        log.finish(state, 204, None);
+        log.finish(204, None);
         let mut response = Response::new(sse::full(""));
         *response.status_mut() = StatusCode::NO_CONTENT;
         let h = response.headers_mut();
@@ -111,7 +111,7 @@ async fn dispatch(
         "/v1/completions" => Endpoint::Completions,
         _ => {
             let response = simple_get(state, route, &path)?;
-            log.finish(state, response.status().as_u16(), None);
+            log.finish(response.status().as_u16(), None);
             return Ok(response);
         }
     };

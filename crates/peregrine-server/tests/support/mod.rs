@@ -32,9 +32,19 @@ impl Server {
     /// `/health` answers 200.
     pub fn start(extra: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_peregrine"))
-            .args(["serve", "--port", "0", "--alias", "tiny", "--model"])
+            .args([
+                "serve",
+                "--port",
+                "0",
+                "--alias",
+                "tiny",
+                "--exit-on-stdin-eof",
+                "--model",
+            ])
             .arg(fixture())
             .args(extra)
+            // The server exits when this pipe closes, so it never outlives a killed test.
+            .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
