@@ -129,6 +129,31 @@ fn stream_equals_whole_answer_at_temperature_zero() {
         };
         assert_eq!(whole["object"], object);
         assert_eq!(whole["model"], "tiny");
+        assert_required(&whole, path);
+    }
+}
+
+/// The fields OpenAI's OpenAPI schema marks required (some nullable) are all present.
+fn assert_required(whole: &Value, path: &str) {
+    let has = |v: &Value, keys: &[&str]| {
+        for k in keys {
+            assert!(v.get(k).is_some(), "`{k}` missing in {v}");
+        }
+    };
+    has(
+        whole,
+        &["id", "object", "created", "model", "choices", "usage"],
+    );
+    has(
+        &whole["usage"],
+        &["prompt_tokens", "completion_tokens", "total_tokens"],
+    );
+    let choice = &whole["choices"][0];
+    has(choice, &["index", "logprobs", "finish_reason"]);
+    if path == CHAT {
+        has(&choice["message"], &["role", "content", "refusal"]);
+    } else {
+        has(choice, &["text"]);
     }
 }
 
