@@ -1,6 +1,7 @@
 //! Golden logits for MLX checkpoints (`tests/fixtures/<arch>/mlx-*`, made by
 //! `scripts/fixtures/make_mlx.py` with mlx-lm from the HF fixtures): bf16 and affine-quantized
-//! (4-bit g64, 8-bit g64, 4-bit g32), loaded through `load_model` like any other folder.
+//! (4-bit g64, 8-bit g64, 4-bit g32; 3-bit g32 and 6-bit g128, whose codes straddle u32 words
+//! and whose g128 leaves the 64-wide embedding unquantized), loaded through `load_model`.
 //!
 //! The reference is transformers in f32 on the weights dequantized by an independent numpy
 //! decoder; mlx-lm's own f32 logits are stored too and agree with it to ~4e-6 (see
@@ -152,14 +153,16 @@ macro_rules! golden_mlx {
 }
 
 golden_mlx! {
-    llama: bf16 = "mlx-bf16", q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64", q4_g32 = "mlx-q4-g32";
-    qwen3: bf16 = "mlx-bf16", q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64", q4_g32 = "mlx-q4-g32";
+    llama: bf16 = "mlx-bf16", q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64", q4_g32 = "mlx-q4-g32",
+        q3_g32 = "mlx-q3-g32", q6_g128 = "mlx-q6-g128";
+    qwen3: bf16 = "mlx-bf16", q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64", q4_g32 = "mlx-q4-g32",
+        q3_g32 = "mlx-q3-g32", q6_g128 = "mlx-q6-g128";
 }
 
 #[test]
 fn quantized_checkpoints_stay_about_their_file_size() {
     for arch in ["llama", "qwen3"] {
-        for variant in ["mlx-q4-g64", "mlx-q8-g64", "mlx-q4-g32"] {
+        for variant in ["mlx-q4-g64", "mlx-q8-g64", "mlx-q4-g32", "mlx-q3-g32"] {
             check_memory(arch, variant);
         }
     }
