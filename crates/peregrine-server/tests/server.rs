@@ -1,6 +1,5 @@
 //! Black-box tests of `peregrine serve` over raw HTTP with the tiny llama fixture: every error
-//! row of the OpenAI error contract, and the happy paths (whole and streamed answers agree at
-//! temperature 0, stop strings, limits, `n`, logprobs, concurrency, disconnects, shutdown).
+//! row of the OpenAI error contract, API keys, and `reasoning_content` for think templates.
 
 mod support;
 
@@ -219,4 +218,48 @@ fn api_key_is_required_on_v1_routes() {
     assert_eq!(server.send("GET", "/v1/models", &ok, b"").status, 200);
     let body = chat("hi").to_string();
     assert_eq!(server.send("POST", CHAT, &ok, body.as_bytes()).status, 200);
+}
+
+/// A template that opens a think block in the generation prompt sends the output to
+/// `reasoning_content`, identically whole and streamed.
+#[test]
+fn think_blocks_go_to_reasoning_content() {
+    let dir = std::env::temp_dir().join(format!("peregrine-think-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for file in ["config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(support::fixture().join(file), dir.join(file)).unwrap();
+    }
+    let config = std::fs::read_to_string(support::fixture().join("tokenizer_config.json")).unwrap();
+    let mut config: Value = serde_json::from_str(&config).unwrap();
+    config["chat_template"] = json!(
+        "{# a reasoning template: </think> #}{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}"
+    );
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    let server = support::Server::start_model(&dir, &[]);
+    let whole = server.post(CHAT, &chat("hi")).json();
+    let message = &whole["choices"][0]["message"];
+    let reasoning = message["reasoning_content"]
+        .as_str()
+        .expect("reasoning_content");
+    assert!(!reasoning.is_empty());
+    assert_eq!(
+        message["content"], "",
+        "the random model never closes the block"
+    );
+    let streamed = server.post(CHAT, &with(chat("hi"), json!({"stream": true})));
+    let mut text = String::new();
+    for event in streamed.events() {
+        if event != "[DONE]" {
+            let chunk: Value = serde_json::from_str(&event).unwrap();
+            let delta = &chunk["choices"][0]["delta"];
+            assert!(
+                delta["content"].as_str().is_none_or(str::is_empty),
+                "{chunk}"
+            );
+            text += delta["reasoning_content"].as_str().unwrap_or("");
+        }
+    }
+    assert_eq!(text, reasoning);
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
 }

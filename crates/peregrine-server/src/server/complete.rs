@@ -6,11 +6,12 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use hyper::Response;
-use peregrine_engine::{Event, EventStream, Prompt, Usage};
+use peregrine_engine::{Engine, Event, EventStream, Prompt, Usage};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 use super::error::ApiError;
 use super::openai::{Decoded, Endpoint};
+use super::reasoning::ThinkSplitter;
 use super::sse::{self, Body, Closed, SseSender};
 use super::wire::{Choice, Delta, Envelope};
 use super::{RequestLog, State, json_response};
@@ -78,8 +79,15 @@ pub async fn run(
         model: state.model_id.clone(),
         endpoint,
     };
+    let think = match (endpoint, engine.tokenizer().chat_template()) {
+        (Endpoint::Chat, Some(t)) if t.contains("</think>") => {
+            Some(opens_think(engine, &decoded.requests[0].prompt))
+        }
+        _ => None,
+    };
     let events = merge(&state, streams);
     let job = Job {
+        think,
         state: state.clone(),
         env,
         n,
@@ -131,8 +139,19 @@ fn merge(state: &Arc<State>, streams: Vec<EventStream>) -> UnboundedReceiver<(us
     rx
 }
 
+/// Whether the rendered prompt ends inside an open `<think>` block (templates that start the
+/// block in the generation prompt).
+fn opens_think(engine: &Engine, prompt: &Prompt) -> bool {
+    let ids = engine.prompt_ids(prompt).unwrap_or_default();
+    let tail = &ids[ids.len().saturating_sub(8)..];
+    let text = engine.tokenizer().decode(tail, false).unwrap_or_default();
+    text.trim_end().ends_with("<think>")
+}
+
 /// A submitted request being answered.
 struct Job {
+    /// `Some(starts inside)` when the output's think block goes to `reasoning_content`.
+    think: Option<bool>,
     state: Arc<State>,
     env: Envelope,
     n: usize,
@@ -186,6 +205,15 @@ impl Job {
                 Event::Error(e) => return Err(ApiError::from_engine(&e, self.prompt_param)),
             }
         }
+        if let Some(inside) = self.think {
+            for c in &mut choices {
+                let mut splitter = ThinkSplitter::new(inside);
+                let (a, b) = (splitter.push(&c.text), splitter.finish());
+                c.text = a.content + &b.content;
+                let reasoning = a.reasoning + &b.reasoning;
+                c.reasoning = (!reasoning.is_empty()).then_some(reasoning);
+            }
+        }
         let engine = self.state.engine()?;
         let body = self.env.response(
             &choices,
@@ -227,6 +255,9 @@ impl Job {
                     .await?;
             }
         }
+        let mut splitters: Vec<_> = (0..choices)
+            .map(|_| self.think.map(ThinkSplitter::new))
+            .collect();
         loop {
             let next = tokio::select! {
                 next = events.recv() => next,
@@ -240,13 +271,41 @@ impl Job {
             self.record(totals, i, &event);
             let chunk = match event {
                 Event::Delta { text, logprobs, .. } => {
+                    let lp = self.decoded.logprobs.then_some((&logprobs[..], tok));
+                    let text = match &mut splitters[i] {
+                        Some(splitter) => {
+                            let split = splitter.push(&text);
+                            if !split.reasoning.is_empty() {
+                                let delta = Delta::Reasoning(&split.reasoning);
+                                let lp = lp.filter(|_| split.content.is_empty());
+                                sse.data(&self.env.chunk(i, delta, lp, usage_field)).await?;
+                                if split.content.is_empty() {
+                                    continue;
+                                }
+                            }
+                            split.content
+                        }
+                        None => text,
+                    };
                     if text.is_empty() && logprobs.is_empty() {
                         continue;
                     }
-                    let lp = self.decoded.logprobs.then_some((&logprobs[..], tok));
                     self.env.chunk(i, Delta::Text(&text), lp, usage_field)
                 }
                 Event::Done { finish, .. } => {
+                    if let Some(splitter) = &mut splitters[i] {
+                        let rest = splitter.finish();
+                        if !rest.reasoning.is_empty() {
+                            let delta = Delta::Reasoning(&rest.reasoning);
+                            sse.data(&self.env.chunk(i, delta, None, usage_field))
+                                .await?;
+                        }
+                        if !rest.content.is_empty() {
+                            let delta = Delta::Text(&rest.content);
+                            sse.data(&self.env.chunk(i, delta, None, usage_field))
+                                .await?;
+                        }
+                    }
                     self.env.chunk(i, Delta::Finish(finish), None, usage_field)
                 }
                 Event::Error(e) => {

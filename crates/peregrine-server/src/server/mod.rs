@@ -12,6 +12,7 @@ mod error;
 mod metrics;
 pub mod openai;
 mod prompt;
+mod reasoning;
 mod routes;
 mod sse;
 mod wire;

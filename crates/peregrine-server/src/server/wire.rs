@@ -27,6 +27,8 @@ pub struct Choice {
     pub logprobs: Vec<TokenLogprob>,
     /// Why it ended.
     pub finish: Option<FinishReason>,
+    /// The think block's text, for reasoning models.
+    pub reasoning: Option<String>,
 }
 
 /// OpenAI's name for a finish reason.
@@ -81,12 +83,16 @@ impl Envelope {
                 let finish = c.finish.map(finish_name);
                 let lp = logprobs.then(|| self.logprobs(&c.logprobs, tok));
                 match self.endpoint {
-                    Endpoint::Chat => json!({
-                        "index": index,
-                        "message": {"role": "assistant", "content": c.text, "refusal": null},
-                        "logprobs": lp,
-                        "finish_reason": finish,
-                    }),
+                    Endpoint::Chat => {
+                        let mut message =
+                            json!({"role": "assistant", "content": c.text, "refusal": null});
+                        if let Some(r) = &c.reasoning {
+                            message["reasoning_content"] = json!(r);
+                        }
+                        json!({
+                            "index": index, "message": message, "logprobs": lp, "finish_reason": finish,
+                        })
+                    }
                     Endpoint::Completions => json!({
                         "index": index, "text": c.text, "logprobs": lp, "finish_reason": finish,
                     }),
@@ -111,6 +117,7 @@ impl Envelope {
         let (finish, text) = match delta {
             Delta::Role => (None, None),
             Delta::Text(t) => (None, Some(t)),
+            Delta::Reasoning(_) => (None, None),
             Delta::Finish(f) => (Some(finish_name(f)), None),
         };
         let choice = match self.endpoint {
@@ -118,6 +125,7 @@ impl Envelope {
                 let delta = match delta {
                     Delta::Role => json!({"role": "assistant", "content": ""}),
                     Delta::Text(t) => json!({"content": t}),
+                    Delta::Reasoning(r) => json!({"reasoning_content": r}),
                     Delta::Finish(_) => json!({}),
                 };
                 json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish})
@@ -191,6 +199,8 @@ pub enum Delta<'a> {
     Role,
     /// New text.
     Text(&'a str),
+    /// New text of the think block (chat, reasoning models).
+    Reasoning(&'a str),
     /// The end, with its reason.
     Finish(FinishReason),
 }

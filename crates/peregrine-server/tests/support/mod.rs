@@ -31,6 +31,11 @@ impl Server {
     /// Starts the server with the fixture as model `tiny` and `extra` flags, and waits until
     /// `/health` answers 200.
     pub fn start(extra: &[&str]) -> Self {
+        Self::start_model(&fixture(), extra)
+    }
+
+    /// Starts the server with the checkpoint at `model` as model `tiny`.
+    pub fn start_model(model: &std::path::Path, extra: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_peregrine"))
             .args([
                 "serve",
@@ -41,7 +46,7 @@ impl Server {
                 "--exit-on-stdin-eof",
                 "--model",
             ])
-            .arg(fixture())
+            .arg(model)
             .args(extra)
             // The server exits when this pipe closes, so it never outlives a killed test.
             .stdin(Stdio::piped())
