@@ -14,7 +14,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 if ! "$VENV/bin/python" -c "import openai, pytest" 2>/dev/null; then
-  "$VENV/bin/pip" install --quiet openai pytest
+  "$VENV/bin/pip" install --quiet "openai==3.57.0" "pytest==9.2.0"
 fi
 
 MODEL_PATH="$(scripts/fetch-models.sh smollm2 | tail -n 1)"
