@@ -54,21 +54,30 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
-    /// Loads the engine the arguments describe.
-    pub fn load(&self) -> Result<Engine> {
-        let path = resolve_model(&self.model)?;
+    /// The engine settings the arguments describe (one request at a time, default queue).
+    pub fn engine_config(&self) -> EngineConfig {
         let dtype = match self.cache_type.as_str() {
             "f16" => Some(DType::F16),
             "bf16" => Some(DType::BF16),
             _ => None,
         };
-        let config = EngineConfig {
+        EngineConfig {
             max_context: self.ctx_size,
             prefill_size: self.prefill_size,
             kv: KvOptions { dtype },
             ..Default::default()
-        };
+        }
+    }
+
+    /// Loads the engine `config` describes from the `--model` path or hub id.
+    pub fn load_with(&self, config: EngineConfig) -> Result<Engine> {
+        let path = resolve_model(&self.model)?;
         Engine::load(&path, config).map_err(Into::into)
+    }
+
+    /// Loads the engine the arguments describe.
+    pub fn load(&self) -> Result<Engine> {
+        self.load_with(self.engine_config())
     }
 }
 

@@ -30,8 +30,7 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use hyper_util::server::graceful::GracefulShutdown;
-use peregrine_engine::tensor::DType;
-use peregrine_engine::{Engine, EngineConfig, KvOptions, SamplingParams};
+use peregrine_engine::{Engine, EngineConfig, SamplingParams};
 
 use crate::cli::ModelArgs;
 use complete::Totals;
@@ -219,21 +218,13 @@ fn model_id(arg: &str) -> String {
 }
 
 fn load(args: &ModelArgs, parallel: usize, queue_size: usize) -> Result<Engine> {
-    let path = crate::hub::resolve_model(&args.model)?;
-    let dtype = match args.cache_type.as_str() {
-        "f16" => Some(DType::F16),
-        "bf16" => Some(DType::BF16),
-        _ => None,
-    };
     let config = EngineConfig {
-        max_context: args.ctx_size,
-        prefill_size: args.prefill_size,
         parallel: parallel.max(1),
         queue_size,
-        kv: KvOptions { dtype },
-        ..Default::default()
+        ..args.engine_config()
     };
-    Engine::load(&path, config).with_context(|| format!("loading {}", path.display()))
+    args.load_with(config)
+        .with_context(|| format!("loading {}", args.model))
 }
 
 /// Runs `peregrine serve` until SIGINT/SIGTERM.
