@@ -1,0 +1,98 @@
+//! Checkpoint layouts other than the fixtures' single f32 file: sharded safetensors with an
+//! index, and bf16/f16 weights. Built in a scratch folder from the llama fixture.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use peregrine_models::{KvOptions, LoadOptions, Logits, SequenceCache, load_model};
+use peregrine_tensor::candle::safetensors::{load, save};
+use peregrine_tensor::{DType, Device, Tensor};
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/llama/hf")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("peregrine-layouts-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for file in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixture().join(file), dir.join(file)).unwrap();
+    }
+    dir
+}
+
+fn logits(dir: &Path) -> Tensor {
+    let reference = load(fixture().join("reference.safetensors"), &Device::Cpu).unwrap();
+    let ids = reference["input_ids"]
+        .to_dtype(DType::U32)
+        .unwrap()
+        .to_vec1::<u32>()
+        .unwrap();
+    let model = load_model(dir, &LoadOptions::default()).unwrap().model;
+    let mut cache = SequenceCache::new(&model.cache_spec(), &KvOptions::default());
+    model.forward(&ids, &mut cache, Logits::All).unwrap()
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar()
+        .unwrap()
+}
+
+fn weights() -> HashMap<String, Tensor> {
+    load(fixture().join("model.safetensors"), &Device::Cpu).unwrap()
+}
+
+#[test]
+fn sharded_checkpoint_with_index_loads_identically() {
+    let dir = scratch("sharded");
+    let mut names: Vec<String> = weights().keys().cloned().collect();
+    names.sort();
+    let (mut shards, mut weight_map) =
+        (vec![HashMap::new(), HashMap::new()], serde_json::Map::new());
+    for (i, name) in names.iter().enumerate() {
+        let shard = i % 2;
+        shards[shard].insert(name.clone(), weights()[name].clone());
+        weight_map.insert(
+            name.clone(),
+            format!("model-0000{}-of-00002.safetensors", shard + 1).into(),
+        );
+    }
+    for (i, shard) in shards.iter().enumerate() {
+        save(
+            shard,
+            dir.join(format!("model-0000{}-of-00002.safetensors", i + 1)),
+        )
+        .unwrap();
+    }
+    let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    assert_eq!(max_diff(&logits(&dir), &logits(&fixture())), 0.0);
+}
+
+#[test]
+fn half_precision_weights_load_and_stay_close() {
+    let exact = logits(&fixture());
+    for dtype in [DType::BF16, DType::F16] {
+        let dir = scratch(&format!("{dtype:?}"));
+        let converted: HashMap<String, Tensor> = weights()
+            .into_iter()
+            .map(|(k, v)| (k, v.to_dtype(dtype).unwrap()))
+            .collect();
+        save(&converted, dir.join("model.safetensors")).unwrap();
+        // Rounding every weight to 8 (bf16) or 11 (f16) significant bits moves these logits
+        // (std ~1) by a few hundredths; a loading bug (wrong dtype read, transposed tensor) moves
+        // them by ~1.
+        let diff = max_diff(&logits(&dir), &exact);
+        eprintln!("{dtype:?} weights: max abs logit diff {diff}");
+        assert!(diff < 0.25, "{dtype:?}: max abs diff {diff}");
+    }
+}
