@@ -1,4 +1,4 @@
-//! Command-line interface: `generate`, `logits`, `bench`, `serve`.
+//! Command-line interface: `generate`, `logits`, `bench`, `serve`, `quantize`.
 
 use std::io::Write;
 use std::ops::Range;
@@ -34,6 +34,8 @@ enum Command {
     Bench(crate::bench::BenchArgs),
     /// Serve the model over an OpenAI-compatible HTTP API.
     Serve(crate::server::ServeArgs),
+    /// Write an MLX affine-quantized checkpoint (mlx-lm loads it) from an HF safetensors folder.
+    Quantize(crate::quantize::QuantizeArgs),
 }
 
 /// Options every command that loads a model shares.
@@ -144,6 +146,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Logits(args) => logits(args),
         Command::Bench(args) => crate::bench::run(args, cli.threads),
         Command::Serve(args) => crate::server::run(args),
+        Command::Quantize(args) => crate::quantize::run(args),
     }
 }
 

@@ -3,6 +3,7 @@
 mod bench;
 mod cli;
 mod hub;
+mod quantize;
 mod server;
 
 use std::process::ExitCode;

@@ -232,3 +232,64 @@ fn truncated_gguf_names_the_file_and_tensor() {
         }
     }
 }
+
+/// `peregrine quantize` writes an MLX checkpoint that loads back; at 8 bits its logits stay as near
+/// the f32 model's as mlx-lm's own 8-bit quantization of this fixture does (0.155 max abs, see
+/// tests/fixtures/qwen3/mlx-q8-g64); a packing or scale bug moves them by more than 1.
+#[test]
+fn quantize_writes_a_checkpoint_that_loads_back() {
+    let dir = scratch("quantize");
+    let out = dir.join("q8");
+    let run = peregrine(&[
+        "quantize",
+        "--model",
+        fixture("qwen3").to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--bits",
+        "8",
+        "--group-size",
+        "32",
+    ]);
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let reference = load(fixture("qwen3").join("reference.safetensors"), &Device::Cpu).unwrap();
+    let ids = reference["input_ids"]
+        .to_dtype(DType::U32)
+        .unwrap()
+        .to_vec1::<u32>()
+        .unwrap();
+    let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
+    let logits_file = dir.join("l.safetensors");
+    let run = peregrine(&[
+        "logits",
+        "--model",
+        out.to_str().unwrap(),
+        "--input-ids",
+        &ids.join(","),
+        "--out",
+        logits_file.to_str().unwrap(),
+    ]);
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let ours = load(&logits_file, &Device::Cpu).unwrap();
+    let diff = (&ours["logits"] - &reference["logits"])
+        .unwrap()
+        .abs()
+        .unwrap();
+    let max = diff
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(max < 0.2, "8-bit logits moved by {max}");
+    assert!(max > 0.0, "the checkpoint was not quantized at all");
+}
