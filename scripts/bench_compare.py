@@ -61,7 +61,10 @@ def run_llama_cpp(a):
     from llama_cpp import Llama
     n_ctx = a.prompt_tokens + a.gen_tokens + 16
     t0 = time.perf_counter()
-    llm = Llama(model_path=a.model, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=a.threads,
+    # llama-cpp-python sizes its logits buffer by n_batch: make it hold every position (the
+    # compute still runs in n_ubatch=512 micro-batches, llama.cpp's default).
+    n_batch = max(512, n_ctx)
+    llm = Llama(model_path=a.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=512, n_threads=a.threads,
                 n_threads_batch=a.threads, seed=0, logits_all=False, verbose=False)
     load_s = time.perf_counter() - t0
     ids = synthetic_ids(llm, a.prompt_tokens)
@@ -89,7 +92,7 @@ def run_llama_cpp(a):
         "load_s": load_s,
         "prefill_s_runs": [round(x["prefill_s"], 5) for x in runs],
         "decode_s_runs": [round(x["decode_s"], 5) for x in runs],
-        "n_batch": 512, "n_ubatch": 512, "n_ctx": n_ctx,
+        "n_batch": n_batch, "n_ubatch": 512, "n_ctx": n_ctx,
         "llama_cpp_python": llama_cpp.__version__,
     }
 
