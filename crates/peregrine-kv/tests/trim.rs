@@ -36,16 +36,7 @@ fn decode_steps(cache: &mut dyn LayerCache, n: usize) {
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar()
-        .unwrap()
+    peregrine_tensor::ops::max_abs_diff(a, b).unwrap()
 }
 
 fn check_trim_is_exact(mut make: impl FnMut() -> Box<dyn LayerCache>, total: usize, trim: usize) {

@@ -46,16 +46,7 @@ fn reference(arch: &str) -> Reference {
 }
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
+    peregrine_tensor::ops::max_abs_diff(a, b).unwrap()
 }
 
 /// Runs the prompt in chunks of `chunk` tokens (exercising the cache across chunks).

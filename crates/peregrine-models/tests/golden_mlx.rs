@@ -58,16 +58,7 @@ fn reference(arch: &str, variant: &str) -> Reference {
 }
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
+    peregrine_tensor::ops::max_abs_diff(a, b).unwrap()
 }
 
 fn check_logits(arch: &str, variant: &str) {

@@ -35,16 +35,7 @@ fn logits(dir: &Path) -> Tensor {
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar()
-        .unwrap()
+    peregrine_tensor::ops::max_abs_diff(a, b).unwrap()
 }
 
 fn weights() -> HashMap<String, Tensor> {

@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use peregrine_engine::tensor::candle::safetensors::load;
-use peregrine_engine::tensor::{DType, Device};
+use peregrine_engine::tensor::ops::max_abs_diff;
+use peregrine_engine::tensor::{DType, Device, Tensor};
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -63,46 +64,52 @@ fn expect_failure(model: &Path) -> String {
     stderr
 }
 
+/// The fixture's reference input ids and transformers' logits.
+fn reference(arch: &str) -> (Vec<u32>, Tensor) {
+    let r = load(fixture(arch).join("reference.safetensors"), &Device::Cpu).unwrap();
+    let ids = r["input_ids"]
+        .to_dtype(DType::U32)
+        .unwrap()
+        .to_vec1::<u32>()
+        .unwrap();
+    (ids, r["logits"].clone())
+}
+
+/// Runs `peregrine logits` on `model` for `ids` and reads back the logits.
+fn cli_logits(model: &Path, ids: &[u32], extra: &[&str], scratch_name: &str) -> Tensor {
+    let out_file = scratch(scratch_name).join("logits.safetensors");
+    let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
+    let ids = ids.join(",");
+    let mut args = vec![
+        "logits",
+        "--model",
+        model.to_str().unwrap(),
+        "--input-ids",
+        &ids,
+    ];
+    args.extend_from_slice(extra);
+    args.extend_from_slice(&["--out", out_file.to_str().unwrap()]);
+    let run = peregrine(&args);
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    load(&out_file, &Device::Cpu).unwrap()["logits"].clone()
+}
+
 #[test]
 fn logits_command_matches_transformers() {
     for arch in ["llama", "mistral", "qwen2", "qwen3"] {
-        let reference = load(fixture(arch).join("reference.safetensors"), &Device::Cpu).unwrap();
-        let ids = reference["input_ids"]
-            .to_dtype(DType::U32)
-            .unwrap()
-            .to_vec1::<u32>()
-            .unwrap();
-        let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
-        let out_file = scratch(&format!("logits-{arch}")).join("logits.safetensors");
+        let (ids, expected) = reference(arch);
         // A small prefill size makes the command cross chunk boundaries.
-        let out = peregrine(&[
-            "logits",
-            "--model",
-            fixture(arch).to_str().unwrap(),
-            "--input-ids",
-            &ids.join(","),
-            "--prefill-size",
-            "7",
-            "--out",
-            out_file.to_str().unwrap(),
-        ]);
-        assert!(
-            out.status.success(),
-            "{arch}: {}",
-            String::from_utf8_lossy(&out.stderr)
+        let ours = cli_logits(
+            &fixture(arch),
+            &ids,
+            &["--prefill-size", "7"],
+            &format!("logits-{arch}"),
         );
-        let ours = load(&out_file, &Device::Cpu).unwrap();
-        let diff = (&ours["logits"] - &reference["logits"])
-            .unwrap()
-            .abs()
-            .unwrap();
-        let max = diff
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let max = max_abs_diff(&ours, &expected).unwrap();
         // f32 weights and compute on both sides: only summation order differs (see golden.rs).
         assert!(max < 1e-3, "{arch}: max abs diff {max}");
     }
@@ -256,40 +263,8 @@ fn quantize_writes_a_checkpoint_that_loads_back() {
         "{}",
         String::from_utf8_lossy(&run.stderr)
     );
-    let reference = load(fixture("qwen3").join("reference.safetensors"), &Device::Cpu).unwrap();
-    let ids = reference["input_ids"]
-        .to_dtype(DType::U32)
-        .unwrap()
-        .to_vec1::<u32>()
-        .unwrap();
-    let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
-    let logits_file = dir.join("l.safetensors");
-    let run = peregrine(&[
-        "logits",
-        "--model",
-        out.to_str().unwrap(),
-        "--input-ids",
-        &ids.join(","),
-        "--out",
-        logits_file.to_str().unwrap(),
-    ]);
-    assert!(
-        run.status.success(),
-        "{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
-    let ours = load(&logits_file, &Device::Cpu).unwrap();
-    let diff = (&ours["logits"] - &reference["logits"])
-        .unwrap()
-        .abs()
-        .unwrap();
-    let max = diff
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let (ids, expected) = reference("qwen3");
+    let max = max_abs_diff(&cli_logits(&out, &ids, &[], "quantize-logits"), &expected).unwrap();
     assert!(max < 0.2, "8-bit logits moved by {max}");
     assert!(max > 0.0, "the checkpoint was not quantized at all");
 }

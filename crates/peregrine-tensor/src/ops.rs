@@ -27,3 +27,13 @@ pub fn silu_mul_ref(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     let sigmoid = (gate.neg()?.exp()? + 1.0)?.recip()?;
     (gate * sigmoid)? * up
 }
+
+/// Largest absolute elementwise difference of two same-shaped tensors, as f32: the measure every
+/// parity check (fused vs `*_ref`, ours vs a reference implementation) uses.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+    (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar()
+}

@@ -24,16 +24,7 @@ fn randn(shape: &[usize], seed: u64) -> Tensor {
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar()
-        .unwrap()
+    peregrine_tensor::ops::max_abs_diff(a, b).unwrap()
 }
 
 #[test]
