@@ -5,6 +5,8 @@
 //! differences are summation order (observed ~1e-5); a real bug (wrong RoPE pair, missing bias,
 //! off-by-one window) moves logits by 1e-1 or more.
 
+mod common;
+
 use std::path::PathBuf;
 
 use peregrine_models::{
@@ -80,21 +82,7 @@ fn check_greedy(arch: &str) {
         .unwrap()
         .model;
     let r = reference(arch);
-    let mut cache = SequenceCache::new(&model.cache_spec(), &KvOptions::default());
-    let mut next = r.ids.clone();
-    let mut out = vec![];
-    for _ in 0..r.greedy.len() {
-        let logits = model.forward(&next, &mut cache, Logits::Last).unwrap();
-        let id = logits
-            .squeeze(0)
-            .unwrap()
-            .argmax(0)
-            .unwrap()
-            .to_scalar::<u32>()
-            .unwrap();
-        out.push(id);
-        next = vec![id];
-    }
+    let out = common::greedy_ids(model.as_ref(), &r.ids, r.greedy.len());
     assert_eq!(out, r.greedy, "{arch}: greedy continuation");
 }
 

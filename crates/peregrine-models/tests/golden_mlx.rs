@@ -9,6 +9,8 @@
 //! weights are the same f32 numbers on both sides and we compute in f32, so only summation order
 //! differs (observed ~1e-5); one misdecoded code or a wrong group moves logits by 1e-2 or more.
 
+mod common;
+
 use std::path::PathBuf;
 
 use peregrine_models::weights::MlxQuantization;
@@ -95,21 +97,7 @@ fn check_greedy(arch: &str, variant: &str) {
         .unwrap()
         .model;
     let r = reference(arch, variant);
-    let mut cache = SequenceCache::new(&model.cache_spec(), &KvOptions::default());
-    let mut next = r.ids.clone();
-    let mut out = vec![];
-    for _ in 0..r.greedy.len() {
-        let logits = model.forward(&next, &mut cache, Logits::Last).unwrap();
-        let id = logits
-            .squeeze(0)
-            .unwrap()
-            .argmax(0)
-            .unwrap()
-            .to_scalar::<u32>()
-            .unwrap();
-        out.push(id);
-        next = vec![id];
-    }
+    let out = common::greedy_ids(model.as_ref(), &r.ids, r.greedy.len());
     assert_eq!(out, r.greedy, "{arch}/{variant}: greedy continuation");
 }
 
