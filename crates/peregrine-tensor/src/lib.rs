@@ -11,11 +11,13 @@ pub mod device;
 pub mod linear;
 pub mod mlx;
 pub mod ops;
+pub mod quant;
 pub mod rope;
 
 pub use candle_core::{D, DType, Device, Result, Tensor};
 pub use linear::{Embedding, QLinear};
 pub use mlx::MlxQuantized;
+pub use quant::GgufMatrix;
 pub use rope::{RopeScaling, RopeStyle, RotaryEmbedding};
 
 /// A candle error's message for users: without the backtrace candle attaches when

@@ -2,10 +2,11 @@
 
 use std::sync::Arc;
 
-use candle_core::quantized::{QMatMul, QTensor};
-use candle_core::{D, Module, Result, Tensor};
+use candle_core::quantized::QTensor;
+use candle_core::{D, Result, Tensor};
 
 use crate::mlx::MlxQuantized;
+use crate::quant::GgufMatrix;
 
 /// A linear layer `y = x Wᵀ + b`; the only place where weight formats meet matmul.
 /// Adding a format adds a variant here and a mapping in the loader, nothing in model code.
@@ -18,10 +19,10 @@ pub enum QLinear {
         /// Optional bias, `[out]`.
         b: Option<Tensor>,
     },
-    /// A GGUF block-quantized weight, multiplied by candle's quantized kernels.
+    /// A GGUF block-quantized weight, multiplied by Peregrine's kernels on CPU.
     Gguf {
         /// The quantized weight, logical shape `[out, in]`.
-        w: QMatMul,
+        w: GgufMatrix,
         /// Optional bias, `[out]`.
         b: Option<Tensor>,
     },
@@ -38,7 +39,7 @@ impl QLinear {
     /// Wraps a GGUF tensor; f32/f16/bf16 GGUF tensors are dequantized once by candle.
     pub fn from_qtensor(w: Arc<QTensor>, b: Option<Tensor>) -> Result<Self> {
         Ok(Self::Gguf {
-            w: QMatMul::from_arc(w)?,
+            w: GgufMatrix::new(w)?,
             b,
         })
     }
@@ -61,7 +62,7 @@ impl QLinear {
         let bias = |b: &Option<Tensor>| b.as_ref().map_or(0, tensor_bytes);
         match self {
             Self::Dense { w, b } => tensor_bytes(w) + bias(b),
-            Self::Gguf { w, b } => qmatmul_bytes(w) + bias(b),
+            Self::Gguf { w, b } => w.weight_bytes() + bias(b),
             Self::MlxAffine { w, b } => w.weight_bytes() + bias(b),
         }
     }
@@ -78,13 +79,6 @@ pub(crate) fn dense_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// Bytes of a dense tensor's elements.
 pub fn tensor_bytes(t: &Tensor) -> usize {
     t.elem_count() * t.dtype().size_in_bytes()
-}
-
-fn qmatmul_bytes(w: &QMatMul) -> usize {
-    match w {
-        QMatMul::QTensor(q) => q.storage_size_in_bytes(),
-        QMatMul::Tensor(t) | QMatMul::TensorF16(t) => tensor_bytes(t),
-    }
 }
 
 /// A token embedding table. Quantized tables stay quantized: only the looked-up rows are

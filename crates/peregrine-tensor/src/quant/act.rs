@@ -1,0 +1,52 @@
+//! Activations quantized once per matmul to 8-bit blocks of 32, the format every weight kernel
+//! multiplies against (integer dot products, one float multiply per block).
+
+/// Inputs per activation block; every supported weight format's (sub-)block is a multiple of it.
+pub const QK: usize = 32;
+
+/// 32 activations as `d * qs[i]`, with the sums the weight formats' offsets and minimums need.
+/// Rounded as llama.cpp's `block_q8_1` is (scale and `d·Σqs` through f16, codes from the
+/// unrounded scale), so greedy decoding follows llama.cpp's through near-ties.
+#[derive(Debug, Clone, Copy, Default)]
+#[repr(C)]
+pub struct Q8Block {
+    /// Quantized values, `round(x / d)` in -127..=127.
+    pub qs: [i8; QK],
+    /// Scale: the block's largest magnitude / 127, rounded to f16.
+    pub d: f32,
+    /// `d · Σ qs` (unrounded `d`), rounded to f16: the minimum term of Q4_1 and Q5_1.
+    pub ds: f32,
+    /// `Σ qs`, for formats with an offset or a minimum.
+    pub sum: i32,
+    /// `Σ qs` over each half (16 values), for Q6_K's per-16 scales.
+    pub sum16: [i32; 2],
+}
+
+/// Quantizes `x` block by block into `out` (`x.len() / QK` blocks).
+pub fn quantize_row(x: &[f32], out: &mut [Q8Block]) {
+    for (block, x) in out.iter_mut().zip(x.chunks_exact(QK)) {
+        *block = quantize_block(x);
+    }
+}
+
+fn quantize_block(x: &[f32]) -> Q8Block {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+    let mut block = Q8Block {
+        d: f16_round(d),
+        ..Q8Block::default()
+    };
+    for (q, v) in block.qs.iter_mut().zip(x) {
+        *q = (v * id).round() as i8;
+    }
+    let half = |h: &[i8]| h.iter().map(|&q| i32::from(q)).sum::<i32>();
+    block.sum16 = [half(&block.qs[..16]), half(&block.qs[16..])];
+    block.sum = block.sum16[0] + block.sum16[1];
+    block.ds = f16_round(d * block.sum as f32);
+    block
+}
+
+fn f16_round(v: f32) -> f32 {
+    half::f16::from_f32(v).to_f32()
+}

@@ -1,0 +1,184 @@
+//! GGUF block-quantized matrices multiplied by Peregrine's own CPU kernels: activations are
+//! quantized once per call to 8-bit blocks ([`Q8Block`]), each output is an integer dot product
+//! per block straight from the packed weights (never dequantized), and output rows are split
+//! over rayon's pool. Batches (prefill) walk the weights tile by tile, so each weight row is read
+//! from memory once per call and reused from cache for every input row. Other devices, and
+//! formats without a kernel, use candle's `QMatMul`.
+
+mod act;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+mod format;
+pub mod scalar;
+
+use std::sync::{Arc, OnceLock};
+
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Result, Storage, Tensor, bail};
+use rayon::prelude::*;
+
+pub use act::{Q8Block, QK, quantize_row};
+pub use format::Format;
+
+/// Input rows per pass over a tile of weight rows: their Q8 blocks (≈ 1.1 bytes per input)
+/// stay in L2 while the tile's rows stay in L1.
+const INPUT_TILE: usize = 64;
+
+/// A dot-product implementation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    /// Portable Rust ([`scalar`]): the reference, and the path on other CPUs.
+    Scalar,
+    /// x86-64 AVX2 + FMA + F16C.
+    Avx2,
+}
+
+impl Kernel {
+    /// The fastest kernel this CPU runs; `PEREGRINE_CPU_KERNEL=scalar` forces the portable one.
+    pub fn best() -> Self {
+        static BEST: OnceLock<Kernel> = OnceLock::new();
+        *BEST.get_or_init(|| {
+            let forced = std::env::var("PEREGRINE_CPU_KERNEL").is_ok_and(|k| k == "scalar");
+            match Self::available().last() {
+                Some(&k) if !forced => k,
+                _ => Self::Scalar,
+            }
+        })
+    }
+
+    /// Every kernel this CPU runs, portable first.
+    pub fn available() -> Vec<Self> {
+        let mut kernels = vec![Self::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        if avx2::available() {
+            kernels.push(Self::Avx2);
+        }
+        kernels
+    }
+
+    fn dot_row(self, format: Format, w: &[u8], x: &[Q8Block]) -> f32 {
+        match self {
+            Self::Scalar => scalar::dot_row(format, w, x),
+            // SAFETY: `GgufMatrix::matmul_with` only runs kernels from `available()`.
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => unsafe { avx2::dot_row(format, w, x) },
+            #[cfg(not(target_arch = "x86_64"))]
+            Self::Avx2 => unreachable!("not in Kernel::available() off x86-64"),
+        }
+    }
+}
+
+/// A GGUF weight `[out, in]` with its CPU kernel (when its format has one).
+#[derive(Debug, Clone)]
+pub struct GgufMatrix {
+    qtensor: Arc<QTensor>,
+    format: Option<Format>,
+    /// candle's path: other devices, and formats without a kernel (f16/f32 are dequantized once).
+    fallback: QMatMul,
+}
+
+impl GgufMatrix {
+    /// Wraps a 2-D GGUF tensor.
+    pub fn new(qtensor: Arc<QTensor>) -> Result<Self> {
+        let (_, cols) = qtensor.shape().dims2()?;
+        let format = Format::of(qtensor.dtype()).filter(|f| cols % f.block_len() == 0);
+        Ok(Self {
+            format,
+            fallback: QMatMul::from_arc(qtensor.clone())?,
+            qtensor,
+        })
+    }
+
+    /// Logical `(out, in)`.
+    pub fn dims(&self) -> (usize, usize) {
+        self.qtensor.shape().dims2().unwrap_or((0, 0))
+    }
+
+    /// The block format when a Peregrine kernel multiplies this matrix.
+    pub fn format(&self) -> Option<Format> {
+        self.format
+    }
+
+    /// Bytes the weight occupies in memory.
+    pub fn weight_bytes(&self) -> usize {
+        match &self.fallback {
+            QMatMul::QTensor(q) => q.storage_size_in_bytes(),
+            QMatMul::Tensor(t) | QMatMul::TensorF16(t) => crate::linear::tensor_bytes(t),
+        }
+    }
+
+    /// `x: [.., in]` → `[.., out]` in `x`'s dtype.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if self.format.is_none() || !matches!(x.device(), Device::Cpu) {
+            return self.fallback.forward(x);
+        }
+        let (out, in_dim) = self.dims();
+        let mut dims = x.dims().to_vec();
+        if dims.last() != Some(&in_dim) {
+            bail!("gguf matmul: input shape {dims:?} does not end in {in_dim}");
+        }
+        let m = x.elem_count() / in_dim;
+        let xf = x.to_dtype(DType::F32)?.contiguous()?;
+        let (storage, layout) = xf.storage_and_layout();
+        let (Storage::Cpu(cpu), Some((start, end))) = (&*storage, layout.contiguous_offsets())
+        else {
+            bail!("gguf matmul: input is not a contiguous CPU tensor");
+        };
+        let y = self.matmul_with(&cpu.as_slice::<f32>()?[start..end], m, Kernel::best())?;
+        *dims.last_mut().expect("checked above") = out;
+        Tensor::from_vec(y, dims, &Device::Cpu)?.to_dtype(x.dtype())
+    }
+
+    /// `x: [m, in]` (row-major f32) → `[m, out]` with `kernel`.
+    pub fn matmul_with(&self, x: &[f32], m: usize, kernel: Kernel) -> Result<Vec<f32>> {
+        let Some(format) = self.format else {
+            bail!("gguf matmul: no kernel for {:?}", self.qtensor.dtype());
+        };
+        if !Kernel::available().contains(&kernel) {
+            bail!("gguf matmul: this CPU cannot run the {kernel:?} kernel");
+        }
+        let (n, k) = self.dims();
+        if x.len() != m * k {
+            bail!("gguf matmul: {} inputs for {m} rows of {k}", x.len());
+        }
+        let data = self.qtensor.data()?;
+        let row_bytes = k / format.block_len() * format.block_bytes();
+        let blocks = k / QK;
+        let mut xq = vec![Q8Block::default(); m * blocks];
+        xq.par_chunks_mut(blocks)
+            .zip(x.par_chunks(k))
+            .for_each(|(q, x)| quantize_row(x, q));
+
+        let rows_per_task = (n / (rayon::current_num_threads() * 4)).clamp(1, 512);
+        let mut yt = vec![0f32; n * m]; // [out][m]: each task owns whole output rows
+        yt.par_chunks_mut(rows_per_task * m)
+            .enumerate()
+            .for_each(|(task, out)| {
+                let r0 = task * rows_per_task;
+                for i0 in (0..m).step_by(INPUT_TILE) {
+                    let inputs = i0..(i0 + INPUT_TILE).min(m);
+                    for (r, y) in out.chunks_exact_mut(m).enumerate() {
+                        let w = &data[(r0 + r) * row_bytes..][..row_bytes];
+                        for i in inputs.clone() {
+                            y[i] = kernel.dot_row(format, w, &xq[i * blocks..][..blocks]);
+                        }
+                    }
+                }
+            });
+        Ok(transpose(yt, n, m))
+    }
+}
+
+/// `[n][m]` → `[m][n]`.
+fn transpose(yt: Vec<f32>, n: usize, m: usize) -> Vec<f32> {
+    if m == 1 {
+        return yt;
+    }
+    let mut y = vec![0f32; n * m];
+    y.par_chunks_mut(n).enumerate().for_each(|(i, row)| {
+        for (r, v) in row.iter_mut().enumerate() {
+            *v = yt[r * m + i];
+        }
+    });
+    y
+}

@@ -1,0 +1,146 @@
+//! GGUF CPU kernels: every kernel equals the portable one, and the portable one is within the
+//! provable bound of the exact f32 product of the dequantized weights.
+
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use peregrine_tensor::GgufMatrix;
+use peregrine_tensor::quant::{Kernel, QK};
+
+const FORMATS: [GgmlDType; 8] = [
+    GgmlDType::Q4_0,
+    GgmlDType::Q4_1,
+    GgmlDType::Q5_0,
+    GgmlDType::Q5_1,
+    GgmlDType::Q8_0,
+    GgmlDType::Q4K,
+    GgmlDType::Q5K,
+    GgmlDType::Q6K,
+];
+
+/// Deterministic values in about [-1, 1] with some large outliers, as real activations have.
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|i| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let u = (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
+            if i % 97 == 0 { u * 8.0 } else { u }
+        })
+        .collect()
+}
+
+fn matrix(dtype: GgmlDType, n: usize, k: usize) -> (GgufMatrix, Vec<f32>) {
+    let w = Tensor::from_vec(
+        values(n * k, n as u64 * 31 + k as u64),
+        (n, k),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let q = Arc::new(QTensor::quantize(&w, dtype).unwrap());
+    let dequantized = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap();
+    (GgufMatrix::new(q).unwrap(), dequantized.to_vec1().unwrap())
+}
+
+/// Per output: the exact product, `Σ|w||x|`, and the worst case of quantizing `x` to 8 bits as
+/// llama.cpp does: each input off by half a step (`amax / 254`) plus the step's f16 rounding
+/// (relative 2⁻¹¹, times at most 127 steps); and the f16-rounded `d·Σq` of formats with a
+/// minimum, off by 2⁻¹¹ of at most `Σ|x|`, times a minimum no larger than the block's `max|w|`.
+fn exact(w: &[f32], x: &[f32], k: usize) -> Vec<(f32, f32, f32)> {
+    let step_error = |amax: f32| amax / 127.0 * (0.5 + 127.0 / 2048.0);
+    let half_steps: Vec<f32> = x
+        .chunks(QK)
+        .flat_map(|b| {
+            let amax = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+            std::iter::repeat_n(step_error(amax), QK)
+        })
+        .collect();
+    let mut out = Vec::new();
+    for xr in x.chunks(k) {
+        let hs = &half_steps[out.len() / (w.len() / k) * k..][..k];
+        for wr in w.chunks(k) {
+            let (mut y, mut mag, mut q) = (0f64, 0f32, 0f32);
+            for j in 0..k {
+                y += f64::from(wr[j]) * f64::from(xr[j]);
+                mag += (wr[j] * xr[j]).abs();
+                q += wr[j].abs() * hs[j];
+            }
+            for (wb, xb) in wr.chunks(QK).zip(xr.chunks(QK)) {
+                let wmax = wb.iter().fold(0f32, |m, v| m.max(v.abs()));
+                q += wmax * xb.iter().map(|v| v.abs()).sum::<f32>() / 2048.0;
+            }
+            out.push((y as f32, mag, q));
+        }
+    }
+    out
+}
+
+#[test]
+fn every_kernel_matches_the_exact_product_within_the_quantization_bound() {
+    for dtype in FORMATS {
+        let ks: &[usize] = match dtype.block_size() {
+            256 => &[256, 768],
+            _ => &[32, 160, 768],
+        };
+        for &k in ks {
+            for n in [1, 7, 37] {
+                let (w, wf) = matrix(dtype, n, k);
+                assert!(w.format().is_some(), "{dtype:?} should have a kernel");
+                for m in [1, 3, 70] {
+                    let x = values(m * k, (m * 1000 + k) as u64);
+                    let reference = exact(&wf, &x, k);
+                    let scalar = w.matmul_with(&x, m, Kernel::Scalar).unwrap();
+                    for kernel in Kernel::available() {
+                        let y = w.matmul_with(&x, m, kernel).unwrap();
+                        for (i, ((got, s), (want, mag, qbound))) in
+                            y.iter().zip(&scalar).zip(&reference).enumerate()
+                        {
+                            let case = format!("{dtype:?} {kernel:?} n={n} k={k} m={m} out {i}");
+                            // Same integer sums; only the float summation order differs.
+                            assert!((got - s).abs() <= 1e-5 * mag, "{case}: {got} vs scalar {s}");
+                            // Quantizing x is the only approximation: bounded by half a step.
+                            let tol = qbound * 1.001 + 1e-5 * mag;
+                            assert!((got - want).abs() <= tol, "{case}: {got} vs {want} ± {tol}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn forward_keeps_leading_dims_and_formats_without_kernels_fall_back() {
+    let (w, wf) = matrix(GgmlDType::Q4K, 9, 256);
+    let x = values(2 * 3 * 256, 5);
+    let xt = Tensor::from_vec(x.clone(), (2, 3, 256), &Device::Cpu).unwrap();
+    let y = w.forward(&xt).unwrap();
+    assert_eq!(y.dims(), &[2, 3, 9]);
+    let want = w.matmul_with(&x, 6, Kernel::best()).unwrap();
+    assert_eq!(y.flatten_all().unwrap().to_vec1::<f32>().unwrap(), want);
+
+    let dense = Tensor::from_vec(wf, (9, 256), &Device::Cpu).unwrap();
+    let f16 =
+        GgufMatrix::new(Arc::new(QTensor::quantize(&dense, GgmlDType::F16).unwrap())).unwrap();
+    assert_eq!(f16.format(), None);
+    let (y16, y32) = (f16.forward(&xt).unwrap(), y.clone());
+    let diff = (y16 - y32).unwrap().abs().unwrap().max_all().unwrap();
+    assert!(
+        diff.to_scalar::<f32>().unwrap() < 0.5,
+        "f16 fallback far from the Q4_K kernel"
+    );
+}
+
+#[test]
+fn input_of_the_wrong_width_is_an_error() {
+    let (w, _) = matrix(GgmlDType::Q8_0, 4, 64);
+    let err = w.matmul_with(&[0.0; 63], 1, Kernel::Scalar).unwrap_err();
+    assert!(err.to_string().contains("63 inputs"), "{err}");
+    let x = Tensor::zeros((1, 65), candle_core::DType::F32, &Device::Cpu).unwrap();
+    assert!(w.forward(&x).is_err());
+}
