@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use peregrine_models::{CausalLm, KvOptions, Logits, SequenceCache};
 use peregrine_sampling::{Sampler, token_logprobs};
 use peregrine_tensor::Tensor;
+use peregrine_tensor::device::in_compute_pool;
 
 use crate::api::{Event, FinishReason, Request, Timings, Usage};
 use crate::detok::{IncrementalDetokenizer, PROMPT_TAIL};
@@ -44,7 +45,7 @@ pub(crate) fn prefill(
         } else {
             Logits::Last
         };
-        let logits = model.forward(chunk, cache, want)?;
+        let logits = in_compute_pool(|| model.forward(chunk, cache, want))?;
         if want == Logits::All || last {
             parts.push(logits);
         }
@@ -128,7 +129,8 @@ pub(crate) fn generate(
         if generated.len() >= budget {
             break FinishReason::Length;
         }
-        let step_logits = ctx.model.forward(&[token], &mut cache, Logits::Last)?;
+        let step_logits =
+            in_compute_pool(|| ctx.model.forward(&[token], &mut cache, Logits::Last))?;
         logits = last_row(&step_logits)?;
     };
     if finish != FinishReason::Cancelled && !stop.is_stopped() {

@@ -26,3 +26,15 @@ pub fn compute_dtype(device: &Device) -> DType {
         DType::BF16
     }
 }
+
+/// Runs `f` (one forward pass) on a thread of rayon's pool, so the parallel kernels inside it
+/// split work with in-pool joins instead of waking the pool from outside on every matmul (a
+/// mutex and condvar each time, about a third of a small model's decode step). Keep `f` to one
+/// pass: while it runs it holds a pool thread that other sequences' passes may be waiting for.
+pub fn in_compute_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if rayon::current_thread_index().is_some() {
+        f()
+    } else {
+        rayon::scope(|_| f())
+    }
+}

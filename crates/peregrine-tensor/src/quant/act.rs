@@ -16,10 +16,10 @@ pub struct Q8Block {
     pub d: f32,
     /// `d · Σ qs` (unrounded `d`), rounded to f16: the minimum term of Q4_1 and Q5_1.
     pub ds: f32,
-    /// `Σ qs`, for formats with an offset or a minimum.
-    pub sum: i32,
-    /// `Σ qs` over each half (16 values), for Q6_K's per-16 scales.
-    pub sum16: [i32; 2],
+    /// `d · Σ qs` (rounded `d`): offsets of Q4_0/Q5_0 and minimums of the K-quants.
+    pub dsum: f32,
+    /// `d · Σ qs` over each half (16 values), for Q6_K's per-16 scales.
+    pub dsum16: [f32; 2],
 }
 
 /// Quantizes `x` block by block into `out` (`x.len() / QK` blocks).
@@ -37,13 +37,16 @@ fn quantize_block(x: &[f32]) -> Q8Block {
         d: f16_round(d),
         ..Q8Block::default()
     };
+    // Ties to even, as llama.cpp's AVX2 quantizer rounds (and a single instruction).
     for (q, v) in block.qs.iter_mut().zip(x) {
-        *q = (v * id).round() as i8;
+        *q = (v * id).round_ties_even() as i8;
     }
     let half = |h: &[i8]| h.iter().map(|&q| i32::from(q)).sum::<i32>();
-    block.sum16 = [half(&block.qs[..16]), half(&block.qs[16..])];
-    block.sum = block.sum16[0] + block.sum16[1];
-    block.ds = f16_round(d * block.sum as f32);
+    let sums = [half(&block.qs[..16]), half(&block.qs[16..])];
+    let sum = (sums[0] + sums[1]) as f32;
+    block.ds = f16_round(d * sum);
+    block.dsum = block.d * sum;
+    block.dsum16 = sums.map(|s| block.d * s as f32);
     block
 }
 

@@ -1,7 +1,9 @@
-//! AVX2/FMA/F16C dot products of GGUF weight rows with Q8 activations. Each block's codes are
-//! unpacked to 32 unsigned bytes and multiplied with `maddubs` (u8 × i8 → i16 pairs → i32), one
-//! float FMA per block; offsets and minimums use the activation sums, so they cost one scalar
-//! multiply per block. Same arithmetic as [`super::scalar`], up to float summation order.
+//! AVX2/FMA/F16C dot products of GGUF weight rows with Q8 activations. Each 32-value
+//! (sub-)block's codes are unpacked once to 32 unsigned bytes ([`Sub`]) and multiplied with
+//! `maddubs` (u8 × i8 → i16 pairs → i32) against up to four input rows, one float FMA per block
+//! and row; offsets and minimums use the activation sums, one scalar multiply per block. Same
+//! arithmetic as [`super::scalar`], up to float summation order. Formats are const-generic ids
+//! so each (format, rows) pair compiles to its own straight-line loop.
 
 use std::arch::x86_64::*;
 
@@ -15,22 +17,160 @@ pub fn available() -> bool {
         && is_x86_feature_detected!("f16c")
 }
 
-/// `Σ w·x` over one row.
+/// `Σ w·x[r]` for one weight row and `R` input rows.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C ([`available`]).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_row(format: Format, w: &[u8], x: &[Q8Block]) -> f32 {
+pub unsafe fn dot_rows<const R: usize>(format: Format, w: &[u8], x: [&[Q8Block]; R]) -> [f32; R] {
     match format {
-        Format::Q4_0 => q4_0(w, x),
-        Format::Q4_1 => q4_1(w, x),
-        Format::Q5_0 => q5_0(w, x),
-        Format::Q5_1 => q5_1(w, x),
-        Format::Q8_0 => q8_0(w, x),
-        Format::Q4K => q4_k(w, x),
-        Format::Q5K => q5_k(w, x),
-        Format::Q6K => q6_k(w, x),
+        Format::Q4_0 => rows::<Q4_0, R>(w, x),
+        Format::Q4_1 => rows::<Q4_1, R>(w, x),
+        Format::Q5_0 => rows::<Q5_0, R>(w, x),
+        Format::Q5_1 => rows::<Q5_1, R>(w, x),
+        Format::Q8_0 => rows::<Q8_0, R>(w, x),
+        Format::Q4K => rows::<Q4K, R>(w, x),
+        Format::Q5K => rows::<Q5K, R>(w, x),
+        Format::Q6K => rows::<Q6K, R>(w, x),
     }
+}
+
+const Q4_0: u8 = 0;
+const Q4_1: u8 = 1;
+const Q5_0: u8 = 2;
+const Q5_1: u8 = 3;
+const Q8_0: u8 = 4;
+const Q4K: u8 = 5;
+const Q5K: u8 = 6;
+const Q6K: u8 = 7;
+
+/// One 32-value (sub-)block of weights, unpacked.
+struct Sub {
+    /// Unsigned codes (Q8_0: the signed values).
+    codes: __m256i,
+    /// Multiplies `x.d · Σ codes·x` (for Q6_K, the per-16 scales are in `lane_scales`).
+    scale: f32,
+    /// Q4_1/Q5_1: the minimum, times `x.ds`. Q4_0/Q5_0/K-quants: times `x.dsum`.
+    min: f32,
+    /// Q6_K: i16 scale of each product pair (8 lanes per 16 values).
+    lane_scales: __m256i,
+    /// Q6_K: `-32 · scale` per 16 values, times `x.dsum16`.
+    offsets16: [f32; 2],
+}
+
+/// Bytes and sub-blocks of format `F`.
+const fn shape(f: u8) -> (usize, usize) {
+    match f {
+        Q4_0 => (18, 1),
+        Q4_1 => (20, 1),
+        Q5_0 => (22, 1),
+        Q5_1 => (24, 1),
+        Q8_0 => (34, 1),
+        Q4K => (144, 8),
+        Q5K => (176, 8),
+        _ => (210, 8),
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn sub<const F: u8>(b: &[u8], j: usize) -> Sub {
+    let mut s = Sub {
+        codes: _mm256_setzero_si256(),
+        scale: f16(b, 0),
+        min: 0.0,
+        lane_scales: _mm256_set1_epi16(1),
+        offsets16: [0.0; 2],
+    };
+    match F {
+        Q4_0 => (s.codes, s.min) = (nibbles(&b[2..18]), -8.0 * s.scale),
+        Q4_1 => (s.codes, s.min) = (nibbles(&b[4..20]), f16(b, 2)),
+        Q5_0 => {
+            s.codes = _mm256_or_si256(nibbles(&b[6..22]), fifth_bits(&b[2..6]));
+            s.min = -16.0 * s.scale;
+        }
+        Q5_1 => {
+            s.codes = _mm256_or_si256(nibbles(&b[8..24]), fifth_bits(&b[4..8]));
+            s.min = f16(b, 2);
+        }
+        Q8_0 => s.codes = load32(&b[2..34]),
+        Q4K | Q5K => {
+            let (qs_at, mask) = (if F == Q5K { 48 } else { 16 }, _mm256_set1_epi8(0xF));
+            let q = load32(&b[qs_at + 32 * (j / 2)..]);
+            let q = if j.is_multiple_of(2) {
+                q
+            } else {
+                _mm256_srli_epi16(q, 4)
+            };
+            s.codes = _mm256_and_si256(q, mask);
+            if F == Q5K {
+                let bit = _mm256_srl_epi16(load32(&b[16..48]), _mm_cvtsi32_si128(j as i32));
+                let bit = _mm256_and_si256(bit, _mm256_set1_epi8(1));
+                s.codes = _mm256_or_si256(s.codes, _mm256_slli_epi16(bit, 4));
+            }
+            let (sc, m) = k_scale_min(&b[4..16], j);
+            (s.scale, s.min) = (s.scale * f32::from(sc), -f16(b, 2) * f32::from(m));
+        }
+        _ => {
+            // Q6_K sub-block j = 4n + t: low (t < 2) or high nibbles of ql[64n + 32(t % 2)..],
+            // bits 2t, 2t + 1 of qh[32n..]; scales 8n + 2t and 8n + 2t + 1.
+            let (n, t) = (j / 4, j % 4);
+            let ql = load32(&b[64 * n + 32 * (t % 2)..]);
+            let low = if t < 2 { ql } else { _mm256_srli_epi16(ql, 4) };
+            let low = _mm256_and_si256(low, _mm256_set1_epi8(0xF));
+            let hi = _mm256_srl_epi16(load32(&b[128 + 32 * n..]), _mm_cvtsi32_si128(2 * t as i32));
+            let hi = _mm256_slli_epi16(_mm256_and_si256(hi, _mm256_set1_epi8(3)), 4);
+            s.codes = _mm256_or_si256(low, hi);
+            let sc = [
+                b[192 + 8 * n + 2 * t] as i8,
+                b[192 + 8 * n + 2 * t + 1] as i8,
+            ];
+            s.scale = f16(b, 208);
+            s.lane_scales = _mm256_set_m128i(
+                _mm_set1_epi16(i16::from(sc[1])),
+                _mm_set1_epi16(i16::from(sc[0])),
+            );
+            s.offsets16 = sc.map(|c| -32.0 * s.scale * f32::from(c));
+        }
+    }
+    s
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn rows<const F: u8, const R: usize>(w: &[u8], x: [&[Q8Block]; R]) -> [f32; R] {
+    let (bytes, subs) = shape(F);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut off = [0f32; R];
+    for (i, b) in w.chunks_exact(bytes).enumerate() {
+        for j in 0..subs {
+            let s = sub::<F>(b, j);
+            // Q8_0 is signed: |w| · (x · sign w), as maddubs needs its first operand unsigned.
+            let codes = if F == Q8_0 {
+                _mm256_sign_epi8(s.codes, s.codes)
+            } else {
+                s.codes
+            };
+            for r in 0..R {
+                let xb = &x[r][i * subs + j];
+                let xv = xq(xb);
+                let xv = if F == Q8_0 {
+                    _mm256_sign_epi8(xv, s.codes)
+                } else {
+                    xv
+                };
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xv), s.lane_scales);
+                acc[r] = fma(acc[r], p, s.scale * xb.d);
+                off[r] += match F {
+                    Q4_1 | Q5_1 => s.min * xb.ds,
+                    Q8_0 => 0.0,
+                    Q6K => s.offsets16[0] * xb.dsum16[0] + s.offsets16[1] * xb.dsum16[1],
+                    _ => s.min * xb.dsum,
+                };
+            }
+        }
+    }
+    std::array::from_fn(|r| hsum(acc[r]) + off[r])
 }
 
 #[inline]
@@ -53,13 +193,6 @@ fn load32(p: &[u8]) -> __m256i {
 fn xq(x: &Q8Block) -> __m256i {
     // SAFETY: `qs` is 32 bytes; the load is unaligned.
     unsafe { _mm256_loadu_si256(x.qs.as_ptr().cast()) }
-}
-
-/// Eight i32 partial sums of `codes (u8) · x (i8)`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn dot_u8_i8(codes: __m256i, x: __m256i) -> __m256i {
-    _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1))
 }
 
 /// `acc + products · scale`.
@@ -106,149 +239,4 @@ fn fifth_bits(qh: &[u8]) -> __m256i {
     let others = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe);
     let set = _mm256_cmpeq_epi8(_mm256_or_si256(bytes, others), _mm256_set1_epi64x(-1));
     _mm256_and_si256(set, _mm256_set1_epi8(16))
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn q4_0(w: &[u8], x: &[Q8Block]) -> f32 {
-    let (mut acc, mut off) = (_mm256_setzero_ps(), 0f32);
-    for (b, x) in w.chunks_exact(18).zip(x) {
-        let dd = f16(b, 0) * x.d;
-        acc = fma(acc, dot_u8_i8(nibbles(&b[2..18]), xq(x)), dd);
-        off -= 8.0 * dd * x.sum as f32;
-    }
-    hsum(acc) + off
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn q4_1(w: &[u8], x: &[Q8Block]) -> f32 {
-    let (mut acc, mut off) = (_mm256_setzero_ps(), 0f32);
-    for (b, x) in w.chunks_exact(20).zip(x) {
-        acc = fma(acc, dot_u8_i8(nibbles(&b[4..20]), xq(x)), f16(b, 0) * x.d);
-        off += f16(b, 2) * x.ds;
-    }
-    hsum(acc) + off
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn q5_0(w: &[u8], x: &[Q8Block]) -> f32 {
-    let (mut acc, mut off) = (_mm256_setzero_ps(), 0f32);
-    for (b, x) in w.chunks_exact(22).zip(x) {
-        let codes = _mm256_or_si256(nibbles(&b[6..22]), fifth_bits(&b[2..6]));
-        let dd = f16(b, 0) * x.d;
-        acc = fma(acc, dot_u8_i8(codes, xq(x)), dd);
-        off -= 16.0 * dd * x.sum as f32;
-    }
-    hsum(acc) + off
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn q5_1(w: &[u8], x: &[Q8Block]) -> f32 {
-    let (mut acc, mut off) = (_mm256_setzero_ps(), 0f32);
-    for (b, x) in w.chunks_exact(24).zip(x) {
-        let codes = _mm256_or_si256(nibbles(&b[8..24]), fifth_bits(&b[4..8]));
-        acc = fma(acc, dot_u8_i8(codes, xq(x)), f16(b, 0) * x.d);
-        off += f16(b, 2) * x.ds;
-    }
-    hsum(acc) + off
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn q8_0(w: &[u8], x: &[Q8Block]) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    for (b, x) in w.chunks_exact(34).zip(x) {
-        let (wv, xv) = (load32(&b[2..34]), xq(x));
-        // |w| · (x · sign w): maddubs needs its first operand unsigned.
-        let p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-        let p = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-        acc = fma(acc, p, f16(b, 0) * x.d);
-    }
-    hsum(acc)
-}
-
-/// Q4_K and Q5_K: 4 chunks of 32 bytes, low nibbles for sub-block 2j, high for 2j + 1; Q5_K adds
-/// bit `k` of each `qh` byte as the fifth bit of sub-block `k`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn k_quant(w: &[u8], x: &[Q8Block], block_bytes: usize, five: bool) -> f32 {
-    let (mut acc, mut off) = (_mm256_setzero_ps(), 0f32);
-    let mask = _mm256_set1_epi8(0xF);
-    let qs_at = if five { 48 } else { 16 };
-    for (b, xs) in w.chunks_exact(block_bytes).zip(x.chunks_exact(8)) {
-        let (d, dmin) = (f16(b, 0), f16(b, 2));
-        let high = if five {
-            load32(&b[16..48])
-        } else {
-            _mm256_setzero_si256()
-        };
-        for j in 0..4 {
-            let q = load32(&b[qs_at + 32 * j..]);
-            let halves = [
-                _mm256_and_si256(q, mask),
-                _mm256_and_si256(_mm256_srli_epi16(q, 4), mask),
-            ];
-            for (h, mut codes) in halves.into_iter().enumerate() {
-                let k = 2 * j + h;
-                if five {
-                    let bit = _mm256_srl_epi16(high, _mm_cvtsi32_si128(k as i32));
-                    let bit = _mm256_and_si256(bit, _mm256_set1_epi8(1));
-                    codes = _mm256_or_si256(codes, _mm256_slli_epi16(bit, 4));
-                }
-                let (sc, m) = k_scale_min(&b[4..16], k);
-                let xb = &xs[k];
-                acc = fma(acc, dot_u8_i8(codes, xq(xb)), d * f32::from(sc) * xb.d);
-                off -= dmin * f32::from(m) * xb.d * xb.sum as f32;
-            }
-        }
-    }
-    hsum(acc) + off
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn q4_k(w: &[u8], x: &[Q8Block]) -> f32 {
-    k_quant(w, x, 144, false)
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn q5_k(w: &[u8], x: &[Q8Block]) -> f32 {
-    k_quant(w, x, 176, true)
-}
-
-/// Q6_K: per half of 128 values, sub-block `t` takes low (t < 2) or high nibbles of
-/// `ql[32(t % 2)..]` and bits `2t, 2t+1` of `qh`; each 16 values have an i8 scale, applied in
-/// the integer sum by `madd` against a vector of the two scales.
-#[target_feature(enable = "avx2,fma,f16c")]
-fn q6_k(w: &[u8], x: &[Q8Block]) -> f32 {
-    let (mut acc, mut off) = (_mm256_setzero_ps(), 0f32);
-    let (mask4, mask2) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(3));
-    for (b, xs) in w.chunks_exact(210).zip(x.chunks_exact(8)) {
-        let d = f16(b, 208);
-        for n in 0..2 {
-            let ql = [load32(&b[64 * n..]), load32(&b[64 * n + 32..])];
-            let qh = load32(&b[128 + 32 * n..]);
-            for t in 0..4 {
-                let low = match t {
-                    0 | 1 => _mm256_and_si256(ql[t], mask4),
-                    _ => _mm256_and_si256(_mm256_srli_epi16(ql[t - 2], 4), mask4),
-                };
-                let hi = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t as i32));
-                let hi = _mm256_slli_epi16(_mm256_and_si256(hi, mask2), 4);
-                let codes = _mm256_or_si256(low, hi);
-                let xb = &xs[4 * n + t];
-                let sc = [
-                    b[192 + 8 * n + 2 * t] as i8,
-                    b[192 + 8 * n + 2 * t + 1] as i8,
-                ];
-                let scales = _mm256_set_m128i(
-                    _mm_set1_epi16(i16::from(sc[1])),
-                    _mm_set1_epi16(i16::from(sc[0])),
-                );
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xq(xb)), scales);
-                let dd = d * xb.d;
-                acc = fma(acc, p, dd);
-                let offset = i32::from(sc[0]) * xb.sum16[0] + i32::from(sc[1]) * xb.sum16[1];
-                off -= 32.0 * dd * offset as f32;
-            }
-        }
-    }
-    hsum(acc) + off
 }

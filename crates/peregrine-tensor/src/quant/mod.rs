@@ -56,12 +56,13 @@ impl Kernel {
         kernels
     }
 
-    fn dot_row(self, format: Format, w: &[u8], x: &[Q8Block]) -> f32 {
+    /// `Σ w·x[r]` for one weight row and `R` input rows (the row's blocks unpacked once).
+    fn dot_rows<const R: usize>(self, format: Format, w: &[u8], x: [&[Q8Block]; R]) -> [f32; R] {
         match self {
-            Self::Scalar => scalar::dot_row(format, w, x),
+            Self::Scalar => x.map(|x| scalar::dot_row(format, w, x)),
             // SAFETY: `GgufMatrix::matmul_with` only runs kernels from `available()`.
             #[cfg(target_arch = "x86_64")]
-            Self::Avx2 => unsafe { avx2::dot_row(format, w, x) },
+            Self::Avx2 => unsafe { avx2::dot_rows(format, w, x) },
             #[cfg(not(target_arch = "x86_64"))]
             Self::Avx2 => unreachable!("not in Kernel::available() off x86-64"),
         }
@@ -155,12 +156,19 @@ impl GgufMatrix {
             .enumerate()
             .for_each(|(task, out)| {
                 let r0 = task * rows_per_task;
+                let input = |i: usize| &xq[i * blocks..][..blocks];
                 for i0 in (0..m).step_by(INPUT_TILE) {
-                    let inputs = i0..(i0 + INPUT_TILE).min(m);
+                    let i1 = (i0 + INPUT_TILE).min(m);
                     for (r, y) in out.chunks_exact_mut(m).enumerate() {
                         let w = &data[(r0 + r) * row_bytes..][..row_bytes];
-                        for i in inputs.clone() {
-                            y[i] = kernel.dot_row(format, w, &xq[i * blocks..][..blocks]);
+                        let mut i = i0;
+                        while i + 4 <= i1 {
+                            let x = [input(i), input(i + 1), input(i + 2), input(i + 3)];
+                            y[i..i + 4].copy_from_slice(&kernel.dot_rows(format, w, x));
+                            i += 4;
+                        }
+                        for (i, y) in (i..i1).zip(&mut y[i..i1]) {
+                            *y = kernel.dot_rows(format, w, [input(i)])[0];
                         }
                     }
                 }

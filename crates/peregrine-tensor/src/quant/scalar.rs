@@ -47,8 +47,7 @@ fn five_bits(qh: &[u8], qs: &[u8]) -> impl Iterator<Item = u8> {
 }
 
 fn q4_0(b: &[u8], x: &Q8Block) -> f32 {
-    let s = idot(nibbles(&b[2..18]), x) - 8 * x.sum;
-    f16_at(b, 0) * x.d * s as f32
+    f16_at(b, 0) * (x.d * idot(nibbles(&b[2..18]), x) as f32 - 8.0 * x.dsum)
 }
 
 fn q4_1(b: &[u8], x: &Q8Block) -> f32 {
@@ -57,8 +56,8 @@ fn q4_1(b: &[u8], x: &Q8Block) -> f32 {
 }
 
 fn q5_0(b: &[u8], x: &Q8Block) -> f32 {
-    let s = idot(five_bits(&b[2..6], &b[6..22]), x) - 16 * x.sum;
-    f16_at(b, 0) * x.d * s as f32
+    let s = idot(five_bits(&b[2..6], &b[6..22]), x);
+    f16_at(b, 0) * (x.d * s as f32 - 16.0 * x.dsum)
 }
 
 fn q5_1(b: &[u8], x: &Q8Block) -> f32 {
@@ -103,7 +102,7 @@ fn q5_k(b: &[u8], xs: &[Q8Block]) -> f32 {
 }
 
 fn sub_block_k(d: f32, dmin: f32, sc: u8, m: u8, s: i32, x: &Q8Block) -> f32 {
-    d * f32::from(sc) * x.d * s as f32 - dmin * f32::from(m) * x.d * x.sum as f32
+    d * f32::from(sc) * x.d * s as f32 - dmin * f32::from(m) * x.dsum
 }
 
 /// Q6_K: 16 groups of 16 with i8 scales; 6-bit codes offset by 32.
@@ -116,7 +115,6 @@ fn q6_k(b: &[u8], xs: &[Q8Block]) -> f32 {
         let (n, t) = (j / 4, j % 4);
         let ql = &ql[64 * n + 32 * (t % 2)..][..32];
         let qh = &qh[32 * n..][..32];
-        let mut s = 0i32;
         for g in 0..2 {
             let part: i32 = (16 * g..16 * g + 16)
                 .map(|l| {
@@ -125,10 +123,9 @@ fn q6_k(b: &[u8], xs: &[Q8Block]) -> f32 {
                     i32::from(code) * i32::from(x.qs[l])
                 })
                 .sum();
-            let sc = i32::from(scales[8 * n + 2 * t + g] as i8);
-            s += sc * (part - 32 * x.sum16[g]);
+            let sc = f32::from(scales[8 * n + 2 * t + g] as i8);
+            total += d * sc * (x.d * part as f32 - 32.0 * x.dsum16[g]);
         }
-        total += d * x.d * s as f32;
     }
     total
 }

@@ -1,0 +1,60 @@
+//! GGUF CPU kernel throughput: `cargo bench -p peregrine-tensor --bench gguf_matmul [-- FORMAT]`.
+//! Prints one JSON line per (format, kernel, batch) with giga multiply-adds per second over the
+//! threads rayon uses (set `RAYON_NUM_THREADS`). Shapes are SmolLM2's MLP (1536 × 576).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use peregrine_tensor::GgufMatrix;
+use peregrine_tensor::quant::Kernel;
+
+fn main() {
+    let filter = std::env::args().nth(1).filter(|a| !a.starts_with('-'));
+    let (n, k) = (1536, 576);
+    let formats = [
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q8_0,
+        GgmlDType::Q4K,
+        GgmlDType::Q6K,
+    ];
+    let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
+    let k256 = 768; // K-quants need a multiple of 256
+    let w256 = Tensor::randn(0f32, 1.0, (n, k256), &Device::Cpu).unwrap();
+    for dtype in formats {
+        if filter
+            .as_ref()
+            .is_some_and(|f| !format!("{dtype:?}").eq_ignore_ascii_case(f))
+        {
+            continue;
+        }
+        let (w, k) = if dtype.block_size() == 256 {
+            (&w256, k256)
+        } else {
+            (&w, k)
+        };
+        let q = GgufMatrix::new(Arc::new(QTensor::quantize(w, dtype).unwrap())).unwrap();
+        for kernel in Kernel::available() {
+            for m in [1, 128] {
+                let x: Vec<f32> = (0..m * k)
+                    .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+                    .collect();
+                let reps = if m == 1 { 2000 } else { 20 };
+                q.matmul_with(&x, m, kernel).unwrap();
+                let start = Instant::now();
+                for _ in 0..reps {
+                    std::hint::black_box(q.matmul_with(&x, m, kernel).unwrap());
+                }
+                let secs = start.elapsed().as_secs_f64();
+                let gmacs = (n * k * m * reps) as f64 / secs / 1e9;
+                println!(
+                    "{{\"format\":\"{dtype:?}\",\"kernel\":\"{kernel:?}\",\"m\":{m},\"n\":{n},\"k\":{k},\"us_per_call\":{:.1},\"gmacs\":{gmacs:.2}}}",
+                    secs / reps as f64 * 1e6
+                );
+            }
+        }
+    }
+}
