@@ -34,6 +34,11 @@ MODELS = {
             chatml("Which city is the capital of France?"),
             chatml("Write a short poem about the sea.", system="You are a helpful assistant."),
             chatml("List three primary colors and explain why they are called primary."),
+            chatml("How do I reverse a list in Python?"),
+            chatml("Explain photosynthesis to a ten-year-old."),
+            chatml("What are the health benefits of drinking water?", system="You are a concise assistant."),
+            chatml("Translate 'good morning' into Spanish and French."),
+            chatml("Give me three tips for a job interview."),
         ],
     },
     "gemma3": {

@@ -90,8 +90,6 @@ impl KvBuffer {
             k.narrow(2, skip, self.used - skip)?,
             v.narrow(2, skip, self.used - skip)?,
         );
-        // A narrower storage dtype is widened for the matmul (a copy of the visible keys).
-        let (k, v) = (k.to_dtype(q.dtype())?, v.to_dtype(q.dtype())?);
         attention(
             q,
             &k,

@@ -39,8 +39,9 @@ impl MaskSpec {
     }
 }
 
-/// Attention for `q: [1, heads, q_len, d]` over `k, v: [1, kv_heads, k_len, d]`.
-/// Query heads are grouped onto their kv head by reshaping, so k/v are never repeated.
+/// Attention for `q: [b, heads, q_len, d]` over `k, v: [b, kv_heads, k_len, d]` (k/v in any
+/// float dtype, e.g. a narrower cache). On CPU a fused kernel reads k/v in place; elsewhere
+/// query heads are grouped onto their kv head by reshaping, so k/v are never repeated.
 pub fn attention(
     q: &Tensor,
     k: &Tensor,
@@ -48,6 +49,10 @@ pub fn attention(
     scale: f64,
     mask: &MaskSpec,
 ) -> Result<Tensor> {
+    if let Some(y) = crate::attention_cpu::attention(q, k, v, scale, mask)? {
+        return Ok(y);
+    }
+    let (k, v) = (&k.to_dtype(q.dtype())?, &v.to_dtype(q.dtype())?);
     let (b, heads, q_len, d) = q.dims4()?;
     let (_, kv_heads, k_len, _) = k.dims4()?;
     let groups = heads / kv_heads;

@@ -7,6 +7,7 @@ pub use candle_core as candle;
 pub use candle_nn as nn;
 
 pub mod attention;
+mod attention_cpu;
 pub mod device;
 pub mod linear;
 pub mod mlx;

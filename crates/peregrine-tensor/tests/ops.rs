@@ -3,7 +3,7 @@
 
 use peregrine_tensor::attention::{MaskSpec, attention, attention_ref};
 use peregrine_tensor::ops::{rms_norm, rms_norm_ref, silu_mul, silu_mul_ref};
-use peregrine_tensor::{Device, RopeScaling, RopeStyle, RotaryEmbedding, Tensor};
+use peregrine_tensor::{DType, Device, RopeScaling, RopeStyle, RotaryEmbedding, Tensor};
 
 const TOL: f32 = 1e-5;
 
@@ -111,6 +111,42 @@ fn grouped_attention_matches_reference() {
             let reference = attention_ref(&q, &k, &v, 0.25, &mask).unwrap();
             let diff = max_diff(&ours, &reference);
             assert!(diff < TOL, "window {window:?} q {q_len} k {k_len}: {diff}");
+        }
+    }
+}
+
+#[test]
+fn attention_reads_narrowed_caches_of_every_storage_dtype() {
+    // Batch 2, 6 query heads over 2 kv heads, keys a window into a larger buffer (strided), and
+    // queries transposed from [b, n, heads, d] (strided): the layouts the decoder passes.
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for d in [16, 12] {
+            let buffer_k = randn(&[2, 2, 20, d], 10).to_dtype(dtype).unwrap();
+            let buffer_v = randn(&[2, 2, 20, d], 11).to_dtype(dtype).unwrap();
+            let (k, v) = (
+                buffer_k.narrow(2, 3, 12).unwrap(),
+                buffer_v.narrow(2, 3, 12).unwrap(),
+            );
+            for (q_len, window) in [(1, None), (4, None), (4, Some(3))] {
+                let q = randn(&[2, q_len, 6, d], 12).transpose(1, 2).unwrap();
+                let mask = MaskSpec {
+                    q_start: 20 - q_len,
+                    k_start: 8,
+                    window,
+                };
+                let ours = attention(&q, &k, &v, 0.3, &mask).unwrap();
+                let (kf, vf) = (
+                    k.to_dtype(DType::F32).unwrap(),
+                    v.to_dtype(DType::F32).unwrap(),
+                );
+                let reference =
+                    attention_ref(&q.contiguous().unwrap(), &kf, &vf, 0.3, &mask).unwrap();
+                let diff = max_diff(&ours, &reference);
+                assert!(
+                    diff < TOL,
+                    "{dtype:?} d {d} q {q_len} window {window:?}: {diff}"
+                );
+            }
         }
     }
 }
