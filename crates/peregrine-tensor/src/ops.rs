@@ -1,10 +1,37 @@
-//! Fused elementwise ops with their candle-op references.
+//! Fused elementwise ops with their candle-op references. On CPU with f32 data they run as one
+//! pass over the data split across rayon's pool (candle's versions take one pass per op and
+//! spin-wait on a pool of their own); elsewhere they use candle's kernels.
 
-use candle_core::{D, DType, Result, Tensor};
+use candle_core::{D, DType, Device, Result, Storage, Tensor};
+use rayon::prelude::*;
 
-/// RMSNorm over the last dimension: `x / sqrt(mean(x²) + eps) * w` (candle's fused kernel).
+/// Elements per rayon task for elementwise work: enough to amortise a join.
+const CHUNK: usize = 1 << 14;
+
+/// RMSNorm over the last dimension: `x / sqrt(mean(x²) + eps) * w`.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
-    candle_nn::ops::rms_norm(&x.contiguous()?, w, eps)
+    let x = x.contiguous()?;
+    let dim = x.dim(D::Minus1)?;
+    let fused = with_f32(&x, |xs| with_f32(w, |ws| rms_norm_rows(xs, ws, dim, eps)))?;
+    match fused.transpose()?.flatten() {
+        Some(out) => Tensor::from_vec(out, x.shape(), &Device::Cpu),
+        None => candle_nn::ops::rms_norm(&x, w, eps),
+    }
+}
+
+fn rms_norm_rows(xs: &[f32], ws: &[f32], dim: usize, eps: f32) -> Vec<f32> {
+    let mut out = vec![0f32; xs.len()];
+    out.par_chunks_mut(dim)
+        .zip(xs.par_chunks(dim))
+        .with_min_len((CHUNK / dim).max(1))
+        .for_each(|(y, x)| {
+            let mean = x.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+            let inv = 1.0 / (mean + eps).sqrt();
+            for ((y, x), w) in y.iter_mut().zip(x).zip(ws) {
+                *y = x * inv * w;
+            }
+        });
+    out
 }
 
 /// Reference RMSNorm built from plain candle ops, computed in f32.
@@ -19,7 +46,37 @@ pub fn rms_norm_ref(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
 
 /// `silu(gate) * up`, the gated-MLP activation.
 pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    if gate.shape() == up.shape() {
+        let fused = with_f32(gate, |g| with_f32(up, |u| silu_mul_chunks(g, u)))?;
+        if let Some(out) = fused.transpose()?.flatten() {
+            return Tensor::from_vec(out, gate.shape(), &Device::Cpu);
+        }
+    }
     candle_nn::ops::silu(gate)? * up
+}
+
+fn silu_mul_chunks(g: &[f32], u: &[f32]) -> Vec<f32> {
+    let mut out = vec![0f32; g.len()];
+    out.par_chunks_mut(CHUNK)
+        .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
+        .for_each(|(y, (g, u))| {
+            for ((y, g), u) in y.iter_mut().zip(g).zip(u) {
+                *y = g / (1.0 + (-g).exp()) * u;
+            }
+        });
+    out
+}
+
+/// `f` over a contiguous f32 CPU tensor's elements; `None` for any other tensor.
+fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<Option<R>> {
+    if t.dtype() != DType::F32 || !matches!(t.device(), Device::Cpu) {
+        return Ok(None);
+    }
+    let (storage, layout) = t.storage_and_layout();
+    let (Storage::Cpu(cpu), Some((start, end))) = (&*storage, layout.contiguous_offsets()) else {
+        return Ok(None);
+    };
+    Ok(Some(f(&cpu.as_slice::<f32>()?[start..end])))
 }
 
 /// Reference `silu(gate) * up`: `gate * sigmoid(gate) * up` from plain ops.

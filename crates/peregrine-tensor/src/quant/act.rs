@@ -65,7 +65,10 @@ mod tests {
         // amax 127 makes the scale 1, so codes are the inputs rounded: ties go to even.
         let mut x = [0f32; QK];
         x[..8].copy_from_slice(&[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.4999]);
-        x[8..].iter_mut().enumerate().for_each(|(i, v)| *v = i as f32 * 3.3 - 40.0);
+        x[8..]
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, v)| *v = i as f32 * 3.3 - 40.0);
         let block = quantize_block(&x);
         for (q, v) in block.qs.iter().zip(&x) {
             assert_eq!(f32::from(*q), v.round_ties_even(), "{v}");
