@@ -141,7 +141,7 @@ CHAT_CASES = {
     "plain": {},
     "logprobs": {"logprobs": True, "top_logprobs": 3},
     "n2": {"n": 2},
-    "stop": {"stop": ["Paris", "\n"], "max_tokens": 16},
+    "stop": {"stop": [" ", "\n"], "max_tokens": 16},  # any answer has a space: finish "stop"
     "length": {"max_tokens": 2, "ignore_eos": True},
 }
 
@@ -154,13 +154,13 @@ def test_chat_completion(base_url, model, case):
     if case == "logprobs":
         content = r["choices"][0]["logprobs"]["content"]
         assert content and all(len(t["top_logprobs"]) == 3 for t in content)
-    if case == "length":
-        assert r["choices"][0]["finish_reason"] == "length"
+    if case in ("stop", "length"):
+        assert r["choices"][0]["finish_reason"] == case
 
 
 @pytest.mark.parametrize(
     "case,include_usage",
-    [("plain", True), ("plain", False), ("logprobs", True), ("n2", True), ("length", True)],
+    [("plain", True), ("plain", False), ("logprobs", True), ("n2", True), ("stop", True), ("length", True)],
 )
 def test_chat_stream_chunks(base_url, model, case, include_usage):
     body = chat_body(model, **CHAT_CASES[case], stream_options={"include_usage": include_usage})
@@ -174,6 +174,8 @@ def test_chat_stream_chunks(base_url, model, case, include_usage):
     assert all(c.get("usage") is None for c in chunks)
     finishes = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
     assert len(finishes) == (2 if case == "n2" else 1)
+    if case in ("stop", "length"):
+        assert finishes == [case]
     if case == "logprobs":
         assert any(ch["logprobs"] for c in chunks for ch in c["choices"])
 
