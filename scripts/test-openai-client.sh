@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Drive `peregrine serve` with the official `openai` Python client (tests/openai_client).
-#   1. creates the git-ignored venv .venv-openai and installs openai + pytest into it (once),
+#   1. creates the git-ignored venv .venv-openai and installs openai, pytest and jsonschema into
+#      it (once; pinned),
 #   2. fetches SmolLM2-135M-Instruct (scripts/fetch-models.sh smollm2) and builds the binary,
-#   3. starts the server on a free loopback port, runs pytest, stops the server.
+#   3. starts the server on a free loopback port, runs pytest, stops the server (some tests
+#      start servers of their own with other flags: keep-alive, loading).
 # Usage: scripts/test-openai-client.sh [pytest args...]
 # Env: PEREGRINE_BIN (skip the build and use this binary), PYTHON (default python3).
 set -euo pipefail
@@ -13,8 +15,8 @@ PY="${PYTHON:-python3}"
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
-if ! "$VENV/bin/python" -c "import openai, pytest" 2>/dev/null; then
-  "$VENV/bin/pip" install --quiet "openai==3.57.0" "pytest==9.2.0"
+if ! "$VENV/bin/python" -c "import openai, pytest, jsonschema" 2>/dev/null; then
+  "$VENV/bin/pip" install --quiet "openai==3.57.0" "pytest==9.2.0" "jsonschema==4.26.0"
 fi
 
 MODEL_PATH="$(scripts/fetch-models.sh smollm2 | tail -n 1)"
@@ -39,5 +41,7 @@ for _ in $(seq 1 600); do
 done
 echo "peregrine serving SmolLM2 on $ADDR"
 
+# PEREGRINE_BIN and PEREGRINE_MODEL_PATH: for the tests that start servers of their own.
 PEREGRINE_BASE_URL="http://$ADDR/v1" PEREGRINE_MODEL=smollm2 \
+  PEREGRINE_BIN="$PEREGRINE_BIN" PEREGRINE_MODEL_PATH="$MODEL_PATH" \
   "$VENV/bin/python" -m pytest -q tests/openai_client "$@"

@@ -16,10 +16,6 @@ use super::sse::{self, Body, Closed, SseSender};
 use super::wire::{Choice, Delta, Envelope};
 use super::{RequestLog, State, json_response};
 
-/// Idle time after which a stream gets an SSE comment, so proxies and clients keep waiting
-/// through a long prefill.
-const KEEPALIVE: Duration = Duration::from_secs(5);
-
 /// Totals over a request's choices, for `usage`, the log line and metrics.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Totals {
@@ -243,15 +239,13 @@ impl Job {
     ) -> Result<(), Closed> {
         let engine = self.state.engine().map_err(|_| Closed)?;
         let tok = engine.tokenizer();
-        let usage_field = self.decoded.include_usage;
         let choices = self.echo.len() * self.n;
         for i in 0..choices {
             let echo = &self.echo[i / self.n];
             if self.env.endpoint == Endpoint::Chat {
-                sse.data(&self.env.chunk(i, Delta::Role, None, usage_field))
-                    .await?;
+                sse.data(&self.env.chunk(i, Delta::Role, None)).await?;
             } else if !echo.is_empty() {
-                sse.data(&self.env.chunk(i, Delta::Text(echo), None, usage_field))
+                sse.data(&self.env.chunk(i, Delta::Text(echo), None))
                     .await?;
             }
         }
@@ -261,7 +255,7 @@ impl Job {
         loop {
             let next = tokio::select! {
                 next = events.recv() => next,
-                () = tokio::time::sleep(KEEPALIVE) => {
+                () = tokio::time::sleep(self.state.keepalive) => {
                     sse.comment("keep-alive").await?;
                     continue;
                 }
@@ -278,7 +272,7 @@ impl Job {
                             if !split.reasoning.is_empty() {
                                 let delta = Delta::Reasoning(&split.reasoning);
                                 let lp = lp.filter(|_| split.content.is_empty());
-                                sse.data(&self.env.chunk(i, delta, lp, usage_field)).await?;
+                                sse.data(&self.env.chunk(i, delta, lp)).await?;
                                 if split.content.is_empty() {
                                     continue;
                                 }
@@ -290,23 +284,21 @@ impl Job {
                     if text.is_empty() && logprobs.is_empty() {
                         continue;
                     }
-                    self.env.chunk(i, Delta::Text(&text), lp, usage_field)
+                    self.env.chunk(i, Delta::Text(&text), lp)
                 }
                 Event::Done { finish, .. } => {
                     if let Some(splitter) = &mut splitters[i] {
                         let rest = splitter.finish();
                         if !rest.reasoning.is_empty() {
                             let delta = Delta::Reasoning(&rest.reasoning);
-                            sse.data(&self.env.chunk(i, delta, None, usage_field))
-                                .await?;
+                            sse.data(&self.env.chunk(i, delta, None)).await?;
                         }
                         if !rest.content.is_empty() {
                             let delta = Delta::Text(&rest.content);
-                            sse.data(&self.env.chunk(i, delta, None, usage_field))
-                                .await?;
+                            sse.data(&self.env.chunk(i, delta, None)).await?;
                         }
                     }
-                    self.env.chunk(i, Delta::Finish(finish), None, usage_field)
+                    self.env.chunk(i, Delta::Finish(finish), None)
                 }
                 Event::Error(e) => {
                     let error = ApiError::from_engine(&e, self.prompt_param);
@@ -316,7 +308,7 @@ impl Job {
             };
             sse.data(&chunk).await?;
         }
-        if usage_field {
+        if self.decoded.include_usage {
             sse.data(&self.env.usage_chunk(totals.usage)).await?;
         }
         sse.done().await

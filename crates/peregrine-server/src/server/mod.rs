@@ -94,6 +94,21 @@ pub struct ServeArgs {
     /// away with the process that started it).
     #[arg(long)]
     exit_on_stdin_eof: bool,
+    /// Seconds a stream may stay silent (a long prefill, a wait for a slot) before it gets an
+    /// SSE comment line (`: keep-alive`), so proxies and clients keep waiting. Fractions work.
+    #[arg(long, default_value_t = 5.0, value_parser = positive_secs)]
+    keepalive_secs: f64,
+    /// Test-only (hidden): wait this many milliseconds before loading the model, so a test can
+    /// see `/health` answer 503 while the model loads. 0, the default, waits for nothing.
+    #[arg(long, hide = true, default_value_t = 0)]
+    test_load_delay_ms: u64,
+}
+
+fn positive_secs(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x > 0.0 && x.is_finite() && x <= 86_400.0 => Ok(x),
+        _ => Err(format!("`{s}` is not a number of seconds in (0, 86400]")),
+    }
 }
 
 /// What every handler shares.
@@ -108,6 +123,8 @@ pub struct State {
     max_tokens: usize,
     sampling: SamplingParams,
     parallel: usize,
+    /// Silence after which a stream gets a keep-alive comment.
+    keepalive: Duration,
     metrics: metrics::Metrics,
 }
 
@@ -262,6 +279,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         max_tokens: args.max_tokens,
         sampling,
         parallel: args.parallel.max(1),
+        keepalive: Duration::from_secs_f64(args.keepalive_secs),
         metrics: Default::default(),
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -282,8 +300,12 @@ async fn serve(args: ServeArgs, state: Arc<State>) -> Result<()> {
     );
     let exit_on_stdin_eof = args.exit_on_stdin_eof;
     let loader = state.clone();
-    tokio::task::spawn_blocking(
-        move || match load(&args.model, args.parallel, args.queue_size) {
+    let delay = Duration::from_millis(args.test_load_delay_ms);
+    tokio::task::spawn_blocking(move || {
+        if !delay.is_zero() {
+            std::thread::sleep(delay);
+        }
+        match load(&args.model, args.parallel, args.queue_size) {
             Ok(engine) => {
                 let _ = loader.engine.set(Arc::new(engine));
                 eprintln!("peregrine: model `{}` ready", loader.model_id);
@@ -292,8 +314,8 @@ async fn serve(args: ServeArgs, state: Arc<State>) -> Result<()> {
                 eprintln!("error: {e:#}");
                 std::process::exit(1);
             }
-        },
-    );
+        }
+    });
     let (stdin_closed, on_stdin_closed) = tokio::sync::oneshot::channel::<()>();
     if exit_on_stdin_eof {
         std::thread::spawn(move || {

@@ -57,13 +57,14 @@ impl Envelope {
         }
     }
 
+    /// The fields every object shares. `system_fingerprint` is left out: OpenAI's schema makes
+    /// it an optional string, not nullable, and there is no backend fingerprint to give.
     fn wrap(&self, chunk: bool, choices: Vec<Value>) -> Value {
         json!({
             "id": self.id,
             "object": self.object(chunk),
             "created": self.created,
             "model": self.model,
-            "system_fingerprint": null,
             "choices": choices,
         })
     }
@@ -105,13 +106,14 @@ impl Envelope {
     }
 
     /// A stream chunk for one choice: `text` (or the role, for chat's first chunk), optional
-    /// logprobs, and the finish reason on the last.
+    /// logprobs, and the finish reason on the last. It carries no `usage` field: OpenAI's
+    /// schema types the chunk's `usage` as a non-nullable object, so only the final usage chunk
+    /// (`usage_chunk`) has one (clients read the absent field as null).
     pub fn chunk(
         &self,
         index: usize,
         delta: Delta<'_>,
         logprobs: Option<(&[TokenLogprob], &Tokenizer)>,
-        with_usage_field: bool,
     ) -> Value {
         let lp = logprobs.map(|(lp, tok)| self.logprobs(lp, tok));
         let (finish, text) = match delta {
@@ -134,11 +136,7 @@ impl Envelope {
                 "index": index, "text": text.unwrap_or(""), "logprobs": lp, "finish_reason": finish,
             }),
         };
-        let mut body = self.wrap(true, vec![choice]);
-        if with_usage_field {
-            body["usage"] = Value::Null;
-        }
-        body
+        self.wrap(true, vec![choice])
     }
 
     /// The final usage chunk (`choices: []`), for `stream_options.include_usage`.
@@ -151,11 +149,14 @@ impl Envelope {
     /// The logprobs object in the endpoint's shape.
     fn logprobs(&self, lps: &[TokenLogprob], tok: &Tokenizer) -> Value {
         let text = |id: u32| tok.decode(&[id], false).unwrap_or_default();
+        // JSON has no -inf (serde_json would write null, which the schema rejects): OpenAI
+        // uses -9999.0 for "very unlikely".
+        let finite = |lp: f32| if lp.is_finite() { lp } else { -9999.0 };
         match self.endpoint {
             Endpoint::Chat => {
                 let entry = |id: u32, lp: f32| {
                     let t = text(id);
-                    json!({"token": t, "logprob": lp, "bytes": t.as_bytes()})
+                    json!({"token": t, "logprob": finite(lp), "bytes": t.as_bytes()})
                 };
                 let content: Vec<Value> = lps
                     .iter()
@@ -177,11 +178,11 @@ impl Envelope {
                     offsets.push(offset);
                     offset += t.len();
                     tokens.push(t);
-                    token_lps.push(l.logprob);
+                    token_lps.push(finite(l.logprob));
                     let top: serde_json::Map<String, Value> = l
                         .top
                         .iter()
-                        .map(|&(id, lp)| (text(id), json!(lp)))
+                        .map(|&(id, lp)| (text(id), json!(finite(lp))))
                         .collect();
                     tops.push(top);
                 }
