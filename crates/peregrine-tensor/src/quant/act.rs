@@ -22,34 +22,51 @@ pub struct Q8Block {
     pub dsum16: [f32; 2],
 }
 
-/// Quantizes `x` block by block into `out` (`x.len() / QK` blocks).
+/// Quantizes `x` block by block into `out` (`x.len() / QK` blocks). Every path gives the same
+/// bits, so kernels can be compared exactly.
 pub fn quantize_row(x: &[f32], out: &mut [Q8Block]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::avx2::available() {
+        for (block, x) in out.iter_mut().zip(x.chunks_exact(QK)) {
+            // SAFETY: `available()` checked the CPU; chunks are QK long.
+            let (qs, amax, sums) = unsafe { super::avx2::quantize_block(x) };
+            *block = finish(qs, amax, sums);
+        }
+        return;
+    }
     for (block, x) in out.iter_mut().zip(x.chunks_exact(QK)) {
         *block = quantize_block(x);
     }
 }
 
-fn quantize_block(x: &[f32]) -> Q8Block {
+/// The portable quantizer; [`super::avx2::quantize_block`] must stay bit-identical to it.
+pub(crate) fn quantize_block(x: &[f32]) -> Q8Block {
     let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let d = amax / 127.0;
     let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-    let mut block = Q8Block {
-        d: f16_round(d),
-        ..Q8Block::default()
-    };
     // Ties to even, as llama.cpp's AVX2 quantizer rounds: adding and removing 1.5·2²³ leaves
     // the nearest integer for |v| < 2²², in plain float ops that vectorise on any x86-64.
     const MAGIC: f32 = 12_582_912.0;
-    for (q, v) in block.qs.iter_mut().zip(x) {
+    let mut qs = [0i8; QK];
+    for (q, v) in qs.iter_mut().zip(x) {
         *q = ((v * id + MAGIC) - MAGIC) as i8;
     }
     let half = |h: &[i8]| h.iter().map(|&q| i32::from(q)).sum::<i32>();
-    let sums = [half(&block.qs[..16]), half(&block.qs[16..])];
+    let sums = [half(&qs[..16]), half(&qs[16..])];
+    finish(qs, amax, sums)
+}
+
+/// A block from its codes, the inputs' largest magnitude and the codes' sums per half.
+pub(crate) fn finish(qs: [i8; QK], amax: f32, sums: [i32; 2]) -> Q8Block {
+    let d = amax / 127.0;
+    let rounded = f16_round(d);
     let sum = (sums[0] + sums[1]) as f32;
-    block.ds = f16_round(d * sum);
-    block.dsum = block.d * sum;
-    block.dsum16 = sums.map(|s| block.d * s as f32);
-    block
+    Q8Block {
+        qs,
+        d: rounded,
+        ds: f16_round(d * sum),
+        dsum: rounded * sum,
+        dsum16: sums.map(|s| rounded * s as f32),
+    }
 }
 
 fn f16_round(v: f32) -> f32 {
@@ -70,11 +87,47 @@ mod tests {
             .enumerate()
             .for_each(|(i, v)| *v = i as f32 * 3.3 - 40.0);
         let block = quantize_block(&x);
+        let mut rows = [Q8Block::default()];
+        quantize_row(&x, &mut rows);
+        assert_eq!(
+            rows[0].qs, block.qs,
+            "the fast quantizer differs from the portable one"
+        );
+        assert_eq!(rows[0].dsum16, block.dsum16);
         for (q, v) in block.qs.iter().zip(&x) {
             assert_eq!(f32::from(*q), v.round_ties_even(), "{v}");
         }
         let sum: i32 = block.qs.iter().map(|&q| i32::from(q)).sum();
         assert_eq!(block.dsum, block.d * sum as f32);
         assert_eq!(block.dsum16[0] + block.dsum16[1], block.dsum);
+    }
+
+    #[test]
+    fn every_quantizer_gives_the_same_bits() {
+        let mut seed = 1u64;
+        for case in 0..500 {
+            let x: Vec<f32> = (0..QK)
+                .map(|_| {
+                    seed = seed
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let u = (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                    // Every 7th case has exact halves (ties) and a zero block now and then.
+                    match case % 7 {
+                        0 => (u * 254.0).round() / 2.0,
+                        3 if case % 21 == 3 => 0.0,
+                        _ => u * (case as f32 + 1.0),
+                    }
+                })
+                .collect();
+            let want = quantize_block(&x);
+            let mut got = [Q8Block::default()];
+            quantize_row(&x, &mut got);
+            assert_eq!(got[0].qs, want.qs, "case {case}");
+            assert_eq!(
+                (got[0].d, got[0].ds, got[0].dsum),
+                (want.d, want.ds, want.dsum)
+            );
+        }
     }
 }

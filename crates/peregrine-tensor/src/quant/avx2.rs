@@ -7,7 +7,7 @@
 
 use std::arch::x86_64::*;
 
-use super::act::Q8Block;
+use super::act::{Q8Block, QK};
 use super::format::{Format, k_scale_min};
 
 /// Whether this CPU can run these kernels.
@@ -239,4 +239,43 @@ fn fifth_bits(qh: &[u8]) -> __m256i {
     let others = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe);
     let set = _mm256_cmpeq_epi8(_mm256_or_si256(bytes, others), _mm256_set1_epi64x(-1));
     _mm256_and_si256(set, _mm256_set1_epi8(16))
+}
+
+/// 32 inputs → (codes, largest magnitude, code sums per half), bit-identical to
+/// [`super::act::quantize_block`]: same division, same multiply, ties-to-even rounding.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C ([`available`]); `x` holds at least 32 values.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn quantize_block(x: &[f32]) -> ([i8; QK], f32, [i32; 2]) {
+    let x = &x[..QK];
+    // SAFETY: 32 readable floats; unaligned loads.
+    let v: [__m256; 4] = std::array::from_fn(|i| unsafe { _mm256_loadu_ps(x.as_ptr().add(8 * i)) });
+    let sign = _mm256_set1_ps(-0.0);
+    let m = v.iter().fold(_mm256_setzero_ps(), |m, &v| {
+        _mm256_max_ps(m, _mm256_andnot_ps(sign, v))
+    });
+    let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+    let id = _mm256_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
+    const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    let q = v.map(|v| _mm256_cvtps_epi32(_mm256_round_ps::<NEAREST>(_mm256_mul_ps(v, id))));
+    let hsum = |a: __m256i, b: __m256i| {
+        let s = _mm256_add_epi32(a, b);
+        let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01)))
+    };
+    let sums = [hsum(q[0], q[1]), hsum(q[2], q[3])];
+    // Packing works within 128-bit lanes; the permute restores element order.
+    let packed = _mm256_packs_epi16(
+        _mm256_packs_epi32(q[0], q[1]),
+        _mm256_packs_epi32(q[2], q[3]),
+    );
+    let packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    let mut qs = [0i8; QK];
+    // SAFETY: `qs` is 32 bytes; unaligned store.
+    unsafe { _mm256_storeu_si256(qs.as_mut_ptr().cast(), packed) };
+    (qs, amax, sums)
 }
