@@ -94,7 +94,7 @@ pub fn run(args: BenchArgs, threads: Option<usize>) -> Result<()> {
     let pick = |f: &dyn Fn(&(Usage, Timings)) -> f64| median(runs.iter().map(f).collect());
     let report = json!({
         "model": args.model.model,
-        "threads": threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+        "threads": rayon_threads(threads),
         "prompt_tokens": args.prompt_tokens,
         "gen_tokens": args.gen_tokens,
         "repeat": args.repeat,
@@ -108,4 +108,10 @@ pub fn run(args: BenchArgs, threads: Option<usize>) -> Result<()> {
     });
     println!("{report}");
     Ok(())
+}
+
+/// The compute threads in use: `--threads`, else what `main` put in RAYON_NUM_THREADS.
+fn rayon_threads(flag: Option<usize>) -> usize {
+    flag.or_else(|| std::env::var("RAYON_NUM_THREADS").ok()?.parse().ok())
+        .unwrap_or_else(peregrine_engine::tensor::device::physical_cores)
 }

@@ -17,7 +17,7 @@ use crate::hub::resolve_model;
 #[derive(Debug, Parser)]
 #[command(version, about)]
 pub struct Cli {
-    /// CPU threads for compute (default: all cores).
+    /// CPU threads for compute (default: the physical cores).
     #[arg(long, global = true)]
     pub threads: Option<usize>,
     #[command(subcommand)]

@@ -12,8 +12,14 @@ use clap::Parser;
 
 fn main() -> ExitCode {
     let cli = cli::Cli::parse();
-    if let Some(threads) = cli.threads {
-        // candle's CPU kernels size their pools from this; set before any pool starts.
+    // Our kernels (rayon) and candle's size their pools from this; set before any pool starts.
+    // An explicit RAYON_NUM_THREADS is kept when --threads is absent.
+    let threads = cli.threads.or_else(|| {
+        std::env::var_os("RAYON_NUM_THREADS")
+            .is_none()
+            .then(peregrine_engine::tensor::device::physical_cores)
+    });
+    if let Some(threads) = threads {
         // SAFETY: no other thread exists yet.
         unsafe { std::env::set_var("RAYON_NUM_THREADS", threads.to_string()) };
     }

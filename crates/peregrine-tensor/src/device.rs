@@ -38,3 +38,34 @@ pub fn in_compute_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
         rayon::scope(|_| f())
     }
 }
+
+/// Physical CPU cores: the default compute thread count (a second hyper-thread per core adds
+/// little to memory-bound kernels and makes the threads wait on each other). Counted from
+/// Linux's `/proc/cpuinfo` (distinct physical id / core id pairs); elsewhere, or when that
+/// cannot be read, the logical CPUs available to this process.
+pub fn physical_cores() -> usize {
+    let logical = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") else {
+        return logical;
+    };
+    let mut cores = std::collections::HashSet::new();
+    let mut package = "";
+    for line in info.lines() {
+        let Some((key, value)) = line.split_once(':') else {
+            continue;
+        };
+        match key.trim() {
+            "physical id" => package = value.trim(),
+            "core id" => {
+                cores.insert((package.to_string(), value.trim().to_string()));
+            }
+            _ => {}
+        }
+    }
+    // A cgroup or affinity limit below the core count wins.
+    if cores.is_empty() {
+        logical
+    } else {
+        cores.len().min(logical)
+    }
+}
