@@ -57,6 +57,30 @@ impl QLinear {
         }
     }
 
+    /// [`forward`](Self::forward) through several layers that read the same input (q/k/v,
+    /// gate/up): GGUF layers share one quantization of `x` and one parallel pass.
+    pub fn forward_group(layers: &[&Self], x: &Tensor) -> Result<Vec<Tensor>> {
+        let gguf: Option<Vec<&GgufMatrix>> = layers
+            .iter()
+            .map(|l| match l {
+                Self::Gguf { w, .. } => Some(w),
+                _ => None,
+            })
+            .collect();
+        let Some(mats) = gguf.filter(|m| m.len() > 1) else {
+            return layers.iter().map(|l| l.forward(x)).collect();
+        };
+        let ys = GgufMatrix::forward_group(&mats, x)?;
+        layers
+            .iter()
+            .zip(ys)
+            .map(|(l, y)| match l {
+                Self::Gguf { b: Some(b), .. } => y.broadcast_add(b),
+                _ => Ok(y),
+            })
+            .collect()
+    }
+
     /// Bytes the weights occupy in memory.
     pub fn weight_bytes(&self) -> usize {
         let bias = |b: &Option<Tensor>| b.as_ref().map_or(0, tensor_bytes);

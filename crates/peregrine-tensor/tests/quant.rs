@@ -144,3 +144,37 @@ fn input_of_the_wrong_width_is_an_error() {
     let x = Tensor::zeros((1, 65), candle_core::DType::F32, &Device::Cpu).unwrap();
     assert!(w.forward(&x).is_err());
 }
+
+#[test]
+fn a_group_equals_its_members_one_by_one() {
+    let (a, _) = matrix(GgmlDType::Q4K, 9, 256);
+    let (b, _) = matrix(GgmlDType::Q6K, 5, 256);
+    let (c, _) = matrix(GgmlDType::Q8_0, 3, 256);
+    let x = values(7 * 256, 9);
+    for kernel in Kernel::available() {
+        let group = GgufMatrix::matmul_group(&[&a, &b, &c], &x, 7, kernel).unwrap();
+        for (y, w) in group.iter().zip([&a, &b, &c]) {
+            assert_eq!(y, &w.matmul_with(&x, 7, kernel).unwrap(), "{kernel:?}");
+        }
+    }
+    let (wide, _) = matrix(GgmlDType::Q8_0, 3, 512);
+    assert!(GgufMatrix::matmul_group(&[&a, &wide], &x, 7, Kernel::Scalar).is_err());
+}
+
+#[test]
+fn linear_groups_add_each_layers_bias() {
+    let layer = |dtype, n, seed| {
+        let w = Tensor::from_vec(values(n * 64, seed), (n, 64), &Device::Cpu).unwrap();
+        let b = Tensor::from_vec(values(n, seed + 1), n, &Device::Cpu).unwrap();
+        let q = Arc::new(QTensor::quantize(&w, dtype).unwrap());
+        peregrine_tensor::QLinear::from_qtensor(q, Some(b)).unwrap()
+    };
+    let (a, b) = (layer(GgmlDType::Q4_0, 6, 1), layer(GgmlDType::Q8_0, 4, 2));
+    let x = Tensor::from_vec(values(2 * 64, 3), (1, 2, 64), &Device::Cpu).unwrap();
+    let group = peregrine_tensor::QLinear::forward_group(&[&a, &b], &x).unwrap();
+    for (y, l) in group.iter().zip([&a, &b]) {
+        let alone = l.forward(&x).unwrap();
+        assert_eq!(y.dims(), alone.dims());
+        assert_eq!(peregrine_tensor::ops::max_abs_diff(y, &alone).unwrap(), 0.0);
+    }
+}

@@ -110,13 +110,24 @@ impl GgufMatrix {
 
     /// `x: [.., in]` → `[.., out]` in `x`'s dtype.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if self.format.is_none() || !matches!(x.device(), Device::Cpu) {
-            return self.fallback.forward(x);
+        match Self::forward_group(&[self], x)?.pop() {
+            Some(y) => Ok(y),
+            None => bail!("gguf matmul: empty group"),
         }
-        let (out, in_dim) = self.dims();
-        let mut dims = x.dims().to_vec();
-        if dims.last() != Some(&in_dim) {
-            bail!("gguf matmul: input shape {dims:?} does not end in {in_dim}");
+    }
+
+    /// [`forward`](Self::forward) through several matrices of the same input width, as one
+    /// parallel pass: `x` is quantized once and their rows are split over the pool together
+    /// (q/k/v, or gate/up, cost one dispatch instead of three or two).
+    pub fn forward_group(mats: &[&Self], x: &Tensor) -> Result<Vec<Tensor>> {
+        let fused = mats.iter().all(|w| w.format.is_some());
+        if !fused || !matches!(x.device(), Device::Cpu) {
+            return mats.iter().map(|w| w.fallback.forward(x)).collect();
+        }
+        let in_dim = mats.first().map_or(0, |w| w.dims().1);
+        let dims = x.dims().to_vec();
+        if dims.last() != Some(&in_dim) || mats.iter().any(|w| w.dims().1 != in_dim) {
+            bail!("gguf matmul: input shape {dims:?} does not end in every input width");
         }
         let m = x.elem_count() / in_dim;
         let xf = x.to_dtype(DType::F32)?.contiguous()?;
@@ -125,37 +136,67 @@ impl GgufMatrix {
         else {
             bail!("gguf matmul: input is not a contiguous CPU tensor");
         };
-        let y = self.matmul_with(&cpu.as_slice::<f32>()?[start..end], m, Kernel::best())?;
-        *dims.last_mut().expect("checked above") = out;
-        Tensor::from_vec(y, dims, &Device::Cpu)?.to_dtype(x.dtype())
+        let ys = Self::matmul_group(mats, &cpu.as_slice::<f32>()?[start..end], m, Kernel::best())?;
+        mats.iter()
+            .zip(ys)
+            .map(|(w, y)| {
+                let mut dims = dims.clone();
+                *dims.last_mut().expect("checked above") = w.dims().0;
+                Tensor::from_vec(y, dims, &Device::Cpu)?.to_dtype(x.dtype())
+            })
+            .collect()
     }
 
     /// `x: [m, in]` (row-major f32) → `[m, out]` with `kernel`.
     pub fn matmul_with(&self, x: &[f32], m: usize, kernel: Kernel) -> Result<Vec<f32>> {
-        let Some(format) = self.format else {
-            bail!("gguf matmul: no kernel for {:?}", self.qtensor.dtype());
-        };
+        Ok(Self::matmul_group(&[self], x, m, kernel)?.remove(0))
+    }
+
+    /// `x: [m, in]` through each matrix (all of width `in`) → one `[m, out_i]` each.
+    pub fn matmul_group(
+        mats: &[&Self],
+        x: &[f32],
+        m: usize,
+        kernel: Kernel,
+    ) -> Result<Vec<Vec<f32>>> {
         if !Kernel::available().contains(&kernel) {
             bail!("gguf matmul: this CPU cannot run the {kernel:?} kernel");
         }
-        let (n, k) = self.dims();
+        let Some(k) = mats.first().map(|w| w.dims().1) else {
+            return Ok(Vec::new());
+        };
         if x.len() != m * k {
             bail!("gguf matmul: {} inputs for {m} rows of {k}", x.len());
         }
-        let data = self.qtensor.data()?;
-        let row_bytes = k / format.block_len() * format.block_bytes();
+        let mut parts = Vec::with_capacity(mats.len());
+        for w in mats {
+            let Some(format) = w.format else {
+                bail!("gguf matmul: no kernel for {:?}", w.qtensor.dtype());
+            };
+            if w.dims().1 != k {
+                bail!("gguf matmul: widths {} and {k} in one group", w.dims().1);
+            }
+            parts.push((format, w.qtensor.data()?, w.dims().0));
+        }
         let blocks = k / QK;
         let mut xq = vec![Q8Block::default(); m * blocks];
         xq.par_chunks_mut(blocks)
             .zip(x.par_chunks(k))
             .for_each(|(q, x)| quantize_row(x, q));
 
-        let rows_per_task = (n / (rayon::current_num_threads() * 4)).clamp(1, 512);
-        let mut yt = vec![0f32; n * m]; // [out][m]: each task owns whole output rows
-        yt.par_chunks_mut(rows_per_task * m)
-            .enumerate()
-            .for_each(|(task, out)| {
-                let r0 = task * rows_per_task;
+        let total_rows: usize = parts.iter().map(|p| p.2).sum();
+        let rows_per_task = (total_rows / (rayon::current_num_threads() * 4)).clamp(1, 512);
+        // [out][m] per matrix: each task owns whole output rows of one matrix.
+        let mut yts: Vec<Vec<f32>> = parts.iter().map(|p| vec![0f32; p.2 * m]).collect();
+        yts.par_iter_mut()
+            .zip(&parts)
+            .flat_map(|(yt, part)| {
+                yt.par_chunks_mut(rows_per_task * m)
+                    .enumerate()
+                    .map(move |(task, out)| (part, task * rows_per_task, out))
+            })
+            .for_each(|((format, data, _), r0, out)| {
+                let row_bytes = k / format.block_len() * format.block_bytes();
                 let input = |i: usize| &xq[i * blocks..][..blocks];
                 for i0 in (0..m).step_by(INPUT_TILE) {
                     let i1 = (i0 + INPUT_TILE).min(m);
@@ -164,16 +205,20 @@ impl GgufMatrix {
                         let mut i = i0;
                         while i + 4 <= i1 {
                             let x = [input(i), input(i + 1), input(i + 2), input(i + 3)];
-                            y[i..i + 4].copy_from_slice(&kernel.dot_rows(format, w, x));
+                            y[i..i + 4].copy_from_slice(&kernel.dot_rows(*format, w, x));
                             i += 4;
                         }
                         for (i, y) in (i..i1).zip(&mut y[i..i1]) {
-                            *y = kernel.dot_rows(format, w, [input(i)])[0];
+                            *y = kernel.dot_rows(*format, w, [input(i)])[0];
                         }
                     }
                 }
             });
-        Ok(transpose(yt, n, m))
+        Ok(yts
+            .into_iter()
+            .zip(&parts)
+            .map(|(yt, p)| transpose(yt, p.2, m))
+            .collect())
     }
 }
 
