@@ -56,13 +56,18 @@ impl Kernel {
         kernels
     }
 
-    /// `Σ w·x[r]` for one weight row and `R` input rows (the row's blocks unpacked once).
-    fn dot_rows<const R: usize>(self, format: Format, w: &[u8], x: [&[Q8Block]; R]) -> [f32; R] {
+    /// `Σ w[o]·x[r]` for `W` weight rows and `R` input rows.
+    fn dot_tile<const W: usize, const R: usize>(
+        self,
+        format: Format,
+        w: [&[u8]; W],
+        x: [&[Q8Block]; R],
+    ) -> [[f32; R]; W] {
         match self {
-            Self::Scalar => x.map(|x| scalar::dot_row(format, w, x)),
-            // SAFETY: `GgufMatrix::matmul_with` only runs kernels from `available()`.
+            Self::Scalar => w.map(|w| x.map(|x| scalar::dot_row(format, w, x))),
+            // SAFETY: `GgufMatrix::matmul_group` only runs kernels from `available()`.
             #[cfg(target_arch = "x86_64")]
-            Self::Avx2 => unsafe { avx2::dot_rows(format, w, x) },
+            Self::Avx2 => unsafe { avx2::dot_tile(format, w, x) },
             #[cfg(not(target_arch = "x86_64"))]
             Self::Avx2 => unreachable!("not in Kernel::available() off x86-64"),
         }
@@ -197,19 +202,33 @@ impl GgufMatrix {
             })
             .for_each(|((format, data, _), r0, out)| {
                 let row_bytes = k / format.block_len() * format.block_bytes();
+                let row = |r: usize| &data[(r0 + r) * row_bytes..][..row_bytes];
+                if m == 1 {
+                    // Decode: two weight rows per step share each activation load.
+                    let last_row = out.len() - 1;
+                    let mut pairs = out.chunks_exact_mut(2);
+                    for (p, y) in (&mut pairs).enumerate() {
+                        let [[a], [b]] =
+                            kernel.dot_tile(*format, [row(2 * p), row(2 * p + 1)], [&xq]);
+                        y.copy_from_slice(&[a, b]);
+                    }
+                    if let [last] = pairs.into_remainder() {
+                        *last = kernel.dot_tile(*format, [row(last_row)], [&xq])[0][0];
+                    }
+                    return;
+                }
                 let input = |i: usize| &xq[i * blocks..][..blocks];
                 for i0 in (0..m).step_by(INPUT_TILE) {
                     let i1 = (i0 + INPUT_TILE).min(m);
                     for (r, y) in out.chunks_exact_mut(m).enumerate() {
-                        let w = &data[(r0 + r) * row_bytes..][..row_bytes];
                         let mut i = i0;
                         while i + 4 <= i1 {
                             let x = [input(i), input(i + 1), input(i + 2), input(i + 3)];
-                            y[i..i + 4].copy_from_slice(&kernel.dot_rows(*format, w, x));
+                            y[i..i + 4].copy_from_slice(&kernel.dot_tile(*format, [row(r)], x)[0]);
                             i += 4;
                         }
                         for (i, y) in (i..i1).zip(&mut y[i..i1]) {
-                            *y = kernel.dot_rows(*format, w, [input(i)])[0];
+                            *y = kernel.dot_tile(*format, [row(r)], [input(i)])[0][0];
                         }
                     }
                 }
