@@ -191,66 +191,73 @@ impl GgufMatrix {
 
         let total_rows: usize = parts.iter().map(|p| p.2).sum();
         let rows_per_task = (total_rows / (rayon::current_num_threads() * 4)).clamp(1, 512);
-        // [out][m] per matrix: each task owns whole output rows of one matrix.
-        let mut yts: Vec<Vec<f32>> = parts.iter().map(|p| vec![0f32; p.2 * m]).collect();
-        yts.par_iter_mut()
-            .zip(&parts)
-            .flat_map(|(yt, part)| {
-                yt.par_chunks_mut(rows_per_task * m)
-                    .enumerate()
-                    .map(move |(task, out)| (part, task * rows_per_task, out))
+        let mut ys: Vec<Vec<f32>> = parts.iter().map(|p| vec![0f32; m * p.2]).collect();
+        let outs: Vec<Columns> = (ys.iter_mut().zip(&parts))
+            .map(|(y, p)| Columns(y.as_mut_ptr(), p.2))
+            .collect();
+        // Each task owns output columns r0..r1 of one matrix (rows of its weight), for all m.
+        let tasks: Vec<(usize, usize, usize)> = (parts.iter().enumerate())
+            .flat_map(|(p, part)| {
+                (0..part.2)
+                    .step_by(rows_per_task)
+                    .map(move |r0| (p, r0, (r0 + rows_per_task).min(part.2)))
             })
-            .for_each(|((format, data, _), r0, out)| {
-                let row_bytes = k / format.block_len() * format.block_bytes();
-                let row = |r: usize| &data[(r0 + r) * row_bytes..][..row_bytes];
-                if m == 1 {
-                    // Decode: two weight rows per step share each activation load.
-                    let last_row = out.len() - 1;
-                    let mut pairs = out.chunks_exact_mut(2);
-                    for (p, y) in (&mut pairs).enumerate() {
-                        let [[a], [b]] =
-                            kernel.dot_tile(*format, [row(2 * p), row(2 * p + 1)], [&xq]);
-                        y.copy_from_slice(&[a, b]);
-                    }
-                    if let [last] = pairs.into_remainder() {
-                        *last = kernel.dot_tile(*format, [row(last_row)], [&xq])[0][0];
-                    }
-                    return;
+            .collect();
+        tasks.into_par_iter().for_each(|(p, r0, r1)| {
+            let ((format, data, _), out) = (&parts[p], &outs[p]);
+            let row_bytes = k / format.block_len() * format.block_bytes();
+            let row = |r: usize| &data[r * row_bytes..][..row_bytes];
+            // SAFETY (every `out.set`): (i, r) with i < m and r0 ≤ r < r1 is written by this
+            // task only, and `ys` outlives the parallel loop.
+            if m == 1 {
+                // Decode: two weight rows per step share each activation load.
+                let mut r = r0;
+                while r + 2 <= r1 {
+                    let [[a], [b]] = kernel.dot_tile(*format, [row(r), row(r + 1)], [&xq]);
+                    unsafe { (out.set(0, r, a), out.set(0, r + 1, b)) };
+                    r += 2;
                 }
-                let input = |i: usize| &xq[i * blocks..][..blocks];
-                for i0 in (0..m).step_by(INPUT_TILE) {
-                    let i1 = (i0 + INPUT_TILE).min(m);
-                    for (r, y) in out.chunks_exact_mut(m).enumerate() {
-                        let mut i = i0;
-                        while i + 4 <= i1 {
-                            let x = [input(i), input(i + 1), input(i + 2), input(i + 3)];
-                            y[i..i + 4].copy_from_slice(&kernel.dot_tile(*format, [row(r)], x)[0]);
-                            i += 4;
+                if r < r1 {
+                    unsafe { out.set(0, r, kernel.dot_tile(*format, [row(r)], [&xq])[0][0]) };
+                }
+                return;
+            }
+            let input = |i: usize| &xq[i * blocks..][..blocks];
+            for i0 in (0..m).step_by(INPUT_TILE) {
+                let i1 = (i0 + INPUT_TILE).min(m);
+                for r in r0..r1 {
+                    let mut i = i0;
+                    while i + 4 <= i1 {
+                        let x = [input(i), input(i + 1), input(i + 2), input(i + 3)];
+                        let [y] = kernel.dot_tile(*format, [row(r)], x);
+                        for (t, y) in y.into_iter().enumerate() {
+                            unsafe { out.set(i + t, r, y) };
                         }
-                        for (i, y) in (i..i1).zip(&mut y[i..i1]) {
-                            *y = kernel.dot_tile(*format, [row(r)], [input(i)])[0][0];
-                        }
+                        i += 4;
+                    }
+                    for i in i..i1 {
+                        let y = kernel.dot_tile(*format, [row(r)], [input(i)])[0][0];
+                        unsafe { out.set(i, r, y) };
                     }
                 }
-            });
-        Ok(yts
-            .into_iter()
-            .zip(&parts)
-            .map(|(yt, p)| transpose(yt, p.2, m))
-            .collect())
+            }
+        });
+        Ok(ys)
     }
 }
 
-/// `[n][m]` → `[m][n]`.
-fn transpose(yt: Vec<f32>, n: usize, m: usize) -> Vec<f32> {
-    if m == 1 {
-        return yt;
+/// A row-major `[m][n]` output (pointer, n) that parallel tasks fill by disjoint columns.
+struct Columns(*mut f32, usize);
+
+// SAFETY: tasks write disjoint elements; the buffer outlives them (see `matmul_group`).
+unsafe impl Send for Columns {}
+unsafe impl Sync for Columns {}
+
+impl Columns {
+    /// # Safety
+    /// `i * n + r` must be in bounds and written by no other thread.
+    unsafe fn set(&self, i: usize, r: usize, v: f32) {
+        debug_assert!(r < self.1);
+        unsafe { *self.0.add(i * self.1 + r) = v };
     }
-    let mut y = vec![0f32; n * m];
-    y.par_chunks_mut(n).enumerate().for_each(|(i, row)| {
-        for (r, v) in row.iter_mut().enumerate() {
-            *v = yt[r * m + i];
-        }
-    });
-    y
 }
