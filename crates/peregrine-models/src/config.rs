@@ -44,12 +44,35 @@ pub struct ModelConfig {
     pub sliding_window: Option<usize>,
     /// q/k/v projections carry biases.
     pub attention_bias: bool,
-    /// Per-head RMSNorm on q and k (Qwen3).
+    /// Per-head RMSNorm on q and k (Qwen3, Gemma 3).
     pub qk_norm: bool,
+    /// Added to every RMSNorm weight at load: Gemma's HF checkpoints store `w - 1` and scale by
+    /// `1 + w`; llama.cpp's converter already adds the 1, so GGUF files use 0.
+    pub norm_weight_offset: f64,
+    /// The gated MLP's activation.
+    pub activation: Activation,
+    /// Attention scores are scaled by `query_pre_attn_scalar^-0.5` (Gemma); `None`: `head_dim^-0.5`.
+    pub query_pre_attn_scalar: Option<f64>,
+    /// Which layers use `sliding_window` (Gemma 3 interleaves local and global layers);
+    /// `None`: every layer does when `sliding_window` is set.
+    pub sliding_layers: Option<Vec<bool>>,
+    /// RoPE base of the sliding-window layers, without scaling (Gemma 3's
+    /// `rope_local_base_freq`); `None`: the same RoPE as every other layer.
+    pub rope_local_theta: Option<f64>,
     /// Beginning-of-sequence token, when the config names one.
     pub bos_token_id: Option<u32>,
     /// End-of-sequence tokens named by the config.
     pub eos_token_ids: Vec<u32>,
+}
+
+/// The gated MLP's activation: `down(act(gate(x)) * up(x))`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Activation {
+    /// SiLU (llama, Qwen, Mistral).
+    #[default]
+    Silu,
+    /// GELU with the tanh approximation (Gemma's `gelu_pytorch_tanh`).
+    GeluTanh,
 }
 
 /// Reads fields from a JSON object, with errors that name the file and the field.
@@ -67,7 +90,8 @@ impl<'a> Fields<'a> {
         }
     }
 
-    fn err(&self, message: String) -> ModelError {
+    /// An error naming this file.
+    pub fn err(&self, message: String) -> ModelError {
         ModelError::config(&self.file, message)
     }
 
@@ -208,6 +232,11 @@ impl ModelConfig {
             sliding_window: None,
             attention_bias: fields.opt_bool("attention_bias")?.unwrap_or(false),
             qk_norm: false,
+            norm_weight_offset: 0.0,
+            activation: Activation::Silu,
+            query_pre_attn_scalar: None,
+            sliding_layers: None,
+            rope_local_theta: None,
             bos_token_id: fields.token_ids("bos_token_id")?.first().copied(),
             eos_token_ids: fields.token_ids("eos_token_id")?,
         };
@@ -240,8 +269,13 @@ impl ModelConfig {
 }
 
 /// RoPE base and scaling from either `rope_parameters` (transformers 5) or the legacy keys.
+/// A per-layer-type `rope_parameters` (Gemma 3) contributes its `full_attention` entry.
 fn rope_from_hf(fields: &Fields) -> Result<(f64, RopeScaling)> {
     let params = fields.object("rope_parameters")?;
+    let params = match params {
+        Some(p) if p.get("full_attention").is_some() => p.object("full_attention")?,
+        other => other,
+    };
     let legacy = fields.object("rope_scaling")?;
     let theta = match &params {
         Some(p) => p.opt_f64("rope_theta")?,
@@ -251,6 +285,11 @@ fn rope_from_hf(fields: &Fields) -> Result<(f64, RopeScaling)> {
     let Some(scaling) = params.or(legacy) else {
         return Ok((theta, RopeScaling::None));
     };
+    Ok((theta, rope_scaling_from(&scaling)?))
+}
+
+/// The scaling named by a `rope_parameters` / `rope_scaling` object (`rope_type` or `type`).
+pub fn rope_scaling_from(scaling: &Fields) -> Result<RopeScaling> {
     let kind = match scaling.opt_str("rope_type")? {
         Some(kind) => Some(kind),
         None => scaling.opt_str("type")?,
@@ -271,7 +310,7 @@ fn rope_from_hf(fields: &Fields) -> Result<(f64, RopeScaling)> {
         },
         other => return Err(scaling.err(format!("unsupported rope scaling type `{other}`"))),
     };
-    Ok((theta, scaling))
+    Ok(scaling)
 }
 
 #[cfg(test)]

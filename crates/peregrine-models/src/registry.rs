@@ -6,6 +6,7 @@ use std::sync::Arc;
 use peregrine_tensor::Device;
 use peregrine_tensor::device::compute_dtype;
 
+use crate::arch::gemma3::model::Gemma3Lm;
 use crate::config::{Fields, read_json_object};
 use crate::layers::decoder::DecoderLm;
 use crate::weights::{
@@ -14,19 +15,42 @@ use crate::weights::{
 use crate::{CausalLm, ModelConfig, ModelError, Result, arch};
 
 type Configure = fn(&Fields, &mut ModelConfig) -> Result<()>;
+type Build = fn(ModelConfig, &Weights, usize) -> Result<Arc<dyn CausalLm>>;
 
-/// Registered architectures: HF `model_type` (also GGUF `general.architecture`) and its
-/// config adjustments. All four build the shared llama-family decoder.
-const ARCHITECTURES: &[(&str, Configure)] = &[
-    ("llama", arch::llama::configure),
-    ("mistral", arch::mistral::configure),
-    ("qwen2", arch::qwen2::configure),
-    ("qwen3", arch::qwen3::configure),
+fn decoder(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn CausalLm>> {
+    Ok(Arc::new(DecoderLm::load(c, w, max_context)?))
+}
+
+fn gemma3(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn CausalLm>> {
+    Ok(Arc::new(Gemma3Lm::load(c, w, max_context)?))
+}
+
+/// Registered architectures: name (HF `model_type`, also GGUF `general.architecture`), its
+/// config adjustments and the model it builds (the llama-family decoder unless it differs).
+const ARCHITECTURES: &[(&str, Configure, Build)] = &[
+    ("gemma3", arch::gemma3::configure, gemma3),
+    ("llama", arch::llama::configure, decoder),
+    ("mistral", arch::mistral::configure, decoder),
+    ("qwen2", arch::qwen2::configure, decoder),
+    ("qwen3", arch::qwen3::configure, decoder),
 ];
 
-/// The `model_type`s this build can load.
+/// HF `model_type`s registered under another name (Gemma 3's text-only checkpoints are
+/// `gemma3_text`; its GGUF architecture is `gemma3`).
+const ALIASES: &[(&str, &str)] = &[("gemma3_text", "gemma3")];
+
+/// The architecture names this build can load (GGUF `general.architecture`, HF `model_type`;
+/// HF `gemma3_text` loads as `gemma3`).
 pub fn supported_architectures() -> Vec<&'static str> {
-    ARCHITECTURES.iter().map(|(name, _)| *name).collect()
+    ARCHITECTURES.iter().map(|(name, ..)| *name).collect()
+}
+
+fn find_architecture(name: &str) -> Option<&'static (&'static str, Configure, Build)> {
+    let name = ALIASES
+        .iter()
+        .find(|(alias, _)| *alias == name)
+        .map_or(name, |(_, target)| target);
+    ARCHITECTURES.iter().find(|(n, ..)| *n == name)
 }
 
 /// How to load a model.
@@ -98,41 +122,47 @@ pub fn load_model(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
             }
         }
     }
-    let (config, weights, gguf) = if meta.is_dir() {
+    let (config, weights, gguf, build) = if meta.is_dir() {
         let config_path = path.join("config.json");
         let map = read_json_object(&config_path)?;
         let fields = Fields::new(&config_path, &map);
         let model_type = fields.opt_str("model_type")?.ok_or_else(|| {
             ModelError::config(&config_path, "missing required field `model_type`")
         })?;
-        let (_, configure) = ARCHITECTURES
-            .iter()
-            .find(|(name, _)| *name == model_type)
-            .ok_or_else(|| unsupported(&config_path, model_type))?;
+        let (_, configure, build) =
+            find_architecture(model_type).ok_or_else(|| unsupported(&config_path, model_type))?;
+        if fields.get("text_config").is_some() {
+            return Err(ModelError::config(
+                &config_path,
+                format!(
+                    "field `text_config`: `{model_type}` checkpoints with a vision tower are not \
+                     supported yet; load the text-only model (e.g. `gemma3_text`) or a GGUF file"
+                ),
+            ));
+        }
         let mut config = ModelConfig::from_hf(&fields)?;
         configure(&fields, &mut config)?;
         let files = SafetensorsFiles::open_dir(path)?;
         // MLX checkpoints: quantized modules are found per tensor by their `.scales`.
         let mlx = MlxQuantization::from_config(&config_path, &map)?;
         let weights = Weights::new(Source::Safetensors(files), opts.device.clone(), dtype);
-        (config, weights.with_mlx(mlx), None)
+        (config, weights.with_mlx(mlx), None, *build)
     } else {
         let file = GgufFile::open(path)?;
         let config = config_from_gguf(&file)?;
-        if !supported_architectures().contains(&config.model_type.as_str()) {
-            return Err(unsupported(path, &config.model_type));
-        }
+        let (_, _, build) = find_architecture(&config.model_type)
+            .ok_or_else(|| unsupported(path, &config.model_type))?;
         let weights = Weights::new(Source::Gguf(file), opts.device.clone(), dtype);
-        (config, weights, Some(()))
+        (config, weights, Some(()), *build)
     };
     let max_context = opts.max_context.unwrap_or(config.max_position_embeddings);
-    let model = DecoderLm::load(config, &weights, max_context)?;
+    let model = build(config, &weights, max_context)?;
     let gguf = gguf.and_then(|()| match weights.into_source() {
         Source::Gguf(file) => Some(file),
         Source::Safetensors(_) => None,
     });
     Ok(LoadedModel {
-        model: Arc::new(model),
+        model,
         path: path.to_path_buf(),
         gguf,
         max_context,

@@ -70,6 +70,7 @@ fn check_logits(arch: &str) {
         let (ours, r) = logits_in_chunks(arch, chunk.min(1024));
         assert_eq!(ours.dims(), r.logits.dims(), "{arch}: logits shape");
         let diff = max_abs_diff(&ours, &r.logits);
+        eprintln!("{arch} (chunk {chunk}): max abs diff {diff:.2e}");
         assert!(
             diff < TOLERANCE,
             "{arch} (chunk {chunk}): max abs diff {diff} ≥ {TOLERANCE}"
@@ -107,4 +108,4 @@ macro_rules! golden {
     )*};
 }
 
-golden!(llama, mistral, qwen2, qwen3);
+golden!(gemma3, llama, mistral, qwen2, qwen3);

@@ -87,3 +87,23 @@ fn half_precision_weights_load_and_stay_close() {
         assert!(diff < 0.25, "{dtype:?}: max abs diff {diff}");
     }
 }
+
+/// Gemma 3 with a vision tower keeps its text model's fields under `text_config`: one error that
+/// names the field, not a "missing `hidden_size`".
+#[test]
+fn multimodal_gemma3_config_names_text_config() {
+    let dir = scratch("gemma3-vision");
+    let gemma = fixture().join("../../gemma3/hf/config.json");
+    let text: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(gemma).unwrap()).unwrap();
+    let config = serde_json::json!({"model_type": "gemma3", "text_config": text});
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let err = load_model(&dir, &LoadOptions::default())
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains("text_config") && err.contains("config.json"),
+        "{err}"
+    );
+}

@@ -100,7 +100,7 @@ fn cli_logits(model: &Path, ids: &[u32], extra: &[&str], scratch_name: &str) -> 
 
 #[test]
 fn logits_command_matches_transformers() {
-    for arch in ["llama", "mistral", "qwen2", "qwen3"] {
+    for arch in ["gemma3", "llama", "mistral", "qwen2", "qwen3"] {
         let (ids, expected) = reference(arch);
         // A small prefill size makes the command cross chunk boundaries.
         let ours = cli_logits(

@@ -4,6 +4,7 @@ use peregrine_kv::{AttnParams, LayerCache};
 use peregrine_tensor::ops::rms_norm;
 use peregrine_tensor::{QLinear, RotaryEmbedding, Tensor};
 
+use crate::layers::norm_weight;
 use crate::weights::Weights;
 use crate::{ModelConfig, Result};
 
@@ -18,6 +19,7 @@ pub struct Attention {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    scale: f64,
     eps: f32,
 }
 
@@ -29,7 +31,7 @@ impl Attention {
         let bias = c.attention_bias;
         let norm = |name: &str| -> Result<Option<Tensor>> {
             c.qk_norm
-                .then(|| w.tensor(&format!("{prefix}.{name}.weight"), &[hd]))
+                .then(|| norm_weight(c, w, &format!("{prefix}.{name}.weight"), hd))
                 .transpose()
         };
         Ok(Self {
@@ -42,6 +44,7 @@ impl Attention {
             heads: c.num_attention_heads,
             kv_heads: c.num_key_value_heads,
             head_dim: hd,
+            scale: c.query_pre_attn_scalar.unwrap_or(hd as f64).powf(-0.5),
             eps: c.rms_norm_eps as f32,
         })
     }
@@ -70,9 +73,7 @@ impl Attention {
         let q = rope.apply(&q, start)?;
         let k = rope.apply(&k, start)?;
         cache.append(&k, &v)?;
-        let params = AttnParams {
-            scale: 1.0 / (self.head_dim as f64).sqrt(),
-        };
+        let params = AttnParams { scale: self.scale };
         let y = cache.attend(&q, &params)?; // [b, heads, n, hd]
         let y = y
             .transpose(1, 2)?

@@ -8,6 +8,7 @@ use peregrine_tensor::{DType, Device, Embedding, QLinear, RotaryEmbedding, Tenso
 
 use crate::layers::attention::Attention;
 use crate::layers::mlp::GatedMlp;
+use crate::layers::norm_weight;
 use crate::weights::Weights;
 use crate::{CausalLm, Logits, ModelConfig, ModelError, Result};
 
@@ -39,10 +40,14 @@ impl DecoderLm {
             .map(|i| {
                 let p = format!("model.layers.{i}");
                 Ok(DecoderLayer {
-                    input_layernorm: w.tensor(&format!("{p}.input_layernorm.weight"), &[h])?,
+                    input_layernorm: norm_weight(c, w, &format!("{p}.input_layernorm.weight"), h)?,
                     self_attn: Attention::load(c, w, &format!("{p}.self_attn"))?,
-                    post_attention_layernorm: w
-                        .tensor(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                    post_attention_layernorm: norm_weight(
+                        c,
+                        w,
+                        &format!("{p}.post_attention_layernorm.weight"),
+                        h,
+                    )?,
                     mlp: GatedMlp::load(c, w, &format!("{p}.mlp"))?,
                 })
             })
@@ -62,7 +67,7 @@ impl DecoderLm {
             w.device(),
         )?;
         Ok(Self {
-            norm: w.tensor("model.norm.weight", &[h])?,
+            norm: norm_weight(c, w, "model.norm.weight", h)?,
             embed_tokens,
             layers,
             lm_head,

@@ -1,8 +1,9 @@
-//! The gated (SwiGLU) MLP: `down(silu(gate(x)) * up(x))`.
+//! The gated MLP: `down(act(gate(x)) * up(x))`, SiLU (SwiGLU) or GELU-tanh (GeGLU, Gemma).
 
 use peregrine_tensor::ops::silu_mul;
 use peregrine_tensor::{QLinear, Tensor};
 
+use crate::config::Activation;
 use crate::weights::Weights;
 use crate::{ModelConfig, Result};
 
@@ -11,6 +12,7 @@ pub struct GatedMlp {
     gate_proj: QLinear,
     up_proj: QLinear,
     down_proj: QLinear,
+    activation: Activation,
 }
 
 impl GatedMlp {
@@ -21,12 +23,18 @@ impl GatedMlp {
             gate_proj: w.linear(&format!("{prefix}.gate_proj"), i, h, false)?,
             up_proj: w.linear(&format!("{prefix}.up_proj"), i, h, false)?,
             down_proj: w.linear(&format!("{prefix}.down_proj"), h, i, false)?,
+            activation: c.activation,
         })
     }
 
     /// `x: [.., hidden]` → `[.., hidden]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let act = silu_mul(&self.gate_proj.forward(x)?, &self.up_proj.forward(x)?)?;
+        let (gate, up) = (self.gate_proj.forward(x)?, self.up_proj.forward(x)?);
+        let act = match self.activation {
+            Activation::Silu => silu_mul(&gate, &up)?,
+            // candle's `gelu` is the tanh approximation (`gelu_erf` is the exact one).
+            Activation::GeluTanh => (gate.gelu()? * up)?,
+        };
         Ok(self.down_proj.forward(&act)?)
     }
 

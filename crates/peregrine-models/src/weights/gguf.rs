@@ -10,6 +10,7 @@ use peregrine_tensor::candle::quantized::QTensor;
 use peregrine_tensor::candle::quantized::gguf_file::{Content, Value};
 use peregrine_tensor::{Device, RopeScaling, RopeStyle};
 
+use crate::config::Activation;
 use crate::{ModelConfig, ModelError, Result};
 
 /// An open GGUF file: metadata and tensor directory in memory, tensor data read on demand.
@@ -19,8 +20,10 @@ pub struct GgufFile {
     file: Mutex<File>,
 }
 
-/// The GGUF name of an HF tensor name (llama.cpp's naming), or `None` if it has no counterpart.
-pub fn gguf_name(hf: &str) -> Option<String> {
+/// The GGUF name of an HF tensor name (llama.cpp's naming) in a file of architecture `arch`, or
+/// `None` if it has no counterpart. Gemma 3's sandwich norms differ: its `post_attention_layernorm`
+/// follows attention, and `pre_feedforward_layernorm` is llama's `ffn_norm`.
+pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
     let global = match hf {
         "model.embed_tokens.weight" => Some("token_embd.weight"),
         "model.norm.weight" => Some("output_norm.weight"),
@@ -33,18 +36,21 @@ pub fn gguf_name(hf: &str) -> Option<String> {
     let rest = hf.strip_prefix("model.layers.")?;
     let (layer, rest) = rest.split_once('.')?;
     let (module, kind) = rest.rsplit_once('.')?;
-    let mapped = match module {
-        "input_layernorm" => "attn_norm",
-        "post_attention_layernorm" => "ffn_norm",
-        "self_attn.q_proj" => "attn_q",
-        "self_attn.k_proj" => "attn_k",
-        "self_attn.v_proj" => "attn_v",
-        "self_attn.o_proj" => "attn_output",
-        "self_attn.q_norm" => "attn_q_norm",
-        "self_attn.k_norm" => "attn_k_norm",
-        "mlp.gate_proj" => "ffn_gate",
-        "mlp.up_proj" => "ffn_up",
-        "mlp.down_proj" => "ffn_down",
+    let mapped = match (module, arch) {
+        ("post_attention_layernorm", "gemma3") => "post_attention_norm",
+        ("pre_feedforward_layernorm", "gemma3") => "ffn_norm",
+        ("post_feedforward_layernorm", "gemma3") => "post_ffw_norm",
+        ("input_layernorm", _) => "attn_norm",
+        ("post_attention_layernorm", _) => "ffn_norm",
+        ("self_attn.q_proj", _) => "attn_q",
+        ("self_attn.k_proj", _) => "attn_k",
+        ("self_attn.v_proj", _) => "attn_v",
+        ("self_attn.o_proj", _) => "attn_output",
+        ("self_attn.q_norm", _) => "attn_q_norm",
+        ("self_attn.k_norm", _) => "attn_k_norm",
+        ("mlp.gate_proj", _) => "ffn_gate",
+        ("mlp.up_proj", _) => "ffn_up",
+        ("mlp.down_proj", _) => "ffn_down",
         _ => return None,
     };
     Some(format!("blk.{layer}.{mapped}.{kind}"))
@@ -98,8 +104,16 @@ impl GgufFile {
         &self.content.metadata
     }
 
+    /// `general.architecture` (empty when missing; `config_from_gguf` reports that).
+    fn arch(&self) -> &str {
+        match self.content.metadata.get("general.architecture") {
+            Some(Value::String(a)) => a,
+            _ => "",
+        }
+    }
+
     fn name_for(&self, hf: &str) -> Option<String> {
-        gguf_name(hf).filter(|n| self.content.tensor_infos.contains_key(n))
+        gguf_name(hf, self.arch()).filter(|n| self.content.tensor_infos.contains_key(n))
     }
 
     /// Whether the tensor with HF name `hf` is present.
@@ -111,7 +125,7 @@ impl GgufFile {
     pub fn qtensor(&self, hf: &str, device: &Device) -> Result<QTensor> {
         let name = self.name_for(hf).ok_or_else(|| ModelError::MissingTensor {
             file: self.path.clone(),
-            tensor: match gguf_name(hf) {
+            tensor: match gguf_name(hf, self.arch()) {
                 Some(g) => format!("{g}` (HF `{hf}`)"),
                 None => hf.to_string(),
             },
@@ -215,7 +229,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
             "per-frequency RoPE factors (`rope_freqs.weight`) are not supported yet",
         ));
     }
-    let config = ModelConfig {
+    let mut config = ModelConfig {
         model_type: arch.clone(),
         vocab_size,
         hidden_size,
@@ -245,11 +259,19 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
             .content
             .tensor_infos
             .contains_key("blk.0.attn_q_norm.weight"),
+        norm_weight_offset: 0.0,
+        activation: Activation::Silu,
+        query_pre_attn_scalar: None,
+        sliding_layers: None,
+        rope_local_theta: None,
         bos_token_id: token_id("tokenizer.ggml.bos_token_id"),
         eos_token_ids: token_id("tokenizer.ggml.eos_token_id")
             .into_iter()
             .collect(),
     };
+    if arch == "gemma3" {
+        crate::arch::gemma3::configure_gguf(&mut config, meta.opt_f64("rope.freq_base_swa")?);
+    }
     config.validate(&file.path)?;
     Ok(config)
 }

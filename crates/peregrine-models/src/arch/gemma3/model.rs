@@ -1,0 +1,190 @@
+//! The Gemma 3 decoder: the shared attention (q/k norm, `query_pre_attn_scalar`) and gated MLP
+//! (GELU-tanh) wrapped in four norms per layer, with one RoPE table per layer kind.
+
+use peregrine_kv::{LayerCache, LayerKind, SequenceCache};
+use peregrine_tensor::ops::rms_norm;
+use peregrine_tensor::{DType, Device, Embedding, QLinear, RopeScaling, RotaryEmbedding, Tensor};
+
+use crate::layers::attention::Attention;
+use crate::layers::mlp::GatedMlp;
+use crate::layers::norm_weight;
+use crate::weights::Weights;
+use crate::{CausalLm, Logits, ModelConfig, ModelError, Result};
+
+struct Layer {
+    input_layernorm: Tensor,
+    self_attn: Attention,
+    post_attention_layernorm: Tensor,
+    pre_feedforward_layernorm: Tensor,
+    mlp: GatedMlp,
+    post_feedforward_layernorm: Tensor,
+    sliding: bool,
+}
+
+/// Gemma 3 (text): see the [module above](super) for what differs from llama.
+pub struct Gemma3Lm {
+    config: ModelConfig,
+    embed_tokens: Embedding,
+    /// `sqrt(hidden_size)` in the compute dtype, as HF multiplies it.
+    embed_scale: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: QLinear,
+    rope_global: RotaryEmbedding,
+    rope_local: RotaryEmbedding,
+    device: Device,
+    dtype: DType,
+}
+
+impl Gemma3Lm {
+    /// Loads the weights for `config`; RoPE tables cover `max_context` positions.
+    pub fn load(config: ModelConfig, w: &Weights, max_context: usize) -> Result<Self> {
+        let c = &config;
+        let h = c.hidden_size;
+        let sliding = |i: usize| match (&c.sliding_layers, c.sliding_window) {
+            (Some(s), Some(_)) => s[i],
+            (None, Some(_)) => true,
+            (_, None) => false,
+        };
+        let layers = (0..c.num_hidden_layers)
+            .map(|i| {
+                let p = format!("model.layers.{i}");
+                let norm = |name: &str| norm_weight(c, w, &format!("{p}.{name}.weight"), h);
+                Ok(Layer {
+                    input_layernorm: norm("input_layernorm")?,
+                    self_attn: Attention::load(c, w, &format!("{p}.self_attn"))?,
+                    post_attention_layernorm: norm("post_attention_layernorm")?,
+                    pre_feedforward_layernorm: norm("pre_feedforward_layernorm")?,
+                    mlp: GatedMlp::load(c, w, &format!("{p}.mlp"))?,
+                    post_feedforward_layernorm: norm("post_feedforward_layernorm")?,
+                    sliding: sliding(i),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let embed_tokens = w.embedding("model.embed_tokens.weight", c.vocab_size, h)?;
+        let lm_head = match c.tie_word_embeddings && !w.contains("lm_head.weight") {
+            true => embed_tokens.as_linear()?,
+            false => w.linear("lm_head", c.vocab_size, h, false)?,
+        };
+        let rope = |theta: f64, scaling: &RopeScaling| {
+            RotaryEmbedding::new(
+                c.head_dim,
+                theta,
+                scaling,
+                c.rope_style,
+                max_context,
+                DType::F32,
+                w.device(),
+            )
+        };
+        let rope_global = rope(c.rope_theta, &c.rope_scaling)?;
+        let rope_local = match c.rope_local_theta {
+            Some(theta) => rope(theta, &RopeScaling::None)?,
+            None => rope_global.clone(),
+        };
+        let embed_scale = Tensor::new(&[(h as f32).sqrt()], w.device())?.to_dtype(w.dtype())?;
+        Ok(Self {
+            norm: norm_weight(c, w, "model.norm.weight", h)?,
+            embed_tokens,
+            embed_scale,
+            layers,
+            lm_head,
+            rope_global,
+            rope_local,
+            device: w.device().clone(),
+            dtype: w.dtype(),
+            config,
+        })
+    }
+}
+
+impl Layer {
+    fn forward(
+        &self,
+        x: &Tensor,
+        eps: f32,
+        rope: &RotaryEmbedding,
+        cache: &mut dyn LayerCache,
+        start: usize,
+    ) -> Result<Tensor> {
+        let attn = self.self_attn.forward(
+            &rms_norm(x, &self.input_layernorm, eps)?,
+            rope,
+            cache,
+            start,
+        )?;
+        let x = (x + rms_norm(&attn, &self.post_attention_layernorm, eps)?)?;
+        let mlp = self
+            .mlp
+            .forward(&rms_norm(&x, &self.pre_feedforward_layernorm, eps)?)?;
+        Ok((&x + rms_norm(&mlp, &self.post_feedforward_layernorm, eps)?)?)
+    }
+}
+
+impl CausalLm for Gemma3Lm {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn cache_spec(&self) -> Vec<LayerKind> {
+        let window = self.config.sliding_window.unwrap_or(usize::MAX);
+        self.layers
+            .iter()
+            .map(|l| match l.sliding {
+                true => LayerKind::Sliding { window },
+                false => LayerKind::Full,
+            })
+            .collect()
+    }
+
+    fn forward(&self, tokens: &[u32], cache: &mut SequenceCache, want: Logits) -> Result<Tensor> {
+        let n = tokens.len();
+        let start = cache.len();
+        if n == 0 || start + n > self.rope_global.max_positions() {
+            return Err(ModelError::Tensor(peregrine_tensor::candle::Error::Msg(
+                format!(
+                    "cannot run {n} tokens at position {start}: the context holds {} positions",
+                    self.rope_global.max_positions()
+                ),
+            )));
+        }
+        let eps = self.config.rms_norm_eps as f32;
+        let ids = Tensor::new(tokens, &self.device)?.unsqueeze(0)?; // [1, n]
+        let mut x = self
+            .embed_tokens
+            .forward(&ids, self.dtype)?
+            .broadcast_mul(&self.embed_scale)?; // [1, n, hidden]
+        for (i, layer) in self.layers.iter().enumerate() {
+            let rope = match layer.sliding {
+                true => &self.rope_local,
+                false => &self.rope_global,
+            };
+            x = layer.forward(&x, eps, rope, cache.layer(i), start)?;
+        }
+        let x = match want {
+            Logits::Last => x.narrow(1, n - 1, 1)?,
+            Logits::All => x,
+        };
+        let logits = self.lm_head.forward(&rms_norm(&x, &self.norm, eps)?)?; // [1, m, vocab]
+        Ok(logits.squeeze(0)?.to_dtype(DType::F32)?)
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn weight_bytes(&self) -> usize {
+        let norms =
+            (4 * self.layers.len() + 1) * self.config.hidden_size * self.dtype.size_in_bytes();
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| l.self_attn.weight_bytes() + l.mlp.weight_bytes())
+            .sum();
+        let head = match self.config.tie_word_embeddings {
+            true => 0,
+            false => self.lm_head.weight_bytes(),
+        };
+        norms + layers + self.embed_tokens.weight_bytes() + head
+    }
+}
