@@ -47,6 +47,11 @@ MODELS = {
             "The capital city of Japan is",
             "Once upon a time, in a small village by the sea,",
             "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+            "The three primary colors are",
+            "Water boils at 100 degrees Celsius because",
+            "In 1969, the first humans landed on the Moon. The mission",
+            "A good breakfast should include",
+            "The most important rule of writing clear code is",
         ],
     },
 }

@@ -115,24 +115,21 @@ fn smollm2_prompt_tokens_match_llama_cpp() {
 const GEMMA3: &str = "gemma-3-270m-q4_k_m.gguf";
 
 /// Gemma 3 270M Q4_K_M (18 layers, 15 of them sliding-window; 262K-token vocabulary) on
-/// llama.cpp's 3 × 64 greedy tokens. Exact top-1 agreement cannot reach 0.98 here for any correct
-/// implementation: transformers in f32 on this file's dequantized weights agrees with llama.cpp
-/// on 186/192 positions (top-5 logits differ by 0.22 on average, 1.3 at most), as we do
-/// (186/192; we agree with that transformers run on 188/192). Gemma's activations are large and
-/// uneven, so quantizing them to Q8 blocks (llama.cpp and candle both do, differently) moves
-/// logits more than in SmolLM2; every miss, ours and transformers', is a near-tie with a margin
-/// under 0.4 in llama.cpp's own logits. So: ≥ 0.98 counting near-ties (< 0.5 logits in
-/// llama.cpp's top-5), and ≥ 0.95 exact. A wrong norm, scale or RoPE base fails both: picks then
-/// leave llama.cpp's top-5.
+/// llama.cpp's 8 × 64 greedy tokens: 505/512 exact (measured 2026-11-30). Gemma's large, uneven
+/// activations make Q8 activation rounding move logits more than in SmolLM2: on the first three
+/// prompts alone transformers in f32 on this file's dequantized weights agreed with llama.cpp on
+/// only 186/192 (`scripts/gemma3_gguf_vs_transformers.py`), so 0.98 exact is near the noise floor;
+/// every miss is a near-tie (< 0.5 logits in llama.cpp's top-5), which is also asserted. A wrong
+/// norm, scale or RoPE base fails both: picks then leave llama.cpp's top-5.
 #[test]
 fn gemma3_teacher_forced_top1_matches_llama_cpp() {
     let rate = teacher_forced_agreement("llamacpp/gemma3.json", GEMMA3);
+    assert!(rate.exact >= 0.98, "exact agreement {} < 0.98", rate.exact);
     assert!(
-        rate.near_tie >= 0.98,
-        "agreement with near-ties {} < 0.98",
+        rate.near_tie >= 0.99,
+        "agreement with near-ties {} < 0.99",
         rate.near_tie
     );
-    assert!(rate.exact >= 0.95, "exact agreement {} < 0.95", rate.exact);
 }
 
 /// SentencePiece from GGUF metadata (no merges stored) with BOS prepended, as llama.cpp does.

@@ -63,12 +63,38 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 }
 
 fn silu_mul_chunks(g: &[f32], u: &[f32]) -> Vec<f32> {
+    gated(g, u, |g| g / (1.0 + (-g).exp()))
+}
+
+/// `gelu(gate) * up` with GELU's tanh approximation (Gemma's `gelu_pytorch_tanh`).
+pub fn gelu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    if gate.shape() == up.shape() {
+        let fused = with_f32(gate, |g| with_f32(up, |u| gated(g, u, gelu_tanh)))?;
+        if let Some(out) = fused.transpose()?.flatten() {
+            return Tensor::from_vec(out, gate.shape(), &Device::Cpu);
+        }
+    }
+    gelu_mul_ref(gate, up)
+}
+
+/// Reference `gelu(gate) * up`: candle's tanh-approximated `gelu`.
+pub fn gelu_mul_ref(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    gate.gelu()? * up
+}
+
+fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + 0.044715 * x * x)).tanh())
+}
+
+/// `act(g) * u` elementwise, in parallel chunks.
+fn gated(g: &[f32], u: &[f32], act: impl Fn(f32) -> f32 + Sync) -> Vec<f32> {
     let mut out = vec![0f32; g.len()];
     out.par_chunks_mut(CHUNK)
         .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
         .for_each(|(y, (g, u))| {
-            for ((y, g), u) in y.iter_mut().zip(g).zip(u) {
-                *y = g / (1.0 + (-g).exp()) * u;
+            for ((y, &g), u) in y.iter_mut().zip(g).zip(u) {
+                *y = act(g) * u;
             }
         });
     out

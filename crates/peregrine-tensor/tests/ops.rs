@@ -2,7 +2,9 @@
 //! f32 rounding (both compute in f32; only operation order differs).
 
 use peregrine_tensor::attention::{MaskSpec, attention, attention_ref};
-use peregrine_tensor::ops::{rms_norm, rms_norm_ref, silu_mul, silu_mul_ref};
+use peregrine_tensor::ops::{
+    gelu_mul, gelu_mul_ref, rms_norm, rms_norm_ref, silu_mul, silu_mul_ref,
+};
 use peregrine_tensor::{DType, Device, RopeScaling, RopeStyle, RotaryEmbedding, Tensor};
 
 const TOL: f32 = 1e-5;
@@ -42,6 +44,13 @@ fn rms_norm_matches_reference() {
 fn silu_mul_matches_reference() {
     let (g, u) = (randn(&[5, 19], 3), randn(&[5, 19], 4));
     assert!(max_diff(&silu_mul(&g, &u).unwrap(), &silu_mul_ref(&g, &u).unwrap()) < TOL);
+    let (g4, u4) = ((&g * 4.0).unwrap(), (&u * 4.0).unwrap()); // reach GELU's tails
+    assert!(
+        max_diff(
+            &gelu_mul(&g4, &u4).unwrap(),
+            &gelu_mul_ref(&g4, &u4).unwrap()
+        ) < 4.0 * TOL
+    );
 }
 
 #[test]

@@ -67,9 +67,11 @@ impl Attention {
             };
             Ok(t.transpose(1, 2)?)
         };
-        let q = split(self.q_proj.forward(x)?, self.heads, &self.q_norm)?;
-        let k = split(self.k_proj.forward(x)?, self.kv_heads, &self.k_norm)?;
-        let v = split(self.v_proj.forward(x)?, self.kv_heads, &None)?;
+        let qkv = QLinear::forward_group(&[&self.q_proj, &self.k_proj, &self.v_proj], x)?;
+        let [q, k, v]: [Tensor; 3] = qkv.try_into().expect("three layers in, three out");
+        let q = split(q, self.heads, &self.q_norm)?;
+        let k = split(k, self.kv_heads, &self.k_norm)?;
+        let v = split(v, self.kv_heads, &None)?;
         let q = rope.apply(&q, start)?;
         let k = rope.apply(&k, start)?;
         cache.append(&k, &v)?;

@@ -1,6 +1,6 @@
 //! The gated MLP: `down(act(gate(x)) * up(x))`, SiLU (SwiGLU) or GELU-tanh (GeGLU, Gemma).
 
-use peregrine_tensor::ops::silu_mul;
+use peregrine_tensor::ops::{gelu_mul, silu_mul};
 use peregrine_tensor::{QLinear, Tensor};
 
 use crate::config::Activation;
@@ -29,11 +29,12 @@ impl GatedMlp {
 
     /// `x: [.., hidden]` → `[.., hidden]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (gate, up) = (self.gate_proj.forward(x)?, self.up_proj.forward(x)?);
+        let [gate, up]: [Tensor; 2] = QLinear::forward_group(&[&self.gate_proj, &self.up_proj], x)?
+            .try_into()
+            .expect("two layers in, two out");
         let act = match self.activation {
             Activation::Silu => silu_mul(&gate, &up)?,
-            // candle's `gelu` is the tanh approximation (`gelu_erf` is the exact one).
-            Activation::GeluTanh => (gate.gelu()? * up)?,
+            Activation::GeluTanh => gelu_mul(&gate, &up)?,
         };
         Ok(self.down_proj.forward(&act)?)
     }
