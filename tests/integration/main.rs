@@ -1,4 +1,5 @@
 //! Integration tests over the public API with real models (fetched by `scripts/fetch-models.sh`).
 
 mod common;
+mod engine_state;
 mod real_models;

@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -63,6 +63,7 @@ struct Shared {
     prefill_size: usize,
     max_context: usize,
     kv: KvOptions,
+    live_kv: AtomicUsize,
 }
 
 /// A loaded model ready to serve requests.
@@ -141,6 +142,7 @@ impl Engine {
             prefill_size: config.prefill_size.max(1),
             max_context,
             kv: config.kv,
+            live_kv: AtomicUsize::new(0),
         });
         let (jobs, queue) = sync_channel::<Job>(config.queue_size);
         let queue = Arc::new(Mutex::new(queue));
@@ -171,6 +173,11 @@ impl Engine {
     /// The context length in tokens.
     pub fn max_context(&self) -> usize {
         self.shared.max_context
+    }
+
+    /// KV-cache bytes held by all running sequences now (0 when idle).
+    pub fn kv_bytes_in_use(&self) -> usize {
+        self.shared.live_kv.load(Ordering::Relaxed)
     }
 
     /// Renders and tokenizes a prompt exactly as `submit` will.
@@ -272,6 +279,7 @@ fn worker(shared: &Shared, queue: &Mutex<Receiver<Job>>) {
             max_context: shared.max_context,
             cancel: &job.cancel,
             kv: shared.kv,
+            live_kv: &shared.live_kv,
         };
         let mut send = |event: Event| job.events.send(event).is_ok();
         if let Err(e) = generate(

@@ -2,7 +2,7 @@
 //! strings and incremental detokenization, until EOS, a stop string, the token budget or
 //! cancellation.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use peregrine_models::{CausalLm, KvOptions, Logits, SequenceCache};
@@ -24,6 +24,32 @@ pub(crate) struct GenContext<'a> {
     pub max_context: usize,
     pub cancel: &'a AtomicBool,
     pub kv: KvOptions,
+    /// KV bytes held by every running sequence together (see [`KvGauge`]).
+    pub live_kv: &'a AtomicUsize,
+}
+
+/// This sequence's share of the engine's live KV bytes, kept current as its cache grows and
+/// given back when the sequence ends (however it ends).
+struct KvGauge<'a> {
+    total: &'a AtomicUsize,
+    mine: usize,
+}
+
+impl KvGauge<'_> {
+    fn set(&mut self, bytes: usize) {
+        if bytes >= self.mine {
+            self.total.fetch_add(bytes - self.mine, Ordering::Relaxed);
+        } else {
+            self.total.fetch_sub(self.mine - bytes, Ordering::Relaxed);
+        }
+        self.mine = bytes;
+    }
+}
+
+impl Drop for KvGauge<'_> {
+    fn drop(&mut self) {
+        self.set(0);
+    }
 }
 
 /// Runs the prompt through the model in chunks of `prefill_size`, returning the last
@@ -73,6 +99,10 @@ pub(crate) fn generate(
         .unwrap_or(usize::MAX)
         .min(ctx.max_context - ids.len());
     let mut cache = SequenceCache::new(&ctx.model.cache_spec(), &ctx.kv);
+    let mut gauge = KvGauge {
+        total: ctx.live_kv,
+        mine: 0,
+    };
     let mut logits = last_row(&prefill(
         ctx.model,
         ids,
@@ -80,6 +110,7 @@ pub(crate) fn generate(
         ctx.prefill_size,
         Logits::Last,
     )?)?;
+    gauge.set(cache.bytes());
     let prefill_time = started.elapsed();
     let mut timings = Timings {
         queued,
@@ -132,6 +163,7 @@ pub(crate) fn generate(
         let step_logits =
             in_compute_pool(|| ctx.model.forward(&[token], &mut cache, Logits::Last))?;
         logits = last_row(&step_logits)?;
+        gauge.set(cache.bytes());
     };
     if finish != FinishReason::Cancelled && !stop.is_stopped() {
         let tail = detok.finish(decode)?;

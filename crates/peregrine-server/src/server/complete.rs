@@ -173,7 +173,6 @@ impl Job {
                 usage.completion_tokens,
                 timings.time_to_first_token.as_secs_f64(),
                 timings.decode_tps(),
-                timings.kv_bytes,
             );
         }
     }

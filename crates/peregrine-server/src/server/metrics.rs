@@ -54,7 +54,6 @@ pub struct Metrics {
     locked: Mutex<Locked>,
     prompt_tokens: AtomicU64,
     completion_tokens: AtomicU64,
-    kv_bytes: AtomicU64,
     /// Requests submitted and not yet finished (waiting or generating).
     pub in_flight: AtomicUsize,
 }
@@ -67,12 +66,11 @@ impl Metrics {
     }
 
     /// Records one finished generation.
-    pub fn generation(&self, prompt: usize, completion: usize, ttft_s: f64, tps: f64, kv: usize) {
+    pub fn generation(&self, prompt: usize, completion: usize, ttft_s: f64, tps: f64) {
         self.prompt_tokens
             .fetch_add(prompt as u64, Ordering::Relaxed);
         self.completion_tokens
             .fetch_add(completion as u64, Ordering::Relaxed);
-        self.kv_bytes.store(kv as u64, Ordering::Relaxed);
         let mut l = self.locked.lock().unwrap_or_else(|e| e.into_inner());
         l.ttft.observe(&TTFT_BUCKETS, ttft_s);
         if completion > 1 {
@@ -80,8 +78,9 @@ impl Metrics {
         }
     }
 
-    /// The Prometheus text exposition; `parallel` is the number of generation slots.
-    pub fn render(&self, parallel: usize) -> String {
+    /// The Prometheus text exposition; `parallel` is the number of generation slots and
+    /// `kv_bytes` the KV cache held by running sequences.
+    pub fn render(&self, parallel: usize, kv_bytes: usize) -> String {
         let mut out = String::new();
         let l = self.locked.lock().unwrap_or_else(|e| e.into_inner());
         out.push_str("# HELP peregrine_requests_total HTTP requests by path and status.\n");
@@ -121,8 +120,8 @@ impl Metrics {
             (
                 "kv_bytes",
                 "gauge",
-                "KV cache bytes of the last finished sequence.",
-                self.kv_bytes.load(Ordering::Relaxed) as usize,
+                "KV cache bytes held by running sequences.",
+                kv_bytes,
             ),
         ];
         for (name, kind, help, value) in counters {

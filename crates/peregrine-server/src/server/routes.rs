@@ -199,7 +199,9 @@ fn simple_get(state: &State, route: &str, path: &str) -> Result<Response<Body>, 
             })
         }
         "/metrics" => {
-            let mut response = Response::new(sse::full(state.metrics.render(state.parallel)));
+            let kv = state.engine.get().map_or(0, |e| e.kv_bytes_in_use());
+            let text = state.metrics.render(state.parallel, kv);
+            let mut response = Response::new(sse::full(text));
             response.headers_mut().insert(
                 "content-type",
                 HeaderValue::from_static("text/plain; version=0.0.4"),
