@@ -210,14 +210,9 @@ impl GgufMatrix {
             // SAFETY (every `out.set`): (i, r) with i < m and r0 ≤ r < r1 is written by this
             // task only, and `ys` outlives the parallel loop.
             if m == 1 {
-                // Decode: two weight rows per step share each activation load.
-                let mut r = r0;
-                while r + 2 <= r1 {
-                    let [[a], [b]] = kernel.dot_tile(*format, [row(r), row(r + 1)], [&xq]);
-                    unsafe { (out.set(0, r, a), out.set(0, r + 1, b)) };
-                    r += 2;
-                }
-                if r < r1 {
+                // Decode: one weight row per call. (Pairs of rows sharing each activation load
+                // measured 20 % slower on AVX2: more live registers, no fewer loads that matter.)
+                for r in r0..r1 {
                     unsafe { out.set(0, r, kernel.dot_tile(*format, [row(r)], [&xq])[0][0]) };
                 }
                 return;
