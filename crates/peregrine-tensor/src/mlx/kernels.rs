@@ -1,0 +1,268 @@
+//! Decode (one input row) kernels: `y[r] = Σ_g s[r,g]·Σ_i q[r,i]·x[i] + b[r,g]·Σx[g]`.
+//!
+//! Every width has a portable scalar path (codes read in place for widths dividing 32, unpacked
+//! to a small buffer for 3, 5 and 6 bits). On x86-64 with AVX2 and FMA, detected at run time,
+//! 4-bit and 8-bit rows take vector paths:
+//! - 4-bit: eight words of a group are loaded at once and nibble `k` of all eight is one
+//!   shift+mask+convert; `x` is permuted once per call to "nibble-major" order inside each group
+//!   (`xp[k·W + w] = x[8w + k]`, `W` words per group) so every nibble vector meets a contiguous
+//!   slice of `x`.
+//! - 8-bit: bytes are already in element order; eight bytes are zero-extended and converted.
+
+use std::borrow::Cow;
+
+use half::{bf16, f16};
+
+use super::CpuView;
+
+/// A stored scale/bias element, widened to f32 once per group.
+pub(super) trait ScaleType: Copy + Send + Sync {
+    fn widen(self) -> f32;
+}
+
+impl ScaleType for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+impl ScaleType for bf16 {
+    /// bf16 is the top half of an f32: the widening is a shift.
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+}
+
+impl ScaleType for f16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// Which decode kernel [`MlxQuantized::forward_with`](super::MlxQuantized::forward_with) runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Kernel {
+    /// The fastest this CPU supports for the bit width (AVX2+FMA for 4 and 8 bits on x86-64).
+    #[default]
+    Auto,
+    /// The portable scalar path, whatever the CPU.
+    Scalar,
+}
+
+/// Whether this CPU runs the AVX2+FMA decode kernels (x86-64 only, detected at run time).
+pub fn avx2_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The kernel a call runs, decided once per call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Path {
+    Scalar,
+    #[cfg(target_arch = "x86_64")]
+    Avx2Q4,
+    #[cfg(target_arch = "x86_64")]
+    Avx2Q8,
+}
+
+impl Kernel {
+    pub(super) fn path(self, bits: usize) -> Path {
+        match self {
+            Kernel::Scalar => Path::Scalar,
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Auto if bits == 4 && avx2_available() => Path::Avx2Q4,
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Auto if bits == 8 && avx2_available() => Path::Avx2Q8,
+            Kernel::Auto => Path::Scalar,
+        }
+    }
+}
+
+impl Path {
+    /// `x` in the order the kernel reads it (nibble-major groups for the 4-bit AVX2 kernel).
+    pub(super) fn prepare(self, x: &[f32], group_size: usize) -> Cow<'_, [f32]> {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Path::Avx2Q4 => Cow::Owned(nibble_major(x, group_size)),
+            _ => Cow::Borrowed(x),
+        }
+    }
+}
+
+/// `xp[g·G + k·W + w] = x[g·G + 8w + k]`: nibble `k` of word `w` of every group.
+#[cfg(target_arch = "x86_64")]
+fn nibble_major(x: &[f32], group_size: usize) -> Vec<f32> {
+    let words = group_size / 8;
+    let mut out = vec![0f32; x.len()];
+    for (xg, og) in x.chunks(group_size).zip(out.chunks_mut(group_size)) {
+        for w in 0..words {
+            for k in 0..8 {
+                og[k * words + w] = xg[w * 8 + k];
+            }
+        }
+    }
+    out
+}
+
+/// Output `r` of the mat-vec: `x` as [`Path::prepare`] returned it, `xsum` its per-group sums.
+pub(super) fn row_dot<S: ScaleType>(
+    path: Path,
+    v: &CpuView,
+    s: &[S],
+    b: &[S],
+    r: usize,
+    x: &[f32],
+    xsum: &[f32],
+) -> f32 {
+    let groups = r * v.groups..(r + 1) * v.groups;
+    let (s, b) = (&s[groups.clone()], &b[groups]);
+    match path {
+        Path::Scalar => {
+            let mut q = [0f32; 128]; // the largest group size
+            let q = &mut q[..v.group_size];
+            let mut acc = 0f32;
+            for (g, (xg, xs)) in x.chunks(v.group_size).zip(xsum).enumerate() {
+                acc += s[g].widen() * v.group_dot(r, g, q, xg) + b[g].widen() * xs;
+            }
+            acc
+        }
+        // SAFETY: these paths are chosen only when `avx2_available()`; the slices have the
+        // lengths the kernels read (checked by their debug assertions).
+        #[cfg(target_arch = "x86_64")]
+        Path::Avx2Q4 => unsafe { avx2::row_q4(v.row_words(r), s, b, x, xsum, v.group_size) },
+        #[cfg(target_arch = "x86_64")]
+        Path::Avx2Q8 => unsafe { avx2::row_q8(v.row_words(r), s, b, x, xsum, v.group_size) },
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::ScaleType;
+
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+    }
+
+    /// One 4-bit row: `words` its packed codes, `x` nibble-major per group.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA; `words.len() == s.len() · G / 8`,
+    /// `x.len() == s.len() · G` with `G` (`group_size`) one of 32, 64, 128.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn row_q4<S: ScaleType>(
+        words: &[u32],
+        s: &[S],
+        b: &[S],
+        x: &[f32],
+        xsum: &[f32],
+        group_size: usize,
+    ) -> f32 {
+        let per_group = group_size / 8;
+        debug_assert!(words.len() == s.len() * per_group && x.len() == s.len() * group_size);
+        debug_assert!(matches!(group_size, 32 | 64 | 128) && xsum.len() == s.len());
+        let mask = _mm256_set1_epi32(0xF);
+        let mut total = _mm256_setzero_ps();
+        let mut bias = 0f32;
+        for g in 0..s.len() {
+            // SAFETY: group `g`'s words and inputs are in bounds by the length contract.
+            let (wp, xp) = unsafe {
+                (
+                    words.as_ptr().add(g * per_group),
+                    x.as_ptr().add(g * group_size),
+                )
+            };
+            let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            if per_group == 4 {
+                // The 4 words in the low lane and again shifted by a nibble in the high lane:
+                // step `k` yields nibbles 2k (low) and 2k+1 (high), `xp[8k..8k+8]`.
+                // SAFETY: 4 words in bounds.
+                let w = unsafe { _mm_loadu_si128(wp.cast()) };
+                let mut wv =
+                    _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(w), _mm_srli_epi32::<4>(w));
+                for k in 0..4 {
+                    let q = _mm256_cvtepi32_ps(_mm256_and_si256(wv, mask));
+                    // SAFETY: 8 inputs of the group's 32.
+                    let xv = unsafe { _mm256_loadu_ps(xp.add(k * 8)) };
+                    match k % 2 {
+                        0 => a0 = _mm256_fmadd_ps(q, xv, a0),
+                        _ => a1 = _mm256_fmadd_ps(q, xv, a1),
+                    }
+                    wv = _mm256_srli_epi32::<8>(wv);
+                }
+            } else {
+                for c in 0..per_group / 8 {
+                    // SAFETY: words 8c..8c+8 of the group, inputs k·W + 8c.. +8 for k < 8.
+                    unsafe {
+                        let mut wv = _mm256_loadu_si256(wp.add(c * 8).cast());
+                        for k in (0..8).step_by(2) {
+                            let q0 = _mm256_cvtepi32_ps(_mm256_and_si256(wv, mask));
+                            let x0 = _mm256_loadu_ps(xp.add(k * per_group + c * 8));
+                            a0 = _mm256_fmadd_ps(q0, x0, a0);
+                            let q1 = _mm256_and_si256(_mm256_srli_epi32::<4>(wv), mask);
+                            let x1 = _mm256_loadu_ps(xp.add((k + 1) * per_group + c * 8));
+                            a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), x1, a1);
+                            wv = _mm256_srli_epi32::<8>(wv);
+                        }
+                    }
+                }
+            }
+            let scale = _mm256_set1_ps(s[g].widen());
+            total = _mm256_fmadd_ps(scale, _mm256_add_ps(a0, a1), total);
+            bias += b[g].widen() * xsum[g];
+        }
+        hsum(total) + bias
+    }
+
+    /// One 8-bit row: the words' bytes are the codes in element order; `x` as given.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA; `words.len() == s.len() · G / 4`,
+    /// `x.len() == s.len() · G` with `G` (`group_size`) a multiple of 16.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn row_q8<S: ScaleType>(
+        words: &[u32],
+        s: &[S],
+        b: &[S],
+        x: &[f32],
+        xsum: &[f32],
+        group_size: usize,
+    ) -> f32 {
+        debug_assert!(words.len() * 4 == s.len() * group_size && x.len() == s.len() * group_size);
+        debug_assert!(group_size.is_multiple_of(16) && xsum.len() == s.len());
+        let bytes = words.as_ptr().cast::<u8>();
+        let mut total = _mm256_setzero_ps();
+        let mut bias = 0f32;
+        for g in 0..s.len() {
+            let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            for i in (g * group_size..(g + 1) * group_size).step_by(16) {
+                // SAFETY: bytes and inputs i..i+16 lie inside group `g`.
+                unsafe {
+                    let c0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(bytes.add(i).cast()));
+                    let c1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(bytes.add(i + 8).cast()));
+                    let x0 = _mm256_loadu_ps(x.as_ptr().add(i));
+                    let x1 = _mm256_loadu_ps(x.as_ptr().add(i + 8));
+                    a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0), x0, a0);
+                    a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), x1, a1);
+                }
+            }
+            let scale = _mm256_set1_ps(s[g].widen());
+            total = _mm256_fmadd_ps(scale, _mm256_add_ps(a0, a1), total);
+            bias += b[g].widen() * xsum[g];
+        }
+        hsum(total) + bias
+    }
+}
