@@ -1,13 +1,14 @@
 //! Decode (one input row) kernels: `y[r] = Σ_g s[r,g]·Σ_i q[r,i]·x[i] + b[r,g]·Σx[g]`.
 //!
-//! Every width has a portable scalar path (codes read in place for widths dividing 32, unpacked
-//! to a small buffer for 3, 5 and 6 bits). On x86-64 with AVX2 and FMA, detected at run time,
-//! 4-bit and 8-bit rows take vector paths:
-//! - 4-bit: eight words of a group are loaded at once and nibble `k` of all eight is one
-//!   shift+mask+convert; `x` is permuted once per call to "nibble-major" order inside each group
-//!   (`xp[k·W + w] = x[8w + k]`, `W` words per group) so every nibble vector meets a contiguous
-//!   slice of `x`.
-//! - 8-bit: bytes are already in element order; eight bytes are zero-extended and converted.
+//! Every width has a portable path (codes read in place for widths dividing 32, unpacked to a
+//! small buffer for 3, 5 and 6 bits). 4 and 8 bits, the common cases, get dedicated kernels:
+//! - 4-bit: nibble `k` of eight words at once is one shift+mask+convert; `x` is permuted once
+//!   per call to "nibble-major" order inside each group (`xp[k·W + w] = x[8w + k]`, `W` words
+//!   per group) so every such 8-lane step meets a contiguous slice of `x`.
+//! - 8-bit: the words' bytes are the codes in element order; 8 at a time are widened.
+//!
+//! Both exist as portable 8-lane loops (which compilers vectorise for the baseline target) and,
+//! on x86-64 with AVX2 and FMA detected at run time, as intrinsics.
 
 use std::borrow::Cow;
 
@@ -48,7 +49,7 @@ pub enum Kernel {
     /// The fastest this CPU supports for the bit width (AVX2+FMA for 4 and 8 bits on x86-64).
     #[default]
     Auto,
-    /// The portable scalar path, whatever the CPU.
+    /// The portable path (no run-time CPU feature use), whatever the CPU.
     Scalar,
 }
 
@@ -67,7 +68,10 @@ pub fn avx2_available() -> bool {
 /// The kernel a call runs, decided once per call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Path {
-    Scalar,
+    /// Any width, group by group through [`CpuView::group_dot`].
+    Generic,
+    Q4,
+    Q8,
     #[cfg(target_arch = "x86_64")]
     Avx2Q4,
     #[cfg(target_arch = "x86_64")]
@@ -76,13 +80,14 @@ pub(super) enum Path {
 
 impl Kernel {
     pub(super) fn path(self, bits: usize) -> Path {
-        match self {
-            Kernel::Scalar => Path::Scalar,
+        match (self, bits) {
             #[cfg(target_arch = "x86_64")]
-            Kernel::Auto if bits == 4 && avx2_available() => Path::Avx2Q4,
+            (Kernel::Auto, 4) if avx2_available() => Path::Avx2Q4,
             #[cfg(target_arch = "x86_64")]
-            Kernel::Auto if bits == 8 && avx2_available() => Path::Avx2Q8,
-            Kernel::Auto => Path::Scalar,
+            (Kernel::Auto, 8) if avx2_available() => Path::Avx2Q8,
+            (_, 4) => Path::Q4,
+            (_, 8) => Path::Q8,
+            _ => Path::Generic,
         }
     }
 }
@@ -93,13 +98,13 @@ impl Path {
         match self {
             #[cfg(target_arch = "x86_64")]
             Path::Avx2Q4 => Cow::Owned(nibble_major(x, group_size)),
+            Path::Q4 => Cow::Owned(nibble_major(x, group_size)),
             _ => Cow::Borrowed(x),
         }
     }
 }
 
 /// `xp[g·G + k·W + w] = x[g·G + 8w + k]`: nibble `k` of word `w` of every group.
-#[cfg(target_arch = "x86_64")]
 fn nibble_major(x: &[f32], group_size: usize) -> Vec<f32> {
     let words = group_size / 8;
     let mut out = vec![0f32; x.len()];
@@ -125,8 +130,25 @@ pub(super) fn row_dot<S: ScaleType>(
 ) -> f32 {
     let groups = r * v.groups..(r + 1) * v.groups;
     let (s, b) = (&s[groups.clone()], &b[groups]);
+    let gs = v.group_size;
     match path {
-        Path::Scalar => {
+        Path::Q4 => {
+            let (words, per_group) = (v.row_words(r), gs / 8);
+            let mut acc = 0f32;
+            for (g, (wg, xg)) in words.chunks(per_group).zip(x.chunks(gs)).enumerate() {
+                acc += s[g].widen() * dot_q4(wg, xg) + b[g].widen() * xsum[g];
+            }
+            acc
+        }
+        Path::Q8 => {
+            let (words, per_group) = (v.row_words(r), gs / 4);
+            let mut acc = 0f32;
+            for (g, (wg, xg)) in words.chunks(per_group).zip(x.chunks(gs)).enumerate() {
+                acc += s[g].widen() * dot_q8(wg, xg) + b[g].widen() * xsum[g];
+            }
+            acc
+        }
+        Path::Generic => {
             let mut q = [0f32; 128]; // the largest group size
             let q = &mut q[..v.group_size];
             let mut acc = 0f32;
@@ -142,6 +164,43 @@ pub(super) fn row_dot<S: ScaleType>(
         #[cfg(target_arch = "x86_64")]
         Path::Avx2Q8 => unsafe { avx2::row_q8(v.row_words(r), s, b, x, xsum, v.group_size) },
     }
+}
+
+/// `Σ q·x` over one 4-bit group: `words` its `W` words, `xp` its inputs nibble-major.
+fn dot_q4(words: &[u32], xp: &[f32]) -> f32 {
+    let per_group = words.len();
+    let mut acc = [0f32; 8];
+    if per_group == 4 {
+        // Two nibbles per 8-lane step: lanes 0-3 nibble 2k, lanes 4-7 nibble 2k+1.
+        for (k, xs) in xp.chunks_exact(8).enumerate() {
+            for j in 0..8 {
+                let q = (words[j % 4] >> (8 * k + 4 * (j / 4))) & 0xF;
+                acc[j] += q as f32 * xs[j];
+            }
+        }
+    } else {
+        for (c, w) in words.chunks_exact(8).enumerate() {
+            for k in 0..8 {
+                let xs = &xp[k * per_group + c * 8..][..8];
+                for j in 0..8 {
+                    acc[j] += ((w[j] >> (4 * k)) & 0xF) as f32 * xs[j];
+                }
+            }
+        }
+    }
+    acc.iter().sum()
+}
+
+/// `Σ q·x` over one 8-bit group: byte `i` of the little-endian words is code `i`.
+fn dot_q8(words: &[u32], x: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    for (w, xs) in words.chunks_exact(2).zip(x.chunks_exact(8)) {
+        let bytes = (w[0] as u64 | (w[1] as u64) << 32).to_le_bytes();
+        for j in 0..8 {
+            acc[j] += bytes[j] as f32 * xs[j];
+        }
+    }
+    acc.iter().sum()
 }
 
 #[cfg(target_arch = "x86_64")]
