@@ -120,10 +120,18 @@ fn dequantized_rows_equal_reference_exactly() {
     let mut rng = Rng(0x9e3779b97f4a7c15);
     for bits in SUPPORTED_BITS {
         for group in GROUPS {
-            let q = random_quantized(&mut rng, 5, group * 3, bits, group);
-            let fused = q.dequantize_rows(0, 5).unwrap().to_vec2::<f32>().unwrap();
-            let reference = q.dequantize_ref().unwrap().to_vec2::<f32>().unwrap();
-            assert_eq!(fused, reference, "bits {bits} group {group}");
+            for (dtype, kernel) in [
+                (DType::BF16, Kernel::Auto),
+                (DType::F16, Kernel::Auto),
+                (DType::F32, Kernel::Scalar),
+                (DType::BF16, Kernel::Scalar),
+            ] {
+                let q = random_quantized_as(&mut rng, 5, group * 3, bits, group, dtype);
+                let fused = q.dequantize_rows_with(0, 5, kernel).unwrap();
+                let reference = q.dequantize_ref().unwrap().to_vec2::<f32>().unwrap();
+                let what = format!("bits {bits} group {group} {dtype:?} {kernel:?}");
+                assert_eq!(fused.to_vec2::<f32>().unwrap(), reference, "{what}");
+            }
         }
     }
 }
@@ -178,8 +186,12 @@ fn tiled_batch_equals_reference() {
                 let dtype = [DType::BF16, DType::F16, DType::F32][(out + bits + tile) % 3];
                 let q = random_quantized_as(&mut rng, out, group * 3, bits, group, dtype);
                 let x = random_input(&mut rng, &[2, 3, group * 3]);
-                let what = format!("batch bits {bits} group {group} out {out} tile {tile}");
-                check_product(&q, &x, &q.forward_tiled(&x, tile).unwrap(), &what);
+                for kernel in [Kernel::Auto, Kernel::Scalar] {
+                    let what =
+                        format!("batch {kernel:?} bits {bits} group {group} out {out} tile {tile}");
+                    let y = q.forward_with(&x, tile, kernel).unwrap();
+                    check_product(&q, &x, &y, &what);
+                }
             }
         }
     }

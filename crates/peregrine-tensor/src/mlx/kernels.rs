@@ -166,6 +166,47 @@ pub(super) fn row_dot<S: ScaleType>(
     }
 }
 
+/// Dequantizes one 4- or 8-bit row into `row` (natural order) with `s·q + b` per group; false
+/// for paths without a dedicated dequantizer (the caller then decodes generically).
+pub(super) fn dequantize_row<S: ScaleType>(
+    path: Path,
+    words: &[u32],
+    s: &[S],
+    b: &[S],
+    row: &mut [f32],
+) -> bool {
+    let gs = row.len() / s.len();
+    match path {
+        Path::Q4 => {
+            for (g, (wg, out)) in words.chunks(gs / 8).zip(row.chunks_mut(gs)).enumerate() {
+                let (s, b) = (s[g].widen(), b[g].widen());
+                for (w, o) in wg.iter().zip(out.chunks_exact_mut(8)) {
+                    for (k, o) in o.iter_mut().enumerate() {
+                        *o = s * ((w >> (4 * k)) & 0xF) as f32 + b;
+                    }
+                }
+            }
+        }
+        Path::Q8 => {
+            for (g, (wg, out)) in words.chunks(gs / 4).zip(row.chunks_mut(gs)).enumerate() {
+                let (s, b) = (s[g].widen(), b[g].widen());
+                for (w, o) in wg.iter().zip(out.chunks_exact_mut(4)) {
+                    for (k, o) in o.iter_mut().enumerate() {
+                        *o = s * ((w >> (8 * k)) & 0xFF) as f32 + b;
+                    }
+                }
+            }
+        }
+        // SAFETY: chosen only when `avx2_available()`; `words` holds `row.len() · bits / 32`.
+        #[cfg(target_arch = "x86_64")]
+        Path::Avx2Q4 => unsafe { avx2::dequantize_q4(words, s, b, row) },
+        #[cfg(target_arch = "x86_64")]
+        Path::Avx2Q8 => unsafe { avx2::dequantize_q8(words, s, b, row) },
+        Path::Generic => return false,
+    }
+    true
+}
+
 /// `Σ q·x` over one 4-bit group: `words` its `W` words, `xp` its inputs nibble-major.
 fn dot_q4(words: &[u32], xp: &[f32]) -> f32 {
     let per_group = words.len();
@@ -208,6 +249,62 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::ScaleType;
+
+    /// A 4-bit row into `row`, natural order: each word broadcast, shifted per lane by 4k.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; `words.len() · 8 == row.len()`, `row.len()` a multiple of `s.len()`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dequantize_q4<S: ScaleType>(
+        words: &[u32],
+        s: &[S],
+        b: &[S],
+        row: &mut [f32],
+    ) {
+        debug_assert!(words.len() * 8 == row.len() && row.len().is_multiple_of(s.len()));
+        let per_group = row.len() / s.len() / 8;
+        let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+        let mask = _mm256_set1_epi32(0xF);
+        for g in 0..s.len() {
+            let (sv, bv) = (_mm256_set1_ps(s[g].widen()), _mm256_set1_ps(b[g].widen()));
+            for i in g * per_group..(g + 1) * per_group {
+                let q = _mm256_and_si256(
+                    _mm256_srlv_epi32(_mm256_set1_epi32(words[i] as i32), shifts),
+                    mask,
+                );
+                let w = _mm256_add_ps(_mm256_mul_ps(sv, _mm256_cvtepi32_ps(q)), bv);
+                // SAFETY: elements 8i..8i+8 of `row`, in bounds by the length contract.
+                unsafe { _mm256_storeu_ps(row.as_mut_ptr().add(8 * i), w) };
+            }
+        }
+    }
+
+    /// An 8-bit row into `row`: the bytes are the codes in element order.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; `words.len() · 4 == row.len()`, groups a multiple of 8 elements.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dequantize_q8<S: ScaleType>(
+        words: &[u32],
+        s: &[S],
+        b: &[S],
+        row: &mut [f32],
+    ) {
+        debug_assert!(words.len() * 4 == row.len() && row.len().is_multiple_of(s.len()));
+        let gs = row.len() / s.len();
+        let bytes = words.as_ptr().cast::<u8>();
+        for g in 0..s.len() {
+            let (sv, bv) = (_mm256_set1_ps(s[g].widen()), _mm256_set1_ps(b[g].widen()));
+            for i in (g * gs..(g + 1) * gs).step_by(8) {
+                // SAFETY: bytes and elements i..i+8, in bounds by the length contract.
+                unsafe {
+                    let q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(bytes.add(i).cast()));
+                    let w = _mm256_add_ps(_mm256_mul_ps(sv, _mm256_cvtepi32_ps(q)), bv);
+                    _mm256_storeu_ps(row.as_mut_ptr().add(i), w);
+                }
+            }
+        }
+    }
 
     #[target_feature(enable = "avx2,fma")]
     fn hsum(v: __m256) -> f32 {

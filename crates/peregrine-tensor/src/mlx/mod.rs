@@ -219,7 +219,10 @@ impl MlxQuantized {
                 };
                 let parts = (0..out)
                     .step_by(tile)
-                    .map(|r0| xt.matmul(&self.dequantize_rows(r0, (r0 + tile).min(out))?.t()?))
+                    .map(|r0| {
+                        let w = self.dequantize_rows_with(r0, (r0 + tile).min(out), kernel)?;
+                        xt.matmul(&w.t()?)
+                    })
                     .collect::<Result<Vec<_>>>()?;
                 Tensor::cat(&parts, 1)?
             }
@@ -230,12 +233,19 @@ impl MlxQuantized {
 
     /// Rows `r0..r1` dequantized to f32 `[r1 - r0, in]` with the fused decoder (rows in parallel).
     pub fn dequantize_rows(&self, r0: usize, r1: usize) -> Result<Tensor> {
+        self.dequantize_rows_with(r0, r1, Kernel::Auto)
+    }
+
+    /// [`dequantize_rows`](Self::dequantize_rows) with the kernel chosen (tests force
+    /// [`Kernel::Scalar`]); every kernel gives the reference's values bit for bit.
+    pub fn dequantize_rows_with(&self, r0: usize, r1: usize, kernel: Kernel) -> Result<Tensor> {
         let mut w = vec![0f32; (r1 - r0) * self.in_dim];
+        let path = kernel.path(self.bits);
         self.with_view(|v| {
             with_scales!(v.sb, s, b => w
                 .par_chunks_mut(self.in_dim)
                 .enumerate()
-                .for_each(|(i, row)| v.dequantize_row(s, b, r0 + i, row)))
+                .for_each(|(i, row)| v.dequantize_row(path, s, b, r0 + i, row)))
         })?;
         Tensor::from_vec(w, (r1 - r0, self.in_dim), &Device::Cpu)
     }
@@ -251,11 +261,12 @@ impl MlxQuantized {
             return self.dequantize_ref()?.index_select(&idx, 0);
         }
         let mut w = vec![0f32; ids.len() * self.in_dim];
+        let path = Kernel::Auto.path(self.bits);
         self.with_view(|v| {
             with_scales!(v.sb, s, b => w
                 .par_chunks_mut(self.in_dim)
                 .zip(ids.par_iter())
-                .for_each(|(row, &id)| v.dequantize_row(s, b, id as usize, row)))
+                .for_each(|(row, &id)| v.dequantize_row(path, s, b, id as usize, row)))
         })?;
         Tensor::from_vec(w, (ids.len(), self.in_dim), &Device::Cpu)
     }
@@ -385,7 +396,20 @@ impl CpuView<'_> {
         }
     }
 
-    fn dequantize_row<S: ScaleType>(&self, s: &[S], b: &[S], r: usize, row: &mut [f32]) {
+    /// Row `r` as f32: `s·q + b` (multiply, then add: no fused rounding, so every path equals
+    /// [`MlxQuantized::dequantize_ref`] exactly).
+    fn dequantize_row<S: ScaleType>(
+        &self,
+        path: kernels::Path,
+        s: &[S],
+        b: &[S],
+        r: usize,
+        row: &mut [f32],
+    ) {
+        let groups = r * self.groups..(r + 1) * self.groups;
+        if kernels::dequantize_row(path, self.row_words(r), &s[groups.clone()], &b[groups], row) {
+            return;
+        }
         for (g, w) in row.chunks_mut(self.group_size).enumerate() {
             self.unpack(r, g, w);
             let i = r * self.groups + g;
