@@ -267,11 +267,9 @@ mod avx2 {
         let mask = _mm256_set1_epi32(0xF);
         for g in 0..s.len() {
             let (sv, bv) = (_mm256_set1_ps(s[g].widen()), _mm256_set1_ps(b[g].widen()));
-            for i in g * per_group..(g + 1) * per_group {
-                let q = _mm256_and_si256(
-                    _mm256_srlv_epi32(_mm256_set1_epi32(words[i] as i32), shifts),
-                    mask,
-                );
+            for (i, &word) in words.iter().enumerate().skip(g * per_group).take(per_group) {
+                let word = _mm256_set1_epi32(word as i32);
+                let q = _mm256_and_si256(_mm256_srlv_epi32(word, shifts), mask);
                 let w = _mm256_add_ps(_mm256_mul_ps(sv, _mm256_cvtepi32_ps(q)), bv);
                 // SAFETY: elements 8i..8i+8 of `row`, in bounds by the length contract.
                 unsafe { _mm256_storeu_ps(row.as_mut_ptr().add(8 * i), w) };
