@@ -34,7 +34,8 @@ enum Command {
     Bench(crate::bench::BenchArgs),
     /// Serve the model over an OpenAI-compatible HTTP API.
     Serve(crate::server::ServeArgs),
-    /// Write an MLX affine-quantized checkpoint (mlx-lm loads it) from an HF safetensors folder.
+    /// Write an MLX affine-quantized checkpoint (mlx-lm loads it) or a GGUF file (`--format gguf`)
+    /// from an HF safetensors folder.
     Quantize(crate::quantize::QuantizeArgs),
 }
 

@@ -1,13 +1,15 @@
 //! MLX affine kernels against their bit-by-bit reference, for every supported bit width and
 //! group size, on shapes chosen to hit the edges: row counts that are not a multiple of the
-//! tile, a single output row, decode (one input row) and batches.
+//! tile or of the decode kernel's row chunk, a single output row, decode (one input row) and
+//! batches; decode runs both the automatic kernel (AVX2+FMA for 4 and 8 bits where the CPU has
+//! it) and the forced scalar fallback, with bf16, f16 and f32 scales.
 //!
 //! Tolerance: the dequantized rows must be bit-identical (same `s * q + b` in f32); products
 //! may differ by summation order only (the fused decode factors `s·Σqx + b·Σx` and uses 8
 //! partial sums), so we allow 1e-5 × the sum of |w·x| terms, far below any decoding mistake
 //! (one wrong code shifts a product by at least |scale| × |x|).
 
-use peregrine_tensor::mlx::{MlxQuantized, SUPPORTED_BITS};
+use peregrine_tensor::mlx::{Kernel, MlxQuantized, SUPPORTED_BITS, avx2_available};
 use peregrine_tensor::{DType, Device, Embedding, QLinear, Tensor};
 
 /// Deterministic xorshift; the tests need no statistical quality, only variety.
@@ -32,6 +34,18 @@ fn random_quantized(
     bits: usize,
     group: usize,
 ) -> MlxQuantized {
+    random_quantized_as(rng, out, in_dim, bits, group, DType::BF16)
+}
+
+/// Random codes, scales and biases with the scales and biases stored as `dtype`.
+fn random_quantized_as(
+    rng: &mut Rng,
+    out: usize,
+    in_dim: usize,
+    bits: usize,
+    group: usize,
+    dtype: DType,
+) -> MlxQuantized {
     let words = in_dim * bits / 32;
     let packed: Vec<u32> = (0..out * words).map(|_| rng.next() as u32).collect();
     let groups = in_dim / group;
@@ -44,11 +58,11 @@ fn random_quantized(
         Tensor::from_vec(packed, (out, words), &dev).unwrap(),
         Tensor::from_vec(scales, (out, groups), &dev)
             .unwrap()
-            .to_dtype(DType::BF16)
+            .to_dtype(dtype)
             .unwrap(),
         Tensor::from_vec(biases, (out, groups), &dev)
             .unwrap()
-            .to_dtype(DType::BF16)
+            .to_dtype(dtype)
             .unwrap(),
         bits,
         group,
@@ -106,24 +120,57 @@ fn dequantized_rows_equal_reference_exactly() {
     let mut rng = Rng(0x9e3779b97f4a7c15);
     for bits in SUPPORTED_BITS {
         for group in GROUPS {
-            let q = random_quantized(&mut rng, 5, group * 3, bits, group);
-            let fused = q.dequantize_rows(0, 5).unwrap().to_vec2::<f32>().unwrap();
-            let reference = q.dequantize_ref().unwrap().to_vec2::<f32>().unwrap();
-            assert_eq!(fused, reference, "bits {bits} group {group}");
+            for (dtype, kernel) in [
+                (DType::BF16, Kernel::Auto),
+                (DType::F16, Kernel::Auto),
+                (DType::F32, Kernel::Scalar),
+                (DType::BF16, Kernel::Scalar),
+            ] {
+                let q = random_quantized_as(&mut rng, 5, group * 3, bits, group, dtype);
+                let fused = q.dequantize_rows_with(0, 5, kernel).unwrap();
+                let reference = q.dequantize_ref().unwrap().to_vec2::<f32>().unwrap();
+                let what = format!("bits {bits} group {group} {dtype:?} {kernel:?}");
+                assert_eq!(fused.to_vec2::<f32>().unwrap(), reference, "{what}");
+            }
         }
     }
 }
 
 #[test]
 fn decode_matvec_equals_reference() {
+    // On x86-64 CI machines AVX2 is expected; print which paths ran so a log shows it.
+    eprintln!("AVX2+FMA decode kernels available: {}", avx2_available());
     let mut rng = Rng(42);
+    let dtypes = [DType::BF16, DType::F16, DType::F32];
     for bits in SUPPORTED_BITS {
         for group in GROUPS {
-            for out in [1, 37] {
-                let q = random_quantized(&mut rng, out, group * 5, bits, group);
+            // 1 row; 37 rows (not a multiple of the 8-row minimum chunk); 301 rows (several
+            // chunks per thread and a short last one).
+            for (i, out) in [1, 37, 301].into_iter().enumerate() {
+                let dtype = dtypes[(i + bits) % 3];
+                let q = random_quantized_as(&mut rng, out, group * 5, bits, group, dtype);
                 let x = random_input(&mut rng, &[1, 1, group * 5]);
-                let what = format!("decode bits {bits} group {group} out {out}");
-                check_product(&q, &x, &q.forward(&x).unwrap(), &what);
+                for kernel in [Kernel::Auto, Kernel::Scalar] {
+                    let what =
+                        format!("decode {kernel:?} bits {bits} group {group} out {out} {dtype:?}");
+                    check_product(&q, &x, &q.forward_with(&x, 0, kernel).unwrap(), &what);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn decode_kernels_agree_on_model_sized_rows() {
+    // A wide row (896 inputs, the smallest real model's hidden size) accumulates many groups.
+    let mut rng = Rng(99);
+    for bits in [4, 8] {
+        for group in GROUPS {
+            let q = random_quantized(&mut rng, 67, 896 / group * group, bits, group);
+            let x = random_input(&mut rng, &[1, 896 / group * group]);
+            for kernel in [Kernel::Auto, Kernel::Scalar] {
+                let what = format!("wide {kernel:?} bits {bits} group {group}");
+                check_product(&q, &x, &q.forward_with(&x, 0, kernel).unwrap(), &what);
             }
         }
     }
@@ -136,10 +183,15 @@ fn tiled_batch_equals_reference() {
         for group in GROUPS {
             // 37 rows with 8-row tiles leaves a 5-row tail; 1 row is a single short tile.
             for (out, tile) in [(37, 8), (1, 8), (37, 0)] {
-                let q = random_quantized(&mut rng, out, group * 3, bits, group);
+                let dtype = [DType::BF16, DType::F16, DType::F32][(out + bits + tile) % 3];
+                let q = random_quantized_as(&mut rng, out, group * 3, bits, group, dtype);
                 let x = random_input(&mut rng, &[2, 3, group * 3]);
-                let what = format!("batch bits {bits} group {group} out {out} tile {tile}");
-                check_product(&q, &x, &q.forward_tiled(&x, tile).unwrap(), &what);
+                for kernel in [Kernel::Auto, Kernel::Scalar] {
+                    let what =
+                        format!("batch {kernel:?} bits {bits} group {group} out {out} tile {tile}");
+                    let y = q.forward_with(&x, tile, kernel).unwrap();
+                    check_product(&q, &x, &y, &what);
+                }
             }
         }
     }
@@ -198,8 +250,26 @@ fn linear_adds_bias_and_reports_packed_bytes() {
         .max(0)
         .unwrap();
     assert!(diff.to_scalar::<f32>().unwrap() < 1e-4);
-    // 6 rows × 16 words × 4 B packed + 2 × 6 × 2 groups × 4 B scales/biases + 6 × 4 B bias.
-    assert_eq!(lin.weight_bytes(), 6 * 16 * 4 + 2 * 6 * 2 * 4 + 6 * 4);
+    // 6 rows × 16 words × 4 B packed + 2 × 6 × 2 groups × 2 B bf16 scales/biases + 6 × 4 B bias.
+    assert_eq!(lin.weight_bytes(), 6 * 16 * 4 + 2 * 6 * 2 * 2 + 6 * 4);
+}
+
+#[test]
+fn scales_and_biases_keep_their_stored_dtype() {
+    let mut rng = Rng(17);
+    for (dtype, size) in [(DType::BF16, 2), (DType::F16, 2), (DType::F32, 4)] {
+        let q = random_quantized_as(&mut rng, 10, 256, 4, 64, dtype);
+        let (_, s, b) = q.parts();
+        assert_eq!((s.dtype(), b.dtype()), (dtype, dtype));
+        // Resident bytes are the file's: 10 × 32 words × 4 B + 2 × 10 × 4 groups × size.
+        assert_eq!(q.weight_bytes(), 10 * 32 * 4 + 2 * 10 * 4 * size);
+    }
+    // Mixed dtypes: biases follow the scales.
+    let packed = Tensor::zeros((4, 8), DType::U32, &Device::Cpu).unwrap();
+    let s = Tensor::ones((4, 2), DType::F16, &Device::Cpu).unwrap();
+    let b = Tensor::ones((4, 2), DType::F32, &Device::Cpu).unwrap();
+    let q = MlxQuantized::new(packed, s, b, 4, 32).unwrap();
+    assert_eq!(q.parts().2.dtype(), DType::F16);
 }
 
 #[test]
@@ -223,7 +293,13 @@ fn quantize_round_trips_within_a_step() {
             let w = random_input(&mut rng, &[7, group * 2]);
             let q = MlxQuantized::quantize(&w, bits, group).unwrap();
             let back = q.dequantize_ref().unwrap().to_vec2::<f32>().unwrap();
-            let scales = q.parts().1.to_vec2::<f32>().unwrap();
+            assert_eq!(
+                q.parts().1.dtype(),
+                DType::BF16,
+                "MLX files store bf16 scales"
+            );
+            let scales = q.parts().1.to_dtype(DType::F32).unwrap();
+            let scales = scales.to_vec2::<f32>().unwrap();
             for (r, (orig, back)) in w.to_vec2::<f32>().unwrap().iter().zip(&back).enumerate() {
                 for (i, (a, b)) in orig.iter().zip(back).enumerate() {
                     // One step (the exact extreme can push the other one up to a step past
@@ -236,6 +312,42 @@ fn quantize_round_trips_within_a_step() {
                     );
                 }
             }
+        }
+    }
+}
+
+/// Timings, not a check (speed is never asserted): `cargo test --release -p peregrine-tensor
+/// --test mlx -- --ignored --nocapture timing`.
+#[test]
+#[ignore]
+fn timing_decode_and_prefill() {
+    let mut rng = Rng(1);
+    for (out, in_dim) in [(4864, 896), (896, 4864), (151936, 896)] {
+        for bits in [4, 8, 3] {
+            let q = random_quantized(&mut rng, out, in_dim, bits, 64);
+            let x = random_input(&mut rng, &[1, in_dim]);
+            for kernel in [Kernel::Auto, Kernel::Scalar] {
+                q.forward_with(&x, 0, kernel).unwrap();
+                let n = (2e9 / (out * in_dim) as f64).ceil() as usize;
+                let t = std::time::Instant::now();
+                for _ in 0..n {
+                    q.forward_with(&x, 0, kernel).unwrap();
+                }
+                let dt = t.elapsed().as_secs_f64() / n as f64;
+                let gbs = (out * in_dim * bits / 8) as f64 / dt / 1e9;
+                eprintln!(
+                    "decode [{out}, {in_dim}] {bits}-bit {kernel:?}: {:.3} ms ({gbs:.1} GB/s packed)",
+                    dt * 1e3
+                );
+            }
+            let x = random_input(&mut rng, &[40, in_dim]);
+            q.forward(&x).unwrap();
+            let t = std::time::Instant::now();
+            q.forward(&x).unwrap();
+            eprintln!(
+                "prefill 40 × [{out}, {in_dim}] {bits}-bit: {:.2} ms",
+                t.elapsed().as_secs_f64() * 1e3
+            );
         }
     }
 }

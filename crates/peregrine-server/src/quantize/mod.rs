@@ -1,6 +1,9 @@
 //! `peregrine quantize`: writes an MLX affine-quantized checkpoint (config, tokenizer files,
 //! `model.safetensors` with `format: mlx`) from an HF safetensors folder, so users can make MLX
-//! checkpoints without Python. mlx-lm loads the result.
+//! checkpoints without Python (mlx-lm loads the result), or a GGUF file of the same weights
+//! (`--format gguf`, [`gguf`]) for comparisons with llama.cpp-style block quantization.
+
+mod gguf;
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -29,19 +32,29 @@ pub struct QuantizeArgs {
     /// HF checkpoint folder (config.json + safetensors).
     #[arg(long, short)]
     pub model: PathBuf,
-    /// Output folder (created; must not hold a config.json already).
+    /// Output folder for MLX (created; must not hold a config.json already), output file for
+    /// GGUF (must not exist).
     #[arg(long)]
     pub out: PathBuf,
-    /// Bits per weight: 2, 3, 4, 5, 6 or 8.
+    /// Output format: `mlx` (affine, `--bits`/`--group-size`) or `gguf` (`--type`).
+    #[arg(long, default_value = "mlx", value_parser = ["mlx", "gguf"])]
+    pub format: String,
+    /// MLX: bits per weight: 2, 3, 4, 5, 6 or 8.
     #[arg(long, default_value_t = 4)]
     pub bits: usize,
-    /// Weights sharing one scale and bias: 32, 64 or 128.
+    /// MLX: weights sharing one scale and bias: 32, 64 or 128.
     #[arg(long, default_value_t = 64)]
     pub group_size: usize,
+    /// GGUF: block type of the 2-D weights (1-D tensors stay f32).
+    #[arg(long = "type", default_value = "q4_0", value_parser = gguf::TYPES)]
+    pub gguf_type: String,
 }
 
 /// Runs `peregrine quantize`.
 pub fn run(args: QuantizeArgs) -> Result<()> {
+    if args.format == "gguf" {
+        return gguf::run(&args.model, &args.out, &args.gguf_type);
+    }
     if !SUPPORTED_BITS.contains(&args.bits) {
         bail!("--bits {}: supported are 2, 3, 4, 5, 6, 8", args.bits);
     }
@@ -125,7 +138,7 @@ fn quantizable(name: &str, t: &Tensor, group_size: usize) -> bool {
         && t.dim(1).is_ok_and(|d| d.is_multiple_of(group_size))
 }
 
-fn open_safetensors(dir: &Path) -> Result<MmapedSafetensors> {
+pub(crate) fn open_safetensors(dir: &Path) -> Result<MmapedSafetensors> {
     let index = dir.join("model.safetensors.index.json");
     let paths: Vec<PathBuf> = if index.exists() {
         let v: Value = serde_json::from_str(&std::fs::read_to_string(&index)?)

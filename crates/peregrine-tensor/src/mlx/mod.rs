@@ -2,10 +2,18 @@
 //! `bits`-wide unsigned `q` packed as a little-endian bit stream over u32 words (values cross word
 //! boundaries for 3, 5 and 6 bits). The CPU path never materialises the dequantized matrix:
 //! decode (one input row) computes dot products group by group straight from the packed words;
-//! batches dequantize a block of rows to f32 scratch, multiply it, and move on.
+//! batches dequantize a block of rows to f32 scratch, multiply it, and move on. Scales and biases
+//! stay in their stored dtype (bf16, f16 or f32) and are widened one group at a time, so resident
+//! memory is the checkpoint's size.
+
+mod kernels;
 
 use candle_core::{DType, Device, Layout, Result, Storage, Tensor, bail};
+use half::{bf16, f16};
 use rayon::prelude::*;
+
+pub use kernels::{Kernel, avx2_available};
+use kernels::{ScaleType, row_dot};
 
 /// Bit widths MLX's affine mode supports.
 pub const SUPPORTED_BITS: [usize; 6] = [2, 3, 4, 5, 6, 8];
@@ -19,9 +27,9 @@ const SCRATCH_ELEMS: usize = 1 << 20;
 pub struct MlxQuantized {
     /// Packed codes, u32 `[out, in * bits / 32]`, contiguous.
     packed: Tensor,
-    /// Per-group scales, f32 `[out, in / group_size]`, contiguous.
+    /// Per-group scales `[out, in / group_size]` in their stored float dtype, contiguous.
     scales: Tensor,
-    /// Per-group biases, f32 `[out, in / group_size]`, contiguous.
+    /// Per-group biases, same shape and dtype as `scales`, contiguous.
     biases: Tensor,
     bits: usize,
     group_size: usize,
@@ -29,8 +37,9 @@ pub struct MlxQuantized {
 }
 
 impl MlxQuantized {
-    /// Wraps MLX's `weight` (u32), `scales` and `biases` (any float dtype, kept as f32: they are
-    /// 1/8 of the packed bytes at 4-bit g64 and conversion on every call would cost more).
+    /// Wraps MLX's `weight` (u32), `scales` and `biases`. bf16, f16 and f32 scales are kept as
+    /// stored (the kernels widen them per group); biases take the scales' dtype (MLX stores both
+    /// alike); other float dtypes become f32.
     pub fn new(
         packed: Tensor,
         scales: Tensor,
@@ -54,10 +63,14 @@ impl MlxQuantized {
                 bail!("mlx: {name} have shape {:?}, expected {groups:?}", t.dims());
             }
         }
+        let dtype = match scales.dtype() {
+            d @ (DType::BF16 | DType::F16 | DType::F32) => d,
+            _ => DType::F32,
+        };
         Ok(Self {
             packed: packed.contiguous()?,
-            scales: scales.to_dtype(DType::F32)?.contiguous()?,
-            biases: biases.to_dtype(DType::F32)?.contiguous()?,
+            scales: scales.to_dtype(dtype)?.contiguous()?,
+            biases: biases.to_dtype(dtype)?.contiguous()?,
             bits,
             group_size,
             in_dim,
@@ -74,7 +87,7 @@ impl MlxQuantized {
         (self.bits, self.group_size)
     }
 
-    /// `(packed u32, scales f32, biases f32)`, shaped as MLX stores them.
+    /// `(packed u32, scales, biases)`, shaped and typed as MLX stores them.
     pub fn parts(&self) -> (&Tensor, &Tensor, &Tensor) {
         (&self.packed, &self.scales, &self.biases)
     }
@@ -104,11 +117,10 @@ impl MlxQuantized {
             scales.push(s);
             biases.push(b);
         }
-        let bf16 = |v: Vec<f32>| -> Result<Vec<f32>> {
-            let t = Tensor::new(v, &Device::Cpu)?;
-            t.to_dtype(DType::BF16)?.to_dtype(DType::F32)?.to_vec1()
+        let round = |v: Vec<f32>| -> Vec<f32> {
+            v.into_iter().map(|x| bf16::from_f32(x).to_f32()).collect()
         };
-        let (scales, biases) = (bf16(scales)?, bf16(biases)?);
+        let (scales, biases) = (round(scales), round(biases));
         let words_per_row = in_dim * bits / 32;
         let mut packed = vec![0u32; out * words_per_row];
         packed
@@ -128,16 +140,17 @@ impl MlxQuantized {
                 }
             });
         let groups = (out, in_dim / group_size);
+        let stored = |v: Vec<f32>| Tensor::from_vec(v, groups, &Device::Cpu)?.to_dtype(DType::BF16);
         Self::new(
             Tensor::from_vec(packed, (out, words_per_row), &Device::Cpu)?,
-            Tensor::from_vec(scales, groups, &Device::Cpu)?,
-            Tensor::from_vec(biases, groups, &Device::Cpu)?,
+            stored(scales)?,
+            stored(biases)?,
             bits,
             group_size,
         )
     }
 
-    /// Bytes held in memory (packed codes + f32 scales and biases).
+    /// Bytes held in memory (packed codes + scales and biases in their stored dtype).
     pub fn weight_bytes(&self) -> usize {
         let parts = [&self.packed, &self.scales, &self.biases];
         parts.map(crate::linear::tensor_bytes).iter().sum()
@@ -148,7 +161,8 @@ impl MlxQuantized {
     pub fn dequantize_ref(&self) -> Result<Tensor> {
         let (out, in_dim) = self.dims();
         let words = self.packed.to_vec2::<u32>()?;
-        let (scales, biases) = (self.scales.to_vec2::<f32>()?, self.biases.to_vec2::<f32>()?);
+        let f32s = |t: &Tensor| t.to_dtype(DType::F32)?.to_vec2::<f32>();
+        let (scales, biases) = (f32s(&self.scales)?, f32s(&self.biases)?);
         let mut w = Vec::with_capacity(out * in_dim);
         for r in 0..out {
             for i in 0..in_dim {
@@ -173,12 +187,18 @@ impl MlxQuantized {
     /// `x: [.., in]` → `[.., out]` in `x`'s dtype; computes in f32. CPU uses the fused kernels,
     /// other devices the reference path until they get kernels of their own.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.forward_tiled(x, 0)
+        self.forward_with(x, 0, Kernel::Auto)
     }
 
     /// [`forward`](Self::forward) with `tile_rows` output rows per dequantized tile for batches
     /// (0 picks a size from the scratch budget); exposed so tests can make tiles not divide `out`.
     pub fn forward_tiled(&self, x: &Tensor, tile_rows: usize) -> Result<Tensor> {
+        self.forward_with(x, tile_rows, Kernel::Auto)
+    }
+
+    /// [`forward_tiled`](Self::forward_tiled) with the decode kernel chosen: tests use
+    /// [`Kernel::Scalar`] to check the portable path on machines that have AVX2.
+    pub fn forward_with(&self, x: &Tensor, tile_rows: usize, kernel: Kernel) -> Result<Tensor> {
         if !matches!(x.device(), Device::Cpu) {
             return self.forward_ref(x);
         }
@@ -190,7 +210,7 @@ impl MlxQuantized {
         let m = x.elem_count() / in_dim;
         let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let y = match m {
-            1 => Tensor::from_vec(self.matvec(&xs)?, (1, out), &Device::Cpu)?,
+            1 => Tensor::from_vec(self.matvec(&xs, kernel)?, (1, out), &Device::Cpu)?,
             _ => {
                 let xt = Tensor::from_vec(xs, (m, in_dim), &Device::Cpu)?;
                 let tile = match tile_rows {
@@ -199,7 +219,10 @@ impl MlxQuantized {
                 };
                 let parts = (0..out)
                     .step_by(tile)
-                    .map(|r0| xt.matmul(&self.dequantize_rows(r0, (r0 + tile).min(out))?.t()?))
+                    .map(|r0| {
+                        let w = self.dequantize_rows_with(r0, (r0 + tile).min(out), kernel)?;
+                        xt.matmul(&w.t()?)
+                    })
                     .collect::<Result<Vec<_>>>()?;
                 Tensor::cat(&parts, 1)?
             }
@@ -210,11 +233,19 @@ impl MlxQuantized {
 
     /// Rows `r0..r1` dequantized to f32 `[r1 - r0, in]` with the fused decoder (rows in parallel).
     pub fn dequantize_rows(&self, r0: usize, r1: usize) -> Result<Tensor> {
+        self.dequantize_rows_with(r0, r1, Kernel::Auto)
+    }
+
+    /// [`dequantize_rows`](Self::dequantize_rows) with the kernel chosen (tests force
+    /// [`Kernel::Scalar`]); every kernel gives the reference's values bit for bit.
+    pub fn dequantize_rows_with(&self, r0: usize, r1: usize, kernel: Kernel) -> Result<Tensor> {
         let mut w = vec![0f32; (r1 - r0) * self.in_dim];
+        let path = kernel.path(self.bits);
         self.with_view(|v| {
-            w.par_chunks_mut(self.in_dim)
+            with_scales!(v.sb, s, b => w
+                .par_chunks_mut(self.in_dim)
                 .enumerate()
-                .for_each(|(i, row)| v.dequantize_row(r0 + i, row))
+                .for_each(|(i, row)| v.dequantize_row(path, s, b, r0 + i, row)))
         })?;
         Tensor::from_vec(w, (r1 - r0, self.in_dim), &Device::Cpu)
     }
@@ -230,30 +261,35 @@ impl MlxQuantized {
             return self.dequantize_ref()?.index_select(&idx, 0);
         }
         let mut w = vec![0f32; ids.len() * self.in_dim];
+        let path = Kernel::Auto.path(self.bits);
         self.with_view(|v| {
-            w.par_chunks_mut(self.in_dim)
+            with_scales!(v.sb, s, b => w
+                .par_chunks_mut(self.in_dim)
                 .zip(ids.par_iter())
-                .for_each(|(row, &id)| v.dequantize_row(id as usize, row))
+                .for_each(|(row, &id)| v.dequantize_row(path, s, b, id as usize, row)))
         })?;
         Tensor::from_vec(w, (ids.len(), self.in_dim), &Device::Cpu)
     }
 
-    /// Decode: `y[r] = Σ_g scale[r,g]·(q[r,g]·x[g]) + bias[r,g]·Σx[g]`, rows in parallel.
-    fn matvec(&self, x: &[f32]) -> Result<Vec<f32>> {
+    /// Decode: `y[r] = Σ_g scale[r,g]·(q[r,g]·x[g]) + bias[r,g]·Σx[g]`, output rows split into
+    /// chunks that rayon spreads over its threads.
+    fn matvec(&self, x: &[f32], kernel: Kernel) -> Result<Vec<f32>> {
+        let path = kernel.path(self.bits);
         // Σx per group is shared by every row: the bias term costs one multiply per group.
         let xsum: Vec<f32> = x.chunks(self.group_size).map(|c| c.iter().sum()).collect();
-        let mut y = vec![0f32; self.dims().0];
+        let xp = path.prepare(x, self.group_size);
+        let out = self.dims().0;
+        let mut y = vec![0f32; out];
+        let chunk = rows_per_task(out);
         self.with_view(|v| {
-            y.par_iter_mut().enumerate().for_each(|(r, y)| {
-                let mut q = [0f32; 128]; // the largest group size
-                let q = &mut q[..self.group_size];
-                let mut acc = 0f32;
-                for (g, (xg, xs)) in x.chunks(self.group_size).zip(&xsum).enumerate() {
-                    let i = r * v.groups + g;
-                    acc += v.scales[i] * v.group_dot(r, g, q, xg) + v.biases[i] * xs;
+            with_scales!(v.sb, s, b => y
+            .par_chunks_mut(chunk)
+            .enumerate()
+            .for_each(|(c, ys)| {
+                for (i, y) in ys.iter_mut().enumerate() {
+                    *y = row_dot(path, v, s, b, c * chunk + i, &xp, &xsum);
                 }
-                *y = acc;
-            })
+            }))
         })?;
         Ok(y)
     }
@@ -266,10 +302,14 @@ impl MlxQuantized {
             self.scales.storage_and_layout(),
             self.biases.storage_and_layout(),
         );
+        let sb = match self.scales.dtype() {
+            DType::BF16 => Sb::Bf16(cpu_slice(&s.0, s.1)?, cpu_slice(&b.0, b.1)?),
+            DType::F16 => Sb::F16(cpu_slice(&s.0, s.1)?, cpu_slice(&b.0, b.1)?),
+            _ => Sb::F32(cpu_slice(&s.0, s.1)?, cpu_slice(&b.0, b.1)?),
+        };
         let view = CpuView {
             packed: cpu_slice::<u32>(&p.0, p.1)?,
-            scales: cpu_slice::<f32>(&s.0, s.1)?,
-            biases: cpu_slice::<f32>(&b.0, b.1)?,
+            sb,
             bits: self.bits,
             group_size: self.group_size,
             groups: in_dim / self.group_size,
@@ -279,11 +319,37 @@ impl MlxQuantized {
     }
 }
 
+/// Rows per rayon task for the mat-vec: about 8 tasks per thread (load balance), at least 8 rows
+/// (amortises the task overhead), at most 128.
+fn rows_per_task(out: usize) -> usize {
+    out.div_ceil(rayon::current_num_threads() * 8).clamp(8, 128)
+}
+
+/// Scales and biases as stored: both slices have the same element type.
+#[derive(Clone, Copy)]
+enum Sb<'a> {
+    F32(&'a [f32], &'a [f32]),
+    Bf16(&'a [bf16], &'a [bf16]),
+    F16(&'a [f16], &'a [f16]),
+}
+
+/// Runs `$body` with `$s`, `$b` bound to the typed scale and bias slices of `$sb` (the body is
+/// compiled once per dtype, so the per-group widening is inlined).
+macro_rules! with_scales {
+    ($sb:expr, $s:ident, $b:ident => $body:expr) => {
+        match $sb {
+            Sb::F32($s, $b) => $body,
+            Sb::Bf16($s, $b) => $body,
+            Sb::F16($s, $b) => $body,
+        }
+    };
+}
+use with_scales;
+
 /// Borrowed CPU slices of the three tensors, shareable across rayon workers.
 struct CpuView<'a> {
     packed: &'a [u32],
-    scales: &'a [f32],
-    biases: &'a [f32],
+    sb: Sb<'a>,
     bits: usize,
     group_size: usize,
     groups: usize,
@@ -303,6 +369,11 @@ impl CpuView<'_> {
             6 => unpack_stream::<6>(words, q),
             _ => unpack_stream::<8>(words, q),
         }
+    }
+
+    /// The packed words of row `r`.
+    fn row_words(&self, r: usize) -> &[u32] {
+        &self.packed[r * self.words_per_row..(r + 1) * self.words_per_row]
     }
 
     fn words(&self, r: usize, g: usize) -> &[u32] {
@@ -325,13 +396,24 @@ impl CpuView<'_> {
         }
     }
 
-    fn dequantize_row(&self, r: usize, row: &mut [f32]) {
+    /// Row `r` as f32: `s·q + b` (multiply, then add: no fused rounding, so every path equals
+    /// [`MlxQuantized::dequantize_ref`] exactly).
+    fn dequantize_row<S: ScaleType>(
+        &self,
+        path: kernels::Path,
+        s: &[S],
+        b: &[S],
+        r: usize,
+        row: &mut [f32],
+    ) {
+        let groups = r * self.groups..(r + 1) * self.groups;
+        if kernels::dequantize_row(path, self.row_words(r), &s[groups.clone()], &b[groups], row) {
+            return;
+        }
         for (g, w) in row.chunks_mut(self.group_size).enumerate() {
             self.unpack(r, g, w);
-            let (s, b) = (
-                self.scales[r * self.groups + g],
-                self.biases[r * self.groups + g],
-            );
+            let i = r * self.groups + g;
+            let (s, b) = (s[i].widen(), b[i].widen());
             w.iter_mut().for_each(|v| *v = s * *v + b);
         }
     }

@@ -1,0 +1,392 @@
+//! `peregrine quantize --format gguf`: one GGUF file of an HF checkpoint's weights, with the
+//! llama-family metadata and llama.cpp tensor names that Peregrine's GGUF loader reads back, and
+//! the tokenizer transcribed as `tokenizer.ggml.*` (byte-level BPE only; the loader takes the
+//! tokenizer from the file, not from a folder).
+//!
+//! As llama.cpp's converter does, `llama` q/k projections are permuted for GPT-J-style rotation
+//! (the loader rotates `llama` GGUF files interleaved). Rope scalings other than linear cannot be
+//! expressed in the metadata the loader reads, so such checkpoints are refused.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+use peregrine_engine::tensor::candle::quantized::gguf_file::{self, Value};
+use peregrine_engine::tensor::candle::quantized::{GgmlDType, QTensor};
+use peregrine_engine::tensor::{DType, Device, RopeScaling, Tensor};
+use peregrine_models::ModelConfig;
+use peregrine_models::config::{Fields, read_json_object};
+use serde_json::Value as Json;
+
+/// `--type` values: llama.cpp's 32-element block types that candle quantizes on the CPU.
+pub const TYPES: [&str; 5] = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"];
+
+fn ggml_type(name: &str) -> Result<(GgmlDType, u32)> {
+    // The second value is llama.cpp's `general.file_type` (LLAMA_FTYPE_MOSTLY_*).
+    Ok(match name {
+        "q4_0" => (GgmlDType::Q4_0, 2),
+        "q4_1" => (GgmlDType::Q4_1, 3),
+        "q8_0" => (GgmlDType::Q8_0, 7),
+        "q5_0" => (GgmlDType::Q5_0, 8),
+        "q5_1" => (GgmlDType::Q5_1, 9),
+        other => bail!("--type {other}: supported are {}", TYPES.join(", ")),
+    })
+}
+
+/// llama.cpp's GGUF name for an HF tensor name (the names Peregrine's loader maps back).
+fn gguf_name(hf: &str) -> Option<String> {
+    let global = match hf {
+        "model.embed_tokens.weight" => Some("token_embd.weight"),
+        "model.norm.weight" => Some("output_norm.weight"),
+        "lm_head.weight" => Some("output.weight"),
+        _ => None,
+    };
+    if let Some(name) = global {
+        return Some(name.to_string());
+    }
+    let (layer, rest) = hf.strip_prefix("model.layers.")?.split_once('.')?;
+    let (module, kind) = rest.rsplit_once('.')?;
+    let mapped = match module {
+        "input_layernorm" => "attn_norm",
+        "post_attention_layernorm" => "ffn_norm",
+        "self_attn.q_proj" => "attn_q",
+        "self_attn.k_proj" => "attn_k",
+        "self_attn.v_proj" => "attn_v",
+        "self_attn.o_proj" => "attn_output",
+        "self_attn.q_norm" => "attn_q_norm",
+        "self_attn.k_norm" => "attn_k_norm",
+        "mlp.gate_proj" => "ffn_gate",
+        "mlp.up_proj" => "ffn_up",
+        "mlp.down_proj" => "ffn_down",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{mapped}.{kind}"))
+}
+
+/// The HF config as Peregrine reads it (shared fields plus the architecture's adjustments).
+fn read_config(dir: &Path) -> Result<ModelConfig> {
+    let path = dir.join("config.json");
+    let map = read_json_object(&path)?;
+    if map.contains_key("quantization") || map.contains_key("quantization_config") {
+        bail!("{}: the checkpoint is already quantized", path.display());
+    }
+    let fields = Fields::new(&path, &map);
+    let mut config = ModelConfig::from_hf(&fields)?;
+    use peregrine_models::arch;
+    match config.model_type.as_str() {
+        "llama" => arch::llama::configure(&fields, &mut config)?,
+        "mistral" => arch::mistral::configure(&fields, &mut config)?,
+        "qwen2" => arch::qwen2::configure(&fields, &mut config)?,
+        "qwen3" => arch::qwen3::configure(&fields, &mut config)?,
+        other => bail!(
+            "{}: model_type `{other}` cannot be written as GGUF (supported: llama, mistral, qwen2, qwen3)",
+            path.display()
+        ),
+    }
+    Ok(config)
+}
+
+/// `{arch}.*` metadata, as llama.cpp writes it and `config_from_gguf` reads it.
+fn model_metadata(c: &ModelConfig, file_type: u32) -> Result<Vec<(String, Value)>> {
+    let arch = &c.model_type;
+    let u = |n: usize| Value::U32(n as u32);
+    let mut md = vec![
+        ("general.architecture".into(), Value::String(arch.clone())),
+        ("general.file_type".into(), Value::U32(file_type)),
+        ("general.quantization_version".into(), Value::U32(2)),
+        (
+            format!("{arch}.context_length"),
+            u(c.max_position_embeddings),
+        ),
+        (format!("{arch}.embedding_length"), u(c.hidden_size)),
+        (format!("{arch}.block_count"), u(c.num_hidden_layers)),
+        (
+            format!("{arch}.feed_forward_length"),
+            u(c.intermediate_size),
+        ),
+        (
+            format!("{arch}.attention.head_count"),
+            u(c.num_attention_heads),
+        ),
+        (
+            format!("{arch}.attention.head_count_kv"),
+            u(c.num_key_value_heads),
+        ),
+        (format!("{arch}.attention.key_length"), u(c.head_dim)),
+        (format!("{arch}.attention.value_length"), u(c.head_dim)),
+        (
+            format!("{arch}.attention.layer_norm_rms_epsilon"),
+            Value::F32(c.rms_norm_eps as f32),
+        ),
+        (
+            format!("{arch}.rope.freq_base"),
+            Value::F32(c.rope_theta as f32),
+        ),
+        (format!("{arch}.vocab_size"), u(c.vocab_size)),
+    ];
+    match c.rope_scaling {
+        RopeScaling::None => {}
+        RopeScaling::Linear { factor } => {
+            md.push((
+                format!("{arch}.rope.scaling.type"),
+                Value::String("linear".into()),
+            ));
+            md.push((
+                format!("{arch}.rope.scaling.factor"),
+                Value::F32(factor as f32),
+            ));
+        }
+        RopeScaling::Llama3 { .. } => bail!(
+            "llama3 rope scaling cannot be written as GGUF metadata that Peregrine's GGUF loader \
+             reads (llama.cpp stores it as a `rope_freqs` tensor, which the loader refuses)"
+        ),
+    }
+    if let Some(w) = c.sliding_window {
+        md.push((format!("{arch}.attention.sliding_window"), u(w)));
+    }
+    Ok(md)
+}
+
+/// llama.cpp's `LlamaModel.permute`: within each head, rows `[0, d/2)` and `[d/2, d)` (the
+/// halves HF rotates together) become interleaved pairs.
+fn permute_qk(w: &Tensor, heads: usize) -> Result<Tensor> {
+    let dims = w.dims().to_vec();
+    let rows = dims[0];
+    let mut shape = vec![heads, 2, rows / heads / 2];
+    shape.extend_from_slice(&dims[1..]);
+    Ok(w.reshape(shape)?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape(dims)?)
+}
+
+/// Runs `peregrine quantize --format gguf --type <type>`.
+pub fn run(model: &Path, out: &Path, type_name: &str) -> Result<()> {
+    let (qtype, file_type) = ggml_type(type_name)?;
+    if out.exists() {
+        bail!("{}: already exists", out.display());
+    }
+    let config = read_config(model)?;
+    let mut metadata = model_metadata(&config, file_type)?;
+    metadata.extend(tokenizer_metadata(model, config.vocab_size)?);
+
+    let files = super::open_safetensors(model)?;
+    let mut tensors: BTreeMap<String, QTensor> = BTreeMap::new();
+    let (mut quantized, mut kept) = (0, 0);
+    for (name, _) in files.tensors() {
+        if name == "lm_head.weight" && config.tie_word_embeddings {
+            continue;
+        }
+        let Some(gname) = gguf_name(&name) else {
+            bail!(
+                "{}: tensor `{name}` has no GGUF name in the llama family",
+                model.display()
+            );
+        };
+        let mut t = files.load(&name, &Device::Cpu)?.to_dtype(DType::F32)?;
+        if config.model_type == "llama" {
+            if name.contains("self_attn.q_proj.") {
+                t = permute_qk(&t, config.num_attention_heads)?;
+            } else if name.contains("self_attn.k_proj.") {
+                t = permute_qk(&t, config.num_key_value_heads)?;
+            }
+        }
+        let block = qtype.block_size();
+        let q = if t.rank() == 2 && t.dim(1)?.is_multiple_of(block) {
+            quantized += 1;
+            QTensor::quantize(&t, qtype)
+        } else {
+            kept += 1;
+            QTensor::quantize(&t, GgmlDType::F32)
+        };
+        tensors.insert(gname, q.with_context(|| format!("tensor `{name}`"))?);
+    }
+    let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("{}: cannot create", dir.display()))?;
+    }
+    let mut f = std::io::BufWriter::new(
+        std::fs::File::create(out).with_context(|| format!("{}: cannot create", out.display()))?,
+    );
+    gguf_file::write(&mut f, &md, &ts)
+        .and_then(|()| std::io::Write::flush(&mut f).map_err(Into::into))
+        .with_context(|| format!("{}: cannot write", out.display()))?;
+    eprintln!(
+        "wrote {}: {quantized} tensors as {type_name}, {kept} as f32",
+        out.display()
+    );
+    Ok(())
+}
+
+/// The pre-tokenizer regexes llama.cpp knows by name (`tokenizer.ggml.pre`), as tokenizer.json
+/// spells them.
+const PRE_NAMES: &[(&str, &str)] = &[
+    (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        "qwen2",
+    ),
+    (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        "llama-bpe",
+    ),
+];
+
+/// `tokenizer.ggml.*` from tokenizer.json (+ tokenizer_config.json for BOS/EOS and the chat
+/// template). Only byte-level BPE is transcribed: SentencePiece models would need scores and
+/// token types that tokenizer.json does not carry in the same form.
+fn tokenizer_metadata(dir: &Path, vocab_size: usize) -> Result<Vec<(String, Value)>> {
+    let path = dir.join("tokenizer.json");
+    let text = std::fs::read_to_string(&path).with_context(|| {
+        format!(
+            "{}: cannot read (the GGUF loader takes the tokenizer from the file)",
+            path.display()
+        )
+    })?;
+    let tok: Json =
+        serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))?;
+    let unsupported = |why: &str| {
+        anyhow::anyhow!(
+            "{}: {why}; only byte-level BPE tokenizers can be written into GGUF",
+            path.display()
+        )
+    };
+    let model = &tok["model"];
+    if model["type"] != "BPE" {
+        return Err(unsupported("the model is not BPE"));
+    }
+    let pre =
+        pre_name(&tok["pre_tokenizer"]).ok_or_else(|| unsupported("unknown pre-tokenizer"))?;
+
+    // Token texts by id: the BPE vocabulary, then added tokens; holes and the rows past the
+    // tokenizer (embedding tables are often padded) get llama.cpp's `[PAD{id}]` names.
+    let mut texts: BTreeMap<usize, (String, i32)> = BTreeMap::new();
+    let vocab = model["vocab"]
+        .as_object()
+        .ok_or_else(|| unsupported("`model.vocab` is not an object"))?;
+    for (text, id) in vocab {
+        let id = id
+            .as_u64()
+            .ok_or_else(|| unsupported("a vocabulary id is not an integer"))?;
+        texts.insert(id as usize, (text.clone(), 1)); // 1: normal
+    }
+    for added in tok["added_tokens"].as_array().into_iter().flatten() {
+        let (Some(id), Some(text)) = (added["id"].as_u64(), added["content"].as_str()) else {
+            return Err(unsupported("an added token lacks `id` or `content`"));
+        };
+        // 3: control (special), 4: user-defined.
+        let kind = if added["special"].as_bool().unwrap_or(false) {
+            3
+        } else {
+            4
+        };
+        texts.insert(id as usize, (text.to_string(), kind));
+    }
+    let n = texts.keys().next_back().map_or(0, |&last| last + 1);
+    if n > vocab_size {
+        bail!(
+            "{}: {n} token ids but the model has {vocab_size} embedding rows",
+            path.display()
+        );
+    }
+    let (mut tokens, mut types) = (Vec::with_capacity(vocab_size), vec![]);
+    for id in 0..vocab_size {
+        let (text, kind) = texts
+            .remove(&id)
+            .unwrap_or_else(|| (format!("[PAD{id}]"), 5)); // 5: unused
+        tokens.push(Value::String(text));
+        types.push(Value::I32(kind));
+    }
+    let merges: Vec<Value> = model["merges"]
+        .as_array()
+        .ok_or_else(|| unsupported("`model.merges` is not an array"))?
+        .iter()
+        .map(|m| match m {
+            Json::String(s) => Ok(Value::String(s.clone())),
+            Json::Array(pair) if pair.len() == 2 => Ok(Value::String(format!(
+                "{} {}",
+                pair[0].as_str().unwrap_or_default(),
+                pair[1].as_str().unwrap_or_default()
+            ))),
+            _ => Err(unsupported("a merge is neither `a b` nor [a, b]")),
+        })
+        .collect::<Result<_>>()?;
+
+    let mut md = vec![
+        (
+            "tokenizer.ggml.model".to_string(),
+            Value::String("gpt2".into()),
+        ),
+        ("tokenizer.ggml.pre".into(), Value::String(pre.into())),
+        ("tokenizer.ggml.tokens".into(), Value::Array(tokens)),
+        ("tokenizer.ggml.token_type".into(), Value::Array(types)),
+        ("tokenizer.ggml.merges".into(), Value::Array(merges)),
+    ];
+    // BOS/EOS/PAD and add_bos from tokenizer_config.json (token texts resolved to ids).
+    let config: Json = std::fs::read_to_string(dir.join("tokenizer_config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or(Json::Null);
+    let id_of = |key: &str| -> Option<u32> {
+        let text = match &config[key] {
+            Json::String(s) => s.as_str(),
+            Json::Object(o) => o.get("content")?.as_str()?,
+            _ => return None,
+        };
+        let id = vocab.get(text).and_then(Json::as_u64).or_else(|| {
+            tok["added_tokens"]
+                .as_array()?
+                .iter()
+                .find(|a| a["content"] == text)?["id"]
+                .as_u64()
+        })?;
+        Some(id as u32)
+    };
+    for (key, gguf_key) in [
+        ("bos_token", "tokenizer.ggml.bos_token_id"),
+        ("eos_token", "tokenizer.ggml.eos_token_id"),
+        ("pad_token", "tokenizer.ggml.padding_token_id"),
+    ] {
+        if let Some(id) = id_of(key) {
+            md.push((gguf_key.into(), Value::U32(id)));
+        }
+    }
+    md.push((
+        "tokenizer.ggml.add_bos_token".into(),
+        Value::Bool(config["add_bos_token"].as_bool().unwrap_or(false)),
+    ));
+    let template = std::fs::read_to_string(dir.join("chat_template.jinja"))
+        .ok()
+        .or_else(|| config["chat_template"].as_str().map(str::to_owned));
+    if let Some(t) = template {
+        md.push(("tokenizer.chat_template".into(), Value::String(t)));
+    }
+    Ok(md)
+}
+
+/// `tokenizer.ggml.pre` for a tokenizer.json `pre_tokenizer`: GPT-2's byte-level regex, or a
+/// `Split` by one of [`PRE_NAMES`] followed by a regex-free `ByteLevel`.
+fn pre_name(pre: &Json) -> Option<&'static str> {
+    match pre["type"].as_str()? {
+        "ByteLevel" if pre["use_regex"].as_bool().unwrap_or(true) => Some("gpt-2"),
+        "Sequence" => {
+            let steps = pre["pretokenizers"].as_array()?;
+            let [split, byte_level] = steps.as_slice() else {
+                return None;
+            };
+            if split["type"] != "Split"
+                || byte_level["type"] != "ByteLevel"
+                || byte_level["use_regex"].as_bool() != Some(false)
+            {
+                return None;
+            }
+            let regex = split["pattern"]["Regex"].as_str()?;
+            PRE_NAMES
+                .iter()
+                .find(|(r, _)| *r == regex)
+                .map(|(_, name)| *name)
+        }
+        _ => None,
+    }
+}
