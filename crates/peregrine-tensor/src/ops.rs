@@ -84,7 +84,10 @@ pub fn gelu_mul_ref(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 
 fn gelu_tanh(x: f32) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + 0.044715 * x * x)).tanh())
+    let y = SQRT_2_OVER_PI * x * (1.0 + 0.044715 * x * x);
+    // tanh y = 1 - 2 / (e^2y + 1): one `exp` instead of libm's slower `tanhf` (a tenth of
+    // Gemma's prefill); exact at both tails (e^2y → ∞ or 0), absolute error ~1e-7 near 0.
+    0.5 * x * (2.0 - 2.0 / ((2.0 * y).exp() + 1.0))
 }
 
 /// `act(g) * u` elementwise, in parallel chunks.
