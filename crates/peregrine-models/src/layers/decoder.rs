@@ -132,12 +132,7 @@ impl CausalLm for DecoderLm {
         for (i, layer) in self.layers.iter().enumerate() {
             x = layer.forward(&x, eps, &self.rope, cache.layer(i), start)?;
         }
-        let x = match want {
-            Logits::Last => x.narrow(1, n - 1, 1)?,
-            Logits::All => x,
-        };
-        let logits = self.lm_head.forward(&rms_norm(&x, &self.norm, eps)?)?; // [1, m, vocab]
-        Ok(logits.squeeze(0)?.to_dtype(DType::F32)?)
+        super::output_logits(&x, want, &self.norm, eps, &self.lm_head)
     }
 
     fn device(&self) -> &Device {

@@ -4,10 +4,11 @@ pub mod attention;
 pub mod decoder;
 pub mod mlp;
 
-use peregrine_tensor::Tensor;
+use peregrine_tensor::ops::rms_norm;
+use peregrine_tensor::{DType, QLinear, Tensor};
 
 use crate::weights::Weights;
-use crate::{ModelConfig, Result};
+use crate::{Logits, ModelConfig, Result};
 
 /// The RMSNorm weight `name` `[dim]`, with the config's `norm_weight_offset` folded in
 /// (Gemma's `1 + w` becomes a plain `w` here, so every norm runs the same `rms_norm`).
@@ -17,4 +18,21 @@ pub fn norm_weight(c: &ModelConfig, w: &Weights, name: &str, dim: usize) -> Resu
         return Ok(t);
     }
     Ok((t + c.norm_weight_offset)?)
+}
+
+/// The output head of a decoder: the last position (or all of them), the final RMSNorm and
+/// `lm_head`, as f32 `[m, vocab]`. `x` is `[1, n, hidden]`.
+pub fn output_logits(
+    x: &Tensor,
+    want: Logits,
+    norm: &Tensor,
+    eps: f32,
+    lm_head: &QLinear,
+) -> Result<Tensor> {
+    let x = match want {
+        Logits::Last => x.narrow(1, x.dim(1)? - 1, 1)?,
+        Logits::All => x.clone(),
+    };
+    let logits = lm_head.forward(&rms_norm(&x, norm, eps)?)?; // [1, m, vocab]
+    Ok(logits.squeeze(0)?.to_dtype(DType::F32)?)
 }

@@ -5,7 +5,7 @@ mod gguf;
 pub mod mlx;
 mod safetensors;
 
-pub use gguf::{GgufFile, config_from_gguf};
+pub use gguf::{GgufFile, config_from_gguf, gguf_name};
 pub use mlx::MlxQuantization;
 pub use safetensors::SafetensorsFiles;
 

@@ -15,6 +15,7 @@ use peregrine_engine::tensor::candle::quantized::gguf_file::{self, Value};
 use peregrine_engine::tensor::candle::quantized::{GgmlDType, QTensor};
 use peregrine_engine::tensor::{DType, Device, RopeScaling, Tensor};
 use peregrine_models::ModelConfig;
+use peregrine_models::weights::gguf_name;
 use peregrine_models::config::{Fields, read_json_object};
 use serde_json::Value as Json;
 
@@ -31,36 +32,6 @@ fn ggml_type(name: &str) -> Result<(GgmlDType, u32)> {
         "q5_1" => (GgmlDType::Q5_1, 9),
         other => bail!("--type {other}: supported are {}", TYPES.join(", ")),
     })
-}
-
-/// llama.cpp's GGUF name for an HF tensor name (the names Peregrine's loader maps back).
-fn gguf_name(hf: &str) -> Option<String> {
-    let global = match hf {
-        "model.embed_tokens.weight" => Some("token_embd.weight"),
-        "model.norm.weight" => Some("output_norm.weight"),
-        "lm_head.weight" => Some("output.weight"),
-        _ => None,
-    };
-    if let Some(name) = global {
-        return Some(name.to_string());
-    }
-    let (layer, rest) = hf.strip_prefix("model.layers.")?.split_once('.')?;
-    let (module, kind) = rest.rsplit_once('.')?;
-    let mapped = match module {
-        "input_layernorm" => "attn_norm",
-        "post_attention_layernorm" => "ffn_norm",
-        "self_attn.q_proj" => "attn_q",
-        "self_attn.k_proj" => "attn_k",
-        "self_attn.v_proj" => "attn_v",
-        "self_attn.o_proj" => "attn_output",
-        "self_attn.q_norm" => "attn_q_norm",
-        "self_attn.k_norm" => "attn_k_norm",
-        "mlp.gate_proj" => "ffn_gate",
-        "mlp.up_proj" => "ffn_up",
-        "mlp.down_proj" => "ffn_down",
-        _ => return None,
-    };
-    Some(format!("blk.{layer}.{mapped}.{kind}"))
 }
 
 /// The HF config as Peregrine reads it (shared fields plus the architecture's adjustments).
@@ -177,7 +148,7 @@ pub fn run(model: &Path, out: &Path, type_name: &str) -> Result<()> {
         if name == "lm_head.weight" && config.tie_word_embeddings {
             continue;
         }
-        let Some(gname) = gguf_name(&name) else {
+        let Some(gname) = gguf_name(&name, &config.model_type) else {
             bail!(
                 "{}: tensor `{name}` has no GGUF name in the llama family",
                 model.display()
