@@ -220,10 +220,7 @@ mod simd {
     use super::Elem;
 
     pub fn available() -> bool {
-        #[cfg(target_arch = "x86_64")]
-        return crate::quant::Kernel::available().contains(&crate::quant::Kernel::Avx2);
-        #[cfg(not(target_arch = "x86_64"))]
-        false
+        crate::cpu::Kernel::best() == crate::cpu::Kernel::Avx2
     }
 
     pub fn dot<E: Elem>(simd: bool, a: &[f32], b: &[E]) -> f32 {

@@ -121,8 +121,8 @@ fn dequantized_rows_equal_reference_exactly() {
     for bits in SUPPORTED_BITS {
         for group in GROUPS {
             for (dtype, kernel) in [
-                (DType::BF16, Kernel::Auto),
-                (DType::F16, Kernel::Auto),
+                (DType::BF16, Kernel::best()),
+                (DType::F16, Kernel::best()),
                 (DType::F32, Kernel::Scalar),
                 (DType::BF16, Kernel::Scalar),
             ] {
@@ -150,7 +150,7 @@ fn decode_matvec_equals_reference() {
                 let dtype = dtypes[(i + bits) % 3];
                 let q = random_quantized_as(&mut rng, out, group * 5, bits, group, dtype);
                 let x = random_input(&mut rng, &[1, 1, group * 5]);
-                for kernel in [Kernel::Auto, Kernel::Scalar] {
+                for kernel in [Kernel::best(), Kernel::Scalar] {
                     let what =
                         format!("decode {kernel:?} bits {bits} group {group} out {out} {dtype:?}");
                     check_product(&q, &x, &q.forward_with(&x, 0, kernel).unwrap(), &what);
@@ -168,7 +168,7 @@ fn decode_kernels_agree_on_model_sized_rows() {
         for group in GROUPS {
             let q = random_quantized(&mut rng, 67, 896 / group * group, bits, group);
             let x = random_input(&mut rng, &[1, 896 / group * group]);
-            for kernel in [Kernel::Auto, Kernel::Scalar] {
+            for kernel in [Kernel::best(), Kernel::Scalar] {
                 let what = format!("wide {kernel:?} bits {bits} group {group}");
                 check_product(&q, &x, &q.forward_with(&x, 0, kernel).unwrap(), &what);
             }
@@ -186,7 +186,7 @@ fn tiled_batch_equals_reference() {
                 let dtype = [DType::BF16, DType::F16, DType::F32][(out + bits + tile) % 3];
                 let q = random_quantized_as(&mut rng, out, group * 3, bits, group, dtype);
                 let x = random_input(&mut rng, &[2, 3, group * 3]);
-                for kernel in [Kernel::Auto, Kernel::Scalar] {
+                for kernel in [Kernel::best(), Kernel::Scalar] {
                     let what =
                         format!("batch {kernel:?} bits {bits} group {group} out {out} tile {tile}");
                     let y = q.forward_with(&x, tile, kernel).unwrap();
@@ -326,7 +326,7 @@ fn timing_decode_and_prefill() {
         for bits in [4, 8, 3] {
             let q = random_quantized(&mut rng, out, in_dim, bits, 64);
             let x = random_input(&mut rng, &[1, in_dim]);
-            for kernel in [Kernel::Auto, Kernel::Scalar] {
+            for kernel in [Kernel::best(), Kernel::Scalar] {
                 q.forward_with(&x, 0, kernel).unwrap();
                 let n = (2e9 / (out * in_dim) as f64).ceil() as usize;
                 let t = std::time::Instant::now();

@@ -15,8 +15,8 @@ use peregrine_engine::tensor::candle::quantized::gguf_file::{self, Value};
 use peregrine_engine::tensor::candle::quantized::{GgmlDType, QTensor};
 use peregrine_engine::tensor::{DType, Device, RopeScaling, Tensor};
 use peregrine_models::ModelConfig;
-use peregrine_models::weights::gguf_name;
 use peregrine_models::config::{Fields, read_json_object};
+use peregrine_models::weights::gguf_name;
 use serde_json::Value as Json;
 
 /// `--type` values: llama.cpp's 32-element block types that candle quantizes on the CPU.

@@ -43,26 +43,11 @@ impl ScaleType for f16 {
     }
 }
 
-/// Which decode kernel [`MlxQuantized::forward_with`](super::MlxQuantized::forward_with) runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Kernel {
-    /// The fastest this CPU supports for the bit width (AVX2+FMA for 4 and 8 bits on x86-64).
-    #[default]
-    Auto,
-    /// The portable path (no run-time CPU feature use), whatever the CPU.
-    Scalar,
-}
+pub use crate::cpu::Kernel;
 
 /// Whether this CPU runs the AVX2+FMA decode kernels (x86-64 only, detected at run time).
 pub fn avx2_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    Kernel::Avx2.runs_here()
 }
 
 /// The kernel a call runs, decided once per call.
@@ -82,9 +67,9 @@ impl Kernel {
     pub(super) fn path(self, bits: usize) -> Path {
         match (self, bits) {
             #[cfg(target_arch = "x86_64")]
-            (Kernel::Auto, 4) if avx2_available() => Path::Avx2Q4,
+            (Kernel::Avx2, 4) if avx2_available() => Path::Avx2Q4,
             #[cfg(target_arch = "x86_64")]
-            (Kernel::Auto, 8) if avx2_available() => Path::Avx2Q8,
+            (Kernel::Avx2, 8) if avx2_available() => Path::Avx2Q8,
             (_, 4) => Path::Q4,
             (_, 8) => Path::Q8,
             _ => Path::Generic,

@@ -187,13 +187,13 @@ impl MlxQuantized {
     /// `x: [.., in]` → `[.., out]` in `x`'s dtype; computes in f32. CPU uses the fused kernels,
     /// other devices the reference path until they get kernels of their own.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.forward_with(x, 0, Kernel::Auto)
+        self.forward_with(x, 0, Kernel::best())
     }
 
     /// [`forward`](Self::forward) with `tile_rows` output rows per dequantized tile for batches
     /// (0 picks a size from the scratch budget); exposed so tests can make tiles not divide `out`.
     pub fn forward_tiled(&self, x: &Tensor, tile_rows: usize) -> Result<Tensor> {
-        self.forward_with(x, tile_rows, Kernel::Auto)
+        self.forward_with(x, tile_rows, Kernel::best())
     }
 
     /// [`forward_tiled`](Self::forward_tiled) with the decode kernel chosen: tests use
@@ -233,7 +233,7 @@ impl MlxQuantized {
 
     /// Rows `r0..r1` dequantized to f32 `[r1 - r0, in]` with the fused decoder (rows in parallel).
     pub fn dequantize_rows(&self, r0: usize, r1: usize) -> Result<Tensor> {
-        self.dequantize_rows_with(r0, r1, Kernel::Auto)
+        self.dequantize_rows_with(r0, r1, Kernel::best())
     }
 
     /// [`dequantize_rows`](Self::dequantize_rows) with the kernel chosen (tests force
@@ -261,7 +261,7 @@ impl MlxQuantized {
             return self.dequantize_ref()?.index_select(&idx, 0);
         }
         let mut w = vec![0f32; ids.len() * self.in_dim];
-        let path = Kernel::Auto.path(self.bits);
+        let path = Kernel::best().path(self.bits);
         self.with_view(|v| {
             with_scales!(v.sb, s, b => w
                 .par_chunks_mut(self.in_dim)

@@ -12,9 +12,7 @@ use super::format::{Format, k_scale_min};
 
 /// Whether this CPU can run these kernels.
 pub fn available() -> bool {
-    is_x86_feature_detected!("avx2")
-        && is_x86_feature_detected!("fma")
-        && is_x86_feature_detected!("f16c")
+    crate::cpu::Kernel::Avx2.runs_here()
 }
 
 /// `Σ w[o]·x[r]` for `W` weight rows and `R` input rows (each block unpacked once, each

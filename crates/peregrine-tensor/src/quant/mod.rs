@@ -11,12 +11,13 @@ mod avx2;
 mod format;
 pub mod scalar;
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Result, Storage, Tensor, bail};
 use rayon::prelude::*;
 
+pub use crate::cpu::Kernel;
 pub use act::{Q8Block, QK, quantize_row};
 pub use format::Format;
 
@@ -24,39 +25,18 @@ pub use format::Format;
 /// stay in L2 while the tile's rows stay in L1.
 const INPUT_TILE: usize = 64;
 
-/// A dot-product implementation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kernel {
-    /// Portable Rust ([`scalar`]): the reference, and the path on other CPUs.
-    Scalar,
-    /// x86-64 AVX2 + FMA + F16C.
-    Avx2,
+/// GGUF dot products by kernel.
+trait DotTile {
+    /// `Σ w[o]·x[r]` for `W` weight rows and `R` input rows.
+    fn dot_tile<const W: usize, const R: usize>(
+        self,
+        format: Format,
+        w: [&[u8]; W],
+        x: [&[Q8Block]; R],
+    ) -> [[f32; R]; W];
 }
 
-impl Kernel {
-    /// The fastest kernel this CPU runs; `PEREGRINE_CPU_KERNEL=scalar` forces the portable one.
-    pub fn best() -> Self {
-        static BEST: OnceLock<Kernel> = OnceLock::new();
-        *BEST.get_or_init(|| {
-            let forced = std::env::var("PEREGRINE_CPU_KERNEL").is_ok_and(|k| k == "scalar");
-            match Self::available().last() {
-                Some(&k) if !forced => k,
-                _ => Self::Scalar,
-            }
-        })
-    }
-
-    /// Every kernel this CPU runs, portable first.
-    pub fn available() -> Vec<Self> {
-        let mut kernels = vec![Self::Scalar];
-        #[cfg(target_arch = "x86_64")]
-        if avx2::available() {
-            kernels.push(Self::Avx2);
-        }
-        kernels
-    }
-
-    /// `Σ w[o]·x[r]` for `W` weight rows and `R` input rows.
+impl DotTile for Kernel {
     fn dot_tile<const W: usize, const R: usize>(
         self,
         format: Format,
