@@ -5,7 +5,7 @@ pub mod decoder;
 pub mod mlp;
 
 use peregrine_tensor::ops::rms_norm;
-use peregrine_tensor::{DType, QLinear, Tensor};
+use peregrine_tensor::{DType, Embedding, QLinear, Tensor};
 
 use crate::weights::Weights;
 use crate::{Logits, ModelConfig, Result};
@@ -35,4 +35,24 @@ pub fn output_logits(
     };
     let logits = lm_head.forward(&rms_norm(&x, norm, eps)?)?; // [1, m, vocab]
     Ok(logits.squeeze(0)?.to_dtype(DType::F32)?)
+}
+
+/// Bytes of a decoder's weights: `norms_per_layer` hidden-size norms per layer and the final
+/// one (in `dtype`), `layer_bytes` of attention and MLP, the embeddings, and `lm_head` unless
+/// it is the tied embedding table.
+pub fn decoder_weight_bytes(
+    c: &ModelConfig,
+    dtype: DType,
+    norms_per_layer: usize,
+    layer_bytes: usize,
+    embed: &Embedding,
+    lm_head: &QLinear,
+) -> usize {
+    let norms = (norms_per_layer * c.num_hidden_layers + 1) * c.hidden_size * dtype.size_in_bytes();
+    let head = if c.tie_word_embeddings {
+        0
+    } else {
+        lm_head.weight_bytes()
+    };
+    norms + layer_bytes + embed.weight_bytes() + head
 }

@@ -169,17 +169,15 @@ impl CausalLm for Gemma3Lm {
     }
 
     fn weight_bytes(&self) -> usize {
-        let norms =
-            (4 * self.layers.len() + 1) * self.config.hidden_size * self.dtype.size_in_bytes();
-        let layers: usize = self
-            .layers
-            .iter()
-            .map(|l| l.self_attn.weight_bytes() + l.mlp.weight_bytes())
-            .sum();
-        let head = match self.config.tie_word_embeddings {
-            true => 0,
-            false => self.lm_head.weight_bytes(),
-        };
-        norms + layers + self.embed_tokens.weight_bytes() + head
+        let layers = self.layers.iter();
+        let layer_bytes = layers.map(|l| l.self_attn.weight_bytes() + l.mlp.weight_bytes());
+        crate::layers::decoder_weight_bytes(
+            &self.config,
+            self.dtype,
+            4,
+            layer_bytes.sum(),
+            &self.embed_tokens,
+            &self.lm_head,
+        )
     }
 }
