@@ -3,7 +3,7 @@
 //! values, read straight from the cache's strided f32/f16/bf16 storage (no widened copy). Query
 //! rows run in parallel on rayon's pool; AVX2/FMA/F16C when the CPU has them.
 
-use candle_core::{DType, Device, Layout, Result, Storage, Tensor};
+use candle_core::{CpuStorage, DType, Device, Layout, Result, Storage, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
@@ -45,37 +45,20 @@ pub(crate) fn attention(
         scale: scale as f32,
     };
     let mut out = vec![0f32; b * q_len * heads * d];
+    let (kc, vc) = (
+        Cache {
+            storage: ks,
+            view: &kv,
+        },
+        Cache {
+            storage: vs,
+            view: &vv,
+        },
+    );
     match k.dtype() {
-        DType::F32 => shape.run::<f32>(
-            q_data,
-            &qv,
-            ks.as_slice()?,
-            &kv,
-            vs.as_slice()?,
-            &vv,
-            mask,
-            &mut out,
-        ),
-        DType::F16 => shape.run::<f16>(
-            q_data,
-            &qv,
-            ks.as_slice()?,
-            &kv,
-            vs.as_slice()?,
-            &vv,
-            mask,
-            &mut out,
-        ),
-        DType::BF16 => shape.run::<bf16>(
-            q_data,
-            &qv,
-            ks.as_slice()?,
-            &kv,
-            vs.as_slice()?,
-            &vv,
-            mask,
-            &mut out,
-        ),
+        DType::F32 => shape.run::<f32>(q_data, &qv, &kc, &vc, mask, &mut out)?,
+        DType::F16 => shape.run::<f16>(q_data, &qv, &kc, &vc, mask, &mut out)?,
+        DType::BF16 => shape.run::<bf16>(q_data, &qv, &kc, &vc, mask, &mut out)?,
         _ => return Ok(None),
     }
     // Written as [b, q_len, heads, d]: the caller's transpose back to that order is free.
@@ -107,6 +90,12 @@ impl View {
     }
 }
 
+/// A key or value cache: its CPU storage and where this tensor sits in it.
+struct Cache<'a> {
+    storage: &'a CpuStorage,
+    view: &'a View,
+}
+
 struct Shape {
     heads: usize,
     groups: usize,
@@ -117,18 +106,17 @@ struct Shape {
 }
 
 impl Shape {
-    #[allow(clippy::too_many_arguments)]
-    fn run<E: Elem>(
+    fn run<E: Elem + candle_core::WithDType>(
         &self,
         q: &[f32],
         qv: &View,
-        k: &[E],
-        kv: &View,
-        v: &[E],
-        vv: &View,
+        k: &Cache,
+        v: &Cache,
         mask: &MaskSpec,
         out: &mut [f32],
-    ) {
+    ) -> Result<()> {
+        let (kv, vv) = (k.view, v.view);
+        let (k, v) = (k.storage.as_slice::<E>()?, v.storage.as_slice::<E>()?);
         let (heads, q_len, d) = (self.heads, self.q_len, self.d);
         let min_rows = (TASK_WORK / (2 * self.k_len * d).max(1)).max(1);
         let simd = simd::available();
@@ -162,6 +150,7 @@ impl Shape {
                     simd::axpy(simd, out, p / total, vv.row(v, bi, kvh, j, d));
                 }
             });
+        Ok(())
     }
 }
 

@@ -15,26 +15,21 @@ pub fn available() -> bool {
     crate::cpu::Kernel::Avx2.runs_here()
 }
 
-/// `Σ w[o]·x[r]` for `W` weight rows and `R` input rows (each block unpacked once, each
-/// activation block loaded once per tile).
+/// `Σ w·x[r]` for one weight row and `R` input rows (each block unpacked once for all `R`).
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C ([`available`]).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_tile<const W: usize, const R: usize>(
-    format: Format,
-    w: [&[u8]; W],
-    x: [&[Q8Block]; R],
-) -> [[f32; R]; W] {
+pub unsafe fn dot_rows<const R: usize>(format: Format, w: &[u8], x: [&[Q8Block]; R]) -> [f32; R] {
     match format {
-        Format::Q4_0 => tile::<Q4_0, W, R>(w, x),
-        Format::Q4_1 => tile::<Q4_1, W, R>(w, x),
-        Format::Q5_0 => tile::<Q5_0, W, R>(w, x),
-        Format::Q5_1 => tile::<Q5_1, W, R>(w, x),
-        Format::Q8_0 => tile::<Q8_0, W, R>(w, x),
-        Format::Q4K => tile::<Q4K, W, R>(w, x),
-        Format::Q5K => tile::<Q5K, W, R>(w, x),
-        Format::Q6K => tile::<Q6K, W, R>(w, x),
+        Format::Q4_0 => rows::<Q4_0, R>(w, x),
+        Format::Q4_1 => rows::<Q4_1, R>(w, x),
+        Format::Q5_0 => rows::<Q5_0, R>(w, x),
+        Format::Q5_1 => rows::<Q5_1, R>(w, x),
+        Format::Q8_0 => rows::<Q8_0, R>(w, x),
+        Format::Q4K => rows::<Q4K, R>(w, x),
+        Format::Q5K => rows::<Q5K, R>(w, x),
+        Format::Q6K => rows::<Q6K, R>(w, x),
     }
 }
 
@@ -141,44 +136,39 @@ fn sub<const F: u8>(b: &[u8], j: usize) -> Sub {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn tile<const F: u8, const W: usize, const R: usize>(
-    w: [&[u8]; W],
-    x: [&[Q8Block]; R],
-) -> [[f32; R]; W] {
+fn rows<const F: u8, const R: usize>(w: &[u8], x: [&[Q8Block]; R]) -> [f32; R] {
     let (bytes, subs) = shape(F);
-    let mut acc = [[_mm256_setzero_ps(); R]; W];
-    let mut off = [[0f32; R]; W];
-    for i in 0..w[0].len() / bytes {
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut off = [0f32; R];
+    for (i, b) in w.chunks_exact(bytes).enumerate() {
         for j in 0..subs {
-            for o in 0..W {
-                let s = sub::<F>(&w[o][i * bytes..][..bytes], j);
-                // Q8_0 is signed: |w| · (x · sign w), as maddubs needs its first operand unsigned.
-                let codes = if F == Q8_0 {
-                    _mm256_sign_epi8(s.codes, s.codes)
+            let s = sub::<F>(b, j);
+            // Q8_0 is signed: |w| · (x · sign w), as maddubs needs its first operand unsigned.
+            let codes = if F == Q8_0 {
+                _mm256_sign_epi8(s.codes, s.codes)
+            } else {
+                s.codes
+            };
+            for r in 0..R {
+                let xb = &x[r][i * subs + j];
+                let xv = xq(xb);
+                let xv = if F == Q8_0 {
+                    _mm256_sign_epi8(xv, s.codes)
                 } else {
-                    s.codes
+                    xv
                 };
-                for r in 0..R {
-                    let xb = &x[r][i * subs + j];
-                    let xv = xq(xb);
-                    let xv = if F == Q8_0 {
-                        _mm256_sign_epi8(xv, s.codes)
-                    } else {
-                        xv
-                    };
-                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xv), s.lane_scales);
-                    acc[o][r] = fma(acc[o][r], p, s.scale * xb.d);
-                    off[o][r] += match F {
-                        Q4_1 | Q5_1 => s.min * xb.ds,
-                        Q8_0 => 0.0,
-                        Q6K => s.offsets16[0] * xb.dsum16[0] + s.offsets16[1] * xb.dsum16[1],
-                        _ => s.min * xb.dsum,
-                    };
-                }
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xv), s.lane_scales);
+                acc[r] = fma(acc[r], p, s.scale * xb.d);
+                off[r] += match F {
+                    Q4_1 | Q5_1 => s.min * xb.ds,
+                    Q8_0 => 0.0,
+                    Q6K => s.offsets16[0] * xb.dsum16[0] + s.offsets16[1] * xb.dsum16[1],
+                    _ => s.min * xb.dsum,
+                };
             }
         }
     }
-    std::array::from_fn(|o| std::array::from_fn(|r| hsum(acc[o][r]) + off[o][r]))
+    std::array::from_fn(|r| hsum(acc[r]) + off[r])
 }
 
 #[inline]
