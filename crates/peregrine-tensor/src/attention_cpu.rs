@@ -209,7 +209,7 @@ mod simd {
     use super::Elem;
 
     pub fn available() -> bool {
-        crate::cpu::Kernel::best() == crate::cpu::Kernel::Avx2
+        crate::cpu::Kernel::best().has_avx2()
     }
 
     pub fn dot<E: Elem>(simd: bool, a: &[f32], b: &[E]) -> f32 {

@@ -67,9 +67,9 @@ impl Kernel {
     pub(super) fn path(self, bits: usize) -> Path {
         match (self, bits) {
             #[cfg(target_arch = "x86_64")]
-            (Kernel::Avx2, 4) if avx2_available() => Path::Avx2Q4,
+            (k, 4) if k.has_avx2() && avx2_available() => Path::Avx2Q4,
             #[cfg(target_arch = "x86_64")]
-            (Kernel::Avx2, 8) if avx2_available() => Path::Avx2Q8,
+            (k, 8) if k.has_avx2() && avx2_available() => Path::Avx2Q8,
             (_, 4) => Path::Q4,
             (_, 8) => Path::Q8,
             _ => Path::Generic,

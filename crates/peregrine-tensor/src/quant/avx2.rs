@@ -21,43 +21,112 @@ pub fn available() -> bool {
 /// The CPU must support AVX2, FMA and F16C ([`available`]).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_rows<const R: usize>(format: Format, w: &[u8], x: [&[Q8Block]; R]) -> [f32; R] {
-    match format {
-        Format::Q4_0 => rows::<Q4_0, R>(w, x),
-        Format::Q4_1 => rows::<Q4_1, R>(w, x),
-        Format::Q5_0 => rows::<Q5_0, R>(w, x),
-        Format::Q5_1 => rows::<Q5_1, R>(w, x),
-        Format::Q8_0 => rows::<Q8_0, R>(w, x),
-        Format::Q4K => rows::<Q4K, R>(w, x),
-        Format::Q5K => rows::<Q5K, R>(w, x),
-        Format::Q6K => rows::<Q6K, R>(w, x),
+    // SAFETY: this function's features are `Avx2`'s.
+    unsafe { dispatch_rows::<Avx2, R>(format, w, x) }
+}
+
+/// [`dot_rows`] with VNNI's `vpdpbusd` for the products.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA, F16C, AVX-512 F/BW/VL and VNNI.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub unsafe fn dot_rows_vnni<const R: usize>(
+    format: Format,
+    w: &[u8],
+    x: [&[Q8Block]; R],
+) -> [f32; R] {
+    // SAFETY: this function's features are `Vnni`'s.
+    unsafe { dispatch_rows::<Vnni, R>(format, w, x) }
+}
+
+/// # Safety
+/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
+#[inline(always)]
+unsafe fn dispatch_rows<I: Isa, const R: usize>(
+    format: Format,
+    w: &[u8],
+    x: [&[Q8Block]; R],
+) -> [f32; R] {
+    // SAFETY: per this function's contract.
+    unsafe {
+        match format {
+            Format::Q4_0 => rows::<I, Q4_0, R>(w, x),
+            Format::Q4_1 => rows::<I, Q4_1, R>(w, x),
+            Format::Q5_0 => rows::<I, Q5_0, R>(w, x),
+            Format::Q5_1 => rows::<I, Q5_1, R>(w, x),
+            Format::Q8_0 => rows::<I, Q8_0, R>(w, x),
+            Format::Q4K => rows::<I, Q4K, R>(w, x),
+            Format::Q5K => rows::<I, Q5K, R>(w, x),
+            Format::Q6K => rows::<I, Q6K, R>(w, x),
+        }
     }
 }
 
-const Q4_0: u8 = 0;
-const Q4_1: u8 = 1;
-const Q5_0: u8 = 2;
-const Q5_1: u8 = 3;
-const Q8_0: u8 = 4;
-const Q4K: u8 = 5;
-const Q5K: u8 = 6;
-const Q6K: u8 = 7;
+/// The instruction set a kernel is compiled for: how it multiplies unsigned by signed bytes.
+pub(super) trait Isa {
+    /// Whether [`Isa::dot4`] takes unsigned bytes up to 255 (else up to 128: `maddubs`
+    /// saturates its i16 pair sums above that).
+    const WIDE: bool;
+    /// `acc + Σ a·b` over each 4 bytes (u8 × i8 → i32 lanes).
+    ///
+    /// # Safety
+    /// The CPU must support this instruction set.
+    unsafe fn dot4(acc: __m256i, a: __m256i, b: __m256i) -> __m256i;
+}
+
+/// AVX2: `maddubs` then `madd` with ones.
+pub(super) struct Avx2;
+/// AVX-512 VNNI on 256-bit registers: one `vpdpbusd`.
+pub(super) struct Vnni;
+
+impl Isa for Avx2 {
+    const WIDE: bool = false;
+    #[inline(always)]
+    unsafe fn dot4(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        // SAFETY: per the trait's contract.
+        unsafe {
+            let pairs = _mm256_maddubs_epi16(a, b);
+            _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+        }
+    }
+}
+
+impl Isa for Vnni {
+    const WIDE: bool = true;
+    #[inline(always)]
+    unsafe fn dot4(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        // SAFETY: per the trait's contract.
+        unsafe { _mm256_dpbusd_epi32(acc, a, b) }
+    }
+}
+
+pub(super) const Q4_0: u8 = 0;
+pub(super) const Q4_1: u8 = 1;
+pub(super) const Q5_0: u8 = 2;
+pub(super) const Q5_1: u8 = 3;
+pub(super) const Q8_0: u8 = 4;
+pub(super) const Q4K: u8 = 5;
+pub(super) const Q5K: u8 = 6;
+pub(super) const Q6K: u8 = 7;
 
 /// One 32-value (sub-)block of weights, unpacked.
-struct Sub {
+pub(super) struct Sub {
     /// Unsigned codes (Q8_0: the signed values).
-    codes: __m256i,
+    pub codes: __m256i,
     /// Multiplies `x.d · Σ codes·x` (for Q6_K, the per-16 scales are in `lane_scales`).
-    scale: f32,
+    pub scale: f32,
     /// Q4_1/Q5_1: the minimum, times `x.ds`. Q4_0/Q5_0/K-quants: times `x.dsum`.
-    min: f32,
+    pub min: f32,
     /// Q6_K: i16 scale of each product pair (8 lanes per 16 values).
-    lane_scales: __m256i,
-    /// Q6_K: `-32 · scale` per 16 values, times `x.dsum16`.
-    offsets16: [f32; 2],
+    pub lane_scales: __m256i,
+    /// Q6_K: `scale` times each 16 values' own scale.
+    pub scales16: [f32; 2],
+    /// Q6_K: `-32 · scales16`, times `x.dsum16`.
+    pub offsets16: [f32; 2],
 }
 
 /// Bytes and sub-blocks of format `F`.
-const fn shape(f: u8) -> (usize, usize) {
+pub(super) const fn shape(f: u8) -> (usize, usize) {
     match f {
         Q4_0 => (18, 1),
         Q4_1 => (20, 1),
@@ -72,12 +141,13 @@ const fn shape(f: u8) -> (usize, usize) {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn sub<const F: u8>(b: &[u8], j: usize) -> Sub {
+pub(super) fn sub<const F: u8>(b: &[u8], j: usize) -> Sub {
     let mut s = Sub {
         codes: _mm256_setzero_si256(),
         scale: f16(b, 0),
         min: 0.0,
         lane_scales: _mm256_set1_epi16(1),
+        scales16: [0.0; 2],
         offsets16: [0.0; 2],
     };
     match F {
@@ -128,47 +198,56 @@ fn sub<const F: u8>(b: &[u8], j: usize) -> Sub {
                 _mm_set1_epi16(i16::from(sc[1])),
                 _mm_set1_epi16(i16::from(sc[0])),
             );
-            s.offsets16 = sc.map(|c| -32.0 * s.scale * f32::from(c));
+            s.scales16 = sc.map(|c| s.scale * f32::from(c));
+            s.offsets16 = s.scales16.map(|c| -32.0 * c);
         }
     }
     s
 }
 
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn rows<const F: u8, const R: usize>(w: &[u8], x: [&[Q8Block]; R]) -> [f32; R] {
+/// # Safety
+/// As [`dispatch_rows`].
+#[inline(always)]
+unsafe fn rows<I: Isa, const F: u8, const R: usize>(w: &[u8], x: [&[Q8Block]; R]) -> [f32; R] {
     let (bytes, subs) = shape(F);
-    let mut acc = [_mm256_setzero_ps(); R];
-    let mut off = [0f32; R];
-    for (i, b) in w.chunks_exact(bytes).enumerate() {
-        for j in 0..subs {
-            let s = sub::<F>(b, j);
-            // Q8_0 is signed: |w| · (x · sign w), as maddubs needs its first operand unsigned.
-            let codes = if F == Q8_0 {
-                _mm256_sign_epi8(s.codes, s.codes)
-            } else {
-                s.codes
-            };
-            for r in 0..R {
-                let xb = &x[r][i * subs + j];
-                let xv = xq(xb);
-                let xv = if F == Q8_0 {
-                    _mm256_sign_epi8(xv, s.codes)
+    // SAFETY: per this function's contract.
+    unsafe {
+        let mut acc = [_mm256_setzero_ps(); R];
+        let mut off = [0f32; R];
+        for (i, b) in w.chunks_exact(bytes).enumerate() {
+            for j in 0..subs {
+                let s = sub::<F>(b, j);
+                // Q8_0 is signed: |w| · (x · sign w), as the products need unsigned weights.
+                let codes = if F == Q8_0 {
+                    _mm256_sign_epi8(s.codes, s.codes)
                 } else {
-                    xv
+                    s.codes
                 };
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xv), s.lane_scales);
-                acc[r] = fma(acc[r], p, s.scale * xb.d);
-                off[r] += match F {
-                    Q4_1 | Q5_1 => s.min * xb.ds,
-                    Q8_0 => 0.0,
-                    Q6K => s.offsets16[0] * xb.dsum16[0] + s.offsets16[1] * xb.dsum16[1],
-                    _ => s.min * xb.dsum,
-                };
+                for r in 0..R {
+                    let xb = &x[r][i * subs + j];
+                    let xv = xq(xb);
+                    let xv = if F == Q8_0 {
+                        _mm256_sign_epi8(xv, s.codes)
+                    } else {
+                        xv
+                    };
+                    let p = if F == Q6K {
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xv), s.lane_scales)
+                    } else {
+                        I::dot4(_mm256_setzero_si256(), codes, xv)
+                    };
+                    acc[r] = fma(acc[r], p, s.scale * xb.d);
+                    off[r] += match F {
+                        Q4_1 | Q5_1 => s.min * xb.ds,
+                        Q8_0 => 0.0,
+                        Q6K => s.offsets16[0] * xb.dsum16[0] + s.offsets16[1] * xb.dsum16[1],
+                        _ => s.min * xb.dsum,
+                    };
+                }
             }
         }
+        std::array::from_fn(|r| hsum(acc[r]) + off[r])
     }
-    std::array::from_fn(|r| hsum(acc[r]) + off[r])
 }
 
 #[inline]
@@ -180,7 +259,7 @@ fn f16(b: &[u8], at: usize) -> f32 {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn load32(p: &[u8]) -> __m256i {
+pub(super) fn load32(p: &[u8]) -> __m256i {
     let p = &p[..32];
     // SAFETY: `p` has 32 readable bytes; the load is unaligned.
     unsafe { _mm256_loadu_si256(p.as_ptr().cast()) }
@@ -202,7 +281,7 @@ fn fma(acc: __m256, products: __m256i, scale: f32) -> __m256 {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum(acc: __m256) -> f32 {
+pub(super) fn hsum(acc: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))

@@ -8,7 +8,11 @@
 mod act;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx2_panel;
 mod format;
+#[cfg(target_arch = "x86_64")]
+mod panel;
 pub mod scalar;
 
 use std::sync::Arc;
@@ -25,6 +29,9 @@ pub use format::Format;
 /// stay in L2 while the tile's rows stay in L1.
 const INPUT_TILE: usize = 64;
 
+/// Batches from this size on use the panel GEMM ([`panel`]) where the kernel has one.
+const PANEL_MIN_ROWS: usize = 16;
+
 /// `Σ w·x[r]` for one weight row and `R` input rows with `kernel`. (Tiles of two weight rows
 /// measured slower: 20 % at decode, and 40 % for the K-quants in prefill.)
 fn dot_rows<const R: usize>(
@@ -38,8 +45,11 @@ fn dot_rows<const R: usize>(
         // SAFETY: `GgufMatrix::matmul_group` only runs kernels that run on this CPU.
         #[cfg(target_arch = "x86_64")]
         Kernel::Avx2 => unsafe { avx2::dot_rows(format, w, x) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx512Vnni => unsafe { avx2::dot_rows_vnni(format, w, x) },
         #[cfg(not(target_arch = "x86_64"))]
-        Kernel::Avx2 => unreachable!("Kernel::Avx2 never runs off x86-64"),
+        Kernel::Avx2 | Kernel::Avx512Vnni => unreachable!("x86 kernels never run off x86-64"),
     }
 }
 
@@ -172,6 +182,24 @@ impl GgufMatrix {
                     .map(move |r0| (p, r0, (r0 + rows_per_task).min(part.2)))
             })
             .collect();
+        #[cfg(target_arch = "x86_64")]
+        if m >= PANEL_MIN_ROWS && kernel.has_avx2() {
+            let xp = panels(&xq, m, blocks);
+            tasks.into_par_iter().for_each(|(p, r0, r1)| {
+                let ((format, data, _), out) = (&parts[p], &outs[p]);
+                let row_bytes = k / format.block_len() * format.block_bytes();
+                for r in r0..r1 {
+                    let row = &data[r * row_bytes..][..row_bytes];
+                    // SAFETY: only (i, r) with r0 ≤ r < r1 are written, by this task only.
+                    panel_gemm_row(kernel, *format, row, &xp, blocks, |i, y| unsafe {
+                        if i < m {
+                            out.set(i, r, y)
+                        }
+                    });
+                }
+            });
+            return Ok(ys);
+        }
         tasks.into_par_iter().for_each(|(p, r0, r1)| {
             let ((format, data, _), out) = (&parts[p], &outs[p]);
             let row_bytes = k / format.block_len() * format.block_bytes();
@@ -206,6 +234,70 @@ impl GgufMatrix {
             }
         });
         Ok(ys)
+    }
+}
+
+/// `m` quantized input rows interleaved into `⌈m / 8⌉` panels.
+#[cfg(target_arch = "x86_64")]
+fn panels(xq: &[Q8Block], m: usize, blocks: usize) -> Vec<panel::PanelBlock> {
+    let mut xp = vec![panel::PanelBlock::default(); m.div_ceil(panel::LANES) * blocks];
+    xp.par_chunks_mut(blocks)
+        .zip(xq.par_chunks(panel::LANES * blocks))
+        .for_each(|(out, x)| panel::interleave(x, blocks, out));
+    xp
+}
+
+/// Panels interleaved per call of [`panel_gemm_row`]'s micro-kernel.
+#[cfg(target_arch = "x86_64")]
+const PANELS_PER_CALL: usize = 4;
+
+/// One weight row against every panel: `emit(input, y)` for each of the panels' inputs.
+#[cfg(target_arch = "x86_64")]
+fn panel_gemm_row(
+    kernel: Kernel,
+    format: Format,
+    w: &[u8],
+    xp: &[panel::PanelBlock],
+    blocks: usize,
+    mut emit: impl FnMut(usize, f32),
+) {
+    let count = xp.len() / blocks;
+    let panel = |p: usize| &xp[p * blocks..][..blocks];
+    let mut p = 0;
+    while p < count {
+        let g = if p + PANELS_PER_CALL <= count {
+            PANELS_PER_CALL
+        } else {
+            1
+        };
+        // SAFETY: callers run this only for kernels with AVX2, detected on this CPU; each
+        // panel holds the row's blocks.
+        let ys: Vec<[f32; panel::LANES]> = unsafe {
+            match (kernel, g) {
+                (Kernel::Avx512Vnni, 1) => {
+                    avx2_panel::panel_row_vnni(format, w, [panel(p)]).to_vec()
+                }
+                (Kernel::Avx512Vnni, _) => avx2_panel::panel_row_vnni(
+                    format,
+                    w,
+                    std::array::from_fn::<_, PANELS_PER_CALL, _>(|t| panel(p + t)),
+                )
+                .to_vec(),
+                (_, 1) => avx2_panel::panel_row(format, w, [panel(p)]).to_vec(),
+                _ => avx2_panel::panel_row(
+                    format,
+                    w,
+                    std::array::from_fn::<_, PANELS_PER_CALL, _>(|t| panel(p + t)),
+                )
+                .to_vec(),
+            }
+        };
+        for (t, y) in ys.iter().enumerate() {
+            for (l, &v) in y.iter().enumerate() {
+                emit((p + t) * panel::LANES + l, v);
+            }
+        }
+        p += g;
     }
 }
 
