@@ -1,6 +1,8 @@
 //! GGUF CPU kernel throughput: `cargo bench -p peregrine-tensor --bench gguf_matmul [-- FORMAT]`.
 //! Prints one JSON line per (format, kernel, batch) with giga multiply-adds per second over the
-//! threads rayon uses (set `RAYON_NUM_THREADS`). Shapes are SmolLM2's MLP (1536 × 576).
+//! threads rayon uses (set `RAYON_NUM_THREADS`). Shapes are SmolLM2's MLP (1536 × 576), or
+//! `GGUF_BENCH_SHAPE=OUTxIN` (e.g. `262144x640`, Gemma 3's output matrix; K-quants round IN up
+//! to a multiple of 256).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -12,7 +14,13 @@ use peregrine_tensor::quant::Kernel;
 
 fn main() {
     let filter = std::env::args().nth(1).filter(|a| !a.starts_with('-'));
-    let (n, k) = (1536, 576);
+    let (n, k) = std::env::var("GGUF_BENCH_SHAPE")
+        .ok()
+        .and_then(|s| {
+            let (n, k) = s.split_once('x')?;
+            Some((n.parse().ok()?, k.parse().ok()?))
+        })
+        .unwrap_or((1536, 576));
     let formats = [
         GgmlDType::Q4_0,
         GgmlDType::Q4_1,
@@ -22,7 +30,7 @@ fn main() {
         GgmlDType::Q6K,
     ];
     let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
-    let k256 = 768; // K-quants need a multiple of 256
+    let k256 = k.next_multiple_of(256); // K-quants need a multiple of 256
     let w256 = Tensor::randn(0f32, 1.0, (n, k256), &Device::Cpu).unwrap();
     for dtype in formats {
         if filter
@@ -42,7 +50,8 @@ fn main() {
                 let x: Vec<f32> = (0..m * k)
                     .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
                     .collect();
-                let reps = if m == 1 { 2000 } else { 20 };
+                let reps =
+                    ((if m == 1 { 2e9 } else { 2e10 }) / (n * k * m) as f64).max(3.0) as usize;
                 q.matmul_with(&x, m, kernel).unwrap();
                 let start = Instant::now();
                 for _ in 0..reps {

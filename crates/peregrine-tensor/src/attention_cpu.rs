@@ -84,9 +84,44 @@ impl View {
         }
     }
 
-    fn row<'a, T>(&self, data: &'a [T], b: usize, h: usize, i: usize, d: usize) -> &'a [T] {
+    /// Rows `i..i + count` of head `h` in batch `b`.
+    fn rows<'a, T>(
+        &self,
+        data: &'a [T],
+        b: usize,
+        h: usize,
+        i: usize,
+        count: usize,
+        d: usize,
+    ) -> Rows<'a, T> {
         let [s0, s1, s2] = self.strides;
-        &data[self.offset + b * s0 + h * s1 + i * s2..][..d]
+        let start = self.offset + b * s0 + h * s1 + i * s2;
+        Rows {
+            data: &data[start..start + (count - 1) * s2 + d],
+            stride: s2,
+            count,
+            len: d,
+        }
+    }
+
+    /// Row `i` of heads `h..h + count` in batch `b`.
+    fn rows_across_heads<'a, T>(
+        &self,
+        data: &'a [T],
+        b: usize,
+        h: usize,
+        i: usize,
+        count: usize,
+        d: usize,
+    ) -> Rows<'a, T> {
+        let [s0, s1, s2] = self.strides;
+        let start = self.offset + b * s0 + h * s1 + i * s2;
+        Rows {
+            data: &data[start..start + (count - 1) * s1 + d],
+            stride: s1,
+            count,
+            len: d,
+        }
     }
 }
 
@@ -117,16 +152,22 @@ impl Shape {
     ) -> Result<()> {
         let (kv, vv) = (k.view, v.view);
         let (k, v) = (k.storage.as_slice::<E>()?, v.storage.as_slice::<E>()?);
-        let (heads, q_len, d) = (self.heads, self.q_len, self.d);
-        let min_rows = (TASK_WORK / (2 * self.k_len * d).max(1)).max(1);
+        let (groups, q_len, d) = (self.groups, self.q_len, self.d);
+        let kv_heads = self.heads / groups;
+        let min_tasks = (TASK_WORK / (2 * self.k_len * d * groups).max(1)).max(1);
         let simd = simd::available();
-        out.par_chunks_mut(d)
-            .with_min_len(min_rows)
+        // One task per (batch, position, kv head): its `groups` query heads share every key and
+        // value row read, and their outputs are contiguous in `out` ([b, q_len, heads, d]).
+        out.par_chunks_mut(groups * d)
+            .with_min_len(min_tasks)
             .enumerate()
-            .for_each_init(Vec::new, |scores: &mut Vec<f32>, (row, out)| {
-                // `out` is [b, q_len, heads, d]: row = (bi * q_len + i) * heads + h.
-                let (h, i, bi) = (row % heads, row / heads % q_len, row / heads / q_len);
-                let (kvh, pos) = (h / self.groups, mask.q_start + i);
+            .for_each_init(Vec::new, |scores: &mut Vec<f32>, (task, out)| {
+                let (kvh, i, bi) = (
+                    task % kv_heads,
+                    task / kv_heads % q_len,
+                    task / kv_heads / q_len,
+                );
+                let pos = mask.q_start + i;
                 // Visible keys: k_start + j ≤ pos, and pos - (k_start + j) < window.
                 let hi = (pos + 1).saturating_sub(mask.k_start).min(self.k_len);
                 let lo = mask.window.map_or(0, |w| {
@@ -135,22 +176,47 @@ impl Shape {
                 if lo >= hi {
                     return;
                 }
-                let qrow = qv.row(q, bi, h, i, d);
+                let n = hi - lo;
+                let (keys, values) = (kv.rows(k, bi, kvh, lo, n, d), vv.rows(v, bi, kvh, lo, n, d));
                 scores.clear();
-                scores.extend(
-                    (lo..hi).map(|j| simd::dot(simd, qrow, kv.row(k, bi, kvh, j, d)) * self.scale),
-                );
-                let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-                let mut total = 0f32;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    total += *s;
+                scores.resize(groups * n, 0.0);
+                for h0 in (0..groups).step_by(simd::HEADS) {
+                    let g = (groups - h0).min(simd::HEADS);
+                    let queries = qv.rows_across_heads(q, bi, kvh * groups + h0, i, g, d);
+                    let scores = &mut scores[h0 * n..][..g * n];
+                    simd::scores(simd, queries, keys, self.scale, scores);
                 }
-                for (j, p) in (lo..hi).zip(scores.iter()) {
-                    simd::axpy(simd, out, p / total, vv.row(v, bi, kvh, j, d));
+                for row in scores.chunks_exact_mut(n) {
+                    let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                    let mut total = 0f32;
+                    for s in row.iter_mut() {
+                        *s = (*s - max).exp();
+                        total += *s;
+                    }
+                    row.iter_mut().for_each(|s| *s /= total);
+                }
+                for h0 in (0..groups).step_by(simd::HEADS) {
+                    let g = (groups - h0).min(simd::HEADS);
+                    let probs = &scores[h0 * n..][..g * n];
+                    simd::weighted_sum(simd, probs, values, &mut out[h0 * d..][..g * d]);
                 }
             });
         Ok(())
+    }
+}
+
+/// `count` rows of `len` elements, `stride` apart, from the start of `data`.
+#[derive(Clone, Copy)]
+struct Rows<'a, T> {
+    data: &'a [T],
+    stride: usize,
+    count: usize,
+    len: usize,
+}
+
+impl<'a, T> Rows<'a, T> {
+    fn row(&self, r: usize) -> &'a [T] {
+        &self.data[r * self.stride..][..self.len]
     }
 }
 
@@ -204,92 +270,155 @@ impl Elem for bf16 {
     }
 }
 
-/// `dot` and `axpy` over f32 queries/outputs and cache rows, AVX2 or portable.
+/// Scores and weighted sums for up to [`simd::HEADS`] query heads that share their key and value
+/// rows (grouped-query attention), AVX2 or portable.
 mod simd {
-    use super::Elem;
+    use super::{Elem, Rows};
+
+    /// Query heads per kernel call: each key or value row is loaded once for all of them.
+    pub const HEADS: usize = 4;
 
     pub fn available() -> bool {
         crate::cpu::Kernel::best().has_avx2()
     }
 
-    pub fn dot<E: Elem>(simd: bool, a: &[f32], b: &[E]) -> f32 {
+    /// `out[g · n + j] = scale · q_g · k_j` for the `g` query rows and `n` key rows.
+    pub fn scores<E: Elem>(simd: bool, q: Rows<f32>, k: Rows<E>, scale: f32, out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
-        if simd && a.len().is_multiple_of(8) {
-            // SAFETY: `simd` comes from `available()`; lengths are equal multiples of 8.
-            return unsafe { x86::dot(a, b) };
+        if simd && q.len.is_multiple_of(16) {
+            // SAFETY: `simd` comes from `available()`; rows are `len` long, a multiple of 16,
+            // and `out` holds one score per (query, key).
+            return unsafe {
+                match q.count {
+                    1 => x86::scores::<1, E>(q, k, scale, out),
+                    2 => x86::scores::<2, E>(q, k, scale, out),
+                    3 => x86::scores::<3, E>(q, k, scale, out),
+                    _ => x86::scores::<HEADS, E>(q, k, scale, out),
+                }
+            };
         }
         let _ = simd;
-        a.iter().zip(b).map(|(x, y)| x * y.to_f32()).sum()
+        for (g, out) in out.chunks_exact_mut(k.count).enumerate() {
+            let q = q.row(g);
+            for (j, s) in out.iter_mut().enumerate() {
+                *s = scale
+                    * q.iter()
+                        .zip(k.row(j))
+                        .map(|(x, y)| x * y.to_f32())
+                        .sum::<f32>();
+            }
+        }
     }
 
-    pub fn axpy<E: Elem>(simd: bool, y: &mut [f32], p: f32, x: &[E]) {
+    /// `out[g] = Σ_j p[g · n + j] · v_j` for the `g` heads' probabilities and `n` value rows.
+    pub fn weighted_sum<E: Elem>(simd: bool, p: &[f32], v: Rows<E>, out: &mut [f32]) {
+        let heads = out.len() / v.len;
         #[cfg(target_arch = "x86_64")]
-        if simd && y.len().is_multiple_of(8) {
-            // SAFETY: as in `dot`.
-            return unsafe { x86::axpy(y, p, x) };
+        if simd && v.len.is_multiple_of(16) {
+            // SAFETY: as in `scores`; `p` holds `heads · n` values and `out` `heads` rows.
+            return unsafe {
+                match heads {
+                    1 => x86::weighted_sum::<1, E>(p, v, out),
+                    2 => x86::weighted_sum::<2, E>(p, v, out),
+                    3 => x86::weighted_sum::<3, E>(p, v, out),
+                    _ => x86::weighted_sum::<HEADS, E>(p, v, out),
+                }
+            };
         }
         let _ = simd;
-        for (y, x) in y.iter_mut().zip(x) {
-            *y += p * x.to_f32();
+        for (out, p) in out.chunks_exact_mut(v.len).zip(p.chunks_exact(v.count)) {
+            out.fill(0.0);
+            for (j, &p) in p.iter().enumerate() {
+                for (o, x) in out.iter_mut().zip(v.row(j)) {
+                    *o += p * x.to_f32();
+                }
+            }
         }
     }
 
     #[cfg(target_arch = "x86_64")]
     mod x86 {
-        use super::super::Elem;
+        use super::super::{Elem, Rows};
         use std::arch::x86_64::*;
 
+        /// # Safety
+        /// AVX2/FMA/F16C; `q.count == G`, `q.len == k.len`, a multiple of 16.
         #[target_feature(enable = "avx2,fma,f16c")]
-        pub unsafe fn dot<E: Elem>(a: &[f32], b: &[E]) -> f32 {
-            let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-            let n = a.len().min(b.len());
-            let mut i = 0;
-            while i + 16 <= n {
-                // SAFETY: i + 16 ≤ both lengths.
-                unsafe {
-                    s0 = _mm256_fmadd_ps(
-                        _mm256_loadu_ps(a.as_ptr().add(i)),
-                        E::load8(b.as_ptr().add(i)),
-                        s0,
-                    );
-                    s1 = _mm256_fmadd_ps(
-                        _mm256_loadu_ps(a.as_ptr().add(i + 8)),
-                        E::load8(b.as_ptr().add(i + 8)),
-                        s1,
-                    );
+        pub unsafe fn scores<const G: usize, E: Elem>(
+            q: Rows<f32>,
+            k: Rows<E>,
+            scale: f32,
+            out: &mut [f32],
+        ) {
+            let (n, d) = (k.count, q.len);
+            let qs: [&[f32]; G] = std::array::from_fn(|g| q.row(g));
+            for j in 0..n {
+                let key = k.row(j);
+                // Two accumulators per head: FMA latency, not throughput, bounds one chain.
+                let mut acc = [[_mm256_setzero_ps(); 2]; G];
+                for c in (0..d).step_by(16) {
+                    // SAFETY: c + 16 ≤ d, the length of every row.
+                    unsafe {
+                        let k0 = E::load8(key.as_ptr().add(c));
+                        let k1 = E::load8(key.as_ptr().add(c + 8));
+                        for g in 0..G {
+                            let qp = qs[g].as_ptr().add(c);
+                            acc[g][0] = _mm256_fmadd_ps(_mm256_loadu_ps(qp), k0, acc[g][0]);
+                            acc[g][1] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(8)), k1, acc[g][1]);
+                        }
+                    }
                 }
-                i += 16;
-            }
-            if i < n {
-                // SAFETY: n is a multiple of 8, so i + 8 ≤ n here.
-                unsafe {
-                    s0 = _mm256_fmadd_ps(
-                        _mm256_loadu_ps(a.as_ptr().add(i)),
-                        E::load8(b.as_ptr().add(i)),
-                        s0,
-                    );
+                for g in 0..G {
+                    out[g * n + j] = scale * hsum(_mm256_add_ps(acc[g][0], acc[g][1]));
                 }
             }
-            let s = _mm256_add_ps(s0, s1);
+        }
+
+        /// # Safety
+        /// AVX2/FMA/F16C; `p` holds `G · v.count` values, `out` `G` rows of `v.len`, a
+        /// multiple of 16.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub unsafe fn weighted_sum<const G: usize, E: Elem>(
+            p: &[f32],
+            v: Rows<E>,
+            out: &mut [f32],
+        ) {
+            let (n, d) = (v.count, v.len);
+            let p = &p[..G * n];
+            let out = &mut out[..G * d];
+            // 16 columns at a time: 2·G accumulators stay in registers over all rows.
+            for c in (0..d).step_by(16) {
+                let mut acc = [[_mm256_setzero_ps(); 2]; G];
+                for j in 0..n {
+                    let row = v.row(j);
+                    // SAFETY: c + 16 ≤ d; g · n + j < G · n.
+                    unsafe {
+                        let v0 = E::load8(row.as_ptr().add(c));
+                        let v1 = E::load8(row.as_ptr().add(c + 8));
+                        for g in 0..G {
+                            let pj = _mm256_set1_ps(*p.get_unchecked(g * n + j));
+                            acc[g][0] = _mm256_fmadd_ps(pj, v0, acc[g][0]);
+                            acc[g][1] = _mm256_fmadd_ps(pj, v1, acc[g][1]);
+                        }
+                    }
+                }
+                for g in 0..G {
+                    // SAFETY: g · d + c + 16 ≤ G · d.
+                    unsafe {
+                        let o = out.as_mut_ptr().add(g * d + c);
+                        _mm256_storeu_ps(o, acc[g][0]);
+                        _mm256_storeu_ps(o.add(8), acc[g][1]);
+                    }
+                }
+            }
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        fn hsum(s: __m256) -> f32 {
             let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
             let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
             _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
-        }
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        pub unsafe fn axpy<E: Elem>(y: &mut [f32], p: f32, x: &[E]) {
-            let pv = _mm256_set1_ps(p);
-            let n = y.len().min(x.len());
-            for i in (0..n).step_by(8) {
-                // SAFETY: n is a multiple of 8, so i + 8 ≤ both lengths.
-                unsafe {
-                    let yp = y.as_mut_ptr().add(i);
-                    _mm256_storeu_ps(
-                        yp,
-                        _mm256_fmadd_ps(pv, E::load8(x.as_ptr().add(i)), _mm256_loadu_ps(yp)),
-                    );
-                }
-            }
         }
     }
 }

@@ -104,22 +104,26 @@ fn rope_past_the_table_is_an_error() {
 
 #[test]
 fn grouped_attention_matches_reference() {
-    // 6 query heads over 2 kv heads; queries at positions 10..15 over keys 3..15.
-    for window in [None, Some(4)] {
-        for (q_len, k_len, k_start) in [(5, 12, 3), (1, 12, 3), (5, 5, 10)] {
-            let q_start = k_start + k_len - q_len;
-            let q = randn(&[1, 6, q_len, 16], 7);
-            let k = randn(&[1, 2, k_len, 16], 8);
-            let v = randn(&[1, 2, k_len, 16], 9);
-            let mask = MaskSpec {
-                q_start,
-                k_start,
-                window,
-            };
-            let ours = attention(&q, &k, &v, 0.25, &mask).unwrap();
-            let reference = attention_ref(&q, &k, &v, 0.25, &mask).unwrap();
-            let diff = max_diff(&ours, &reference);
-            assert!(diff < TOL, "window {window:?} q {q_len} k {k_len}: {diff}");
+    // 6 or 10 query heads over 2 kv heads (groups of 3, and of 5: a call for 4 heads and one
+    // for 1); queries at positions 10..15 over keys 3..15.
+    for (heads, d) in [(6, 16), (10, 32)] {
+        for window in [None, Some(4)] {
+            for (q_len, k_len, k_start) in [(5, 12, 3), (1, 12, 3), (5, 5, 10)] {
+                let q_start = k_start + k_len - q_len;
+                let q = randn(&[1, heads, q_len, d], 7);
+                let k = randn(&[1, 2, k_len, d], 8);
+                let v = randn(&[1, 2, k_len, d], 9);
+                let mask = MaskSpec {
+                    q_start,
+                    k_start,
+                    window,
+                };
+                let ours = attention(&q, &k, &v, 0.25, &mask).unwrap();
+                let reference = attention_ref(&q, &k, &v, 0.25, &mask).unwrap();
+                let diff = max_diff(&ours, &reference);
+                let case = format!("heads {heads} d {d} window {window:?} q {q_len} k {k_len}");
+                assert!(diff < TOL, "{case}: {diff}");
+            }
         }
     }
 }

@@ -97,6 +97,8 @@ pub enum TokenizerError {
 #[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// Counted once: `tokenizers` recounts the added tokens (a lookup each) on every call.
+    vocab_size: usize,
     bos_id: Option<u32>,
     bos_token: Option<String>,
     eos_token: Option<String>,
@@ -162,7 +164,7 @@ impl Tokenizer {
 
     /// Number of token ids, added tokens included.
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        self.vocab_size
     }
 
     /// The token string of `id` (in the vocabulary's own form, e.g. `Ġthe` or `▁the`).
@@ -257,6 +259,7 @@ impl SpecialTokens {
         let bos_token = self.bos_id.and_then(|id| inner.id_to_token(id));
         let eos_token = eos_ids.first().and_then(|&id| inner.id_to_token(id));
         Tokenizer {
+            vocab_size: inner.get_vocab_size(true),
             inner,
             bos_id: self.bos_id,
             bos_token,

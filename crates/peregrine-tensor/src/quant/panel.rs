@@ -68,7 +68,11 @@ mod tests {
                 for q in 0..QK / 4 {
                     let bytes = pb.codes[q][l].to_le_bytes();
                     for (t, &byte) in bytes.iter().enumerate() {
-                        let want = if l < m { x[l * blocks + b].qs[4 * q + t] } else { 0 };
+                        let want = if l < m {
+                            x[l * blocks + b].qs[4 * q + t]
+                        } else {
+                            0
+                        };
                         assert_eq!(byte as i8, want, "lane {l} block {b} code {}", 4 * q + t);
                     }
                 }
