@@ -395,19 +395,19 @@ mod simd {
                     unsafe {
                         let v0 = E::load8(row.as_ptr().add(c));
                         let v1 = E::load8(row.as_ptr().add(c + 8));
-                        for g in 0..G {
+                        for (g, [a0, a1]) in acc.iter_mut().enumerate() {
                             let pj = _mm256_set1_ps(*p.get_unchecked(g * n + j));
-                            acc[g][0] = _mm256_fmadd_ps(pj, v0, acc[g][0]);
-                            acc[g][1] = _mm256_fmadd_ps(pj, v1, acc[g][1]);
+                            *a0 = _mm256_fmadd_ps(pj, v0, *a0);
+                            *a1 = _mm256_fmadd_ps(pj, v1, *a1);
                         }
                     }
                 }
-                for g in 0..G {
+                for (g, [a0, a1]) in acc.into_iter().enumerate() {
                     // SAFETY: g · d + c + 16 ≤ G · d.
                     unsafe {
                         let o = out.as_mut_ptr().add(g * d + c);
-                        _mm256_storeu_ps(o, acc[g][0]);
-                        _mm256_storeu_ps(o.add(8), acc[g][1]);
+                        _mm256_storeu_ps(o, a0);
+                        _mm256_storeu_ps(o.add(8), a1);
                     }
                 }
             }
