@@ -140,6 +140,33 @@ struct Shape {
     scale: f32,
 }
 
+/// One attention task: a group of query heads at one position, and the keys they see.
+struct Task<'a, E> {
+    queries: Rows<'a, f32>,
+    keys: Rows<'a, E>,
+    values: Rows<'a, E>,
+}
+
+impl<'a, E> Task<'a, E> {
+    /// Keys `from..to` of this task's visible ones.
+    fn keys(&self, from: usize, to: usize) -> Self {
+        let (k, v) = (self.keys, self.values);
+        Self {
+            queries: self.queries,
+            keys: Rows {
+                data: &k.data[from * k.stride..],
+                count: to - from,
+                ..k
+            },
+            values: Rows {
+                data: &v.data[from * v.stride..],
+                count: to - from,
+                ..v
+            },
+        }
+    }
+}
+
 impl Shape {
     fn run<E: Elem + candle_core::WithDType>(
         &self,
@@ -150,63 +177,130 @@ impl Shape {
         mask: &MaskSpec,
         out: &mut [f32],
     ) -> Result<()> {
-        let (kv, vv) = (k.view, v.view);
-        let (k, v) = (k.storage.as_slice::<E>()?, v.storage.as_slice::<E>()?);
+        let (k, v) = (
+            (k.storage.as_slice::<E>()?, k.view),
+            (v.storage.as_slice::<E>()?, v.view),
+        );
         let (groups, q_len, d) = (self.groups, self.q_len, self.d);
         let kv_heads = self.heads / groups;
-        let min_tasks = (TASK_WORK / (2 * self.k_len * d * groups).max(1)).max(1);
         let simd = simd::available();
         // One task per (batch, position, kv head): its `groups` query heads share every key and
         // value row read, and their outputs are contiguous in `out` ([b, q_len, heads, d]).
-        out.par_chunks_mut(groups * d)
-            .with_min_len(min_tasks)
-            .enumerate()
-            .for_each_init(Vec::new, |scores: &mut Vec<f32>, (task, out)| {
-                let (kvh, i, bi) = (
-                    task % kv_heads,
-                    task / kv_heads % q_len,
-                    task / kv_heads / q_len,
+        let task = |t: usize| -> Option<Task<E>> {
+            let (kvh, i, bi) = (t % kv_heads, t / kv_heads % q_len, t / kv_heads / q_len);
+            let pos = mask.q_start + i;
+            // Visible keys: k_start + j ≤ pos, and pos - (k_start + j) < window.
+            let hi = (pos + 1).saturating_sub(mask.k_start).min(self.k_len);
+            let lo = mask.window.map_or(0, |w| {
+                (pos + 1).saturating_sub(w).saturating_sub(mask.k_start)
+            });
+            (lo < hi).then(|| Task {
+                queries: qv.rows_across_heads(q, bi, kvh * groups, i, groups, d),
+                keys: k.1.rows(k.0, bi, kvh, lo, hi - lo, d),
+                values: v.1.rows(v.0, bi, kvh, lo, hi - lo, d),
+            })
+        };
+        let tasks = out.len() / (groups * d);
+        let threads = rayon::current_num_threads();
+        if tasks >= 2 * threads {
+            let min_tasks = (TASK_WORK / (2 * self.k_len * d * groups).max(1)).max(1);
+            out.par_chunks_mut(groups * d)
+                .with_min_len(min_tasks)
+                .enumerate()
+                .for_each_init(
+                    || (Vec::new(), vec![(0f32, 0f32); groups]),
+                    |(scores, stats), (t, out)| {
+                        if let Some(task) = task(t) {
+                            self.attend(simd, &task, scores, stats, out);
+                            for (out, &(_, total)) in out.chunks_exact_mut(d).zip(stats.iter()) {
+                                out.iter_mut().for_each(|o| *o /= total);
+                            }
+                        }
+                    },
                 );
-                let pos = mask.q_start + i;
-                // Visible keys: k_start + j ≤ pos, and pos - (k_start + j) < window.
-                let hi = (pos + 1).saturating_sub(mask.k_start).min(self.k_len);
-                let lo = mask.window.map_or(0, |w| {
-                    (pos + 1).saturating_sub(w).saturating_sub(mask.k_start)
-                });
-                if lo >= hi {
+            return Ok(());
+        }
+        // Few tasks (decode): split each task's keys into chunks attended in parallel, then
+        // merge the chunks' partial softmax sums (as flash-decoding does).
+        let splits = (2 * threads).div_ceil(tasks.max(1));
+        let mut partial = vec![0f32; tasks * splits * groups * d];
+        let mut stats = vec![(f32::NEG_INFINITY, 0f32); tasks * splits * groups];
+        partial
+            .par_chunks_mut(groups * d)
+            .zip(stats.par_chunks_mut(groups))
+            .enumerate()
+            .for_each_init(Vec::new, |scores, (at, (out, stats))| {
+                let Some(task) = task(at / splits) else {
                     return;
-                }
-                let n = hi - lo;
-                let (keys, values) = (kv.rows(k, bi, kvh, lo, n, d), vv.rows(v, bi, kvh, lo, n, d));
-                scores.clear();
-                scores.resize(groups * n, 0.0);
-                for h0 in (0..groups).step_by(simd::HEADS) {
-                    let g = (groups - h0).min(simd::HEADS);
-                    let queries = qv.rows_across_heads(q, bi, kvh * groups + h0, i, g, d);
-                    let scores = &mut scores[h0 * n..][..g * n];
-                    simd::scores(simd, queries, keys, self.scale, scores);
-                }
-                for row in scores.chunks_exact_mut(n) {
-                    let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-                    let mut total = 0f32;
-                    for s in row.iter_mut() {
-                        *s = (*s - max).exp();
-                        total += *s;
-                    }
-                    row.iter_mut().for_each(|s| *s /= total);
-                }
-                for h0 in (0..groups).step_by(simd::HEADS) {
-                    let g = (groups - h0).min(simd::HEADS);
-                    let probs = &scores[h0 * n..][..g * n];
-                    simd::weighted_sum(simd, probs, values, &mut out[h0 * d..][..g * d]);
+                };
+                let (n, c) = (task.keys.count, at % splits);
+                let (from, to) = (n * c / splits, n * (c + 1) / splits);
+                if from < to {
+                    self.attend(simd, &task.keys(from, to), scores, stats, out);
                 }
             });
+        for (t, out) in out.chunks_exact_mut(groups * d).enumerate() {
+            for (g, out) in out.chunks_exact_mut(d).enumerate() {
+                let chunk = |c: usize| (t * splits + c) * groups + g;
+                let max = (0..splits).fold(f32::NEG_INFINITY, |m, c| m.max(stats[chunk(c)].0));
+                let mut total = 0f32;
+                for c in 0..splits {
+                    let (m, sum) = stats[chunk(c)];
+                    if sum > 0.0 {
+                        let w = (m - max).exp();
+                        total += w * sum;
+                        let part = &partial[chunk(c) * d..][..d];
+                        out.iter_mut().zip(part).for_each(|(o, p)| *o += w * p);
+                    }
+                }
+                out.iter_mut().for_each(|o| *o /= total);
+            }
+        }
         Ok(())
+    }
+
+    /// Unnormalised attention of one task: `out[g] = Σ_j exp(s_gj - max_g) · v_j`, and
+    /// `stats[g] = (max_g, Σ_j exp(s_gj - max_g))`.
+    fn attend<E: Elem>(
+        &self,
+        simd: bool,
+        task: &Task<E>,
+        scores: &mut Vec<f32>,
+        stats: &mut [(f32, f32)],
+        out: &mut [f32],
+    ) {
+        let (groups, n, d) = (self.groups, task.keys.count, self.d);
+        scores.clear();
+        scores.resize(groups * n, 0.0);
+        for h0 in (0..groups).step_by(simd::HEADS) {
+            let g = (groups - h0).min(simd::HEADS);
+            let queries = task.queries.subset(h0, g);
+            simd::scores(
+                simd,
+                queries,
+                task.keys,
+                self.scale,
+                &mut scores[h0 * n..][..g * n],
+            );
+        }
+        for (row, stat) in scores.chunks_exact_mut(n).zip(stats.iter_mut()) {
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+            let mut total = 0f32;
+            for s in row.iter_mut() {
+                *s = (*s - max).exp();
+                total += *s;
+            }
+            *stat = (max, total);
+        }
+        for h0 in (0..groups).step_by(simd::HEADS) {
+            let g = (groups - h0).min(simd::HEADS);
+            let probs = &scores[h0 * n..][..g * n];
+            simd::weighted_sum(simd, probs, task.values, &mut out[h0 * d..][..g * d]);
+        }
     }
 }
 
 /// `count` rows of `len` elements, `stride` apart, from the start of `data`.
-#[derive(Clone, Copy)]
 struct Rows<'a, T> {
     data: &'a [T],
     stride: usize,
@@ -214,9 +308,26 @@ struct Rows<'a, T> {
     len: usize,
 }
 
+// Copy whatever `T` is: only the reference is copied.
+impl<T> Clone for Rows<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for Rows<'_, T> {}
+
 impl<'a, T> Rows<'a, T> {
     fn row(&self, r: usize) -> &'a [T] {
         &self.data[r * self.stride..][..self.len]
+    }
+
+    /// Rows `from..from + count`.
+    fn subset(&self, from: usize, count: usize) -> Self {
+        Self {
+            data: &self.data[from * self.stride..],
+            count,
+            ..*self
+        }
     }
 }
 
