@@ -2,7 +2,7 @@
 //! Prints one JSON line per (format, kernel, batch) with giga multiply-adds per second over the
 //! threads rayon uses (set `RAYON_NUM_THREADS`). Shapes are SmolLM2's MLP (1536 × 576), or
 //! `GGUF_BENCH_SHAPE=OUTxIN` (e.g. `262144x640`, Gemma 3's output matrix; K-quants round IN up
-//! to a multiple of 256).
+//! to a multiple of 256). `GGUF_BENCH_KERNEL=avx2` (etc.) runs one kernel only.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -13,6 +13,12 @@ use peregrine_tensor::GgufMatrix;
 use peregrine_tensor::quant::Kernel;
 
 fn main() {
+    // Inside the pool, as the engine runs every forward pass: no hand-off per call.
+    let pool = rayon::ThreadPoolBuilder::new().build().unwrap();
+    pool.install(run);
+}
+
+fn run() {
     let filter = std::env::args().nth(1).filter(|a| !a.starts_with('-'));
     let (n, k) = std::env::var("GGUF_BENCH_SHAPE")
         .ok()
@@ -45,7 +51,11 @@ fn main() {
             (&w, k)
         };
         let q = GgufMatrix::new(Arc::new(QTensor::quantize(w, dtype).unwrap())).unwrap();
-        for kernel in Kernel::available() {
+        let only = std::env::var("GGUF_BENCH_KERNEL").ok();
+        let kernels = Kernel::available()
+            .into_iter()
+            .filter(|k| (only.as_ref()).is_none_or(|o| format!("{k:?}").eq_ignore_ascii_case(o)));
+        for kernel in kernels {
             for m in [1, 128] {
                 let x: Vec<f32> = (0..m * k)
                     .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
