@@ -72,6 +72,11 @@ pub(super) trait Isa {
     /// # Safety
     /// The CPU must support this instruction set.
     unsafe fn dot4(acc: __m256i, a: __m256i, b: __m256i) -> __m256i;
+    /// Byte `i` is 16 where bit `i` of `bits` is set, else 0 (Q5's fifth bits).
+    ///
+    /// # Safety
+    /// As [`Isa::dot4`].
+    unsafe fn sixteens(bits: u32) -> __m256i;
 }
 
 /// AVX2: `maddubs` then `madd` with ones.
@@ -89,6 +94,11 @@ impl Isa for Avx2 {
             _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
         }
     }
+    #[inline(always)]
+    unsafe fn sixteens(bits: u32) -> __m256i {
+        // SAFETY: per the trait's contract.
+        unsafe { fifth_bits(bits) }
+    }
 }
 
 impl Isa for Vnni {
@@ -97,6 +107,11 @@ impl Isa for Vnni {
     unsafe fn dot4(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
         // SAFETY: per the trait's contract.
         unsafe { _mm256_dpbusd_epi32(acc, a, b) }
+    }
+    #[inline(always)]
+    unsafe fn sixteens(bits: u32) -> __m256i {
+        // SAFETY: per the trait's contract (AVX-512 BW/VL: a byte mask from a register).
+        unsafe { _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(16)) }
     }
 }
 
@@ -139,70 +154,75 @@ pub(super) const fn shape(f: u8) -> (usize, usize) {
     }
 }
 
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn sub<const F: u8>(b: &[u8], j: usize) -> Sub {
-    let mut s = Sub {
-        codes: _mm256_setzero_si256(),
-        scale: f16(b, 0),
-        min: 0.0,
-        lane_scales: _mm256_set1_epi16(1),
-        scales16: [0.0; 2],
-        offsets16: [0.0; 2],
-    };
-    match F {
-        Q4_0 => (s.codes, s.min) = (nibbles(&b[2..18]), -8.0 * s.scale),
-        Q4_1 => (s.codes, s.min) = (nibbles(&b[4..20]), f16(b, 2)),
-        Q5_0 => {
-            s.codes = _mm256_or_si256(nibbles(&b[6..22]), fifth_bits(&b[2..6]));
-            s.min = -16.0 * s.scale;
-        }
-        Q5_1 => {
-            s.codes = _mm256_or_si256(nibbles(&b[8..24]), fifth_bits(&b[4..8]));
-            s.min = f16(b, 2);
-        }
-        Q8_0 => s.codes = load32(&b[2..34]),
-        Q4K | Q5K => {
-            let (qs_at, mask) = (if F == Q5K { 48 } else { 16 }, _mm256_set1_epi8(0xF));
-            let q = load32(&b[qs_at + 32 * (j / 2)..]);
-            let q = if j.is_multiple_of(2) {
-                q
-            } else {
-                _mm256_srli_epi16(q, 4)
-            };
-            s.codes = _mm256_and_si256(q, mask);
-            if F == Q5K {
-                let bit = _mm256_srl_epi16(load32(&b[16..48]), _mm_cvtsi32_si128(j as i32));
-                let bit = _mm256_and_si256(bit, _mm256_set1_epi8(1));
-                s.codes = _mm256_or_si256(s.codes, _mm256_slli_epi16(bit, 4));
+/// # Safety
+/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
+#[inline(always)]
+pub(super) unsafe fn sub<I: Isa, const F: u8>(b: &[u8], j: usize) -> Sub {
+    // SAFETY: per this function's contract.
+    unsafe {
+        let mut s = Sub {
+            codes: _mm256_setzero_si256(),
+            scale: f16(b, 0),
+            min: 0.0,
+            lane_scales: _mm256_set1_epi16(1),
+            scales16: [0.0; 2],
+            offsets16: [0.0; 2],
+        };
+        match F {
+            Q4_0 => (s.codes, s.min) = (nibbles(&b[2..18]), -8.0 * s.scale),
+            Q4_1 => (s.codes, s.min) = (nibbles(&b[4..20]), f16(b, 2)),
+            Q5_0 => {
+                s.codes = _mm256_or_si256(nibbles(&b[6..22]), I::sixteens(u32_at(b, 2)));
+                s.min = -16.0 * s.scale;
             }
-            let (sc, m) = k_scale_min(&b[4..16], j);
-            (s.scale, s.min) = (s.scale * f32::from(sc), -f16(b, 2) * f32::from(m));
+            Q5_1 => {
+                s.codes = _mm256_or_si256(nibbles(&b[8..24]), I::sixteens(u32_at(b, 4)));
+                s.min = f16(b, 2);
+            }
+            Q8_0 => s.codes = load32(&b[2..34]),
+            Q4K | Q5K => {
+                let (qs_at, mask) = (if F == Q5K { 48 } else { 16 }, _mm256_set1_epi8(0xF));
+                let q = load32(&b[qs_at + 32 * (j / 2)..]);
+                let q = if j.is_multiple_of(2) {
+                    q
+                } else {
+                    _mm256_srli_epi16(q, 4)
+                };
+                s.codes = _mm256_and_si256(q, mask);
+                if F == Q5K {
+                    let bit = _mm256_srl_epi16(load32(&b[16..48]), _mm_cvtsi32_si128(j as i32));
+                    let bit = _mm256_and_si256(bit, _mm256_set1_epi8(1));
+                    s.codes = _mm256_or_si256(s.codes, _mm256_slli_epi16(bit, 4));
+                }
+                let (sc, m) = k_scale_min(&b[4..16], j);
+                (s.scale, s.min) = (s.scale * f32::from(sc), -f16(b, 2) * f32::from(m));
+            }
+            _ => {
+                // Q6_K sub-block j = 4n + t: low (t < 2) or high nibbles of ql[64n + 32(t % 2)..],
+                // bits 2t, 2t + 1 of qh[32n..]; scales 8n + 2t and 8n + 2t + 1.
+                let (n, t) = (j / 4, j % 4);
+                let ql = load32(&b[64 * n + 32 * (t % 2)..]);
+                let low = if t < 2 { ql } else { _mm256_srli_epi16(ql, 4) };
+                let low = _mm256_and_si256(low, _mm256_set1_epi8(0xF));
+                let hi =
+                    _mm256_srl_epi16(load32(&b[128 + 32 * n..]), _mm_cvtsi32_si128(2 * t as i32));
+                let hi = _mm256_slli_epi16(_mm256_and_si256(hi, _mm256_set1_epi8(3)), 4);
+                s.codes = _mm256_or_si256(low, hi);
+                let sc = [
+                    b[192 + 8 * n + 2 * t] as i8,
+                    b[192 + 8 * n + 2 * t + 1] as i8,
+                ];
+                s.scale = f16(b, 208);
+                s.lane_scales = _mm256_set_m128i(
+                    _mm_set1_epi16(i16::from(sc[1])),
+                    _mm_set1_epi16(i16::from(sc[0])),
+                );
+                s.scales16 = sc.map(|c| s.scale * f32::from(c));
+                s.offsets16 = s.scales16.map(|c| -32.0 * c);
+            }
         }
-        _ => {
-            // Q6_K sub-block j = 4n + t: low (t < 2) or high nibbles of ql[64n + 32(t % 2)..],
-            // bits 2t, 2t + 1 of qh[32n..]; scales 8n + 2t and 8n + 2t + 1.
-            let (n, t) = (j / 4, j % 4);
-            let ql = load32(&b[64 * n + 32 * (t % 2)..]);
-            let low = if t < 2 { ql } else { _mm256_srli_epi16(ql, 4) };
-            let low = _mm256_and_si256(low, _mm256_set1_epi8(0xF));
-            let hi = _mm256_srl_epi16(load32(&b[128 + 32 * n..]), _mm_cvtsi32_si128(2 * t as i32));
-            let hi = _mm256_slli_epi16(_mm256_and_si256(hi, _mm256_set1_epi8(3)), 4);
-            s.codes = _mm256_or_si256(low, hi);
-            let sc = [
-                b[192 + 8 * n + 2 * t] as i8,
-                b[192 + 8 * n + 2 * t + 1] as i8,
-            ];
-            s.scale = f16(b, 208);
-            s.lane_scales = _mm256_set_m128i(
-                _mm_set1_epi16(i16::from(sc[1])),
-                _mm_set1_epi16(i16::from(sc[0])),
-            );
-            s.scales16 = sc.map(|c| s.scale * f32::from(c));
-            s.offsets16 = s.scales16.map(|c| -32.0 * c);
-        }
+        s
     }
-    s
 }
 
 /// # Safety
@@ -212,41 +232,68 @@ unsafe fn rows<I: Isa, const F: u8, const R: usize>(w: &[u8], x: [&[Q8Block]; R]
     let (bytes, subs) = shape(F);
     // SAFETY: per this function's contract.
     unsafe {
-        let mut acc = [_mm256_setzero_ps(); R];
-        let mut off = [0f32; R];
-        for (i, b) in w.chunks_exact(bytes).enumerate() {
-            for j in 0..subs {
-                let s = sub::<F>(b, j);
-                // Q8_0 is signed: |w| · (x · sign w), as the products need unsigned weights.
-                let codes = if F == Q8_0 {
-                    _mm256_sign_epi8(s.codes, s.codes)
+        // Even and odd blocks accumulate apart: one chain would wait on the FMA's latency.
+        let mut acc = [[_mm256_setzero_ps(); R]; 2];
+        let mut off = [[0f32; R]; 2];
+        // (K-quant super-blocks hold 8 sub-blocks each: one chain measured faster for them.)
+        let mut blocks = w.chunks_exact(bytes).enumerate();
+        while let Some((i, b)) = blocks.next() {
+            block::<I, F, R>(i, b, &x, &mut acc[0], &mut off[0]);
+            if subs > 1 {
+                continue;
+            }
+            let Some((i, b)) = blocks.next() else { break };
+            block::<I, F, R>(i, b, &x, &mut acc[1], &mut off[1]);
+        }
+        std::array::from_fn(|r| hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + off[0][r] + off[1][r])
+    }
+}
+
+/// Block `i` (bytes `b`) of one weight row against `R` input rows, into `acc` and `off`.
+///
+/// # Safety
+/// As [`dispatch_rows`].
+#[inline(always)]
+unsafe fn block<I: Isa, const F: u8, const R: usize>(
+    i: usize,
+    b: &[u8],
+    x: &[&[Q8Block]; R],
+    acc: &mut [__m256; R],
+    off: &mut [f32; R],
+) {
+    let (_, subs) = shape(F);
+    // SAFETY: per this function's contract.
+    unsafe {
+        for j in 0..subs {
+            let s = sub::<I, F>(b, j);
+            // Q8_0 is signed: |w| · (x · sign w), as the products need unsigned weights.
+            let codes = if F == Q8_0 {
+                _mm256_sign_epi8(s.codes, s.codes)
+            } else {
+                s.codes
+            };
+            for r in 0..R {
+                let xb = &x[r][i * subs + j];
+                let xv = xq(xb);
+                let xv = if F == Q8_0 {
+                    _mm256_sign_epi8(xv, s.codes)
                 } else {
-                    s.codes
+                    xv
                 };
-                for r in 0..R {
-                    let xb = &x[r][i * subs + j];
-                    let xv = xq(xb);
-                    let xv = if F == Q8_0 {
-                        _mm256_sign_epi8(xv, s.codes)
-                    } else {
-                        xv
-                    };
-                    let p = if F == Q6K {
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xv), s.lane_scales)
-                    } else {
-                        I::dot4(_mm256_setzero_si256(), codes, xv)
-                    };
-                    acc[r] = fma(acc[r], p, s.scale * xb.d);
-                    off[r] += match F {
-                        Q4_1 | Q5_1 => s.min * xb.ds,
-                        Q8_0 => 0.0,
-                        Q6K => s.offsets16[0] * xb.dsum16[0] + s.offsets16[1] * xb.dsum16[1],
-                        _ => s.min * xb.dsum,
-                    };
-                }
+                let p = if F == Q6K {
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xv), s.lane_scales)
+                } else {
+                    I::dot4(_mm256_setzero_si256(), codes, xv)
+                };
+                acc[r] = fma(acc[r], p, s.scale * xb.d);
+                off[r] += match F {
+                    Q4_1 | Q5_1 => s.min * xb.ds,
+                    Q8_0 => 0.0,
+                    Q6K => s.offsets16[0] * xb.dsum16[0] + s.offsets16[1] * xb.dsum16[1],
+                    _ => s.min * xb.dsum,
+                };
             }
         }
-        std::array::from_fn(|r| hsum(acc[r]) + off[r])
     }
 }
 
@@ -301,11 +348,11 @@ fn nibbles(qs: &[u8]) -> __m256i {
     )
 }
 
-/// Byte `i` is 16 where bit `i` of the 4 bytes at `qh` is set, else 0.
+/// Byte `i` is 16 where bit `i` of `bits` is set, else 0.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn fifth_bits(qh: &[u8]) -> __m256i {
-    let bits = i32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
+fn fifth_bits(bits: u32) -> __m256i {
+    let bits = bits as i32;
     let spread = _mm256_set_epi64x(
         0x0303_0303_0303_0303,
         0x0202_0202_0202_0202,
@@ -355,4 +402,10 @@ pub unsafe fn quantize_block(x: &[f32]) -> ([i8; QK], f32, [i32; 2]) {
     // SAFETY: `qs` is 32 bytes; unaligned store.
     unsafe { _mm256_storeu_si256(qs.as_mut_ptr().cast(), packed) };
     (qs, amax, sums)
+}
+
+/// The little-endian `u32` at `b[at..]`.
+#[inline(always)]
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
 }

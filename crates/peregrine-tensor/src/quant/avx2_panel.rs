@@ -87,7 +87,7 @@ unsafe fn row<I: Isa, const F: u8, const G: usize>(
         let mut off = [_mm256_setzero_ps(); G];
         for (i, b) in w.chunks_exact(bytes).enumerate() {
             for j in 0..subs {
-                let s = sub::<F>(b, j);
+                let s = sub::<I, F>(b, j);
                 let blk = i * subs + j;
                 let (codes, min) = match F {
                     Q8_0 if I::WIDE => (

@@ -45,9 +45,14 @@ fn dot_rows<const R: usize>(
         // SAFETY: `GgufMatrix::matmul_group` only runs kernels that run on this CPU.
         #[cfg(target_arch = "x86_64")]
         Kernel::Avx2 => unsafe { avx2::dot_rows(format, w, x) },
-        // SAFETY: as above.
+        // SAFETY: as above. The K-quants' AVX2 build measured 5-10 % faster one row at a time.
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx512Vnni => unsafe { avx2::dot_rows_vnni(format, w, x) },
+        Kernel::Avx512Vnni => unsafe {
+            match format {
+                Format::Q4K | Format::Q5K | Format::Q6K => avx2::dot_rows(format, w, x),
+                _ => avx2::dot_rows_vnni(format, w, x),
+            }
+        },
         #[cfg(not(target_arch = "x86_64"))]
         Kernel::Avx2 | Kernel::Avx512Vnni => unreachable!("x86 kernels never run off x86-64"),
     }
