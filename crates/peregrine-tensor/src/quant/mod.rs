@@ -193,15 +193,9 @@ impl GgufMatrix {
             tasks.into_par_iter().for_each(|(p, r0, r1)| {
                 let ((format, data, _), out) = (&parts[p], &outs[p]);
                 let row_bytes = k / format.block_len() * format.block_bytes();
-                for r in r0..r1 {
-                    let row = &data[r * row_bytes..][..row_bytes];
-                    // SAFETY: only (i, r) with r0 ≤ r < r1 are written, by this task only.
-                    panel_gemm_row(kernel, *format, row, &xp, blocks, |i, y| unsafe {
-                        if i < m {
-                            out.set(i, r, y)
-                        }
-                    });
-                }
+                let rows = &data[r0 * row_bytes..r1 * row_bytes];
+                // SAFETY: writes only columns r0..r1, which this task owns.
+                unsafe { panel_gemm(kernel, *format, rows, row_bytes, &xp, blocks, m, out, r0) };
             });
             return Ok(ys);
         }
@@ -252,57 +246,86 @@ fn panels(xq: &[Q8Block], m: usize, blocks: usize) -> Vec<panel::PanelBlock> {
     xp
 }
 
-/// Panels interleaved per call of [`panel_gemm_row`]'s micro-kernel.
+/// Panels interleaved per micro-kernel call (32 inputs per unpacked weight row).
 #[cfg(target_arch = "x86_64")]
 const PANELS_PER_CALL: usize = 4;
 
-/// One weight row against every panel: `emit(input, y)` for each of the panels' inputs.
+/// Weight rows per output tile: each input's outputs are written 16 columns (a cache line) at
+/// a time rather than one by one down a column.
 #[cfg(target_arch = "x86_64")]
-fn panel_gemm_row(
+const ROW_TILE: usize = 16;
+
+/// Weight rows `w` (`row_bytes` each; output columns `c0..`) against every panel of `xp`,
+/// into `out`'s rows `0..m`.
+///
+/// # Safety
+/// No other thread writes `out`'s columns `c0..c0 + rows`; the kernel runs on this CPU and has
+/// AVX2.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn panel_gemm(
     kernel: Kernel,
     format: Format,
     w: &[u8],
+    row_bytes: usize,
     xp: &[panel::PanelBlock],
     blocks: usize,
-    mut emit: impl FnMut(usize, f32),
+    m: usize,
+    out: &Columns,
+    c0: usize,
 ) {
-    let count = xp.len() / blocks;
+    let (rows, panels) = (w.len() / row_bytes, xp.len() / blocks);
     let panel = |p: usize| &xp[p * blocks..][..blocks];
-    let mut p = 0;
-    while p < count {
-        let g = if p + PANELS_PER_CALL <= count {
-            PANELS_PER_CALL
-        } else {
-            1
-        };
-        // SAFETY: callers run this only for kernels with AVX2, detected on this CPU; each
-        // panel holds the row's blocks.
-        let ys: Vec<[f32; panel::LANES]> = unsafe {
-            match (kernel, g) {
-                (Kernel::Avx512Vnni, 1) => {
-                    avx2_panel::panel_row_vnni(format, w, [panel(p)]).to_vec()
+    let mut tile = [[0f32; ROW_TILE]; PANELS_PER_CALL * panel::LANES];
+    for rb in (0..rows).step_by(ROW_TILE) {
+        let re = (rb + ROW_TILE).min(rows);
+        let mut p = 0;
+        while p < panels {
+            let g = if p + PANELS_PER_CALL <= panels {
+                PANELS_PER_CALL
+            } else {
+                1
+            };
+            for r in rb..re {
+                let row = &w[r * row_bytes..][..row_bytes];
+                // SAFETY: per this function's contract; each panel holds the row's blocks.
+                let ys = unsafe {
+                    match (kernel, g) {
+                        (Kernel::Avx512Vnni, 1) => {
+                            let [y] = avx2_panel::panel_row_vnni(format, row, [panel(p)]);
+                            [y; PANELS_PER_CALL]
+                        }
+                        (Kernel::Avx512Vnni, _) => avx2_panel::panel_row_vnni(
+                            format,
+                            row,
+                            std::array::from_fn(|t| panel(p + t)),
+                        ),
+                        (_, 1) => {
+                            let [y] = avx2_panel::panel_row(format, row, [panel(p)]);
+                            [y; PANELS_PER_CALL]
+                        }
+                        _ => avx2_panel::panel_row(
+                            format,
+                            row,
+                            std::array::from_fn(|t| panel(p + t)),
+                        ),
+                    }
+                };
+                for (t, y) in ys.iter().take(g).enumerate() {
+                    for (l, &v) in y.iter().enumerate() {
+                        tile[t * panel::LANES + l][r - rb] = v;
+                    }
                 }
-                (Kernel::Avx512Vnni, _) => avx2_panel::panel_row_vnni(
-                    format,
-                    w,
-                    std::array::from_fn::<_, PANELS_PER_CALL, _>(|t| panel(p + t)),
-                )
-                .to_vec(),
-                (_, 1) => avx2_panel::panel_row(format, w, [panel(p)]).to_vec(),
-                _ => avx2_panel::panel_row(
-                    format,
-                    w,
-                    std::array::from_fn::<_, PANELS_PER_CALL, _>(|t| panel(p + t)),
-                )
-                .to_vec(),
             }
-        };
-        for (t, y) in ys.iter().enumerate() {
-            for (l, &v) in y.iter().enumerate() {
-                emit((p + t) * panel::LANES + l, v);
+            for (t, outs) in tile.iter().take(g * panel::LANES).enumerate() {
+                let i = p * panel::LANES + t;
+                if i < m {
+                    // SAFETY: i < m; columns c0 + rb..c0 + re are this task's.
+                    unsafe { out.set_run(i, c0 + rb, &outs[..re - rb]) };
+                }
             }
+            p += g;
         }
-        p += g;
     }
 }
 
@@ -319,5 +342,14 @@ impl Columns {
     unsafe fn set(&self, i: usize, r: usize, v: f32) {
         debug_assert!(r < self.1);
         unsafe { *self.0.add(i * self.1 + r) = v };
+    }
+
+    /// Row `i`, columns `r..r + vs.len()`.
+    ///
+    /// # Safety
+    /// As [`Columns::set`], for each column.
+    unsafe fn set_run(&self, i: usize, r: usize, vs: &[f32]) {
+        debug_assert!(r + vs.len() <= self.1);
+        unsafe { std::ptr::copy_nonoverlapping(vs.as_ptr(), self.0.add(i * self.1 + r), vs.len()) };
     }
 }
