@@ -211,10 +211,7 @@ impl Shape {
                     || (Vec::new(), vec![(0f32, 0f32); groups]),
                     |(scores, stats), (t, out)| {
                         if let Some(task) = task(t) {
-                            self.attend(simd, &task, scores, stats, out);
-                            for (out, &(_, total)) in out.chunks_exact_mut(d).zip(stats.iter()) {
-                                out.iter_mut().for_each(|o| *o /= total);
-                            }
+                            self.attend(simd, &task, true, scores, stats, out);
                         }
                     },
                 );
@@ -236,7 +233,7 @@ impl Shape {
                 let (n, c) = (task.keys.count, at % splits);
                 let (from, to) = (n * c / splits, n * (c + 1) / splits);
                 if from < to {
-                    self.attend(simd, &task.keys(from, to), scores, stats, out);
+                    self.attend(simd, &task.keys(from, to), false, scores, stats, out);
                 }
             });
         for (t, out) in out.chunks_exact_mut(groups * d).enumerate() {
@@ -259,12 +256,14 @@ impl Shape {
         Ok(())
     }
 
-    /// Unnormalised attention of one task: `out[g] = Σ_j exp(s_gj - max_g) · v_j`, and
-    /// `stats[g] = (max_g, Σ_j exp(s_gj - max_g))`.
+    /// Attention of one task: `out[g] = Σ_j p_gj · v_j` with `p_gj = exp(s_gj - max_g)`, and
+    /// `stats[g] = (max_g, Σ_j p_gj)`. With `normalize`, `p_gj` is first divided by that sum
+    /// (reported as 1), the reference's order of operations.
     fn attend<E: Elem>(
         &self,
         simd: bool,
         task: &Task<E>,
+        normalize: bool,
         scores: &mut Vec<f32>,
         stats: &mut [(f32, f32)],
         out: &mut [f32],
@@ -274,13 +273,13 @@ impl Shape {
         scores.resize(groups * n, 0.0);
         for h0 in (0..groups).step_by(simd::HEADS) {
             let g = (groups - h0).min(simd::HEADS);
-            let queries = task.queries.subset(h0, g);
+            let scores = &mut scores[h0 * n..][..g * n];
             simd::scores(
                 simd,
-                queries,
+                task.queries.subset(h0, g),
                 task.keys,
                 self.scale,
-                &mut scores[h0 * n..][..g * n],
+                scores,
             );
         }
         for (row, stat) in scores.chunks_exact_mut(n).zip(stats.iter_mut()) {
@@ -289,6 +288,10 @@ impl Shape {
             for s in row.iter_mut() {
                 *s = (*s - max).exp();
                 total += *s;
+            }
+            if normalize {
+                row.iter_mut().for_each(|s| *s /= total);
+                total = 1.0;
             }
             *stat = (max, total);
         }

@@ -163,3 +163,32 @@ fn attention_reads_narrowed_caches_of_every_storage_dtype() {
         }
     }
 }
+
+/// SmolLM2's (9 heads over 3, d 64) and Gemma 3's (4 over 1, d 256) shapes, decode and prefill,
+/// queries strided as the decoder passes them: decode takes the split-keys path.
+#[test]
+fn attention_matches_reference_on_real_model_shapes() {
+    let shapes = [
+        (9, 3, 64, 70, 1),
+        (9, 3, 64, 60, 60),
+        (4, 1, 256, 33, 1),
+        (4, 1, 256, 33, 33),
+    ];
+    for (heads, kv, d, k_len, q_len) in shapes {
+        let q = randn(&[1, q_len, heads, d], 7).transpose(1, 2).unwrap();
+        let k = randn(&[1, kv, k_len, d], 8);
+        let v = randn(&[1, kv, k_len, d], 9);
+        let mask = MaskSpec {
+            q_start: k_len - q_len,
+            k_start: 0,
+            window: None,
+        };
+        let ours = attention(&q, &k, &v, 0.125, &mask).unwrap();
+        let reference = attention_ref(&q.contiguous().unwrap(), &k, &v, 0.125, &mask).unwrap();
+        let diff = max_diff(&ours, &reference);
+        assert!(
+            diff < TOL,
+            "heads {heads}/{kv} d {d} q {q_len} k {k_len}: {diff}"
+        );
+    }
+}
