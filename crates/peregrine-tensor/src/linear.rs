@@ -60,22 +60,28 @@ impl QLinear {
     /// [`forward`](Self::forward) through several layers that read the same input (q/k/v,
     /// gate/up): GGUF layers share one quantization of `x` and one parallel pass.
     pub fn forward_group(layers: &[&Self], x: &Tensor) -> Result<Vec<Tensor>> {
-        let gguf: Option<Vec<&GgufMatrix>> = layers
-            .iter()
+        let gguf: Option<Vec<&GgufMatrix>> = (layers.iter())
             .map(|l| match l {
                 Self::Gguf { w, .. } => Some(w),
                 _ => None,
             })
             .collect();
-        let Some(mats) = gguf.filter(|m| m.len() > 1) else {
-            return layers.iter().map(|l| l.forward(x)).collect();
+        let mlx: Option<Vec<&MlxQuantized>> = (layers.iter())
+            .map(|l| match l {
+                Self::MlxAffine { w, .. } => Some(w),
+                _ => None,
+            })
+            .collect();
+        let ys = match (gguf, mlx) {
+            (Some(mats), _) if mats.len() > 1 => GgufMatrix::forward_group(&mats, x)?,
+            (_, Some(mats)) if mats.len() > 1 => MlxQuantized::forward_group(&mats, x)?,
+            _ => return layers.iter().map(|l| l.forward(x)).collect(),
         };
-        let ys = GgufMatrix::forward_group(&mats, x)?;
-        layers
-            .iter()
-            .zip(ys)
+        (layers.iter().zip(ys))
             .map(|(l, y)| match l {
-                Self::Gguf { b: Some(b), .. } => y.broadcast_add(b),
+                Self::Gguf { b: Some(b), .. } | Self::MlxAffine { b: Some(b), .. } => {
+                    y.broadcast_add(b)
+                }
                 _ => Ok(y),
             })
             .collect()

@@ -351,3 +351,29 @@ fn timing_decode_and_prefill() {
         }
     }
 }
+
+#[test]
+fn decode_groups_equal_their_members() {
+    let mut rng = Rng(7);
+    // q/k/v-like (one format), then a mixed group (4 and 8 bits), which runs member by member.
+    for bits in [[4, 4, 4], [4, 8, 4]] {
+        let mats: Vec<MlxQuantized> = [96, 32, 40]
+            .into_iter()
+            .zip(bits)
+            .map(|(out, b)| random_quantized(&mut rng, out, 128, b, 64))
+            .collect();
+        let refs: Vec<&MlxQuantized> = mats.iter().collect();
+        let x = random_input(&mut rng, &[1, 1, 128]);
+        let ys = MlxQuantized::forward_group(&refs, &x).unwrap();
+        for (w, y) in mats.iter().zip(&ys) {
+            let alone = w.forward(&x).unwrap();
+            assert_eq!(y.dims(), alone.dims());
+            let (y, alone) = (y.flatten_all().unwrap(), alone.flatten_all().unwrap());
+            assert_eq!(
+                y.to_vec1::<f32>().unwrap(),
+                alone.to_vec1::<f32>().unwrap(),
+                "{bits:?}"
+            );
+        }
+    }
+}

@@ -274,48 +274,95 @@ impl MlxQuantized {
     /// Decode: `y[r] = Σ_g scale[r,g]·(q[r,g]·x[g]) + bias[r,g]·Σx[g]`, output rows split into
     /// chunks that rayon spreads over its threads.
     fn matvec(&self, x: &[f32], kernel: Kernel) -> Result<Vec<f32>> {
-        let path = kernel.path(self.bits);
+        Ok(Self::matvec_group(&[self], x, kernel)?.remove(0))
+    }
+
+    /// [`matvec`](Self::matvec) through matrices of one input width, bit width and group size,
+    /// as one parallel pass: `x` is prepared once and every matrix's row chunks share the pool.
+    fn matvec_group(mats: &[&Self], x: &[f32], kernel: Kernel) -> Result<Vec<Vec<f32>>> {
+        let Some(first) = mats.first() else {
+            return Ok(Vec::new());
+        };
+        let path = kernel.path(first.bits);
         // Σx per group is shared by every row: the bias term costs one multiply per group.
-        let xsum: Vec<f32> = x.chunks(self.group_size).map(|c| c.iter().sum()).collect();
-        let xp = path.prepare(x, self.group_size);
-        let out = self.dims().0;
-        let mut y = vec![0f32; out];
-        let chunk = rows_per_task(out);
-        self.with_view(|v| {
-            with_scales!(v.sb, s, b => y
-            .par_chunks_mut(chunk)
-            .enumerate()
-            .for_each(|(c, ys)| {
-                for (i, y) in ys.iter_mut().enumerate() {
-                    *y = row_dot(path, v, s, b, c * chunk + i, &xp, &xsum);
-                }
-            }))
-        })?;
-        Ok(y)
+        let xsum: Vec<f32> = x.chunks(first.group_size).map(|c| c.iter().sum()).collect();
+        let xp = path.prepare(x, first.group_size);
+        let guards: Vec<_> = mats.iter().map(|w| w.guards()).collect();
+        let views = (mats.iter().zip(&guards))
+            .map(|(w, g)| w.view(g))
+            .collect::<Result<Vec<_>>>()?;
+        let mut ys: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; w.dims().0]).collect();
+        let total: usize = ys.iter().map(Vec::len).sum();
+        let chunk = rows_per_task(total);
+        let tasks: Vec<(usize, usize, &mut [f32])> = (ys.iter_mut().enumerate())
+            .flat_map(|(m, y)| {
+                (y.chunks_mut(chunk).enumerate()).map(move |(c, ys)| (m, c * chunk, ys))
+            })
+            .collect();
+        tasks.into_par_iter().for_each(|(m, r0, ys)| {
+            let v = &views[m];
+            with_scales!(v.sb, s, b => for (i, y) in ys.iter_mut().enumerate() {
+                *y = row_dot(path, v, s, b, r0 + i, &xp, &xsum);
+            })
+        });
+        Ok(ys)
+    }
+
+    /// [`forward`](Self::forward) through several matrices of the same input: a single input
+    /// row (decode) through matrices of one format runs as one parallel pass (q/k/v, or
+    /// gate/up, cost one dispatch); anything else runs matrix by matrix.
+    pub fn forward_group(mats: &[&Self], x: &Tensor) -> Result<Vec<Tensor>> {
+        let Some(first) = mats.first() else {
+            return Ok(Vec::new());
+        };
+        let alike = mats.iter().all(|w| {
+            (w.bits, w.group_size, w.in_dim) == (first.bits, first.group_size, first.in_dim)
+        });
+        let one_row = x.dims().last() == Some(&first.in_dim) && x.elem_count() == first.in_dim;
+        if !alike || !one_row || !matches!(x.device(), Device::Cpu) {
+            return mats.iter().map(|w| w.forward(x)).collect();
+        }
+        let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let ys = Self::matvec_group(mats, &xs, Kernel::best())?;
+        (mats.iter().zip(ys))
+            .map(|(w, y)| {
+                let mut dims = x.dims().to_vec();
+                *dims.last_mut().expect("checked above") = w.dims().0;
+                Tensor::from_vec(y, dims, &Device::Cpu)?.to_dtype(x.dtype())
+            })
+            .collect()
     }
 
     /// Runs `f` over borrowed CPU slices of the three tensors (the storage guards live here).
     fn with_view<R>(&self, f: impl FnOnce(&CpuView) -> R) -> Result<R> {
-        let in_dim = self.in_dim;
-        let (p, s, b) = (
-            self.packed.storage_and_layout(),
-            self.scales.storage_and_layout(),
-            self.biases.storage_and_layout(),
-        );
+        let guards = self.guards();
+        Ok(f(&self.view(&guards)?))
+    }
+
+    /// Read guards on the three tensors' storage, for [`MlxQuantized::view`].
+    fn guards(&self) -> [(impl std::ops::Deref<Target = Storage> + '_, &Layout); 3] {
+        [&self.packed, &self.scales, &self.biases].map(|t| t.storage_and_layout())
+    }
+
+    /// Borrowed CPU slices of the three tensors under `guards`.
+    fn view<'a, G: std::ops::Deref<Target = Storage>>(
+        &self,
+        guards: &'a [(G, &Layout); 3],
+    ) -> Result<CpuView<'a>> {
+        let [p, s, b] = guards;
         let sb = match self.scales.dtype() {
             DType::BF16 => Sb::Bf16(cpu_slice(&s.0, s.1)?, cpu_slice(&b.0, b.1)?),
             DType::F16 => Sb::F16(cpu_slice(&s.0, s.1)?, cpu_slice(&b.0, b.1)?),
             _ => Sb::F32(cpu_slice(&s.0, s.1)?, cpu_slice(&b.0, b.1)?),
         };
-        let view = CpuView {
+        Ok(CpuView {
             packed: cpu_slice::<u32>(&p.0, p.1)?,
             sb,
             bits: self.bits,
             group_size: self.group_size,
-            groups: in_dim / self.group_size,
-            words_per_row: in_dim * self.bits / 32,
-        };
-        Ok(f(&view))
+            groups: self.in_dim / self.group_size,
+            words_per_row: self.in_dim * self.bits / 32,
+        })
     }
 }
 
