@@ -1,5 +1,7 @@
 //! Rotary position embeddings: one table type, scaling schemes as an enum (no per-model RoPE).
 
+use std::sync::{Arc, RwLock};
+
 use candle_core::{DType, Device, Result, Tensor};
 
 /// How the rotation frequencies are rescaled for long contexts.
@@ -36,13 +38,21 @@ pub enum RopeStyle {
     Interleaved,
 }
 
-/// Precomputed cos/sin tables for positions `0..max_positions`.
+/// Cos/sin tables for positions `0..max_positions`, computed as positions are first used
+/// (doubling), so a 32K-position context costs memory only for the positions it reaches.
 #[derive(Debug, Clone)]
 pub struct RotaryEmbedding {
-    cos: Tensor,
-    sin: Tensor,
+    freqs: Arc<[f64]>,
+    max_positions: usize,
+    dtype: DType,
+    device: Device,
+    /// `(cos, sin)`, `[computed positions, head_dim / 2]`; shared by clones.
+    tables: Arc<RwLock<(Tensor, Tensor)>>,
     style: RopeStyle,
 }
+
+/// Positions computed up front; tables grow by doubling from here.
+const FIRST_POSITIONS: usize = 1024;
 
 /// Inverse frequencies `theta^(-2i/d)` after scaling, one per rotated pair.
 pub fn inv_freqs(head_dim: usize, theta: f64, scaling: &RopeScaling) -> Vec<f64> {
@@ -79,7 +89,7 @@ pub fn inv_freqs(head_dim: usize, theta: f64, scaling: &RopeScaling) -> Vec<f64>
 }
 
 impl RotaryEmbedding {
-    /// Builds tables for `max_positions` positions of a `head_dim`-wide head.
+    /// Tables for up to `max_positions` positions of a `head_dim`-wide head.
     pub fn new(
         head_dim: usize,
         theta: f64,
@@ -89,37 +99,49 @@ impl RotaryEmbedding {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        let freqs = inv_freqs(head_dim, theta, scaling);
-        let half = freqs.len();
-        let mut angles = Vec::with_capacity(max_positions * half);
-        for p in 0..max_positions {
-            angles.extend(freqs.iter().map(|f| (p as f64 * f) as f32));
-        }
-        let angles = Tensor::from_vec(angles, (max_positions, half), device)?;
+        let freqs: Arc<[f64]> = inv_freqs(head_dim, theta, scaling).into();
+        let first = max_positions.min(FIRST_POSITIONS);
+        let tables = compute_tables(&freqs, first, dtype, device)?;
         Ok(Self {
-            cos: angles.cos()?.to_dtype(dtype)?,
-            sin: angles.sin()?.to_dtype(dtype)?,
+            freqs,
+            max_positions,
+            dtype,
+            device: device.clone(),
+            tables: Arc::new(RwLock::new(tables)),
             style,
         })
     }
 
     /// Number of positions the tables cover.
     pub fn max_positions(&self) -> usize {
-        self.cos.dims()[0]
+        self.max_positions
     }
 
     fn tables(&self, start: usize, len: usize) -> Result<(Tensor, Tensor)> {
-        if start + len > self.max_positions() {
+        let end = start + len;
+        if end > self.max_positions {
             candle_core::bail!(
                 "position {} is past the rotary table ({} positions)",
-                start + len - 1,
-                self.max_positions()
+                end - 1,
+                self.max_positions
             )
         }
-        Ok((
-            self.cos.narrow(0, start, len)?,
-            self.sin.narrow(0, start, len)?,
-        ))
+        let narrow = |(cos, sin): &(Tensor, Tensor)| -> Result<(Tensor, Tensor)> {
+            Ok((cos.narrow(0, start, len)?, sin.narrow(0, start, len)?))
+        };
+        {
+            let tables = self.tables.read().unwrap_or_else(|e| e.into_inner());
+            if tables.0.dims()[0] >= end {
+                return narrow(&tables);
+            }
+        }
+        let mut tables = self.tables.write().unwrap_or_else(|e| e.into_inner());
+        let have = tables.0.dims()[0];
+        if have < end {
+            let grown = end.max(2 * have).min(self.max_positions);
+            *tables = compute_tables(&self.freqs, grown, self.dtype, &self.device)?;
+        }
+        narrow(&tables)
     }
 
     /// Rotates `x: [batch, heads, seq, head_dim]` whose first token sits at position `start`.
@@ -140,4 +162,22 @@ impl RotaryEmbedding {
             RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i_slow(x, &cos, &sin),
         }
     }
+}
+
+/// `(cos, sin)` of `p · freq` for positions `0..positions`, `[positions, freqs]`.
+fn compute_tables(
+    freqs: &[f64],
+    positions: usize,
+    dtype: DType,
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let mut angles = Vec::with_capacity(positions * freqs.len());
+    for p in 0..positions {
+        angles.extend(freqs.iter().map(|f| (p as f64 * f) as f32));
+    }
+    let angles = Tensor::from_vec(angles, (positions, freqs.len()), device)?;
+    Ok((
+        angles.cos()?.to_dtype(dtype)?,
+        angles.sin()?.to_dtype(dtype)?,
+    ))
 }

@@ -87,6 +87,36 @@ fn rope_matches_reference_for_every_style_and_scaling() {
     }
 }
 
+/// Tables grow as positions are first reached; the rows are the same whichever way they grew.
+#[test]
+fn rope_tables_grow_to_the_positions_used() {
+    let rope = |_| {
+        RotaryEmbedding::new(
+            16,
+            1e4,
+            &RopeScaling::None,
+            RopeStyle::Half,
+            8192,
+            peregrine_tensor::DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap()
+    };
+    let (stepwise, direct) = (rope(0), rope(1));
+    let x = randn(&[1, 2, 3, 16], 13);
+    for start in [5, 1500, 4000] {
+        stepwise.apply(&x, start).unwrap();
+    }
+    let at_end = 8192 - 3;
+    let (a, b) = (
+        stepwise.apply(&x, at_end).unwrap(),
+        direct.apply(&x, at_end).unwrap(),
+    );
+    assert_eq!(max_diff(&a, &b), 0.0);
+    assert!(max_diff(&a, &stepwise.apply_ref(&x, at_end).unwrap()) < TOL);
+    assert!(direct.apply(&x, 8190).is_err());
+}
+
 #[test]
 fn rope_past_the_table_is_an_error() {
     let rope = RotaryEmbedding::new(
