@@ -83,7 +83,8 @@ def test_stream_sends_keepalive_comments_while_silent(server_with):
     its first chunk (the role): that silence is filled with `: keep-alive` comments."""
     server = server_with("--parallel", "1", "--keepalive-secs", "0.05")
     server.wait_ready()
-    long = {"model": "smollm2", "prompt": "Once upon a time", "temperature": 0, "max_tokens": 24,
+    # Long enough to still hold the slot when the second request arrives, however fast decode is.
+    long = {"model": "smollm2", "prompt": "Once upon a time", "temperature": 0, "max_tokens": 400,
             "ignore_eos": True}
     blocker = threading.Thread(target=lambda: httpx.post(server.url + "/v1/completions", json=long, timeout=600))
     blocker.start()
