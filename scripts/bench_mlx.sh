@@ -11,6 +11,9 @@
 #        CACHE         checkpoint cache (default ~/.cache/peregrine/bench; never committed)
 #        MAX_LOAD      wait (up to WAIT_S seconds, default 600) for the 1-minute load average
 #                      to drop below this before each run (default 1.3); the JSON records it
+#        REF_PY        python with llama-cpp-python (default .venv-ref/bin/python, made by
+#                      scripts/setup-ref-venv.sh): when present, llama.cpp runs the Q4_0 file too
+#                      (one more line per shape, `format` "llama.cpp q4_0.gguf")
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PY="${PY:-$ROOT/.venv-fixtures/bin/python}"
@@ -56,4 +59,15 @@ r = json.loads(sys.argv[1])
 r.update(shape=sys.argv[2], format=sys.argv[3], file_bytes=int(sys.argv[4]), load_1min=float(sys.argv[5]))
 print(json.dumps(r))' "$report" "$shape" "$format" "$(size_of "$weights")" "$load"
   done
+  REF_PY="${REF_PY:-$ROOT/.venv-ref/bin/python}"
+  if [[ -x "$REF_PY" ]]; then
+    wait_quiet
+    load="$(load1)"
+    "$REF_PY" "$ROOT/scripts/bench_compare.py" --model "$dir/q4_0.gguf" --skip-peregrine \
+      --prompt-tokens 40 --gen-tokens 64 --threads "$THREADS" --repeat 3 2>/dev/null |
+      "$PY" -c 'import json, sys
+r = json.loads(sys.stdin.read().strip().splitlines()[-1])["llama_cpp"]
+r.update(shape=sys.argv[1], format="llama.cpp q4_0.gguf", load_1min=float(sys.argv[2]))
+print(json.dumps(r))' "$shape" "$load"
+  fi
 done
