@@ -84,41 +84,21 @@ impl View {
         }
     }
 
-    /// Rows `i..i + count` of head `h` in batch `b`.
+    /// `count` rows of `d` elements from `(batch, head, position) = at`, stepping along axis
+    /// `along` (1: heads, 2: positions).
     fn rows<'a, T>(
         &self,
         data: &'a [T],
-        b: usize,
-        h: usize,
-        i: usize,
+        at: [usize; 3],
+        along: usize,
         count: usize,
         d: usize,
     ) -> Rows<'a, T> {
-        let [s0, s1, s2] = self.strides;
-        let start = self.offset + b * s0 + h * s1 + i * s2;
+        let start = self.offset + (0..3).map(|a| at[a] * self.strides[a]).sum::<usize>();
+        let stride = self.strides[along];
         Rows {
-            data: &data[start..start + (count - 1) * s2 + d],
-            stride: s2,
-            count,
-            len: d,
-        }
-    }
-
-    /// Row `i` of heads `h..h + count` in batch `b`.
-    fn rows_across_heads<'a, T>(
-        &self,
-        data: &'a [T],
-        b: usize,
-        h: usize,
-        i: usize,
-        count: usize,
-        d: usize,
-    ) -> Rows<'a, T> {
-        let [s0, s1, s2] = self.strides;
-        let start = self.offset + b * s0 + h * s1 + i * s2;
-        Rows {
-            data: &data[start..start + (count - 1) * s1 + d],
-            stride: s1,
+            data: &data[start..start + (count - 1) * stride + d],
+            stride,
             count,
             len: d,
         }
@@ -195,9 +175,9 @@ impl Shape {
                 (pos + 1).saturating_sub(w).saturating_sub(mask.k_start)
             });
             (lo < hi).then(|| Task {
-                queries: qv.rows_across_heads(q, bi, kvh * groups, i, groups, d),
-                keys: k.1.rows(k.0, bi, kvh, lo, hi - lo, d),
-                values: v.1.rows(v.0, bi, kvh, lo, hi - lo, d),
+                queries: qv.rows(q, [bi, kvh * groups, i], 1, groups, d),
+                keys: k.1.rows(k.0, [bi, kvh, lo], 2, hi - lo, d),
+                values: v.1.rows(v.0, [bi, kvh, lo], 2, hi - lo, d),
             })
         };
         let tasks = out.len() / (groups * d);

@@ -22,7 +22,7 @@ pub fn available() -> bool {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_rows<const R: usize>(format: Format, w: &[u8], x: [&[Q8Block]; R]) -> [f32; R] {
     // SAFETY: this function's features are `Avx2`'s.
-    unsafe { dispatch_rows::<Avx2, R>(format, w, x) }
+    unsafe { with_format!(format, F => rows::<Avx2, F, R>(w, x)) }
 }
 
 /// [`dot_rows`] with VNNI's `vpdpbusd` for the products.
@@ -36,31 +36,25 @@ pub unsafe fn dot_rows_vnni<const R: usize>(
     x: [&[Q8Block]; R],
 ) -> [f32; R] {
     // SAFETY: this function's features are `Vnni`'s.
-    unsafe { dispatch_rows::<Vnni, R>(format, w, x) }
+    unsafe { with_format!(format, F => rows::<Vnni, F, R>(w, x)) }
 }
 
-/// # Safety
-/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
-#[inline(always)]
-unsafe fn dispatch_rows<I: Isa, const R: usize>(
-    format: Format,
-    w: &[u8],
-    x: [&[Q8Block]; R],
-) -> [f32; R] {
-    // SAFETY: per this function's contract.
-    unsafe {
-        match format {
-            Format::Q4_0 => rows::<I, Q4_0, R>(w, x),
-            Format::Q4_1 => rows::<I, Q4_1, R>(w, x),
-            Format::Q5_0 => rows::<I, Q5_0, R>(w, x),
-            Format::Q5_1 => rows::<I, Q5_1, R>(w, x),
-            Format::Q8_0 => rows::<I, Q8_0, R>(w, x),
-            Format::Q4K => rows::<I, Q4K, R>(w, x),
-            Format::Q5K => rows::<I, Q5K, R>(w, x),
-            Format::Q6K => rows::<I, Q6K, R>(w, x),
+/// Runs `$body` with the const `$f` set to `$format`'s id, so each format compiles to its own
+/// straight-line loop.
+macro_rules! with_format {
+    ($format:expr, $f:ident => $body:expr) => {
+        with_format!(@ids $format, $f, $body, Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4K Q5K Q6K)
+    };
+    (@ids $format:expr, $f:ident, $body:expr, $($id:ident)*) => {
+        match $format {
+            $(Format::$id => {
+                const $f: u8 = $crate::quant::avx2::$id;
+                $body
+            })*
         }
-    }
+    };
 }
+pub(super) use with_format;
 
 /// The instruction set a kernel is compiled for: how it multiplies unsigned by signed bytes.
 pub(super) trait Isa {
@@ -226,7 +220,7 @@ pub(super) unsafe fn sub<I: Isa, const F: u8>(b: &[u8], j: usize) -> Sub {
 }
 
 /// # Safety
-/// As [`dispatch_rows`].
+/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
 #[inline(always)]
 unsafe fn rows<I: Isa, const F: u8, const R: usize>(w: &[u8], x: [&[Q8Block]; R]) -> [f32; R] {
     let (bytes, subs) = shape(F);
@@ -252,7 +246,7 @@ unsafe fn rows<I: Isa, const F: u8, const R: usize>(w: &[u8], x: [&[Q8Block]; R]
 /// Block `i` (bytes `b`) of one weight row against `R` input rows, into `acc` and `off`.
 ///
 /// # Safety
-/// As [`dispatch_rows`].
+/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
 #[inline(always)]
 unsafe fn block<I: Isa, const F: u8, const R: usize>(
     i: usize,

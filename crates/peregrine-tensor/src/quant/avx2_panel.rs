@@ -7,7 +7,7 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{Avx2, Isa, Q4_0, Q4_1, Q4K, Q5_0, Q5_1, Q5K, Q6K, Q8_0, Vnni, shape, sub};
+use super::avx2::{Avx2, Isa, Q4_1, Q5_1, Q6K, Q8_0, Vnni, shape, sub, with_format};
 use super::format::Format;
 use super::panel::{LANES, PanelBlock};
 
@@ -22,7 +22,7 @@ pub unsafe fn panel_row<const G: usize>(
     x: [&[PanelBlock]; G],
 ) -> [[f32; LANES]; G] {
     // SAFETY: this function's features are `Avx2`'s.
-    unsafe { dispatch::<Avx2, G>(format, w, x) }
+    unsafe { with_format!(format, F => row::<Avx2, F, G>(w, x)) }
 }
 
 /// [`panel_row`] with VNNI's `vpdpbusd`.
@@ -37,30 +37,7 @@ pub unsafe fn panel_row_vnni<const G: usize>(
     x: [&[PanelBlock]; G],
 ) -> [[f32; LANES]; G] {
     // SAFETY: this function's features are `Vnni`'s.
-    unsafe { dispatch::<Vnni, G>(format, w, x) }
-}
-
-/// # Safety
-/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
-#[inline(always)]
-unsafe fn dispatch<I: Isa, const G: usize>(
-    format: Format,
-    w: &[u8],
-    x: [&[PanelBlock]; G],
-) -> [[f32; LANES]; G] {
-    // SAFETY: per this function's contract.
-    unsafe {
-        match format {
-            Format::Q4_0 => row::<I, Q4_0, G>(w, x),
-            Format::Q4_1 => row::<I, Q4_1, G>(w, x),
-            Format::Q5_0 => row::<I, Q5_0, G>(w, x),
-            Format::Q5_1 => row::<I, Q5_1, G>(w, x),
-            Format::Q8_0 => row::<I, Q8_0, G>(w, x),
-            Format::Q4K => row::<I, Q4K, G>(w, x),
-            Format::Q5K => row::<I, Q5K, G>(w, x),
-            Format::Q6K => row::<I, Q6K, G>(w, x),
-        }
-    }
+    unsafe { with_format!(format, F => row::<Vnni, F, G>(w, x)) }
 }
 
 /// 32 bytes, aligned for one vector store.
@@ -68,7 +45,7 @@ unsafe fn dispatch<I: Isa, const G: usize>(
 struct Quads([u32; 8]);
 
 /// # Safety
-/// As [`dispatch`].
+/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
 #[inline(always)]
 unsafe fn row<I: Isa, const F: u8, const G: usize>(
     w: &[u8],
