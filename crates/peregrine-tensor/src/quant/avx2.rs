@@ -226,22 +226,29 @@ unsafe fn rows<I: Isa, const F: u8, const R: usize>(w: &[u8], x: [&[Q8Block]; R]
     let (bytes, subs) = shape(F);
     // SAFETY: per this function's contract.
     unsafe {
-        // Even and odd blocks accumulate apart: one chain would wait on the FMA's latency.
-        let mut acc = [[_mm256_setzero_ps(); R]; 2];
-        let mut off = [[0f32; R]; 2];
-        // (K-quant super-blocks hold 8 sub-blocks each: one chain measured faster for them.)
+        // Block i accumulates in chain i % 4: one chain would wait on the FMA's latency. K-quant
+        // super-blocks hold 8 sub-blocks each, and one chain measured faster for them.
+        let mut acc = [[_mm256_setzero_ps(); R]; CHAINS];
+        let mut off = [[0f32; R]; CHAINS];
+        let chains = if subs > 1 { 1 } else { CHAINS };
         let mut blocks = w.chunks_exact(bytes).enumerate();
-        while let Some((i, b)) = blocks.next() {
-            block::<I, F, R>(i, b, &x, &mut acc[0], &mut off[0]);
-            if subs > 1 {
-                continue;
+        'blocks: loop {
+            for c in 0..chains {
+                let Some((i, b)) = blocks.next() else {
+                    break 'blocks;
+                };
+                block::<I, F, R>(i, b, &x, &mut acc[c], &mut off[c]);
             }
-            let Some((i, b)) = blocks.next() else { break };
-            block::<I, F, R>(i, b, &x, &mut acc[1], &mut off[1]);
         }
-        std::array::from_fn(|r| hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + off[0][r] + off[1][r])
+        std::array::from_fn(|r| {
+            let sum = (acc.iter()).fold(_mm256_setzero_ps(), |s, a| _mm256_add_ps(s, a[r]));
+            hsum(sum) + off.iter().map(|o| o[r]).sum::<f32>()
+        })
     }
 }
+
+/// Independent accumulator chains of the row kernel.
+const CHAINS: usize = 4;
 
 /// Block `i` (bytes `b`) of one weight row against `R` input rows, into `acc` and `off`.
 ///
