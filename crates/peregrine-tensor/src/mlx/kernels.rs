@@ -118,29 +118,21 @@ pub(super) fn row_dot<S: ScaleType>(
     let gs = v.group_size;
     match path {
         Path::Q4 => {
-            let (words, per_group) = (v.row_words(r), gs / 8);
-            let mut acc = 0f32;
-            for (g, (wg, xg)) in words.chunks(per_group).zip(x.chunks(gs)).enumerate() {
-                acc += s[g].widen() * dot_q4(wg, xg) + b[g].widen() * xsum[g];
-            }
-            acc
+            let words = v.row_words(r);
+            affine_sum(s, b, xsum, |g| {
+                dot_q4(&words[g * gs / 8..][..gs / 8], &x[g * gs..][..gs])
+            })
         }
         Path::Q8 => {
-            let (words, per_group) = (v.row_words(r), gs / 4);
-            let mut acc = 0f32;
-            for (g, (wg, xg)) in words.chunks(per_group).zip(x.chunks(gs)).enumerate() {
-                acc += s[g].widen() * dot_q8(wg, xg) + b[g].widen() * xsum[g];
-            }
-            acc
+            let words = v.row_words(r);
+            affine_sum(s, b, xsum, |g| {
+                dot_q8(&words[g * gs / 4..][..gs / 4], &x[g * gs..][..gs])
+            })
         }
         Path::Generic => {
             let mut q = [0f32; 128]; // the largest group size
-            let q = &mut q[..v.group_size];
-            let mut acc = 0f32;
-            for (g, (xg, xs)) in x.chunks(v.group_size).zip(xsum).enumerate() {
-                acc += s[g].widen() * v.group_dot(r, g, q, xg) + b[g].widen() * xs;
-            }
-            acc
+            let q = &mut q[..gs];
+            affine_sum(s, b, xsum, |g| v.group_dot(r, g, q, &x[g * gs..][..gs]))
         }
         // SAFETY: these paths are chosen only when `avx2_available()`; the slices have the
         // lengths the kernels read (checked by their debug assertions).
@@ -149,6 +141,18 @@ pub(super) fn row_dot<S: ScaleType>(
         #[cfg(target_arch = "x86_64")]
         Path::Avx2Q8 => unsafe { avx2::row_q8(v.row_words(r), s, b, x, xsum, v.group_size) },
     }
+}
+
+/// `Σ_g s[g]·dot(g) + b[g]·xsum[g]`: one row's groups, each code sum scaled and offset.
+fn affine_sum<S: ScaleType>(
+    s: &[S],
+    b: &[S],
+    xsum: &[f32],
+    mut dot: impl FnMut(usize) -> f32,
+) -> f32 {
+    (0..s.len())
+        .map(|g| s[g].widen() * dot(g) + b[g].widen() * xsum[g])
+        .sum()
 }
 
 /// Dequantizes one 4- or 8-bit row into `row` (natural order) with `s·q + b` per group; false
