@@ -8,6 +8,7 @@ use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use peregrine_models::weights::MlxActivations;
 use peregrine_models::{CausalLm, KvOptions, LoadOptions, Logits, SequenceCache, load_model};
 use peregrine_tensor::{Device, Tensor};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
@@ -33,6 +34,8 @@ pub struct EngineConfig {
     pub queue_size: usize,
     /// KV cache storage.
     pub kv: KvOptions,
+    /// How MLX 4-bit weights are multiplied (8-bit activations by default).
+    pub mlx_activations: MlxActivations,
 }
 
 impl Default for EngineConfig {
@@ -44,6 +47,7 @@ impl Default for EngineConfig {
             parallel: 1,
             queue_size: 64,
             kv: KvOptions::default(),
+            mlx_activations: MlxActivations::default(),
         }
     }
 }
@@ -110,6 +114,7 @@ impl Engine {
         let opts = LoadOptions {
             device: config.device.clone(),
             max_context: config.max_context,
+            mlx_activations: config.mlx_activations,
         };
         let loaded = load_model(path, &opts)?;
         let tokenizer = match &loaded.gguf {

@@ -10,7 +10,7 @@ use crate::arch::gemma3::model::Gemma3Lm;
 use crate::config::{Fields, read_json_object};
 use crate::layers::decoder::DecoderLm;
 use crate::weights::{
-    GgufFile, MlxQuantization, SafetensorsFiles, Source, Weights, config_from_gguf,
+    GgufFile, MlxActivations, MlxQuantization, SafetensorsFiles, Source, Weights, config_from_gguf,
 };
 use crate::{CausalLm, ModelConfig, ModelError, Result, arch};
 
@@ -60,6 +60,8 @@ pub struct LoadOptions {
     pub device: Device,
     /// Longest context to prepare for (RoPE tables); defaults to the model's trained length.
     pub max_context: Option<usize>,
+    /// How MLX 4-bit matrices are multiplied (8-bit activations unless asked otherwise).
+    pub mlx_activations: MlxActivations,
 }
 
 impl Default for LoadOptions {
@@ -67,6 +69,7 @@ impl Default for LoadOptions {
         Self {
             device: Device::Cpu,
             max_context: None,
+            mlx_activations: MlxActivations::default(),
         }
     }
 }
@@ -146,7 +149,12 @@ pub fn load_model(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         // MLX checkpoints: quantized modules are found per tensor by their `.scales`.
         let mlx = MlxQuantization::from_config(&config_path, &map)?;
         let weights = Weights::new(Source::Safetensors(files), opts.device.clone(), dtype);
-        (config, weights.with_mlx(mlx), None, *build)
+        (
+            config,
+            weights.with_mlx(mlx, opts.mlx_activations),
+            None,
+            *build,
+        )
     } else {
         let file = GgufFile::open(path)?;
         let config = config_from_gguf(&file)?;

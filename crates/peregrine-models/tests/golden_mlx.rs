@@ -8,17 +8,39 @@
 //! tests/fixtures/README-mlx.md), so we check both. Tolerance 1e-3 max abs: the dequantized
 //! weights are the same f32 numbers on both sides and we compute in f32, so only summation order
 //! differs (observed ~1e-5); one misdecoded code or a wrong group moves logits by 1e-2 or more.
+//! Those checks load with `MlxActivations::F32`, the mode that computes as mlx-lm does.
+//!
+//! The default mode regroups 4-bit weights into Q4_1 blocks (bit-exact, tests/mlx.rs in
+//! peregrine-tensor) and rounds activations to 8 bits per 32 values, as llama.cpp does. That
+//! rounding is the only difference, and it is not small on these fixtures: about 0.5 % of each
+//! matmul input's magnitude, compounded over the 7 matmuls of 2 untrained layers, measured
+//! 0.019-0.021 RMS (max 0.09-0.13) on logits of standard deviation ~1. The checks there:
+//! RMS ≤ [`Q8_RMS`] (2× measured; a wrong nibble order or scale moves it to ~1), max ≤
+//! [`Q8_MAX`], and the same top-1 token wherever the reference's lead over its runner-up is
+//! more than 2 × [`Q8_MAX`] (near-ties may flip, as they do between llama.cpp and transformers).
 
 mod common;
 
 use std::path::PathBuf;
 
-use peregrine_models::weights::MlxQuantization;
-use peregrine_models::{KvOptions, LoadOptions, Logits, SequenceCache, load_model};
+use peregrine_models::weights::{MlxActivations, MlxQuantization};
+use peregrine_models::{CausalLm, KvOptions, LoadOptions, Logits, SequenceCache, load_model};
 use peregrine_tensor::candle::safetensors::load;
 use peregrine_tensor::{DType, Device, Tensor};
 
 const TOLERANCE: f32 = 1e-3;
+/// RMS logit difference allowed with 8-bit activations (module docs: 2× the measured 0.02).
+const Q8_RMS: f32 = 0.04;
+/// Largest logit difference allowed with 8-bit activations (2× the measured 0.13).
+const Q8_MAX: f32 = 0.25;
+
+/// The mlx-lm-exact mode every check but the Q8 ones uses.
+fn exact() -> LoadOptions {
+    LoadOptions {
+        mlx_activations: MlxActivations::F32,
+        ..LoadOptions::default()
+    }
+}
 
 /// Quantized weights may take this much more memory than the file: scales and biases are kept
 /// in f32 (bf16 in the file) so the kernels need no conversion; dequantized copies would be 8×.
@@ -63,20 +85,23 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     peregrine_tensor::ops::max_abs_diff(a, b).unwrap()
 }
 
+/// Logits for `r.ids` fed `chunk` tokens per forward pass.
+fn logits_in_chunks(model: &dyn CausalLm, r: &Reference, chunk: usize) -> Tensor {
+    let mut cache = SequenceCache::new(&model.cache_spec(), &KvOptions::default());
+    let parts: Vec<Tensor> = (r.ids.chunks(chunk))
+        .map(|c| model.forward(c, &mut cache, Logits::All).expect("forward"))
+        .collect();
+    Tensor::cat(&parts, 0).unwrap()
+}
+
 fn check_logits(arch: &str, variant: &str) {
-    let model = load_model(&fixture(arch, variant), &LoadOptions::default())
+    let model = load_model(&fixture(arch, variant), &exact())
         .expect("fixture loads")
         .model;
     let r = reference(arch, variant);
     // The whole prompt (tiled batch kernel), chunks of 5, and token by token (decode kernel).
     for chunk in [1024, 5, 1] {
-        let mut cache = SequenceCache::new(&model.cache_spec(), &KvOptions::default());
-        let parts: Vec<Tensor> = r
-            .ids
-            .chunks(chunk)
-            .map(|c| model.forward(c, &mut cache, Logits::All).expect("forward"))
-            .collect();
-        let ours = Tensor::cat(&parts, 0).unwrap();
+        let ours = logits_in_chunks(model.as_ref(), &r, chunk);
         assert_eq!(
             ours.dims(),
             r.logits.dims(),
@@ -92,10 +117,48 @@ fn check_logits(arch: &str, variant: &str) {
     }
 }
 
+/// The default (8-bit activation) mode on a 4-bit fixture, against the bounds in the module docs.
+fn check_q8_logits(arch: &str, variant: &str) {
+    let load = |opts| load_model(&fixture(arch, variant), &opts).unwrap().model;
+    let (model, exact_model) = (load(LoadOptions::default()), load(exact()));
+    let r = reference(arch, variant);
+    let exact_logits = logits_in_chunks(exact_model.as_ref(), &r, 1024);
+    let want = r.logits_mlx.to_vec2::<f32>().unwrap();
+    for chunk in [1024, 5, 1] {
+        let ours = logits_in_chunks(model.as_ref(), &r, chunk);
+        let what = format!("{arch}/{variant} (chunk {chunk}, 8-bit activations)");
+        // Otherwise this would check the f32 path a second time.
+        assert!(
+            max_abs_diff(&ours, &exact_logits) > 1e-4,
+            "{what}: integer kernels not used"
+        );
+        let max = max_abs_diff(&ours, &r.logits_mlx);
+        let rms = (&ours - &r.logits_mlx)
+            .and_then(|d| d.sqr()?.mean_all()?.sqrt()?.to_scalar::<f32>())
+            .unwrap();
+        assert!(
+            rms <= Q8_RMS && max <= Q8_MAX,
+            "{what}: rms {rms}, max {max}"
+        );
+        for (pos, (got, want)) in ours.to_vec2::<f32>().unwrap().iter().zip(&want).enumerate() {
+            let mut sorted = want.clone();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            let (top, lead) = (argmax(want), sorted[0] - sorted[1]);
+            if lead > 2.0 * Q8_MAX {
+                assert_eq!(argmax(got), top, "{what}: top-1 at {pos} (lead {lead})");
+            }
+        }
+    }
+}
+
+fn argmax(v: &[f32]) -> usize {
+    (0..v.len())
+        .max_by(|&a, &b| v[a].total_cmp(&v[b]))
+        .unwrap_or(0)
+}
+
 fn check_greedy(arch: &str, variant: &str) {
-    let model = load_model(&fixture(arch, variant), &LoadOptions::default())
-        .unwrap()
-        .model;
+    let model = load_model(&fixture(arch, variant), &exact()).unwrap().model;
     let r = reference(arch, variant);
     let out = common::greedy_ids(model.as_ref(), &r.ids, r.greedy.len());
     assert_eq!(out, r.greedy, "{arch}/{variant}: greedy continuation");
@@ -136,6 +199,15 @@ golden_mlx! {
         q3_g32 = "mlx-q3-g32", q6_g128 = "mlx-q6-g128";
     qwen3: bf16 = "mlx-bf16", q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64", q4_g32 = "mlx-q4-g32",
         q3_g32 = "mlx-q3-g32", q6_g128 = "mlx-q6-g128";
+}
+
+#[test]
+fn eight_bit_activations_stay_within_their_rounding() {
+    for arch in ["llama", "qwen3"] {
+        for variant in ["mlx-q4-g64", "mlx-q4-g32"] {
+            check_q8_logits(arch, variant);
+        }
+    }
 }
 
 #[test]

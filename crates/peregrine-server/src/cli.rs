@@ -8,7 +8,8 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use peregrine_engine::tensor::DType;
 use peregrine_engine::{
-    ChatMessage, Engine, EngineConfig, Event, KvOptions, Prompt, Request, SamplingParams,
+    ChatMessage, Engine, EngineConfig, Event, KvOptions, MlxActivations, Prompt, Request,
+    SamplingParams,
 };
 
 use crate::hub::resolve_model;
@@ -54,6 +55,10 @@ pub struct ModelArgs {
     /// KV cache storage: f32 (exact), f16 (half the memory; llama.cpp's default) or bf16.
     #[arg(long, default_value = "f32", value_parser = ["f32", "f16", "bf16"])]
     pub cache_type: String,
+    /// MLX 4-bit weights: q8 rounds activations to 8 bits per 32 values and runs the integer
+    /// kernels (as llama.cpp does for its 4-bit formats); f32 computes as mlx-lm does (slower).
+    #[arg(long, default_value = "q8", value_parser = ["q8", "f32"])]
+    pub mlx_activations: String,
 }
 
 impl ModelArgs {
@@ -68,6 +73,10 @@ impl ModelArgs {
             max_context: self.ctx_size,
             prefill_size: self.prefill_size,
             kv: KvOptions { dtype },
+            mlx_activations: match self.mlx_activations.as_str() {
+                "f32" => MlxActivations::F32,
+                _ => MlxActivations::Q8,
+            },
             ..Default::default()
         }
     }

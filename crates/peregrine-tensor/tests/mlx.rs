@@ -377,3 +377,27 @@ fn decode_groups_equal_their_members() {
         }
     }
 }
+
+#[test]
+fn q4_1_regrouping_keeps_every_weight() {
+    let mut rng = Rng(21);
+    for group in GROUPS {
+        // bf16 scales of these magnitudes are f16 values, so the regrouped weights are the same
+        // numbers: dequantized by candle's Q4_1 decoder they equal the MLX reference bit for bit.
+        let q = random_quantized(&mut rng, 5, group * 3, 4, group);
+        let q4 = q.to_q4_1().unwrap().expect("f16-exact scales regroup");
+        let got = q4.dequantize(&Device::Cpu).unwrap();
+        let want = q.dequantize_ref().unwrap();
+        assert_eq!(got.dims(), want.dims(), "group {group}");
+        assert_eq!(
+            got.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            "group {group}"
+        );
+    }
+    // f32 scales that f16 would round, and other widths, stay MLX.
+    let inexact = random_quantized_as(&mut rng, 3, 64, 4, 32, DType::F32);
+    assert!(inexact.to_q4_1().unwrap().is_none());
+    let eight = random_quantized(&mut rng, 3, 64, 8, 32);
+    assert!(eight.to_q4_1().unwrap().is_none());
+}

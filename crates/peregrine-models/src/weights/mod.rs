@@ -6,11 +6,13 @@ pub mod mlx;
 mod safetensors;
 
 pub use gguf::{GgufFile, config_from_gguf, gguf_name};
-pub use mlx::MlxQuantization;
+pub use mlx::{MlxActivations, MlxQuantization};
 pub use safetensors::SafetensorsFiles;
 
 use std::path::Path;
+use std::sync::Arc;
 
+use peregrine_tensor::candle::quantized::QTensor;
 use peregrine_tensor::{DType, Device, Embedding, MlxQuantized, QLinear, Tensor};
 
 use crate::{ModelError, Result};
@@ -30,6 +32,7 @@ pub struct Weights {
     dtype: DType,
     /// MLX quantization settings from config.json, when the checkpoint has them.
     mlx: Option<MlxQuantization>,
+    mlx_activations: MlxActivations,
 }
 
 impl Weights {
@@ -40,13 +43,23 @@ impl Weights {
             device,
             dtype,
             mlx: None,
+            mlx_activations: MlxActivations::default(),
         }
     }
 
     /// Adds an MLX checkpoint's quantization settings (bits, group size, per-module overrides).
-    pub fn with_mlx(mut self, mlx: Option<MlxQuantization>) -> Self {
+    pub fn with_mlx(mut self, mlx: Option<MlxQuantization>, activations: MlxActivations) -> Self {
         self.mlx = mlx;
+        self.mlx_activations = activations;
         self
+    }
+
+    /// `q` as a GGUF Q4_1 tensor when the integer kernels are asked for and it regroups exactly.
+    fn regrouped(&self, q: &MlxQuantized) -> Result<Option<Arc<QTensor>>> {
+        if self.mlx_activations != MlxActivations::Q8 {
+            return Ok(None);
+        }
+        Ok(q.to_q4_1()?.map(Arc::new))
     }
 
     /// `{prefix}.weight` as MLX affine-quantized, when `{prefix}.scales` exists beside it.
@@ -121,7 +134,10 @@ impl Weights {
             false => None,
         };
         if let Some(w) = self.mlx_quantized(prefix, out_dim, in_dim)? {
-            return Ok(QLinear::MlxAffine { w, b });
+            return match self.regrouped(&w)? {
+                Some(q) => Ok(QLinear::from_qtensor(q, b)?),
+                None => Ok(QLinear::MlxAffine { w, b }),
+            };
         }
         match &self.source {
             Source::Safetensors(_) => Ok(QLinear::Dense {
@@ -131,7 +147,7 @@ impl Weights {
             Source::Gguf(g) => {
                 let q = g.qtensor(&w_name, &self.device)?;
                 self.check_shape(&w_name, q.shape().dims(), &[out_dim, in_dim])?;
-                Ok(QLinear::from_qtensor(std::sync::Arc::new(q), b)?)
+                Ok(QLinear::from_qtensor(Arc::new(q), b)?)
             }
         }
     }
@@ -141,14 +157,17 @@ impl Weights {
         if let Some(prefix) = name.strip_suffix(".weight")
             && let Some(q) = self.mlx_quantized(prefix, vocab, hidden)?
         {
-            return Ok(Embedding::MlxAffine(q));
+            return Ok(match self.regrouped(&q)? {
+                Some(q4) => Embedding::Gguf(q4),
+                None => Embedding::MlxAffine(q),
+            });
         }
         match &self.source {
             Source::Safetensors(_) => Ok(Embedding::Dense(self.tensor(name, &[vocab, hidden])?)),
             Source::Gguf(g) => {
                 let q = g.qtensor(name, &self.device)?;
                 self.check_shape(name, q.shape().dims(), &[vocab, hidden])?;
-                Ok(Embedding::Gguf(std::sync::Arc::new(q)))
+                Ok(Embedding::Gguf(Arc::new(q)))
             }
         }
     }

@@ -7,6 +7,7 @@
 //! memory is the checkpoint's size.
 
 mod kernels;
+mod regroup;
 
 use candle_core::{DType, Device, Layout, Result, Storage, Tensor, bail};
 use half::{bf16, f16};
