@@ -9,10 +9,12 @@
 //! magnitude 2⁻¹⁴..65504 always are): the regrouped weights are the same numbers, bit for bit.
 
 use candle_core::quantized::{GgmlDType, QTensor, ggml_file::qtensor_from_ggml};
-use candle_core::{DType, Result};
+use candle_core::{Device, Result};
 use half::f16;
+use rayon::prelude::*;
 
-use super::MlxQuantized;
+use super::kernels::ScaleType;
+use super::{MlxQuantized, Sb, with_scales};
 
 /// Values per Q4_1 block.
 const BLOCK: usize = 32;
@@ -23,33 +25,45 @@ impl MlxQuantized {
     /// The same matrix as a GGUF Q4_1 tensor, or `None` when it is not 4-bit or a scale or bias
     /// is not exactly representable in f16.
     pub fn to_q4_1(&self) -> Result<Option<QTensor>> {
-        if self.bits != 4 {
+        if self.bits != 4 || !matches!(self.packed.device(), Device::Cpu) {
             return Ok(None);
         }
         let (out, in_dim) = self.dims();
-        let f32s = |t: &candle_core::Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1();
-        let (scales, biases): (Vec<f32>, Vec<f32>) = (f32s(&self.scales)?, f32s(&self.biases)?);
-        let exact = |v: f32| f16::from_f32(v).to_f32().to_bits() == v.to_bits();
-        if !scales.iter().chain(&biases).all(|&v| exact(v)) {
+        let mut bytes = vec![0u8; out * in_dim / BLOCK * BLOCK_BYTES];
+        let exact = self.with_view(|v| {
+            with_scales!(v.sb, s, b => {
+                let f16_exact = |v: f32| f16::from_f32(v).to_f32().to_bits() == v.to_bits();
+                if !s.iter().chain(b).all(|v| f16_exact(v.widen())) {
+                    return false;
+                }
+                let row_bytes = in_dim / BLOCK * BLOCK_BYTES;
+                bytes.par_chunks_mut(row_bytes).enumerate().for_each(|(r, row)| {
+                    regroup_row(v.row_words(r), &s[r * v.groups..], &b[r * v.groups..], v.group_size, row)
+                });
+                true
+            })
+        })?;
+        if !exact {
             return Ok(None);
         }
-        let words = self.packed.flatten_all()?.to_vec1::<u32>()?;
-        let blocks_per_group = self.group_size / BLOCK;
-        let mut bytes = Vec::with_capacity(out * in_dim / BLOCK * BLOCK_BYTES);
-        // 4 words (32 nibbles) per block, in row-major order in both layouts.
-        for (b, w) in words.chunks_exact(4).enumerate() {
-            let g = b / blocks_per_group;
-            bytes.extend_from_slice(&f16::from_f32(scales[g]).to_le_bytes());
-            bytes.extend_from_slice(&f16::from_f32(biases[g]).to_le_bytes());
-            let code = |i: usize| ((w[i / 8] >> (4 * (i % 8))) & 0xF) as u8;
-            bytes.extend((0..BLOCK / 2).map(|j| code(j) | code(j + BLOCK / 2) << 4));
+        qtensor_from_ggml(GgmlDType::Q4_1, &bytes, vec![out, in_dim], &Device::Cpu).map(Some)
+    }
+}
+
+/// One row's MLX words and group scales/biases as Q4_1 blocks into `out`.
+fn regroup_row<S: ScaleType>(words: &[u32], s: &[S], b: &[S], group_size: usize, out: &mut [u8]) {
+    // 4 words (32 nibbles) per block, in input order in both layouts.
+    for (i, (w, block)) in words
+        .chunks_exact(4)
+        .zip(out.chunks_exact_mut(BLOCK_BYTES))
+        .enumerate()
+    {
+        let g = i * BLOCK / group_size;
+        block[..2].copy_from_slice(&f16::from_f32(s[g].widen()).to_le_bytes());
+        block[2..4].copy_from_slice(&f16::from_f32(b[g].widen()).to_le_bytes());
+        let code = |i: usize| ((w[i / 8] >> (4 * (i % 8))) & 0xF) as u8;
+        for (j, q) in block[4..].iter_mut().enumerate() {
+            *q = code(j) | code(j + BLOCK / 2) << 4;
         }
-        qtensor_from_ggml(
-            GgmlDType::Q4_1,
-            &bytes,
-            vec![out, in_dim],
-            self.packed.device(),
-        )
-        .map(Some)
     }
 }
