@@ -50,12 +50,27 @@ fn run() {
         } else {
             (&w, k)
         };
-        let q = GgufMatrix::new(Arc::new(QTensor::quantize(w, dtype).unwrap())).unwrap();
+        let qt = Arc::new(QTensor::quantize(w, dtype).unwrap());
+        // The file's row layout too where the x86 kernels interleave rows (Q4_0, Q4_1).
+        let q = GgufMatrix::new(qt.clone()).unwrap();
+        let mut layouts = vec![q];
+        if layouts[0].is_interleaved() {
+            layouts.push(GgufMatrix::new_rows(qt).unwrap());
+        }
         let only = std::env::var("GGUF_BENCH_KERNEL").ok();
-        let kernels = Kernel::available()
+        let kernels: Vec<Kernel> = Kernel::available()
             .into_iter()
-            .filter(|k| (only.as_ref()).is_none_or(|o| format!("{k:?}").eq_ignore_ascii_case(o)));
-        for kernel in kernels {
+            .filter(|k| (only.as_ref()).is_none_or(|o| format!("{k:?}").eq_ignore_ascii_case(o)))
+            .collect();
+        for (q, kernel) in layouts
+            .iter()
+            .flat_map(|q| kernels.iter().map(move |k| (q, *k)))
+        {
+            let layout = if q.is_interleaved() {
+                "interleaved"
+            } else {
+                "rows"
+            };
             for m in [1, 128] {
                 let x: Vec<f32> = (0..m * k)
                     .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
@@ -70,7 +85,7 @@ fn run() {
                 let secs = start.elapsed().as_secs_f64();
                 let gmacs = (n * k * m * reps) as f64 / secs / 1e9;
                 println!(
-                    "{{\"format\":\"{dtype:?}\",\"kernel\":\"{kernel:?}\",\"m\":{m},\"n\":{n},\"k\":{k},\"us_per_call\":{:.1},\"gmacs\":{gmacs:.2}}}",
+                    "{{\"format\":\"{dtype:?}\",\"layout\":\"{layout}\",\"kernel\":\"{kernel:?}\",\"m\":{m},\"n\":{n},\"k\":{k},\"us_per_call\":{:.1},\"gmacs\":{gmacs:.2}}}",
                     secs / reps as f64 * 1e6
                 );
             }

@@ -117,8 +117,8 @@ pub fn tensor_bytes(t: &Tensor) -> usize {
 pub enum Embedding {
     /// Dense table `[vocab, hidden]`.
     Dense(Tensor),
-    /// GGUF-quantized table `[vocab, hidden]`.
-    Gguf(Arc<QTensor>),
+    /// GGUF-quantized table `[vocab, hidden]` (shared with the output layer when tied).
+    Gguf(GgufMatrix),
     /// MLX affine-quantized table `[vocab, hidden]`.
     MlxAffine(MlxQuantized),
 }
@@ -152,7 +152,10 @@ impl Embedding {
                 w: w.clone(),
                 b: None,
             }),
-            Self::Gguf(q) => QLinear::from_qtensor(q.clone(), None),
+            Self::Gguf(q) => Ok(QLinear::Gguf {
+                w: q.clone(),
+                b: None,
+            }),
             Self::MlxAffine(q) => Ok(QLinear::MlxAffine {
                 w: q.clone(),
                 b: None,
@@ -164,7 +167,7 @@ impl Embedding {
     pub fn weight_bytes(&self) -> usize {
         match self {
             Self::Dense(w) => tensor_bytes(w),
-            Self::Gguf(q) => q.storage_size_in_bytes(),
+            Self::Gguf(q) => q.weight_bytes(),
             Self::MlxAffine(q) => q.weight_bytes(),
         }
     }

@@ -395,6 +395,39 @@ fn q4_1_regrouping_keeps_every_weight() {
             "group {group}"
         );
     }
+    // A constant (here zero) row gets MLX's 1e-7 scale: with all codes zero it still regroups.
+    let w = Tensor::from_vec(
+        (0..4 * 64)
+            .map(|i| {
+                if i < 64 {
+                    0.0
+                } else {
+                    (i % 13) as f32 / 13.0 - 0.5
+                }
+            })
+            .collect::<Vec<f32>>(),
+        (4, 64),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let q = MlxQuantized::quantize(&w, 4, 32).unwrap();
+    let zero_scale = q
+        .parts()
+        .1
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap()[0][0];
+    assert!(
+        zero_scale.abs() < 1e-6,
+        "{zero_scale}: not the case under test"
+    );
+    let q4 = q.to_q4_1().unwrap().expect("zero groups regroup");
+    let got = q4.dequantize(&Device::Cpu).unwrap();
+    assert_eq!(
+        peregrine_tensor::ops::max_abs_diff(&got, &q.dequantize_ref().unwrap()).unwrap(),
+        0.0
+    );
     // f32 scales that f16 would round, and other widths, stay MLX.
     let inexact = random_quantized_as(&mut rng, 3, 64, 4, 32, DType::F32);
     assert!(inexact.to_q4_1().unwrap().is_none());

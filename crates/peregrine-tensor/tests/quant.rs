@@ -88,7 +88,8 @@ fn every_kernel_matches_the_exact_product_within_the_quantization_bound() {
             _ => &[32, 160, 768],
         };
         for &k in ks {
-            for n in [1, 7, 37] {
+            // 8 and 40 rows: Q4_0/Q4_1 interleave 8 rows at a time on x86.
+            for n in [1, 7, 8, 37, 40] {
                 let (w, wf) = matrix(dtype, n, k);
                 assert!(w.format().is_some(), "{dtype:?} should have a kernel");
                 for m in [1, 3, 70] {
@@ -134,6 +135,58 @@ fn forward_keeps_leading_dims_and_formats_without_kernels_fall_back() {
         diff.to_scalar::<f32>().unwrap() < 0.5,
         "f16 fallback far from the Q4_K kernel"
     );
+}
+
+#[test]
+fn interleaved_rows_equal_the_file_layout() {
+    for dtype in [GgmlDType::Q4_0, GgmlDType::Q4_1] {
+        let (n, k) = (24, 160);
+        let w = Tensor::from_vec(values(n * k, 3), (n, k), &Device::Cpu).unwrap();
+        let q = Arc::new(QTensor::quantize(&w, dtype).unwrap());
+        let (fast, rows) = (
+            GgufMatrix::new(q.clone()).unwrap(),
+            GgufMatrix::new_rows(q.clone()).unwrap(),
+        );
+        assert_eq!(
+            fast.is_interleaved(),
+            Kernel::best().has_avx2(),
+            "{dtype:?}"
+        );
+        assert_eq!(
+            fast.weight_bytes(),
+            rows.weight_bytes(),
+            "same bytes, moved"
+        );
+        // Lookups (tied embeddings) dequantize as candle does, bit for bit.
+        let ids = Tensor::new(&[[23u32, 0], [8, 15]], &Device::Cpu).unwrap();
+        let (got, want) = (fast.embedding(&ids).unwrap(), q.embedding(&ids).unwrap());
+        assert_eq!(got.dims(), &[2, 2, k]);
+        assert_eq!(
+            peregrine_tensor::ops::max_abs_diff(&got, &want).unwrap(),
+            0.0
+        );
+        assert!(
+            fast.embedding(&Tensor::new(&[24u32], &Device::Cpu).unwrap())
+                .is_err()
+        );
+        // Decode, a 4-input tile plus a tail, and a prefill-sized batch.
+        for m in [1, 6, 70] {
+            let x = values(m * k, m as u64);
+            for kernel in Kernel::available() {
+                let (a, b) = (
+                    fast.matmul_with(&x, m, kernel).unwrap(),
+                    rows.matmul_with(&x, m, kernel).unwrap(),
+                );
+                for (i, (a, b)) in a.iter().zip(&b).enumerate() {
+                    let tol = 1e-5 * (1.0 + b.abs());
+                    assert!(
+                        (a - b).abs() <= tol,
+                        "{dtype:?} {kernel:?} m={m} out {i}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
 }
 
 #[test]

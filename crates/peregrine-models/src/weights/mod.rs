@@ -13,7 +13,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use peregrine_tensor::candle::quantized::QTensor;
-use peregrine_tensor::{DType, Device, Embedding, MlxQuantized, QLinear, Tensor};
+use peregrine_tensor::{DType, Device, Embedding, GgufMatrix, MlxQuantized, QLinear, Tensor};
 
 use crate::{ModelError, Result};
 
@@ -158,7 +158,7 @@ impl Weights {
             && let Some(q) = self.mlx_quantized(prefix, vocab, hidden)?
         {
             return Ok(match self.regrouped(&q)? {
-                Some(q4) => Embedding::Gguf(q4),
+                Some(q4) => Embedding::Gguf(GgufMatrix::new(q4)?),
                 None => Embedding::MlxAffine(q),
             });
         }
@@ -167,7 +167,7 @@ impl Weights {
             Source::Gguf(g) => {
                 let q = g.qtensor(name, &self.device)?;
                 self.check_shape(name, q.shape().dims(), &[vocab, hidden])?;
-                Ok(Embedding::Gguf(Arc::new(q)))
+                Ok(Embedding::Gguf(GgufMatrix::new(Arc::new(q))?))
             }
         }
     }

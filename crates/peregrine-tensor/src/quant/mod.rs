@@ -9,8 +9,11 @@ mod act;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
+mod avx2_interleaved;
+#[cfg(target_arch = "x86_64")]
 mod avx2_panel;
 mod format;
+mod interleaved;
 #[cfg(target_arch = "x86_64")]
 mod panel;
 pub mod scalar;
@@ -24,6 +27,7 @@ use rayon::prelude::*;
 pub use crate::cpu::Kernel;
 pub use act::{Q8Block, QK, quantize_row};
 pub use format::Format;
+use interleaved::Interleaved;
 
 /// Input rows per pass over a tile of weight rows: their Q8 blocks (≈ 1.1 bytes per input)
 /// stay in L2 while the tile's rows stay in L1.
@@ -61,27 +65,66 @@ fn dot_rows<const R: usize>(
 /// A GGUF weight `[out, in]` with its CPU kernel (when its format has one).
 #[derive(Debug, Clone)]
 pub struct GgufMatrix {
-    qtensor: Arc<QTensor>,
+    storage: Layout,
     format: Option<Format>,
-    /// candle's path: other devices, and formats without a kernel (f16/f32 are dequantized once).
-    fallback: QMatMul,
+    dims: (usize, usize),
+}
+
+#[derive(Debug, Clone)]
+enum Layout {
+    /// As the file lays it out, in candle's tensor; its `QMatMul` serves other devices and
+    /// formats without a kernel (f16/f32 are dequantized once).
+    Rows {
+        qtensor: Arc<QTensor>,
+        fallback: QMatMul,
+    },
+    /// Q4_0/Q4_1 with 8 rows interleaved ([`interleaved`]), for the x86 kernels.
+    Interleaved(Arc<Interleaved>),
 }
 
 impl GgufMatrix {
-    /// Wraps a 2-D GGUF tensor.
+    /// Wraps a 2-D GGUF tensor. On CPUs with the AVX2 kernels, Q4_0 and Q4_1 matrices of a
+    /// multiple of 8 rows move into the interleaved layout (same bytes, the file's copy is
+    /// dropped once no one else holds it).
     pub fn new(qtensor: Arc<QTensor>) -> Result<Self> {
-        let (_, cols) = qtensor.shape().dims2()?;
-        let format = Format::of(qtensor.dtype()).filter(|f| cols % f.block_len() == 0);
+        let interleave = Kernel::best().has_avx2();
+        Self::with_layout(qtensor, interleave)
+    }
+
+    /// [`new`](Self::new) that keeps the file's row layout (to compare the two layouts).
+    pub fn new_rows(qtensor: Arc<QTensor>) -> Result<Self> {
+        Self::with_layout(qtensor, false)
+    }
+
+    fn with_layout(qtensor: Arc<QTensor>, interleave: bool) -> Result<Self> {
+        let dims = qtensor.shape().dims2()?;
+        let format = Format::of(qtensor.dtype()).filter(|f| dims.1 % f.block_len() == 0);
+        let cpu = matches!(qtensor.device(), Device::Cpu);
+        let storage = match format {
+            Some(f) if interleave && cpu && Interleaved::fits(f, dims.0) => {
+                let blocks = dims.1 / f.block_len();
+                Layout::Interleaved(Arc::new(Interleaved::new(
+                    f,
+                    &qtensor.data()?,
+                    dims.0,
+                    blocks,
+                )))
+            }
+            _ => Layout::Rows {
+                fallback: QMatMul::from_arc(qtensor.clone())?,
+                qtensor,
+            },
+        };
         Ok(Self {
+            storage,
             format,
-            fallback: QMatMul::from_arc(qtensor.clone())?,
-            qtensor,
+            dims,
         })
     }
 
     /// Logical `(out, in)`.
     pub fn dims(&self) -> (usize, usize) {
-        self.qtensor.shape().dims2().unwrap_or((0, 0))
+        self.dims
     }
 
     /// The block format when a Peregrine kernel multiplies this matrix.
@@ -89,12 +132,40 @@ impl GgufMatrix {
         self.format
     }
 
+    /// Whether the rows are interleaved 8 at a time for the x86 kernels.
+    pub fn is_interleaved(&self) -> bool {
+        matches!(self.storage, Layout::Interleaved(_))
+    }
+
     /// Bytes the weight occupies in memory.
     pub fn weight_bytes(&self) -> usize {
-        match &self.fallback {
-            QMatMul::QTensor(q) => q.storage_size_in_bytes(),
-            QMatMul::Tensor(t) | QMatMul::TensorF16(t) => crate::linear::tensor_bytes(t),
+        match &self.storage {
+            Layout::Interleaved(w) => w.bytes.len(),
+            Layout::Rows { fallback, .. } => match fallback {
+                QMatMul::QTensor(q) => q.storage_size_in_bytes(),
+                QMatMul::Tensor(t) | QMatMul::TensorF16(t) => crate::linear::tensor_bytes(t),
+            },
         }
+    }
+
+    /// Rows `ids` (`[..]`, u32) dequantized: `[.., in]` f32 (an embedding lookup).
+    pub fn embedding(&self, ids: &Tensor) -> Result<Tensor> {
+        let w = match &self.storage {
+            Layout::Rows { qtensor, .. } => return qtensor.embedding(ids),
+            Layout::Interleaved(w) => w,
+        };
+        let (rows, hidden) = self.dims;
+        let flat = ids.flatten_all()?.to_dtype(DType::U32)?.to_vec1::<u32>()?;
+        if let Some(bad) = flat.iter().find(|&&i| i as usize >= rows) {
+            bail!("embedding id {bad} is out of range for {rows} rows");
+        }
+        let mut out = vec![0f32; flat.len() * hidden];
+        for (o, &id) in out.chunks_exact_mut(hidden).zip(&flat) {
+            w.dequantize_row(id as usize, o);
+        }
+        let mut dims = ids.dims().to_vec();
+        dims.push(hidden);
+        Tensor::from_vec(out, dims, &Device::Cpu)?.to_device(ids.device())
     }
 
     /// `x: [.., in]` → `[.., out]` in `x`'s dtype.
@@ -111,7 +182,14 @@ impl GgufMatrix {
     pub fn forward_group(mats: &[&Self], x: &Tensor) -> Result<Vec<Tensor>> {
         let fused = mats.iter().all(|w| w.format.is_some());
         if !fused || !matches!(x.device(), Device::Cpu) {
-            return mats.iter().map(|w| w.fallback.forward(x)).collect();
+            return (mats.iter())
+                .map(|w| match &w.storage {
+                    Layout::Rows { fallback, .. } => fallback.forward(x),
+                    Layout::Interleaved(_) => {
+                        bail!("gguf matmul: CPU weights, input on {:?}", x.device())
+                    }
+                })
+                .collect();
         }
         let in_dim = mats.first().map_or(0, |w| w.dims().1);
         let dims = x.dims().to_vec();
@@ -160,12 +238,25 @@ impl GgufMatrix {
         let mut parts = Vec::with_capacity(mats.len());
         for w in mats {
             let Some(format) = w.format else {
-                bail!("gguf matmul: no kernel for {:?}", w.qtensor.dtype());
+                bail!("gguf matmul: a matrix without a kernel in {:?}", w.dims());
             };
             if w.dims().1 != k {
                 bail!("gguf matmul: widths {} and {k} in one group", w.dims().1);
             }
-            parts.push((format, w.qtensor.data()?, w.dims().0));
+            parts.push(match &w.storage {
+                Layout::Rows { qtensor, .. } => Part {
+                    format,
+                    data: qtensor.data()?,
+                    rows: w.dims().0,
+                    interleaved: None,
+                },
+                Layout::Interleaved(iw) => Part {
+                    format,
+                    data: std::borrow::Cow::Borrowed(&iw.bytes[..]),
+                    rows: w.dims().0,
+                    interleaved: Some(iw),
+                },
+            });
         }
         let blocks = k / QK;
         let mut xq = vec![Q8Block::default(); m * blocks];
@@ -173,66 +264,167 @@ impl GgufMatrix {
             .zip(x.par_chunks(k))
             .for_each(|(q, x)| quantize_row(x, q));
 
-        let total_rows: usize = parts.iter().map(|p| p.2).sum();
-        let rows_per_task = (total_rows / (rayon::current_num_threads() * 4)).clamp(1, 512);
-        let mut ys: Vec<Vec<f32>> = parts.iter().map(|p| vec![0f32; m * p.2]).collect();
+        let total_rows: usize = parts.iter().map(|p| p.rows).sum();
+        // Whole groups of 8 rows per task, for the interleaved layout.
+        let rows_per_task = (total_rows / (rayon::current_num_threads() * 4))
+            .clamp(1, 512)
+            .next_multiple_of(interleaved::ROWS);
+        let mut ys: Vec<Vec<f32>> = parts.iter().map(|p| vec![0f32; m * p.rows]).collect();
         let outs: Vec<Columns> = (ys.iter_mut().zip(&parts))
-            .map(|(y, p)| Columns(y.as_mut_ptr(), p.2))
+            .map(|(y, p)| Columns(y.as_mut_ptr(), p.rows))
             .collect();
         // Each task owns output columns r0..r1 of one matrix (rows of its weight), for all m.
         let tasks: Vec<(usize, usize, usize)> = (parts.iter().enumerate())
             .flat_map(|(p, part)| {
-                (0..part.2)
+                (0..part.rows)
                     .step_by(rows_per_task)
-                    .map(move |r0| (p, r0, (r0 + rows_per_task).min(part.2)))
+                    .map(move |r0| (p, r0, (r0 + rows_per_task).min(part.rows)))
             })
             .collect();
         #[cfg(target_arch = "x86_64")]
-        if m >= PANEL_MIN_ROWS && kernel.has_avx2() {
-            let xp = panels(&xq, m, blocks);
-            tasks.into_par_iter().for_each(|(p, r0, r1)| {
-                let ((format, data, _), out) = (&parts[p], &outs[p]);
-                let row_bytes = k / format.block_len() * format.block_bytes();
-                let rows = &data[r0 * row_bytes..r1 * row_bytes];
-                // SAFETY: writes only columns r0..r1, which this task owns.
-                unsafe { panel_gemm(kernel, *format, rows, row_bytes, &xp, blocks, m, out, r0) };
-            });
-            return Ok(ys);
-        }
+        let use_panels = m >= PANEL_MIN_ROWS && kernel.has_avx2();
+        #[cfg(target_arch = "x86_64")]
+        let xp = match use_panels && parts.iter().any(|p| p.interleaved.is_none()) {
+            true => panels(&xq, m, blocks),
+            false => Vec::new(),
+        };
         tasks.into_par_iter().for_each(|(p, r0, r1)| {
-            let ((format, data, _), out) = (&parts[p], &outs[p]);
-            let row_bytes = k / format.block_len() * format.block_bytes();
-            let row = |r: usize| &data[r * row_bytes..][..row_bytes];
-            // SAFETY (every `out.set`): (i, r) with i < m and r0 ≤ r < r1 is written by this
-            // task only, and `ys` outlives the parallel loop.
-            if m == 1 {
-                // Decode: one input row.
-                for r in r0..r1 {
-                    unsafe { out.set(0, r, dot_rows(kernel, *format, row(r), [&xq])[0]) };
-                }
+            let (part, out) = (&parts[p], &outs[p]);
+            // SAFETY (every call below): the task owns output columns r0..r1, for all m rows.
+            if let Some(iw) = part.interleaved {
+                unsafe { interleaved_task(kernel, iw, &xq, m, out, r0, r1) };
                 return;
             }
-            let input = |i: usize| &xq[i * blocks..][..blocks];
-            for i0 in (0..m).step_by(INPUT_TILE) {
-                let i1 = (i0 + INPUT_TILE).min(m);
-                for r in r0..r1 {
-                    let mut i = i0;
-                    while i + 4 <= i1 {
-                        let x = [input(i), input(i + 1), input(i + 2), input(i + 3)];
-                        let y = dot_rows(kernel, *format, row(r), x);
-                        for (t, y) in y.into_iter().enumerate() {
-                            unsafe { out.set(i + t, r, y) };
-                        }
-                        i += 4;
-                    }
-                    for i in i..i1 {
-                        let y = dot_rows(kernel, *format, row(r), [input(i)])[0];
-                        unsafe { out.set(i, r, y) };
-                    }
-                }
+            let row_bytes = k / part.format.block_len() * part.format.block_bytes();
+            #[cfg(target_arch = "x86_64")]
+            if use_panels {
+                let rows = &part.data[r0 * row_bytes..r1 * row_bytes];
+                unsafe {
+                    panel_gemm(
+                        kernel,
+                        part.format,
+                        rows,
+                        row_bytes,
+                        &xp,
+                        blocks,
+                        m,
+                        out,
+                        r0,
+                    )
+                };
+                return;
             }
+            unsafe { rows_task(kernel, part, row_bytes, &xq, m, out, r0, r1) };
         });
         Ok(ys)
+    }
+}
+
+/// One matrix of a [`GgufMatrix::matmul_group`] call: its bytes in its layout.
+struct Part<'a> {
+    format: Format,
+    data: std::borrow::Cow<'a, [u8]>,
+    rows: usize,
+    interleaved: Option<&'a Interleaved>,
+}
+
+/// Weight rows `r0..r1` of `part` (row layout) against every input, one or four at a time.
+///
+/// # Safety
+/// No other thread writes `out`'s columns `r0..r1`; `kernel` runs on this CPU.
+#[allow(clippy::too_many_arguments)]
+unsafe fn rows_task(
+    kernel: Kernel,
+    part: &Part,
+    row_bytes: usize,
+    xq: &[Q8Block],
+    m: usize,
+    out: &Columns,
+    r0: usize,
+    r1: usize,
+) {
+    let (format, blocks) = (part.format, xq.len() / m.max(1));
+    let row = |r: usize| &part.data[r * row_bytes..][..row_bytes];
+    let input = |i: usize| &xq[i * blocks..][..blocks];
+    // SAFETY (every `out.set`): (i, r) with i < m and r0 ≤ r < r1 is this task's.
+    for i0 in (0..m).step_by(INPUT_TILE) {
+        let i1 = (i0 + INPUT_TILE).min(m);
+        for r in r0..r1 {
+            let mut i = i0;
+            while i + 4 <= i1 {
+                let x = [input(i), input(i + 1), input(i + 2), input(i + 3)];
+                let y = dot_rows(kernel, format, row(r), x);
+                for (t, y) in y.into_iter().enumerate() {
+                    unsafe { out.set(i + t, r, y) };
+                }
+                i += 4;
+            }
+            for i in i..i1 {
+                let y = dot_rows(kernel, format, row(r), [input(i)])[0];
+                unsafe { out.set(i, r, y) };
+            }
+        }
+    }
+}
+
+/// Interleaved rows `r0..r1` (whole groups of 8) against every input: the x86 kernels take a
+/// group and up to 4 inputs per call; the portable path multiplies each row as GGUF lays it out.
+///
+/// # Safety
+/// No other thread writes `out`'s columns `r0..r1`; `kernel` runs on this CPU.
+unsafe fn interleaved_task(
+    kernel: Kernel,
+    w: &Interleaved,
+    xq: &[Q8Block],
+    m: usize,
+    out: &Columns,
+    r0: usize,
+    r1: usize,
+) {
+    let (format, blocks) = (w.format, w.blocks);
+    let input = |i: usize| &xq[i * blocks..][..blocks];
+    let groups = r0 / interleaved::ROWS..r1.div_ceil(interleaved::ROWS);
+    if !kernel.has_avx2() {
+        for r in r0..r1 {
+            let row = w.row(r);
+            for i in 0..m {
+                // SAFETY: (i, r) is this task's.
+                unsafe { out.set(i, r, scalar::dot_row(format, &row, input(i))) };
+            }
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    for i0 in (0..m).step_by(INPUT_TILE) {
+        let i1 = (i0 + INPUT_TILE).min(m);
+        for g in groups.clone() {
+            let (gw, c0) = (w.group(g), g * interleaved::ROWS);
+            let mut i = i0;
+            // SAFETY: the kernel runs here (contract) and has AVX2; the group and inputs hold
+            // `blocks` blocks; outputs (i, c0..c0 + 8) are this task's.
+            unsafe {
+                while i + 4 <= i1 {
+                    let x = std::array::from_fn(|t| input(i + t));
+                    let ys = match kernel {
+                        Kernel::Avx512Vnni => avx2_interleaved::group_vnni::<4>(format, gw, x),
+                        _ => avx2_interleaved::group::<4>(format, gw, x),
+                    };
+                    for (t, y) in ys.iter().enumerate() {
+                        out.set_run(i + t, c0, y);
+                    }
+                    i += 4;
+                }
+                for i in i..i1 {
+                    let [y] = match kernel {
+                        Kernel::Avx512Vnni => {
+                            avx2_interleaved::group_vnni::<1>(format, gw, [input(i)])
+                        }
+                        _ => avx2_interleaved::group::<1>(format, gw, [input(i)]),
+                    };
+                    out.set_run(i, c0, &y);
+                }
+            }
+        }
     }
 }
 

@@ -1,0 +1,112 @@
+//! x86 kernels for [`Interleaved`](super::interleaved::Interleaved) Q4_0/Q4_1 weights: one group
+//! of 8 rows against `T` input rows. Per block the 8 rows' codes are unpacked once into 8
+//! vectors (values `4k..4k + 4` of every row in each), and each input's 4 codes at `4k`,
+//! broadcast, multiply vector `k`: 8 integer products per lane give each row's block sum
+//! directly in its lane, with no horizontal sums. The rows' scales (and minimums) load as one
+//! vector, so the float work is two FMAs per block for 8 outputs. Same integer sums and the
+//! same per-block algebra as [`super::scalar`]; only the float summation order differs.
+
+use std::arch::x86_64::*;
+
+use super::act::Q8Block;
+use super::avx2::{Avx2, Isa, Vnni};
+use super::format::Format;
+use super::interleaved::ROWS;
+
+/// `Σ w·x` of 8 interleaved rows (`w`: one group) for each of `T` inputs: `[input][row]`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `format` is Q4_0 or Q4_1 and each input holds the
+/// group's blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn group<const T: usize>(
+    format: Format,
+    w: &[u8],
+    x: [&[Q8Block]; T],
+) -> [[f32; ROWS]; T] {
+    // SAFETY: this function's features are `Avx2`'s.
+    unsafe {
+        match format {
+            Format::Q4_1 => rows::<Avx2, true, T>(w, x),
+            _ => rows::<Avx2, false, T>(w, x),
+        }
+    }
+}
+
+/// [`group`] with VNNI's `vpdpbusd`.
+///
+/// # Safety
+/// As [`group`], and the CPU must support AVX-512 F/BW/VL and VNNI.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub unsafe fn group_vnni<const T: usize>(
+    format: Format,
+    w: &[u8],
+    x: [&[Q8Block]; T],
+) -> [[f32; ROWS]; T] {
+    // SAFETY: this function's features are `Vnni`'s.
+    unsafe {
+        match format {
+            Format::Q4_1 => rows::<Vnni, true, T>(w, x),
+            _ => rows::<Vnni, false, T>(w, x),
+        }
+    }
+}
+
+/// # Safety
+/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
+#[inline(always)]
+unsafe fn rows<I: Isa, const MIN: bool, const T: usize>(
+    w: &[u8],
+    x: [&[Q8Block]; T],
+) -> [[f32; ROWS]; T] {
+    // Scales, minimums (Q4_1), then 128 bytes of codes per block.
+    let head = if MIN { 32 } else { 16 };
+    let block_bytes = head + 128;
+    // SAFETY: per this function's contract; every load below stays inside block `b`.
+    unsafe {
+        let mask = _mm256_set1_epi8(0xF);
+        // Two accumulator chains per input: one would wait on the FMA latency every block.
+        let mut acc = [[_mm256_setzero_ps(); T]; 2];
+        // Q4_1's minimum terms add up apart and join at the end, as llama.cpp sums them.
+        let mut mins = [[_mm256_setzero_ps(); T]; 2];
+        for (i, b) in w.chunks_exact(block_bytes).enumerate() {
+            let p = b.as_ptr();
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
+            let codes: [__m256i; 8] = std::array::from_fn(|k| {
+                let q = _mm256_loadu_si256(p.add(head + 32 * (k % 4)).cast());
+                let q = if k < 4 { q } else { _mm256_srli_epi16(q, 4) };
+                _mm256_and_si256(q, mask)
+            });
+            let (chain, min_chain) = (&mut acc[i % 2], &mut mins[i % 2]);
+            for t in 0..T {
+                let xb = &x[t][i];
+                let xq = xb.qs.as_ptr().cast::<i32>();
+                let quad = |k: usize| _mm256_set1_epi32(xq.add(k).read_unaligned());
+                let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                for k in 0..4 {
+                    s0 = I::dot4(s0, codes[k], quad(k));
+                    s1 = I::dot4(s1, codes[k + 4], quad(k + 4));
+                }
+                let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+                chain[t] = if MIN {
+                    let mw = _mm256_cvtph_ps(_mm_loadu_si128(p.add(16).cast()));
+                    let scaled = _mm256_mul_ps(dw, _mm256_set1_ps(xb.d));
+                    min_chain[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb.ds), min_chain[t]);
+                    _mm256_fmadd_ps(scaled, sum, chain[t])
+                } else {
+                    // d·(x.d·Σqx − 8·x.dsum): the codes are offset by 8.
+                    let centred =
+                        _mm256_fmsub_ps(_mm256_set1_ps(xb.d), sum, _mm256_set1_ps(8.0 * xb.dsum));
+                    _mm256_fmadd_ps(dw, centred, chain[t])
+                };
+            }
+        }
+        std::array::from_fn(|t| {
+            let mut out = [0f32; ROWS];
+            let sum = _mm256_add_ps(acc[0][t], acc[1][t]);
+            let sum = _mm256_add_ps(sum, _mm256_add_ps(mins[0][t], mins[1][t]));
+            _mm256_storeu_ps(out.as_mut_ptr(), sum);
+            out
+        })
+    }
+}
