@@ -384,11 +384,21 @@ fn q4_1_regrouping_keeps_every_weight() {
     for group in GROUPS {
         // bf16 scales of these magnitudes are f16 values, so the regrouped weights are the same
         // numbers: dequantized by candle's Q4_1 decoder they equal the MLX reference bit for bit.
-        let q = random_quantized(&mut rng, 5, group * 3, 4, group);
+        let q = random_quantized(&mut rng, 8, group * 3, 4, group);
         let q4 = q.to_q4_1().unwrap().expect("f16-exact scales regroup");
         let got = q4.dequantize(&Device::Cpu).unwrap();
         let want = q.dequantize_ref().unwrap();
         assert_eq!(got.dims(), want.dims(), "group {group}");
+        // The kernels' matrix (interleaved on x86) holds the same rows.
+        let m = q.to_gguf_matrix().unwrap().expect("regroups");
+        assert_eq!(m.is_interleaved(), avx2_available());
+        let ids = Tensor::new(&[7u32, 0, 2], &Device::Cpu).unwrap();
+        let rows = m.embedding(&ids).unwrap();
+        let want_rows = want.index_select(&ids, 0).unwrap();
+        assert_eq!(
+            peregrine_tensor::ops::max_abs_diff(&rows, &want_rows).unwrap(),
+            0.0
+        );
         assert_eq!(
             got.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
             want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),

@@ -12,7 +12,6 @@ pub use safetensors::SafetensorsFiles;
 use std::path::Path;
 use std::sync::Arc;
 
-use peregrine_tensor::candle::quantized::QTensor;
 use peregrine_tensor::{DType, Device, Embedding, GgufMatrix, MlxQuantized, QLinear, Tensor};
 
 use crate::{ModelError, Result};
@@ -54,12 +53,12 @@ impl Weights {
         self
     }
 
-    /// `q` as a GGUF Q4_1 tensor when the integer kernels are asked for and it regroups exactly.
-    fn regrouped(&self, q: &MlxQuantized) -> Result<Option<Arc<QTensor>>> {
+    /// `q` as Q4_1 for the integer kernels, when they are asked for and it regroups exactly.
+    fn regrouped(&self, q: &MlxQuantized) -> Result<Option<GgufMatrix>> {
         if self.mlx_activations != MlxActivations::Q8 {
             return Ok(None);
         }
-        Ok(q.to_q4_1()?.map(Arc::new))
+        Ok(q.to_gguf_matrix()?)
     }
 
     /// `{prefix}.weight` as MLX affine-quantized, when `{prefix}.scales` exists beside it.
@@ -135,7 +134,7 @@ impl Weights {
         };
         if let Some(w) = self.mlx_quantized(prefix, out_dim, in_dim)? {
             return match self.regrouped(&w)? {
-                Some(q) => Ok(QLinear::from_qtensor(q, b)?),
+                Some(w) => Ok(QLinear::Gguf { w, b }),
                 None => Ok(QLinear::MlxAffine { w, b }),
             };
         }
@@ -158,7 +157,7 @@ impl Weights {
             && let Some(q) = self.mlx_quantized(prefix, vocab, hidden)?
         {
             return Ok(match self.regrouped(&q)? {
-                Some(q4) => Embedding::Gguf(GgufMatrix::new(q4)?),
+                Some(q4) => Embedding::Gguf(q4),
                 None => Embedding::MlxAffine(q),
             });
         }

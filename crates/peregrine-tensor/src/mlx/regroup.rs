@@ -17,6 +17,7 @@ use rayon::prelude::*;
 
 use super::kernels::ScaleType;
 use super::{MlxQuantized, Sb, with_scales};
+use crate::quant::{Format, GgufMatrix};
 
 /// Values per Q4_1 block.
 const BLOCK: usize = 32;
@@ -24,9 +25,28 @@ const BLOCK: usize = 32;
 const BLOCK_BYTES: usize = 20;
 
 impl MlxQuantized {
-    /// The same matrix as a GGUF Q4_1 tensor, or `None` when it is not 4-bit or a scale or bias
-    /// is not exactly representable in f16.
+    /// The same matrix as a GGUF Q4_1 tensor, or `None` when it is not 4-bit or a value would
+    /// change (module docs).
     pub fn to_q4_1(&self) -> Result<Option<QTensor>> {
+        let Some(bytes) = self.q4_1_bytes()? else {
+            return Ok(None);
+        };
+        let (out, in_dim) = self.dims();
+        qtensor_from_ggml(GgmlDType::Q4_1, &bytes, vec![out, in_dim], &Device::Cpu).map(Some)
+    }
+
+    /// [`to_q4_1`](Self::to_q4_1) as a [`GgufMatrix`] for the integer kernels, without an
+    /// intermediate copy in candle's tensor (rows interleave straight from the regrouped bytes).
+    pub fn to_gguf_matrix(&self) -> Result<Option<GgufMatrix>> {
+        let Some(bytes) = self.q4_1_bytes()? else {
+            return Ok(None);
+        };
+        let (out, in_dim) = self.dims();
+        GgufMatrix::from_blocks(Format::Q4_1, bytes, (out, in_dim)).map(Some)
+    }
+
+    /// The Q4_1 blocks, row by row, when the matrix regroups exactly.
+    fn q4_1_bytes(&self) -> Result<Option<Vec<u8>>> {
         if self.bits != 4 || !matches!(self.packed.device(), Device::Cpu) {
             return Ok(None);
         }
@@ -42,10 +62,7 @@ impl MlxQuantized {
                 })
             })
         })?;
-        if !exact {
-            return Ok(None);
-        }
-        qtensor_from_ggml(GgmlDType::Q4_1, &bytes, vec![out, in_dim], &Device::Cpu).map(Some)
+        Ok(exact.then_some(bytes))
     }
 }
 

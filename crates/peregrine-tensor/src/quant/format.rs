@@ -40,6 +40,20 @@ impl Format {
         })
     }
 
+    /// The GGUF dtype.
+    pub fn dtype(self) -> GgmlDType {
+        match self {
+            Self::Q4_0 => GgmlDType::Q4_0,
+            Self::Q4_1 => GgmlDType::Q4_1,
+            Self::Q5_0 => GgmlDType::Q5_0,
+            Self::Q5_1 => GgmlDType::Q5_1,
+            Self::Q8_0 => GgmlDType::Q8_0,
+            Self::Q4K => GgmlDType::Q4K,
+            Self::Q5K => GgmlDType::Q5K,
+            Self::Q6K => GgmlDType::Q6K,
+        }
+    }
+
     /// Values per block.
     pub fn block_len(self) -> usize {
         match self {

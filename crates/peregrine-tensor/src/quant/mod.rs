@@ -20,6 +20,7 @@ pub mod scalar;
 
 use std::sync::Arc;
 
+use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Result, Storage, Tensor, bail};
 use rayon::prelude::*;
@@ -89,6 +90,30 @@ impl GgufMatrix {
     pub fn new(qtensor: Arc<QTensor>) -> Result<Self> {
         let interleave = Kernel::best().has_avx2();
         Self::with_layout(qtensor, interleave)
+    }
+
+    /// A matrix of `dims` from its blocks of `format` in GGUF's row layout, interleaved as
+    /// [`new`](Self::new) would (moved without another copy).
+    pub fn from_blocks(format: Format, bytes: Vec<u8>, dims: (usize, usize)) -> Result<Self> {
+        let (rows, cols) = dims;
+        let blocks = cols / format.block_len();
+        if cols % format.block_len() != 0 || bytes.len() != rows * blocks * format.block_bytes() {
+            bail!(
+                "gguf matrix: {} bytes of {format:?} for {dims:?}",
+                bytes.len()
+            );
+        }
+        if Kernel::best().has_avx2() && Interleaved::fits(format, rows) {
+            let storage =
+                Layout::Interleaved(Arc::new(Interleaved::new(format, &bytes, rows, blocks)));
+            return Ok(Self {
+                storage,
+                format: Some(format),
+                dims,
+            });
+        }
+        let q = qtensor_from_ggml(format.dtype(), &bytes, vec![rows, cols], &Device::Cpu)?;
+        Self::new(Arc::new(q))
     }
 
     /// [`new`](Self::new) that keeps the file's row layout (to compare the two layouts).
