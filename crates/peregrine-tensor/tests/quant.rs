@@ -88,7 +88,7 @@ fn every_kernel_matches_the_exact_product_within_the_quantization_bound() {
             _ => &[32, 160, 768],
         };
         for &k in ks {
-            // 8 and 40 rows: Q4_0/Q4_1 interleave 8 rows at a time on x86.
+            // 8 and 40 rows: Q4_0/Q4_1/Q5_0/Q5_1 interleave 8 rows at a time on x86.
             for n in [1, 7, 8, 37, 40] {
                 let (w, wf) = matrix(dtype, n, k);
                 assert!(w.format().is_some(), "{dtype:?} should have a kernel");
@@ -139,7 +139,13 @@ fn forward_keeps_leading_dims_and_formats_without_kernels_fall_back() {
 
 #[test]
 fn interleaved_rows_equal_the_file_layout() {
-    for dtype in [GgmlDType::Q4_0, GgmlDType::Q4_1] {
+    let formats = [
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q5_1,
+    ];
+    for dtype in formats {
         let (n, k) = (24, 160);
         let w = Tensor::from_vec(values(n * k, 3), (n, k), &Device::Cpu).unwrap();
         let q = Arc::new(QTensor::quantize(&w, dtype).unwrap());

@@ -1,5 +1,5 @@
-//! x86 kernels for [`Interleaved`](super::interleaved::Interleaved) Q4_0/Q4_1 weights: one group
-//! of 8 rows against `T` input rows. Per block the 8 rows' codes are unpacked once into 8
+//! x86 kernels for [`Interleaved`](super::interleaved::Interleaved) Q4_0/Q4_1/Q5_0/Q5_1 weights:
+//! one group of 8 rows against `T` input rows. Per block the 8 rows' codes are unpacked once into 8
 //! vectors (values `4k..4k + 4` of every row in each), and each input's 4 codes at `4k`,
 //! broadcast, multiply vector `k`: 8 integer products per lane give each row's block sum
 //! directly in its lane, with no horizontal sums. The rows' scales (and minimums) load as one
@@ -16,8 +16,10 @@ use super::interleaved::ROWS;
 /// `Σ w·x` of 8 interleaved rows (`w`: one group) for each of `T` inputs: `[input][row]`.
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C; `format` is Q4_0 or Q4_1 and each input holds the
-/// group's blocks.
+/// The CPU must support AVX2, FMA and F16C; `format` is one [`Interleaved`] takes and each
+/// input holds the group's blocks.
+///
+/// [`Interleaved`]: super::interleaved::Interleaved
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn group<const T: usize>(
     format: Format,
@@ -25,13 +27,38 @@ pub unsafe fn group<const T: usize>(
     x: [&[Q8Block]; T],
 ) -> [[f32; ROWS]; T] {
     // SAFETY: this function's features are `Avx2`'s.
-    unsafe {
-        match format {
-            Format::Q4_1 => rows::<Avx2, true, T>(w, x),
-            _ => rows::<Avx2, false, T>(w, x),
-        }
-    }
+    unsafe { with_fields!(format, MIN, FIFTH => rows::<Avx2, MIN, FIFTH, T>(w, x)) }
 }
+
+/// Runs `$body` with the consts `$min` and `$fifth` set for `$format` (so each format compiles
+/// to its own loop).
+macro_rules! with_fields {
+    ($format:expr, $min:ident, $fifth:ident => $body:expr) => {
+        match $format {
+            Format::Q4_1 => {
+                const $min: bool = true;
+                const $fifth: bool = false;
+                $body
+            }
+            Format::Q5_0 => {
+                const $min: bool = false;
+                const $fifth: bool = true;
+                $body
+            }
+            Format::Q5_1 => {
+                const $min: bool = true;
+                const $fifth: bool = true;
+                $body
+            }
+            _ => {
+                const $min: bool = false;
+                const $fifth: bool = false;
+                $body
+            }
+        }
+    };
+}
+use with_fields;
 
 /// [`group`] with VNNI's `vpdpbusd`.
 ///
@@ -44,38 +71,46 @@ pub unsafe fn group_vnni<const T: usize>(
     x: [&[Q8Block]; T],
 ) -> [[f32; ROWS]; T] {
     // SAFETY: this function's features are `Vnni`'s.
-    unsafe {
-        match format {
-            Format::Q4_1 => rows::<Vnni, true, T>(w, x),
-            _ => rows::<Vnni, false, T>(w, x),
-        }
-    }
+    unsafe { with_fields!(format, MIN, FIFTH => rows::<Vnni, MIN, FIFTH, T>(w, x)) }
 }
 
 /// # Safety
 /// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
 #[inline(always)]
-unsafe fn rows<I: Isa, const MIN: bool, const T: usize>(
+unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const T: usize>(
     w: &[u8],
     x: [&[Q8Block]; T],
 ) -> [[f32; ROWS]; T] {
-    // Scales, minimums (Q4_1), then 128 bytes of codes per block.
-    let head = if MIN { 32 } else { 16 };
+    // Scales, minimums (Q4_1, Q5_1), fifth-bit masks (Q5_0, Q5_1), then 128 bytes of codes.
+    let masks_at = if MIN { 32 } else { 16 };
+    let head = masks_at + if FIFTH { 32 } else { 0 };
     let block_bytes = head + 128;
+    // Codes without a minimum are offset by half their range.
+    let offset = if FIFTH { 16.0 } else { 8.0 };
     // SAFETY: per this function's contract; every load below stays inside block `b`.
     unsafe {
         let mask = _mm256_set1_epi8(0xF);
         // Two accumulator chains per input: one would wait on the FMA latency every block.
         let mut acc = [[_mm256_setzero_ps(); T]; 2];
-        // Q4_1's minimum terms add up apart and join at the end, as llama.cpp sums them.
         let mut mins = [[_mm256_setzero_ps(); T]; 2];
         for (i, b) in w.chunks_exact(block_bytes).enumerate() {
             let p = b.as_ptr();
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
+            // What multiplies each input's sum: the minimums, or the scales (times the offset).
+            let mw = match MIN {
+                true => _mm256_cvtph_ps(_mm_loadu_si128(p.add(16).cast())),
+                false => dw,
+            };
             let codes: [__m256i; 8] = std::array::from_fn(|k| {
                 let q = _mm256_loadu_si256(p.add(head + 32 * (k % 4)).cast());
                 let q = if k < 4 { q } else { _mm256_srli_epi16(q, 4) };
-                _mm256_and_si256(q, mask)
+                let q = _mm256_and_si256(q, mask);
+                if FIFTH {
+                    let bits = p.add(masks_at + 4 * k).cast::<u32>().read_unaligned();
+                    _mm256_or_si256(q, I::sixteens(bits))
+                } else {
+                    q
+                }
             });
             let (chain, min_chain) = (&mut acc[i % 2], &mut mins[i % 2]);
             for t in 0..T {
@@ -88,17 +123,12 @@ unsafe fn rows<I: Isa, const MIN: bool, const T: usize>(
                     s1 = I::dot4(s1, codes[k + 4], quad(k + 4));
                 }
                 let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
-                chain[t] = if MIN {
-                    let mw = _mm256_cvtph_ps(_mm_loadu_si128(p.add(16).cast()));
-                    let scaled = _mm256_mul_ps(dw, _mm256_set1_ps(xb.d));
-                    min_chain[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb.ds), min_chain[t]);
-                    _mm256_fmadd_ps(scaled, sum, chain[t])
-                } else {
-                    // d·(x.d·Σqx − 8·x.dsum): the codes are offset by 8.
-                    let centred =
-                        _mm256_fmsub_ps(_mm256_set1_ps(xb.d), sum, _mm256_set1_ps(8.0 * xb.dsum));
-                    _mm256_fmadd_ps(dw, centred, chain[t])
-                };
+                // The minimum or offset terms add up apart and join at the end, as llama.cpp
+                // and the row kernels sum them.
+                let m = if MIN { xb.ds } else { -offset * xb.dsum };
+                min_chain[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(m), min_chain[t]);
+                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(xb.d));
+                chain[t] = _mm256_fmadd_ps(scale, sum, chain[t]);
             }
         }
         std::array::from_fn(|t| {

@@ -1,25 +1,57 @@
-//! Q4_0/Q4_1 weights with 8 rows interleaved block by block, the layout the x86 kernels
-//! multiply fastest: one 32-byte vector holds 4 codes of each of 8 rows, so 4 activation codes
-//! broadcast to every lane advance 8 outputs at once, and the rows' scales load as one vector.
-//! (llama.cpp repacks Q4_0 the same way for the same reason.) Rows keep their exact bytes, only
-//! moved: [`Interleaved::row_block`] gives any row's GGUF block back.
+//! Q4_0/Q4_1/Q5_0/Q5_1 weights with 8 rows interleaved block by block, the layout the x86
+//! kernels multiply fastest: one 32-byte vector holds 4 codes of each of 8 rows, so 4 activation
+//! codes broadcast to every lane advance 8 outputs at once, and the rows' scales load as one
+//! vector. (llama.cpp repacks Q4_0 the same way for the same reason.) Nothing is rounded or
+//! re-encoded: [`Interleaved::row_block`] gives any row's GGUF block back byte for byte.
 //!
-//! Per group of 8 rows and per block: 8 f16 scales, 8 f16 minimums (Q4_1 only), then 128 bytes
-//! of codes. Byte `32c + 4l + t` is byte `4c + t` of row `l`'s GGUF codes: its low nibble is
-//! value `4c + t`, its high nibble value `16 + 4c + t`. So the low nibbles of the 32 bytes at
-//! `32c` are values `4c..4c + 4` of every row, and the high nibbles values `16 + 4c..`.
+//! Per group of 8 rows and per block: 8 f16 scales; 8 f16 minimums (Q4_1, Q5_1); the fifth bits
+//! as 8 masks (Q5_0, Q5_1); then 128 bytes of codes. Codes byte `32c + 4l + t` is byte `4c + t`
+//! of row `l`'s GGUF codes: its low nibble is value `4c + t`, its high nibble value
+//! `16 + 4c + t`. So the low nibbles of the 32 bytes at `32c` are values `4c..4c + 4` of every
+//! row ("vector `c`"), and their high nibbles values `16 + 4c..` ("vector `c + 4`"); mask `k`
+//! holds vector `k`'s fifth bits, bit `4l + t` for row `l`'s value `4k + t`.
 
 use super::format::Format;
 
 /// Rows per group: the lanes of one 256-bit vector of i32 or f32.
 pub const ROWS: usize = 8;
 
-/// A matrix in the interleaved layout: `rows` (a multiple of [`ROWS`]) × `blocks` blocks.
+/// Where a format's fields sit, in GGUF's block and in the interleaved group block.
+#[derive(Clone, Copy)]
+struct Fields {
+    /// A minimum follows the scale (Q4_1, Q5_1).
+    min: bool,
+    /// Codes have a fifth bit (Q5_0, Q5_1).
+    fifth: bool,
+}
+
+impl Fields {
+    fn of(format: Format) -> Self {
+        Self {
+            min: matches!(format, Format::Q4_1 | Format::Q5_1),
+            fifth: matches!(format, Format::Q5_0 | Format::Q5_1),
+        }
+    }
+
+    /// GGUF: the fifth bits' offset, then the codes'.
+    fn row_offsets(self) -> (usize, usize) {
+        let qh = if self.min { 4 } else { 2 };
+        (qh, qh + if self.fifth { 4 } else { 0 })
+    }
+
+    /// Interleaved: the minimums', masks' and codes' offsets.
+    fn group_offsets(self) -> (usize, usize, usize) {
+        let masks = if self.min { 32 } else { 16 };
+        (16, masks, masks + if self.fifth { 32 } else { 0 })
+    }
+}
+
+/// A matrix in the interleaved layout: rows (a multiple of [`ROWS`]) × `blocks` blocks.
 #[derive(Debug)]
 pub struct Interleaved {
     /// The groups one after another, each `blocks` group-blocks long.
     pub bytes: Vec<u8>,
-    /// [`Format::Q4_0`] or [`Format::Q4_1`].
+    /// Q4_0, Q4_1, Q5_0 or Q5_1.
     pub format: Format,
     /// Blocks per row.
     pub blocks: usize,
@@ -28,26 +60,44 @@ pub struct Interleaved {
 impl Interleaved {
     /// Whether `format` matrices of `rows` rows can be interleaved.
     pub fn fits(format: Format, rows: usize) -> bool {
-        matches!(format, Format::Q4_0 | Format::Q4_1) && rows.is_multiple_of(ROWS) && rows > 0
+        let formats = [Format::Q4_0, Format::Q4_1, Format::Q5_0, Format::Q5_1];
+        formats.contains(&format) && rows.is_multiple_of(ROWS) && rows > 0
     }
 
     /// Interleaves GGUF rows (`data`: `rows` rows of `blocks` blocks of `format`).
     pub fn new(format: Format, data: &[u8], rows: usize, blocks: usize) -> Self {
-        debug_assert!(Self::fits(format, rows));
-        let bb = format.block_bytes();
-        let (head, row_bytes) = (head_bytes(format), blocks * bb);
+        debug_assert!(
+            Self::fits(format, rows) && data.len() == rows * blocks * format.block_bytes()
+        );
+        let (f, bb) = (Fields::of(format), format.block_bytes());
+        let ((qh, qs), (m_at, masks_at, codes_at)) = (f.row_offsets(), f.group_offsets());
+        let row_bytes = blocks * bb;
         let mut bytes = vec![0u8; data.len()];
         for (g, out) in bytes.chunks_exact_mut(ROWS * row_bytes).enumerate() {
             for (b, gb) in out.chunks_exact_mut(ROWS * bb).enumerate() {
+                let mut masks = [0u32; 8];
                 for l in 0..ROWS {
                     let src = &data[(g * ROWS + l) * row_bytes + b * bb..][..bb];
                     gb[2 * l..2 * l + 2].copy_from_slice(&src[..2]);
-                    if format == Format::Q4_1 {
-                        gb[16 + 2 * l..16 + 2 * l + 2].copy_from_slice(&src[2..4]);
+                    if f.min {
+                        gb[m_at + 2 * l..m_at + 2 * l + 2].copy_from_slice(&src[2..4]);
+                    }
+                    if f.fifth {
+                        let bits =
+                            u32::from_le_bytes([src[qh], src[qh + 1], src[qh + 2], src[qh + 3]]);
+                        for (k, mask) in masks.iter_mut().enumerate() {
+                            *mask |= ((bits >> (4 * k)) & 0xF) << (4 * l);
+                        }
                     }
                     for c in 0..4 {
-                        let at = ROWS * head + 32 * c + 4 * l;
-                        gb[at..at + 4].copy_from_slice(&src[head + 4 * c..head + 4 * c + 4]);
+                        let at = codes_at + 32 * c + 4 * l;
+                        gb[at..at + 4].copy_from_slice(&src[qs + 4 * c..qs + 4 * c + 4]);
+                    }
+                }
+                if f.fifth {
+                    for (k, mask) in masks.iter().enumerate() {
+                        gb[masks_at + 4 * k..masks_at + 4 * k + 4]
+                            .copy_from_slice(&mask.to_le_bytes());
                     }
                 }
             }
@@ -69,18 +119,28 @@ impl Interleaved {
         &self.bytes[g * self.group_bytes()..][..self.group_bytes()]
     }
 
-    /// Block `b` of row `r` in GGUF's layout.
+    /// Block `b` of row `r` in GGUF's layout, into `out`.
     pub fn row_block(&self, r: usize, b: usize, out: &mut [u8]) {
-        let (bb, head) = (self.format.block_bytes(), head_bytes(self.format));
+        let (f, bb) = (Fields::of(self.format), self.format.block_bytes());
+        let ((qh, qs), (m_at, masks_at, codes_at)) = (f.row_offsets(), f.group_offsets());
         let (g, l) = (r / ROWS, r % ROWS);
         let gb = &self.group(g)[b * ROWS * bb..][..ROWS * bb];
         out[..2].copy_from_slice(&gb[2 * l..2 * l + 2]);
-        if self.format == Format::Q4_1 {
-            out[2..4].copy_from_slice(&gb[16 + 2 * l..16 + 2 * l + 2]);
+        if f.min {
+            out[2..4].copy_from_slice(&gb[m_at + 2 * l..m_at + 2 * l + 2]);
+        }
+        if f.fifth {
+            let mut bits = 0u32;
+            for k in 0..8 {
+                let at = masks_at + 4 * k;
+                let mask = u32::from_le_bytes([gb[at], gb[at + 1], gb[at + 2], gb[at + 3]]);
+                bits |= ((mask >> (4 * l)) & 0xF) << (4 * k);
+            }
+            out[qh..qh + 4].copy_from_slice(&bits.to_le_bytes());
         }
         for c in 0..4 {
-            let at = ROWS * head + 32 * c + 4 * l;
-            out[head + 4 * c..head + 4 * c + 4].copy_from_slice(&gb[at..at + 4]);
+            let at = codes_at + 32 * c + 4 * l;
+            out[qs + 4 * c..qs + 4 * c + 4].copy_from_slice(&gb[at..at + 4]);
         }
     }
 
@@ -96,29 +156,34 @@ impl Interleaved {
 
     /// Row `r` dequantized into `out` (`blocks · 32` values), as ggml dequantizes it.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        let mut block = [0u8; 20];
-        let head = head_bytes(self.format);
+        let f = Fields::of(self.format);
+        let (qh, qs) = f.row_offsets();
+        let mut block = [0u8; 24];
         for (b, vals) in out.chunks_exact_mut(32).enumerate() {
             self.row_block(r, b, &mut block);
             let d = super::format::f16_at(&block, 0);
-            let qs = &block[head..head + 16];
-            for (j, &q) in qs.iter().enumerate() {
-                let (lo, hi) = (f32::from(q & 0xF), f32::from(q >> 4));
-                (vals[j], vals[j + 16]) = match self.format {
-                    Format::Q4_1 => {
-                        let m = super::format::f16_at(&block, 2);
-                        (lo * d + m, hi * d + m)
-                    }
-                    _ => ((lo - 8.0) * d, (hi - 8.0) * d),
+            let m = if f.min {
+                super::format::f16_at(&block, 2)
+            } else {
+                0.0
+            };
+            let bits = match f.fifth {
+                true => {
+                    u32::from_le_bytes([block[qh], block[qh + 1], block[qh + 2], block[qh + 3]])
+                }
+                false => 0,
+            };
+            for (i, v) in vals.iter_mut().enumerate() {
+                let nibble = block[qs + i % 16] >> (4 * (i / 16)) & 0xF;
+                let q = i32::from(nibble) | (((bits >> i) & 1) << 4) as i32;
+                *v = match self.format {
+                    Format::Q4_1 | Format::Q5_1 => q as f32 * d + m,
+                    Format::Q5_0 => (q - 16) as f32 * d,
+                    _ => (q - 8) as f32 * d,
                 };
             }
         }
     }
-}
-
-/// Bytes before a block's codes: the f16 scale, and the f16 minimum of Q4_1.
-fn head_bytes(format: Format) -> usize {
-    if format == Format::Q4_1 { 4 } else { 2 }
 }
 
 #[cfg(test)]
@@ -127,27 +192,23 @@ mod tests {
 
     #[test]
     fn rows_come_back_byte_for_byte() {
-        for format in [Format::Q4_0, Format::Q4_1] {
-            let (rows, blocks) = (16, 3);
-            let data: Vec<u8> = (0..rows * blocks * format.block_bytes())
-                .map(|i| (i * 7 + i / 13) as u8)
+        for format in [Format::Q4_0, Format::Q4_1, Format::Q5_0, Format::Q5_1] {
+            let (rows, blocks, bb) = (16, 3, format.block_bytes());
+            let data: Vec<u8> = (0..rows * blocks * bb)
+                .map(|i| (i * 7 + i / 13 + i * i / 101) as u8)
                 .collect();
             let w = Interleaved::new(format, &data, rows, blocks);
             for r in 0..rows {
-                let row_bytes = blocks * format.block_bytes();
                 assert_eq!(
                     w.row(r),
-                    &data[r * row_bytes..][..row_bytes],
+                    &data[r * blocks * bb..][..blocks * bb],
                     "{format:?} row {r}"
                 );
             }
-            // The codes of values 4c..4c + 4 of row l sit at 32c + 4l in the low nibbles.
-            let head = head_bytes(format);
-            let g0 = &w.group(0)[ROWS * head..];
-            assert_eq!(
-                g0[32 + 4 * 3],
-                data[3 * blocks * format.block_bytes() + head + 4]
-            );
+            // Vector 1's codes of row 3 (values 4..8) sit at 32 + 4·3 in the low nibbles.
+            let f = Fields::of(format);
+            let (at, qs) = (f.group_offsets().2, f.row_offsets().1);
+            assert_eq!(w.group(0)[at + 32 + 4 * 3], data[3 * blocks * bb + qs + 4]);
         }
     }
 }

@@ -79,12 +79,12 @@ enum Layout {
         qtensor: Arc<QTensor>,
         fallback: QMatMul,
     },
-    /// Q4_0/Q4_1 with 8 rows interleaved ([`interleaved`]), for the x86 kernels.
+    /// Q4_0/Q4_1/Q5_0/Q5_1 with 8 rows interleaved ([`interleaved`]), for the x86 kernels.
     Interleaved(Arc<Interleaved>),
 }
 
 impl GgufMatrix {
-    /// Wraps a 2-D GGUF tensor. On CPUs with the AVX2 kernels, Q4_0 and Q4_1 matrices of a
+    /// Wraps a 2-D GGUF tensor. On CPUs with the AVX2 kernels, Q4_0/Q4_1/Q5_0/Q5_1 matrices of a
     /// multiple of 8 rows move into the interleaved layout (same bytes, the file's copy is
     /// dropped once no one else holds it).
     pub fn new(qtensor: Arc<QTensor>) -> Result<Self> {
@@ -408,7 +408,6 @@ unsafe fn interleaved_task(
 ) {
     let (format, blocks) = (w.format, w.blocks);
     let input = |i: usize| &xq[i * blocks..][..blocks];
-    let groups = r0 / interleaved::ROWS..r1.div_ceil(interleaved::ROWS);
     if !kernel.has_avx2() {
         for r in r0..r1 {
             let row = w.row(r);
@@ -422,7 +421,7 @@ unsafe fn interleaved_task(
     #[cfg(target_arch = "x86_64")]
     for i0 in (0..m).step_by(INPUT_TILE) {
         let i1 = (i0 + INPUT_TILE).min(m);
-        for g in groups.clone() {
+        for g in r0 / interleaved::ROWS..r1.div_ceil(interleaved::ROWS) {
             let (gw, c0) = (w.group(g), g * interleaved::ROWS);
             let mut i = i0;
             // SAFETY: the kernel runs here (contract) and has AVX2; the group and inputs hold
