@@ -88,7 +88,7 @@ fn every_kernel_matches_the_exact_product_within_the_quantization_bound() {
             _ => &[32, 160, 768],
         };
         for &k in ks {
-            // 8 and 40 rows: Q4_0/Q4_1/Q5_0/Q5_1 interleave 8 rows at a time on x86.
+            // 8 and 40 rows: Q4_0/Q4_1/Q5_0/Q5_1/Q4_K interleave 8 rows at a time on x86.
             for n in [1, 7, 8, 37, 40] {
                 let (w, wf) = matrix(dtype, n, k);
                 assert!(w.format().is_some(), "{dtype:?} should have a kernel");
@@ -144,9 +144,10 @@ fn interleaved_rows_equal_the_file_layout() {
         GgmlDType::Q4_1,
         GgmlDType::Q5_0,
         GgmlDType::Q5_1,
+        GgmlDType::Q4K,
     ];
     for dtype in formats {
-        let (n, k) = (24, 160);
+        let (n, k) = (24, if dtype == GgmlDType::Q4K { 512 } else { 160 });
         let w = Tensor::from_vec(values(n * k, 3), (n, k), &Device::Cpu).unwrap();
         let q = Arc::new(QTensor::quantize(&w, dtype).unwrap());
         let (fast, rows) = (
@@ -158,10 +159,15 @@ fn interleaved_rows_equal_the_file_layout() {
             Kernel::best().has_avx2(),
             "{dtype:?}"
         );
+        // The same bytes, moved; Q4_K's 6-bit scales and minimums take a byte each (+32 per 8).
+        let extra = match (dtype, fast.is_interleaved()) {
+            (GgmlDType::Q4K, true) => n / 8 * k / 256 * 32,
+            _ => 0,
+        };
         assert_eq!(
             fast.weight_bytes(),
-            rows.weight_bytes(),
-            "same bytes, moved"
+            rows.weight_bytes() + extra,
+            "{dtype:?}"
         );
         // Lookups (tied embeddings) dequantize as candle does, bit for bit.
         let ids = Tensor::new(&[[23u32, 0], [8, 15]], &Device::Cpu).unwrap();

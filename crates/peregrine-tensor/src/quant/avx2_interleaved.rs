@@ -1,4 +1,4 @@
-//! x86 kernels for [`Interleaved`](super::interleaved::Interleaved) Q4_0/Q4_1/Q5_0/Q5_1 weights:
+//! x86 kernels for [`Interleaved`](super::interleaved::Interleaved) Q4_0/Q4_1/Q5_0/Q5_1/Q4_K weights:
 //! one group of 8 rows against `T` input rows. Per block the 8 rows' codes are unpacked once into 8
 //! vectors (values `4k..4k + 4` of every row in each), and each input's 4 codes at `4k`,
 //! broadcast, multiply vector `k`: 8 integer products per lane give each row's block sum
@@ -27,7 +27,12 @@ pub unsafe fn group<const T: usize>(
     x: [&[Q8Block]; T],
 ) -> [[f32; ROWS]; T] {
     // SAFETY: this function's features are `Avx2`'s.
-    unsafe { with_fields!(format, MIN, FIFTH => rows::<Avx2, MIN, FIFTH, T>(w, x)) }
+    unsafe {
+        match format {
+            Format::Q4K => rows_q4k::<Avx2, T>(w, x),
+            _ => with_fields!(format, MIN, FIFTH => rows::<Avx2, MIN, FIFTH, T>(w, x)),
+        }
+    }
 }
 
 /// Runs `$body` with the consts `$min` and `$fifth` set for `$format` (so each format compiles
@@ -71,7 +76,12 @@ pub unsafe fn group_vnni<const T: usize>(
     x: [&[Q8Block]; T],
 ) -> [[f32; ROWS]; T] {
     // SAFETY: this function's features are `Vnni`'s.
-    unsafe { with_fields!(format, MIN, FIFTH => rows::<Vnni, MIN, FIFTH, T>(w, x)) }
+    unsafe {
+        match format {
+            Format::Q4K => rows_q4k::<Vnni, T>(w, x),
+            _ => with_fields!(format, MIN, FIFTH => rows::<Vnni, MIN, FIFTH, T>(w, x)),
+        }
+    }
 }
 
 /// # Safety
@@ -136,6 +146,64 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const T: usize>(
             let sum = _mm256_add_ps(acc[0][t], acc[1][t]);
             let sum = _mm256_add_ps(sum, _mm256_add_ps(mins[0][t], mins[1][t]));
             _mm256_storeu_ps(out.as_mut_ptr(), sum);
+            out
+        })
+    }
+}
+
+/// Q4_K: per sub-block the 8 rows' scales and minimums (bytes) widen to one vector each, so
+/// each input pays one multiply and two FMAs per 32 values for 8 rows, as the row kernel pays
+/// per row.
+///
+/// # Safety
+/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
+#[inline(always)]
+unsafe fn rows_q4k<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; T]) -> [[f32; ROWS]; T] {
+    use super::interleaved::q4k::{CODES, DMIN, MINS, SCALES};
+    let block_bytes = super::interleaved::group_block_bytes(Format::Q4K);
+    // SAFETY: per this function's contract; every load below stays inside super-block `b`.
+    unsafe {
+        let mask = _mm256_set1_epi8(0xF);
+        let widen =
+            |p: *const u8| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast())));
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut mins = [_mm256_setzero_ps(); T];
+        for (i, b) in w.chunks_exact(block_bytes).enumerate() {
+            let p = b.as_ptr();
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
+            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(p.add(DMIN).cast()));
+            for j in 0..8 {
+                // d·scale and dmin·minimum of sub-block j, for the 8 rows.
+                let scale = _mm256_mul_ps(d, widen(p.add(SCALES + 8 * j)));
+                let min = _mm256_mul_ps(dmin, widen(p.add(MINS + 8 * j)));
+                let codes: [__m256i; 8] = std::array::from_fn(|c| {
+                    let q = _mm256_loadu_si256(p.add(CODES + 256 * (j / 2) + 32 * c).cast());
+                    let q = if j % 2 == 0 {
+                        q
+                    } else {
+                        _mm256_srli_epi16(q, 4)
+                    };
+                    _mm256_and_si256(q, mask)
+                });
+                for t in 0..T {
+                    let xb = &x[t][8 * i + j];
+                    let xq = xb.qs.as_ptr().cast::<i32>();
+                    let quad = |k: usize| _mm256_set1_epi32(xq.add(k).read_unaligned());
+                    let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                    for k in 0..4 {
+                        s0 = I::dot4(s0, codes[k], quad(k));
+                        s1 = I::dot4(s1, codes[k + 4], quad(k + 4));
+                    }
+                    let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+                    let scaled = _mm256_mul_ps(scale, _mm256_set1_ps(xb.d));
+                    acc[t] = _mm256_fmadd_ps(scaled, sum, acc[t]);
+                    mins[t] = _mm256_fmadd_ps(min, _mm256_set1_ps(xb.dsum), mins[t]);
+                }
+            }
+        }
+        std::array::from_fn(|t| {
+            let mut out = [0f32; ROWS];
+            _mm256_storeu_ps(out.as_mut_ptr(), _mm256_sub_ps(acc[t], mins[t]));
             out
         })
     }

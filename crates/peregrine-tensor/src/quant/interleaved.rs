@@ -1,4 +1,4 @@
-//! Q4_0/Q4_1/Q5_0/Q5_1 weights with 8 rows interleaved block by block, the layout the x86
+//! Q4_0/Q4_1/Q5_0/Q5_1/Q4_K weights with 8 rows interleaved block by block, the layout the x86
 //! kernels multiply fastest: one 32-byte vector holds 4 codes of each of 8 rows, so 4 activation
 //! codes broadcast to every lane advance 8 outputs at once, and the rows' scales load as one
 //! vector. (llama.cpp repacks Q4_0 the same way for the same reason.) Nothing is rounded or
@@ -10,11 +10,94 @@
 //! `16 + 4c + t`. So the low nibbles of the 32 bytes at `32c` are values `4c..4c + 4` of every
 //! row ("vector `c`"), and their high nibbles values `16 + 4c..` ("vector `c + 4`"); mask `k`
 //! holds vector `k`'s fifth bits, bit `4l + t` for row `l`'s value `4k + t`.
+//!
+//! Q4_K (256 values): 8 f16 scales, 8 f16 minimum scales, the 6-bit sub-block scales and
+//! minimums unpacked to bytes (`[sub-block][row]`, 32 bytes more per group than the file's
+//! packing), then per pair of sub-blocks 256 bytes of codes arranged as above: low nibbles for
+//! the even sub-block, high nibbles for the odd one.
 
-use super::format::Format;
+use super::format::{Format, k_scale_min};
 
 /// Rows per group: the lanes of one 256-bit vector of i32 or f32.
 pub const ROWS: usize = 8;
+
+/// Bytes of one block of 8 rows in the interleaved layout.
+pub fn group_block_bytes(format: Format) -> usize {
+    ROWS * format.block_bytes() + if format == Format::Q4K { q4k::EXTRA } else { 0 }
+}
+
+/// Q4_K's group block: offsets and the moves in and out of GGUF's block.
+pub mod q4k {
+    use super::{ROWS, k_scale_min};
+
+    /// The 8 rows' f16 minimum scales.
+    pub const DMIN: usize = 16;
+    /// Sub-block scales, `[sub-block][row]` bytes.
+    pub const SCALES: usize = 32;
+    /// Sub-block minimums, `[sub-block][row]` bytes.
+    pub const MINS: usize = 96;
+    /// Codes: 4 pairs of sub-blocks × 8 vectors × 32 bytes.
+    pub const CODES: usize = 160;
+    /// Bytes over 8 GGUF blocks: the 6-bit scales and minimums take a byte each.
+    pub const EXTRA: usize = CODES + 1024 - 8 * 144;
+
+    /// 8 rows' GGUF blocks into one group block.
+    pub fn interleave(src: [&[u8]; ROWS], gb: &mut [u8]) {
+        for (l, b) in src.iter().enumerate() {
+            gb[2 * l..2 * l + 2].copy_from_slice(&b[..2]);
+            gb[DMIN + 2 * l..DMIN + 2 * l + 2].copy_from_slice(&b[2..4]);
+            for j in 0..8 {
+                (gb[SCALES + 8 * j + l], gb[MINS + 8 * j + l]) = k_scale_min(&b[4..16], j);
+            }
+            for p in 0..4 {
+                for c in 0..8 {
+                    let at = CODES + 256 * p + 32 * c + 4 * l;
+                    gb[at..at + 4].copy_from_slice(&b[16 + 32 * p + 4 * c..][..4]);
+                }
+            }
+        }
+    }
+
+    /// Row `l`'s GGUF block from a group block.
+    pub fn row_block(gb: &[u8], l: usize, out: &mut [u8]) {
+        out[..2].copy_from_slice(&gb[2 * l..2 * l + 2]);
+        out[2..4].copy_from_slice(&gb[DMIN + 2 * l..DMIN + 2 * l + 2]);
+        // ggml's 12-byte packing (the inverse of `get_scale_min_k4`).
+        let (sc, m) = (
+            |j: usize| gb[SCALES + 8 * j + l],
+            |j: usize| gb[MINS + 8 * j + l],
+        );
+        let packed = &mut out[4..16];
+        for j in 0..4 {
+            packed[j] = sc(j) | (sc(j + 4) >> 4) << 6;
+            packed[j + 4] = m(j) | (m(j + 4) >> 4) << 6;
+            packed[j + 8] = (sc(j + 4) & 0xF) | (m(j + 4) & 0xF) << 4;
+        }
+        for p in 0..4 {
+            for c in 0..8 {
+                let at = CODES + 256 * p + 32 * c + 4 * l;
+                out[16 + 32 * p + 4 * c..][..4].copy_from_slice(&gb[at..at + 4]);
+            }
+        }
+    }
+
+    /// One GGUF Q4_K block's 256 values, as ggml's `dequantize_row_q4_K`.
+    pub fn dequantize(b: &[u8], out: &mut [f32]) {
+        let (d, dmin) = (
+            super::super::format::f16_at(b, 0),
+            super::super::format::f16_at(b, 2),
+        );
+        for (j, vals) in out.chunks_exact_mut(32).enumerate() {
+            let (sc, m) = k_scale_min(&b[4..16], j);
+            let (d1, m1) = (d * f32::from(sc), dmin * f32::from(m));
+            let q = &b[16 + 32 * (j / 2)..][..32];
+            for (v, c) in vals.iter_mut().zip(q) {
+                let code = if j % 2 == 0 { c & 0xF } else { c >> 4 };
+                *v = d1 * f32::from(code) - m1;
+            }
+        }
+    }
+}
 
 /// Where a format's fields sit, in GGUF's block and in the interleaved group block.
 #[derive(Clone, Copy)]
@@ -60,7 +143,13 @@ pub struct Interleaved {
 impl Interleaved {
     /// Whether `format` matrices of `rows` rows can be interleaved.
     pub fn fits(format: Format, rows: usize) -> bool {
-        let formats = [Format::Q4_0, Format::Q4_1, Format::Q5_0, Format::Q5_1];
+        let formats = [
+            Format::Q4_0,
+            Format::Q4_1,
+            Format::Q5_0,
+            Format::Q5_1,
+            Format::Q4K,
+        ];
         formats.contains(&format) && rows.is_multiple_of(ROWS) && rows > 0
     }
 
@@ -71,10 +160,15 @@ impl Interleaved {
         );
         let (f, bb) = (Fields::of(format), format.block_bytes());
         let ((qh, qs), (m_at, masks_at, codes_at)) = (f.row_offsets(), f.group_offsets());
-        let row_bytes = blocks * bb;
-        let mut bytes = vec![0u8; data.len()];
-        for (g, out) in bytes.chunks_exact_mut(ROWS * row_bytes).enumerate() {
-            for (b, gb) in out.chunks_exact_mut(ROWS * bb).enumerate() {
+        let (row_bytes, gbb) = (blocks * bb, group_block_bytes(format));
+        let mut bytes = vec![0u8; rows / ROWS * blocks * gbb];
+        for (g, out) in bytes.chunks_exact_mut(blocks * gbb).enumerate() {
+            for (b, gb) in out.chunks_exact_mut(gbb).enumerate() {
+                if format == Format::Q4K {
+                    let src = |l: usize| &data[(g * ROWS + l) * row_bytes + b * bb..][..bb];
+                    q4k::interleave(std::array::from_fn(src), gb);
+                    continue;
+                }
                 let mut masks = [0u32; 8];
                 for l in 0..ROWS {
                     let src = &data[(g * ROWS + l) * row_bytes + b * bb..][..bb];
@@ -111,7 +205,7 @@ impl Interleaved {
 
     /// Bytes of one group of 8 rows.
     pub fn group_bytes(&self) -> usize {
-        ROWS * self.blocks * self.format.block_bytes()
+        self.blocks * group_block_bytes(self.format)
     }
 
     /// Group `g` (rows `8g..8g + 8`).
@@ -123,8 +217,11 @@ impl Interleaved {
     pub fn row_block(&self, r: usize, b: usize, out: &mut [u8]) {
         let (f, bb) = (Fields::of(self.format), self.format.block_bytes());
         let ((qh, qs), (m_at, masks_at, codes_at)) = (f.row_offsets(), f.group_offsets());
-        let (g, l) = (r / ROWS, r % ROWS);
-        let gb = &self.group(g)[b * ROWS * bb..][..ROWS * bb];
+        let (g, l, gbb) = (r / ROWS, r % ROWS, group_block_bytes(self.format));
+        let gb = &self.group(g)[b * gbb..][..gbb];
+        if self.format == Format::Q4K {
+            return q4k::row_block(gb, l, &mut out[..bb]);
+        }
         out[..2].copy_from_slice(&gb[2 * l..2 * l + 2]);
         if f.min {
             out[2..4].copy_from_slice(&gb[m_at + 2 * l..m_at + 2 * l + 2]);
@@ -154,8 +251,16 @@ impl Interleaved {
         out
     }
 
-    /// Row `r` dequantized into `out` (`blocks · 32` values), as ggml dequantizes it.
+    /// Row `r` dequantized into `out` (`blocks · block_len` values), as ggml dequantizes it.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        if self.format == Format::Q4K {
+            let mut block = [0u8; 144];
+            for (b, vals) in out.chunks_exact_mut(256).enumerate() {
+                self.row_block(r, b, &mut block);
+                q4k::dequantize(&block, vals);
+            }
+            return;
+        }
         let f = Fields::of(self.format);
         let (qh, qs) = f.row_offsets();
         let mut block = [0u8; 24];
@@ -192,7 +297,13 @@ mod tests {
 
     #[test]
     fn rows_come_back_byte_for_byte() {
-        for format in [Format::Q4_0, Format::Q4_1, Format::Q5_0, Format::Q5_1] {
+        for format in [
+            Format::Q4_0,
+            Format::Q4_1,
+            Format::Q5_0,
+            Format::Q5_1,
+            Format::Q4K,
+        ] {
             let (rows, blocks, bb) = (16, 3, format.block_bytes());
             let data: Vec<u8> = (0..rows * blocks * bb)
                 .map(|i| (i * 7 + i / 13 + i * i / 101) as u8)
@@ -204,6 +315,9 @@ mod tests {
                     &data[r * blocks * bb..][..blocks * bb],
                     "{format:?} row {r}"
                 );
+            }
+            if format == Format::Q4K {
+                continue;
             }
             // Vector 1's codes of row 3 (values 4..8) sit at 32 + 4·3 in the low nibbles.
             let f = Fields::of(format);

@@ -79,14 +79,15 @@ enum Layout {
         qtensor: Arc<QTensor>,
         fallback: QMatMul,
     },
-    /// Q4_0/Q4_1/Q5_0/Q5_1 with 8 rows interleaved ([`interleaved`]), for the x86 kernels.
+    /// Q4_0/Q4_1/Q5_0/Q5_1/Q4_K with 8 rows interleaved ([`interleaved`]), for the x86 kernels.
     Interleaved(Arc<Interleaved>),
 }
 
 impl GgufMatrix {
-    /// Wraps a 2-D GGUF tensor. On CPUs with the AVX2 kernels, Q4_0/Q4_1/Q5_0/Q5_1 matrices of a
-    /// multiple of 8 rows move into the interleaved layout (same bytes, the file's copy is
-    /// dropped once no one else holds it).
+    /// Wraps a 2-D GGUF tensor. On CPUs with the AVX2 kernels, Q4_0/Q4_1/Q5_0/Q5_1/Q4_K
+    /// matrices of a multiple of 8 rows move into the interleaved layout (the same bytes; Q4_K's
+    /// 6-bit scales take a byte each, 2.8 % more), and the file's copy is dropped once no one
+    /// else holds it.
     pub fn new(qtensor: Arc<QTensor>) -> Result<Self> {
         let interleave = Kernel::best().has_avx2();
         Self::with_layout(qtensor, interleave)
@@ -406,7 +407,8 @@ unsafe fn interleaved_task(
     r0: usize,
     r1: usize,
 ) {
-    let (format, blocks) = (w.format, w.blocks);
+    // Activation blocks per input (32 values each; a Q4_K weight block spans 8).
+    let (format, blocks) = (w.format, xq.len() / m.max(1));
     let input = |i: usize| &xq[i * blocks..][..blocks];
     if !kernel.has_avx2() {
         for r in r0..r1 {
