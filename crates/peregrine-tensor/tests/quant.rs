@@ -145,9 +145,10 @@ fn interleaved_rows_equal_the_file_layout() {
         GgmlDType::Q5_0,
         GgmlDType::Q5_1,
         GgmlDType::Q4K,
+        GgmlDType::Q6K,
     ];
     for dtype in formats {
-        let (n, k) = (24, if dtype == GgmlDType::Q4K { 512 } else { 160 });
+        let (n, k) = (24, if dtype.block_size() == 256 { 512 } else { 160 });
         let w = Tensor::from_vec(values(n * k, 3), (n, k), &Device::Cpu).unwrap();
         let q = Arc::new(QTensor::quantize(&w, dtype).unwrap());
         let (fast, rows) = (
@@ -181,6 +182,8 @@ fn interleaved_rows_equal_the_file_layout() {
             fast.embedding(&Tensor::new(&[24u32], &Device::Cpu).unwrap())
                 .is_err()
         );
+        let wf = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap();
+        let wf: Vec<f32> = wf.to_vec1().unwrap();
         // Decode, a 4-input tile plus a tail, and a prefill-sized batch.
         for m in [1, 6, 70] {
             let x = values(m * k, m as u64);
@@ -190,7 +193,10 @@ fn interleaved_rows_equal_the_file_layout() {
                     rows.matmul_with(&x, m, kernel).unwrap(),
                 );
                 for (i, (a, b)) in a.iter().zip(&b).enumerate() {
-                    let tol = 1e-5 * (1.0 + b.abs());
+                    // Summation order only: 1e-5 of Σ|w·x|, as in the test above.
+                    let (input, row) = (&x[i / n * k..][..k], &wf[i % n * k..][..k]);
+                    let mag: f32 = input.iter().zip(row).map(|(x, w)| (x * w).abs()).sum();
+                    let tol = 1e-5 * mag;
                     assert!(
                         (a - b).abs() <= tol,
                         "{dtype:?} {kernel:?} m={m} out {i}: {a} vs {b}"

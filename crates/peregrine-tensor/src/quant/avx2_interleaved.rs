@@ -30,6 +30,7 @@ pub unsafe fn group<const T: usize>(
     unsafe {
         match format {
             Format::Q4K => rows_q4k::<Avx2, T>(w, x),
+            Format::Q6K => rows_q6k::<Avx2, T>(w, x),
             _ => with_fields!(format, MIN, FIFTH => rows::<Avx2, MIN, FIFTH, T>(w, x)),
         }
     }
@@ -79,6 +80,7 @@ pub unsafe fn group_vnni<const T: usize>(
     unsafe {
         match format {
             Format::Q4K => rows_q4k::<Vnni, T>(w, x),
+            Format::Q6K => rows_q6k::<Vnni, T>(w, x),
             _ => with_fields!(format, MIN, FIFTH => rows::<Vnni, MIN, FIFTH, T>(w, x)),
         }
     }
@@ -111,17 +113,20 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const T: usize>(
                 true => _mm256_cvtph_ps(_mm_loadu_si128(p.add(16).cast())),
                 false => dw,
             };
-            let codes: [__m256i; 8] = std::array::from_fn(|k| {
+            // Loops, not `array::from_fn`, here and below: a closure's body may stay out of
+            // line, outside this `target_feature` function (Q6_K's did: 10× slower).
+            let mut codes = [_mm256_setzero_si256(); 8];
+            for (k, code) in codes.iter_mut().enumerate() {
                 let q = _mm256_loadu_si256(p.add(head + 32 * (k % 4)).cast());
                 let q = if k < 4 { q } else { _mm256_srli_epi16(q, 4) };
                 let q = _mm256_and_si256(q, mask);
-                if FIFTH {
+                *code = if FIFTH {
                     let bits = p.add(masks_at + 4 * k).cast::<u32>().read_unaligned();
                     _mm256_or_si256(q, I::sixteens(bits))
                 } else {
                     q
-                }
-            });
+                };
+            }
             let (chain, min_chain) = (&mut acc[i % 2], &mut mins[i % 2]);
             for t in 0..T {
                 let xb = &x[t][i];
@@ -176,15 +181,16 @@ unsafe fn rows_q4k<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; T]) -> [[f3
                 // d·scale and dmin·minimum of sub-block j, for the 8 rows.
                 let scale = _mm256_mul_ps(d, widen(p.add(SCALES + 8 * j)));
                 let min = _mm256_mul_ps(dmin, widen(p.add(MINS + 8 * j)));
-                let codes: [__m256i; 8] = std::array::from_fn(|c| {
+                let mut codes = [_mm256_setzero_si256(); 8];
+                for (c, code) in codes.iter_mut().enumerate() {
                     let q = _mm256_loadu_si256(p.add(CODES + 256 * (j / 2) + 32 * c).cast());
                     let q = if j % 2 == 0 {
                         q
                     } else {
                         _mm256_srli_epi16(q, 4)
                     };
-                    _mm256_and_si256(q, mask)
-                });
+                    *code = _mm256_and_si256(q, mask);
+                }
                 for t in 0..T {
                     let xb = &x[t][8 * i + j];
                     let xq = xb.qs.as_ptr().cast::<i32>();
@@ -204,6 +210,80 @@ unsafe fn rows_q4k<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; T]) -> [[f3
         std::array::from_fn(|t| {
             let mut out = [0f32; ROWS];
             _mm256_storeu_ps(out.as_mut_ptr(), _mm256_sub_ps(acc[t], mins[t]));
+            out
+        })
+    }
+}
+
+/// Q6_K: low nibbles and high bit pairs unpack once per sub-block for 8 rows; the i8 scale of
+/// each 16 values multiplies that half's integer sum exactly (as the row kernel's `madd` does),
+/// and the codes' offset of 32 goes through the inputs' half sums in its own accumulator.
+///
+/// # Safety
+/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
+#[inline(always)]
+unsafe fn rows_q6k<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; T]) -> [[f32; ROWS]; T] {
+    use super::interleaved::q6k::{QH, QL, SCALES};
+    let block_bytes = super::interleaved::group_block_bytes(Format::Q6K);
+    // SAFETY: per this function's contract; every load below stays inside super-block `b`.
+    unsafe {
+        let (low_mask, high_mask) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(0x30));
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut offsets = [_mm256_setzero_ps(); T];
+        for (i, b) in w.chunks_exact(block_bytes).enumerate() {
+            let p = b.as_ptr();
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
+            for j in 0..8 {
+                let (n, t) = (j / 4, j % 4);
+                // The i8 scales of the sub-block's two halves, and −32·d·scale for the offsets.
+                let g = SCALES + 8 * (8 * n + 2 * t);
+                let sc_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(g).cast()));
+                let sc_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(g + 8).cast()));
+                let minus_32d = _mm256_mul_ps(_mm256_set1_ps(-32.0), d);
+                let off_lo = _mm256_mul_ps(minus_32d, _mm256_cvtepi32_ps(sc_lo));
+                let off_hi = _mm256_mul_ps(minus_32d, _mm256_cvtepi32_ps(sc_hi));
+                let mut codes = [_mm256_setzero_si256(); 8];
+                for (c, code) in codes.iter_mut().enumerate() {
+                    let ql = _mm256_loadu_si256(p.add(QL + 256 * (2 * n + t % 2) + 32 * c).cast());
+                    let low = if t < 2 { ql } else { _mm256_srli_epi16(ql, 4) };
+                    let qh = _mm256_loadu_si256(p.add(QH + 256 * n + 32 * c).cast());
+                    // Bits 2t, 2t + 1 to bits 4, 5.
+                    let high = match t {
+                        0 => _mm256_slli_epi16(qh, 4),
+                        1 => _mm256_slli_epi16(qh, 2),
+                        2 => qh,
+                        _ => _mm256_srli_epi16(qh, 2),
+                    };
+                    let low = _mm256_and_si256(low, low_mask);
+                    *code = _mm256_or_si256(low, _mm256_and_si256(high, high_mask));
+                }
+                for tt in 0..T {
+                    let xb = &x[tt][8 * i + j];
+                    let xq = xb.qs.as_ptr().cast::<i32>();
+                    let quad = |k: usize| _mm256_set1_epi32(xq.add(k).read_unaligned());
+                    let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                    for k in 0..4 {
+                        s0 = I::dot4(s0, codes[k], quad(k));
+                        s1 = I::dot4(s1, codes[k + 4], quad(k + 4));
+                    }
+                    let sum = _mm256_add_epi32(
+                        _mm256_mullo_epi32(s0, sc_lo),
+                        _mm256_mullo_epi32(s1, sc_hi),
+                    );
+                    let scaled = _mm256_mul_ps(d, _mm256_set1_ps(xb.d));
+                    acc[tt] = _mm256_fmadd_ps(scaled, _mm256_cvtepi32_ps(sum), acc[tt]);
+                    // Both halves' offsets, then the running sum (the row kernel's order).
+                    let o = _mm256_add_ps(
+                        _mm256_mul_ps(off_lo, _mm256_set1_ps(xb.dsum16[0])),
+                        _mm256_mul_ps(off_hi, _mm256_set1_ps(xb.dsum16[1])),
+                    );
+                    offsets[tt] = _mm256_add_ps(offsets[tt], o);
+                }
+            }
+        }
+        std::array::from_fn(|t| {
+            let mut out = [0f32; ROWS];
+            _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(acc[t], offsets[t]));
             out
         })
     }

@@ -16,7 +16,8 @@
 //! packing), then per pair of sub-blocks 256 bytes of codes arranged as above: low nibbles for
 //! the even sub-block, high nibbles for the odd one.
 
-use super::format::{Format, k_scale_min};
+use super::format::Format;
+pub use super::interleaved_k::{q4k, q6k};
 
 /// Rows per group: the lanes of one 256-bit vector of i32 or f32.
 pub const ROWS: usize = 8;
@@ -24,79 +25,6 @@ pub const ROWS: usize = 8;
 /// Bytes of one block of 8 rows in the interleaved layout.
 pub fn group_block_bytes(format: Format) -> usize {
     ROWS * format.block_bytes() + if format == Format::Q4K { q4k::EXTRA } else { 0 }
-}
-
-/// Q4_K's group block: offsets and the moves in and out of GGUF's block.
-pub mod q4k {
-    use super::{ROWS, k_scale_min};
-
-    /// The 8 rows' f16 minimum scales.
-    pub const DMIN: usize = 16;
-    /// Sub-block scales, `[sub-block][row]` bytes.
-    pub const SCALES: usize = 32;
-    /// Sub-block minimums, `[sub-block][row]` bytes.
-    pub const MINS: usize = 96;
-    /// Codes: 4 pairs of sub-blocks × 8 vectors × 32 bytes.
-    pub const CODES: usize = 160;
-    /// Bytes over 8 GGUF blocks: the 6-bit scales and minimums take a byte each.
-    pub const EXTRA: usize = CODES + 1024 - 8 * 144;
-
-    /// 8 rows' GGUF blocks into one group block.
-    pub fn interleave(src: [&[u8]; ROWS], gb: &mut [u8]) {
-        for (l, b) in src.iter().enumerate() {
-            gb[2 * l..2 * l + 2].copy_from_slice(&b[..2]);
-            gb[DMIN + 2 * l..DMIN + 2 * l + 2].copy_from_slice(&b[2..4]);
-            for j in 0..8 {
-                (gb[SCALES + 8 * j + l], gb[MINS + 8 * j + l]) = k_scale_min(&b[4..16], j);
-            }
-            for p in 0..4 {
-                for c in 0..8 {
-                    let at = CODES + 256 * p + 32 * c + 4 * l;
-                    gb[at..at + 4].copy_from_slice(&b[16 + 32 * p + 4 * c..][..4]);
-                }
-            }
-        }
-    }
-
-    /// Row `l`'s GGUF block from a group block.
-    pub fn row_block(gb: &[u8], l: usize, out: &mut [u8]) {
-        out[..2].copy_from_slice(&gb[2 * l..2 * l + 2]);
-        out[2..4].copy_from_slice(&gb[DMIN + 2 * l..DMIN + 2 * l + 2]);
-        // ggml's 12-byte packing (the inverse of `get_scale_min_k4`).
-        let (sc, m) = (
-            |j: usize| gb[SCALES + 8 * j + l],
-            |j: usize| gb[MINS + 8 * j + l],
-        );
-        let packed = &mut out[4..16];
-        for j in 0..4 {
-            packed[j] = sc(j) | (sc(j + 4) >> 4) << 6;
-            packed[j + 4] = m(j) | (m(j + 4) >> 4) << 6;
-            packed[j + 8] = (sc(j + 4) & 0xF) | (m(j + 4) & 0xF) << 4;
-        }
-        for p in 0..4 {
-            for c in 0..8 {
-                let at = CODES + 256 * p + 32 * c + 4 * l;
-                out[16 + 32 * p + 4 * c..][..4].copy_from_slice(&gb[at..at + 4]);
-            }
-        }
-    }
-
-    /// One GGUF Q4_K block's 256 values, as ggml's `dequantize_row_q4_K`.
-    pub fn dequantize(b: &[u8], out: &mut [f32]) {
-        let (d, dmin) = (
-            super::super::format::f16_at(b, 0),
-            super::super::format::f16_at(b, 2),
-        );
-        for (j, vals) in out.chunks_exact_mut(32).enumerate() {
-            let (sc, m) = k_scale_min(&b[4..16], j);
-            let (d1, m1) = (d * f32::from(sc), dmin * f32::from(m));
-            let q = &b[16 + 32 * (j / 2)..][..32];
-            for (v, c) in vals.iter_mut().zip(q) {
-                let code = if j % 2 == 0 { c & 0xF } else { c >> 4 };
-                *v = d1 * f32::from(code) - m1;
-            }
-        }
-    }
 }
 
 /// Where a format's fields sit, in GGUF's block and in the interleaved group block.
@@ -149,6 +77,7 @@ impl Interleaved {
             Format::Q5_0,
             Format::Q5_1,
             Format::Q4K,
+            Format::Q6K,
         ];
         formats.contains(&format) && rows.is_multiple_of(ROWS) && rows > 0
     }
@@ -164,9 +93,13 @@ impl Interleaved {
         let mut bytes = vec![0u8; rows / ROWS * blocks * gbb];
         for (g, out) in bytes.chunks_exact_mut(blocks * gbb).enumerate() {
             for (b, gb) in out.chunks_exact_mut(gbb).enumerate() {
-                if format == Format::Q4K {
-                    let src = |l: usize| &data[(g * ROWS + l) * row_bytes + b * bb..][..bb];
-                    q4k::interleave(std::array::from_fn(src), gb);
+                let src = |l: usize| &data[(g * ROWS + l) * row_bytes + b * bb..][..bb];
+                match format {
+                    Format::Q4K => q4k::interleave(std::array::from_fn(src), gb),
+                    Format::Q6K => q6k::interleave(std::array::from_fn(src), gb),
+                    _ => {}
+                }
+                if matches!(format, Format::Q4K | Format::Q6K) {
                     continue;
                 }
                 let mut masks = [0u32; 8];
@@ -219,8 +152,10 @@ impl Interleaved {
         let ((qh, qs), (m_at, masks_at, codes_at)) = (f.row_offsets(), f.group_offsets());
         let (g, l, gbb) = (r / ROWS, r % ROWS, group_block_bytes(self.format));
         let gb = &self.group(g)[b * gbb..][..gbb];
-        if self.format == Format::Q4K {
-            return q4k::row_block(gb, l, &mut out[..bb]);
+        match self.format {
+            Format::Q4K => return q4k::row_block(gb, l, &mut out[..bb]),
+            Format::Q6K => return q6k::row_block(gb, l, &mut out[..bb]),
+            _ => {}
         }
         out[..2].copy_from_slice(&gb[2 * l..2 * l + 2]);
         if f.min {
@@ -253,11 +188,15 @@ impl Interleaved {
 
     /// Row `r` dequantized into `out` (`blocks · block_len` values), as ggml dequantizes it.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        if self.format == Format::Q4K {
-            let mut block = [0u8; 144];
+        if matches!(self.format, Format::Q4K | Format::Q6K) {
+            let mut block = [0u8; 210];
+            let bb = self.format.block_bytes();
             for (b, vals) in out.chunks_exact_mut(256).enumerate() {
-                self.row_block(r, b, &mut block);
-                q4k::dequantize(&block, vals);
+                self.row_block(r, b, &mut block[..bb]);
+                match self.format {
+                    Format::Q4K => q4k::dequantize(&block, vals),
+                    _ => q6k::dequantize(&block, vals),
+                }
             }
             return;
         }
@@ -303,6 +242,7 @@ mod tests {
             Format::Q5_0,
             Format::Q5_1,
             Format::Q4K,
+            Format::Q6K,
         ] {
             let (rows, blocks, bb) = (16, 3, format.block_bytes());
             let data: Vec<u8> = (0..rows * blocks * bb)
@@ -316,7 +256,7 @@ mod tests {
                     "{format:?} row {r}"
                 );
             }
-            if format == Format::Q4K {
+            if matches!(format, Format::Q4K | Format::Q6K) {
                 continue;
             }
             // Vector 1's codes of row 3 (values 4..8) sit at 32 + 4·3 in the low nibbles.

@@ -14,6 +14,7 @@ mod avx2_interleaved;
 mod avx2_panel;
 mod format;
 mod interleaved;
+mod interleaved_k;
 #[cfg(target_arch = "x86_64")]
 mod panel;
 pub mod scalar;
