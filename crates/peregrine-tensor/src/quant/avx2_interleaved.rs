@@ -1,4 +1,4 @@
-//! x86 kernels for [`Interleaved`](super::interleaved::Interleaved) Q4_0/Q4_1/Q5_0/Q5_1/Q4_K weights:
+//! x86 kernels for [`Interleaved`](super::interleaved::Interleaved) Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K weights:
 //! one group of 8 rows against `T` input rows. Per block the 8 rows' codes are unpacked once into 8
 //! vectors (values `4k..4k + 4` of every row in each), and each input's 4 codes at `4k`,
 //! broadcast, multiply vector `k`: 8 integer products per lane give each row's block sum
@@ -27,13 +27,7 @@ pub unsafe fn group<const T: usize>(
     x: [&[Q8Block]; T],
 ) -> [[f32; ROWS]; T] {
     // SAFETY: this function's features are `Avx2`'s.
-    unsafe {
-        match format {
-            Format::Q4K => rows_q4k::<Avx2, T>(w, x),
-            Format::Q6K => rows_q6k::<Avx2, T>(w, x),
-            _ => with_fields!(format, MIN, FIFTH => rows::<Avx2, MIN, FIFTH, T>(w, x)),
-        }
-    }
+    unsafe { dispatch::<Avx2, T>(format, w, x) }
 }
 
 /// Runs `$body` with the consts `$min` and `$fifth` set for `$format` (so each format compiles
@@ -64,7 +58,6 @@ macro_rules! with_fields {
         }
     };
 }
-use with_fields;
 
 /// [`group`] with VNNI's `vpdpbusd`.
 ///
@@ -77,11 +70,25 @@ pub unsafe fn group_vnni<const T: usize>(
     x: [&[Q8Block]; T],
 ) -> [[f32; ROWS]; T] {
     // SAFETY: this function's features are `Vnni`'s.
+    unsafe { dispatch::<Vnni, T>(format, w, x) }
+}
+
+/// The kernel of `format`, inlined into the `target_feature` entry point that calls it.
+///
+/// # Safety
+/// The CPU must support `I`'s features; the caller is compiled with them.
+#[inline(always)]
+unsafe fn dispatch<I: Isa, const T: usize>(
+    format: Format,
+    w: &[u8],
+    x: [&[Q8Block]; T],
+) -> [[f32; ROWS]; T] {
+    // SAFETY: per this function's contract.
     unsafe {
         match format {
-            Format::Q4K => rows_q4k::<Vnni, T>(w, x),
-            Format::Q6K => rows_q6k::<Vnni, T>(w, x),
-            _ => with_fields!(format, MIN, FIFTH => rows::<Vnni, MIN, FIFTH, T>(w, x)),
+            Format::Q4K => rows_q4k::<I, T>(w, x),
+            Format::Q6K => rows_q6k::<I, T>(w, x),
+            _ => with_fields!(format, MIN, FIFTH => rows::<I, MIN, FIFTH, T>(w, x)),
         }
     }
 }

@@ -1,4 +1,4 @@
-//! Q4_0/Q4_1/Q5_0/Q5_1/Q4_K weights with 8 rows interleaved block by block, the layout the x86
+//! Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K weights with 8 rows interleaved block by block, the layout the x86
 //! kernels multiply fastest: one 32-byte vector holds 4 codes of each of 8 rows, so 4 activation
 //! codes broadcast to every lane advance 8 outputs at once, and the rows' scales load as one
 //! vector. (llama.cpp repacks Q4_0 the same way for the same reason.) Nothing is rounded or
@@ -11,16 +11,25 @@
 //! row ("vector `c`"), and their high nibbles values `16 + 4c..` ("vector `c + 4`"); mask `k`
 //! holds vector `k`'s fifth bits, bit `4l + t` for row `l`'s value `4k + t`.
 //!
-//! Q4_K (256 values): 8 f16 scales, 8 f16 minimum scales, the 6-bit sub-block scales and
-//! minimums unpacked to bytes (`[sub-block][row]`, 32 bytes more per group than the file's
-//! packing), then per pair of sub-blocks 256 bytes of codes arranged as above: low nibbles for
-//! the even sub-block, high nibbles for the odd one.
+//! The K-quants (256 values per block, `interleaved_k.rs`) keep the same code vectors, per pair
+//! of sub-blocks: Q4_K with its 6-bit sub-block scales and minimums unpacked to bytes (32 bytes
+//! more per group than the file's packing), Q6_K with its high bit pairs in vectors of their own.
 
 use super::format::Format;
 pub use super::interleaved_k::{q4k, q6k};
 
 /// Rows per group: the lanes of one 256-bit vector of i32 or f32.
 pub const ROWS: usize = 8;
+
+/// The formats that interleave.
+pub const FORMATS: [Format; 6] = [
+    Format::Q4_0,
+    Format::Q4_1,
+    Format::Q5_0,
+    Format::Q5_1,
+    Format::Q4K,
+    Format::Q6K,
+];
 
 /// Bytes of one block of 8 rows in the interleaved layout.
 pub fn group_block_bytes(format: Format) -> usize {
@@ -71,15 +80,7 @@ pub struct Interleaved {
 impl Interleaved {
     /// Whether `format` matrices of `rows` rows can be interleaved.
     pub fn fits(format: Format, rows: usize) -> bool {
-        let formats = [
-            Format::Q4_0,
-            Format::Q4_1,
-            Format::Q5_0,
-            Format::Q5_1,
-            Format::Q4K,
-            Format::Q6K,
-        ];
-        formats.contains(&format) && rows.is_multiple_of(ROWS) && rows > 0
+        FORMATS.contains(&format) && rows.is_multiple_of(ROWS) && rows > 0
     }
 
     /// Interleaves GGUF rows (`data`: `rows` rows of `blocks` blocks of `format`).
@@ -236,14 +237,7 @@ mod tests {
 
     #[test]
     fn rows_come_back_byte_for_byte() {
-        for format in [
-            Format::Q4_0,
-            Format::Q4_1,
-            Format::Q5_0,
-            Format::Q5_1,
-            Format::Q4K,
-            Format::Q6K,
-        ] {
+        for format in FORMATS {
             let (rows, blocks, bb) = (16, 3, format.block_bytes());
             let data: Vec<u8> = (0..rows * blocks * bb)
                 .map(|i| (i * 7 + i / 13 + i * i / 101) as u8)
