@@ -1,0 +1,272 @@
+//! How one [`GgufMatrix::matmul_group`](super::GgufMatrix::matmul_group) call's work runs:
+//! each rayon task owns some output columns (weight rows) of one matrix and multiplies them
+//! against every input with the kernel its layout and the batch size call for.
+
+use super::act::Q8Block;
+use super::format::Format;
+use super::interleaved::{self, Interleaved};
+use super::{Kernel, scalar};
+#[cfg(target_arch = "x86_64")]
+use super::{avx2, avx2_interleaved, avx2_panel, panel};
+#[cfg(target_arch = "x86_64")]
+use rayon::prelude::*;
+
+/// Input rows per pass over a tile of weight rows: their Q8 blocks (≈ 1.1 bytes per input)
+/// stay in L2 while the tile's rows stay in L1.
+const INPUT_TILE: usize = 64;
+
+/// Batches from this size on use the panel GEMM ([`panel`]) where the kernel has one.
+pub(super) const PANEL_MIN_ROWS: usize = 16;
+
+/// `Σ w·x[r]` for one weight row and `R` input rows with `kernel`. (Tiles of two weight rows
+/// measured slower: 20 % at decode, and 40 % for the K-quants in prefill.)
+fn dot_rows<const R: usize>(
+    kernel: Kernel,
+    format: Format,
+    w: &[u8],
+    x: [&[Q8Block]; R],
+) -> [f32; R] {
+    match kernel {
+        Kernel::Scalar => x.map(|x| scalar::dot_row(format, w, x)),
+        // SAFETY: `GgufMatrix::matmul_group` only runs kernels that run on this CPU.
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx2 => unsafe { avx2::dot_rows(format, w, x) },
+        // SAFETY: as above. The K-quants' AVX2 build measured 5-10 % faster one row at a time.
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx512Vnni => unsafe {
+            match format {
+                Format::Q4K | Format::Q5K | Format::Q6K => avx2::dot_rows(format, w, x),
+                _ => avx2::dot_rows_vnni(format, w, x),
+            }
+        },
+        #[cfg(not(target_arch = "x86_64"))]
+        Kernel::Avx2 | Kernel::Avx512Vnni => unreachable!("x86 kernels never run off x86-64"),
+    }
+}
+
+/// One matrix of a [`GgufMatrix::matmul_group`](super::GgufMatrix::matmul_group) call: its
+/// bytes in its layout.
+pub(super) struct Part<'a> {
+    pub(super) format: Format,
+    pub(super) data: std::borrow::Cow<'a, [u8]>,
+    pub(super) rows: usize,
+    pub(super) interleaved: Option<&'a Interleaved>,
+}
+
+/// Weight rows `r0..r1` of `part` (row layout) against every input, one or four at a time.
+///
+/// # Safety
+/// No other thread writes `out`'s columns `r0..r1`; `kernel` runs on this CPU.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn rows_task(
+    kernel: Kernel,
+    part: &Part,
+    row_bytes: usize,
+    xq: &[Q8Block],
+    m: usize,
+    out: &Columns,
+    r0: usize,
+    r1: usize,
+) {
+    let (format, blocks) = (part.format, xq.len() / m.max(1));
+    let row = |r: usize| &part.data[r * row_bytes..][..row_bytes];
+    let input = |i: usize| &xq[i * blocks..][..blocks];
+    // SAFETY (every `out.set`): (i, r) with i < m and r0 ≤ r < r1 is this task's.
+    for i0 in (0..m).step_by(INPUT_TILE) {
+        let i1 = (i0 + INPUT_TILE).min(m);
+        for r in r0..r1 {
+            let mut i = i0;
+            while i + 4 <= i1 {
+                let x = [input(i), input(i + 1), input(i + 2), input(i + 3)];
+                let y = dot_rows(kernel, format, row(r), x);
+                for (t, y) in y.into_iter().enumerate() {
+                    unsafe { out.set(i + t, r, y) };
+                }
+                i += 4;
+            }
+            for i in i..i1 {
+                let y = dot_rows(kernel, format, row(r), [input(i)])[0];
+                unsafe { out.set(i, r, y) };
+            }
+        }
+    }
+}
+
+/// Interleaved rows `r0..r1` (whole groups of 8) against every input: the x86 kernels take a
+/// group and up to 4 inputs per call; the portable path multiplies each row as GGUF lays it out.
+///
+/// # Safety
+/// No other thread writes `out`'s columns `r0..r1`; `kernel` runs on this CPU.
+pub(super) unsafe fn interleaved_task(
+    kernel: Kernel,
+    w: &Interleaved,
+    xq: &[Q8Block],
+    m: usize,
+    out: &Columns,
+    r0: usize,
+    r1: usize,
+) {
+    // Activation blocks per input (32 values each; a Q4_K weight block spans 8).
+    let (format, blocks) = (w.format, xq.len() / m.max(1));
+    let input = |i: usize| &xq[i * blocks..][..blocks];
+    if !kernel.has_avx2() {
+        for r in r0..r1 {
+            let row = w.row(r);
+            for i in 0..m {
+                // SAFETY: (i, r) is this task's.
+                unsafe { out.set(i, r, scalar::dot_row(format, &row, input(i))) };
+            }
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    for i0 in (0..m).step_by(INPUT_TILE) {
+        let i1 = (i0 + INPUT_TILE).min(m);
+        for g in r0 / interleaved::ROWS..r1.div_ceil(interleaved::ROWS) {
+            let (gw, c0) = (w.group(g), g * interleaved::ROWS);
+            let mut i = i0;
+            // SAFETY: the kernel runs here (contract) and has AVX2; the group and inputs hold
+            // `blocks` blocks; outputs (i, c0..c0 + 8) are this task's.
+            unsafe {
+                while i + 4 <= i1 {
+                    let x = std::array::from_fn(|t| input(i + t));
+                    let ys = match kernel {
+                        Kernel::Avx512Vnni => avx2_interleaved::group_vnni::<4>(format, gw, x),
+                        _ => avx2_interleaved::group::<4>(format, gw, x),
+                    };
+                    for (t, y) in ys.iter().enumerate() {
+                        out.set_run(i + t, c0, y);
+                    }
+                    i += 4;
+                }
+                for i in i..i1 {
+                    let [y] = match kernel {
+                        Kernel::Avx512Vnni => {
+                            avx2_interleaved::group_vnni::<1>(format, gw, [input(i)])
+                        }
+                        _ => avx2_interleaved::group::<1>(format, gw, [input(i)]),
+                    };
+                    out.set_run(i, c0, &y);
+                }
+            }
+        }
+    }
+}
+
+/// `m` quantized input rows interleaved into `⌈m / 8⌉` panels.
+#[cfg(target_arch = "x86_64")]
+pub(super) fn panels(xq: &[Q8Block], m: usize, blocks: usize) -> Vec<panel::PanelBlock> {
+    let mut xp = vec![panel::PanelBlock::default(); m.div_ceil(panel::LANES) * blocks];
+    xp.par_chunks_mut(blocks)
+        .zip(xq.par_chunks(panel::LANES * blocks))
+        .for_each(|(out, x)| panel::interleave(x, blocks, out));
+    xp
+}
+
+/// Panels interleaved per micro-kernel call (32 inputs per unpacked weight row).
+#[cfg(target_arch = "x86_64")]
+const PANELS_PER_CALL: usize = 4;
+
+/// Weight rows per output tile: each input's outputs are written 16 columns (a cache line) at
+/// a time rather than one by one down a column.
+#[cfg(target_arch = "x86_64")]
+const ROW_TILE: usize = 16;
+
+/// Weight rows `w` (`row_bytes` each; output columns `c0..`) against every panel of `xp`,
+/// into `out`'s rows `0..m`.
+///
+/// # Safety
+/// No other thread writes `out`'s columns `c0..c0 + rows`; the kernel runs on this CPU and has
+/// AVX2.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn panel_gemm(
+    kernel: Kernel,
+    format: Format,
+    w: &[u8],
+    row_bytes: usize,
+    xp: &[panel::PanelBlock],
+    blocks: usize,
+    m: usize,
+    out: &Columns,
+    c0: usize,
+) {
+    let (rows, panels) = (w.len() / row_bytes, xp.len() / blocks);
+    let panel = |p: usize| &xp[p * blocks..][..blocks];
+    let mut tile = [[0f32; ROW_TILE]; PANELS_PER_CALL * panel::LANES];
+    for rb in (0..rows).step_by(ROW_TILE) {
+        let re = (rb + ROW_TILE).min(rows);
+        let mut p = 0;
+        while p < panels {
+            let g = if p + PANELS_PER_CALL <= panels {
+                PANELS_PER_CALL
+            } else {
+                1
+            };
+            for r in rb..re {
+                let row = &w[r * row_bytes..][..row_bytes];
+                // SAFETY: per this function's contract; each panel holds the row's blocks.
+                let ys = unsafe {
+                    match (kernel, g) {
+                        (Kernel::Avx512Vnni, 1) => {
+                            let [y] = avx2_panel::panel_row_vnni(format, row, [panel(p)]);
+                            [y; PANELS_PER_CALL]
+                        }
+                        (Kernel::Avx512Vnni, _) => avx2_panel::panel_row_vnni(
+                            format,
+                            row,
+                            std::array::from_fn(|t| panel(p + t)),
+                        ),
+                        (_, 1) => {
+                            let [y] = avx2_panel::panel_row(format, row, [panel(p)]);
+                            [y; PANELS_PER_CALL]
+                        }
+                        _ => avx2_panel::panel_row(
+                            format,
+                            row,
+                            std::array::from_fn(|t| panel(p + t)),
+                        ),
+                    }
+                };
+                for (t, y) in ys.iter().take(g).enumerate() {
+                    for (l, &v) in y.iter().enumerate() {
+                        tile[t * panel::LANES + l][r - rb] = v;
+                    }
+                }
+            }
+            for (t, outs) in tile.iter().take(g * panel::LANES).enumerate() {
+                let i = p * panel::LANES + t;
+                if i < m {
+                    // SAFETY: i < m; columns c0 + rb..c0 + re are this task's.
+                    unsafe { out.set_run(i, c0 + rb, &outs[..re - rb]) };
+                }
+            }
+            p += g;
+        }
+    }
+}
+
+/// A row-major `[m][n]` output (pointer, n) that parallel tasks fill by disjoint columns.
+pub(super) struct Columns(pub(super) *mut f32, pub(super) usize);
+
+// SAFETY: tasks write disjoint elements; the buffer outlives them (see `matmul_group`).
+unsafe impl Send for Columns {}
+unsafe impl Sync for Columns {}
+
+impl Columns {
+    /// # Safety
+    /// `i * n + r` must be in bounds and written by no other thread.
+    unsafe fn set(&self, i: usize, r: usize, v: f32) {
+        debug_assert!(r < self.1);
+        unsafe { *self.0.add(i * self.1 + r) = v };
+    }
+
+    /// Row `i`, columns `r..r + vs.len()`.
+    ///
+    /// # Safety
+    /// As [`Columns::set`], for each column.
+    unsafe fn set_run(&self, i: usize, r: usize, vs: &[f32]) {
+        debug_assert!(r + vs.len() <= self.1);
+        unsafe { std::ptr::copy_nonoverlapping(vs.as_ptr(), self.0.add(i * self.1 + r), vs.len()) };
+    }
+}
