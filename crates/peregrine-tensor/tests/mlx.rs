@@ -10,7 +10,7 @@
 //! (one wrong code shifts a product by at least |scale| × |x|).
 
 use peregrine_tensor::mlx::{Kernel, MlxQuantized, SUPPORTED_BITS, avx2_available};
-use peregrine_tensor::{DType, Device, Embedding, QLinear, Tensor};
+use peregrine_tensor::{DType, Device, Embedding, GgufMatrix, QLinear, Tensor};
 
 /// Deterministic xorshift; the tests need no statistical quality, only variety.
 struct Rng(u64);
@@ -392,6 +392,31 @@ fn q4_1_regrouping_keeps_every_weight() {
         // The kernels' matrix (interleaved on x86) holds the same rows.
         let m = q.to_gguf_matrix().unwrap().expect("regroups");
         assert_eq!(m.is_interleaved(), avx2_available());
+        // Groups of 64 and 128 keep one scale and bias per 64 values: the MLX file's 4.5 bits.
+        let per_64 = if group > 32 && m.is_interleaved() {
+            36
+        } else {
+            40
+        };
+        assert_eq!(
+            m.weight_bytes(),
+            8 * group * 3 / 64 * per_64,
+            "group {group}"
+        );
+        // Same arithmetic as the Q4_1 tensor through the kernels, to the bit.
+        let plain = GgufMatrix::new(std::sync::Arc::new(q.to_q4_1().unwrap().unwrap())).unwrap();
+        for kernel in peregrine_tensor::quant::Kernel::available() {
+            for rows in [1, 5] {
+                let x: Vec<f32> = (0..rows * group * 3)
+                    .map(|i| (i % 17) as f32 * 0.1 - 0.8)
+                    .collect();
+                let (a, b) = (
+                    m.matmul_with(&x, rows, kernel).unwrap(),
+                    plain.matmul_with(&x, rows, kernel).unwrap(),
+                );
+                assert_eq!(a, b, "group {group} {kernel:?} {rows} inputs");
+            }
+        }
         let ids = Tensor::new(&[7u32, 0, 2], &Device::Cpu).unwrap();
         let rows = m.embedding(&ids).unwrap();
         let want_rows = want.index_select(&ids, 0).unwrap();

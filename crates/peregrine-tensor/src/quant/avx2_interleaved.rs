@@ -23,11 +23,12 @@ use super::interleaved::ROWS;
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn group<const T: usize>(
     format: Format,
+    shared: usize,
     w: &[u8],
     x: [&[Q8Block]; T],
 ) -> [[f32; ROWS]; T] {
     // SAFETY: this function's features are `Avx2`'s.
-    unsafe { dispatch::<Avx2, T>(format, w, x) }
+    unsafe { dispatch::<Avx2, T>(format, shared, w, x) }
 }
 
 /// Runs `$body` with the consts `$min` and `$fifth` set for `$format` (so each format compiles
@@ -66,11 +67,12 @@ macro_rules! with_fields {
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub unsafe fn group_vnni<const T: usize>(
     format: Format,
+    shared: usize,
     w: &[u8],
     x: [&[Q8Block]; T],
 ) -> [[f32; ROWS]; T] {
     // SAFETY: this function's features are `Vnni`'s.
-    unsafe { dispatch::<Vnni, T>(format, w, x) }
+    unsafe { dispatch::<Vnni, T>(format, shared, w, x) }
 }
 
 /// The kernel of `format`, inlined into the `target_feature` entry point that calls it.
@@ -80,6 +82,7 @@ pub unsafe fn group_vnni<const T: usize>(
 #[inline(always)]
 unsafe fn dispatch<I: Isa, const T: usize>(
     format: Format,
+    shared: usize,
     w: &[u8],
     x: [&[Q8Block]; T],
 ) -> [[f32; ROWS]; T] {
@@ -88,7 +91,8 @@ unsafe fn dispatch<I: Isa, const T: usize>(
         match format {
             Format::Q4K => rows_q4k::<I, T>(w, x),
             Format::Q6K => rows_q6k::<I, T>(w, x),
-            _ => with_fields!(format, MIN, FIFTH => rows::<I, MIN, FIFTH, T>(w, x)),
+            Format::Q4_1 if shared == 2 => rows::<I, true, false, 2, T>(w, x),
+            _ => with_fields!(format, MIN, FIFTH => rows::<I, MIN, FIFTH, 1, T>(w, x)),
         }
     }
 }
@@ -96,14 +100,15 @@ unsafe fn dispatch<I: Isa, const T: usize>(
 /// # Safety
 /// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
 #[inline(always)]
-unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const T: usize>(
+unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, const T: usize>(
     w: &[u8],
     x: [&[Q8Block]; T],
 ) -> [[f32; ROWS]; T] {
-    // Scales, minimums (Q4_1, Q5_1), fifth-bit masks (Q5_0, Q5_1), then 128 bytes of codes.
+    // Scales, minimums (Q4_1, Q5_1), fifth-bit masks (Q5_0, Q5_1), then 128 bytes of codes for
+    // each of the `SHARED` blocks that use those scales (Q4_1 from MLX groups of 64: two).
     let masks_at = if MIN { 32 } else { 16 };
     let head = masks_at + if FIFTH { 32 } else { 0 };
-    let block_bytes = head + 128;
+    let unit_bytes = head + 128 * SHARED;
     // Codes without a minimum are offset by half their range.
     let offset = if FIFTH { 16.0 } else { 8.0 };
     // SAFETY: per this function's contract; every load below stays inside block `b`.
@@ -112,7 +117,7 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const T: usize>(
         // Two accumulator chains per input: one would wait on the FMA latency every block.
         let mut acc = [[_mm256_setzero_ps(); T]; 2];
         let mut mins = [[_mm256_setzero_ps(); T]; 2];
-        for (i, b) in w.chunks_exact(block_bytes).enumerate() {
+        for (u, b) in w.chunks_exact(unit_bytes).enumerate() {
             let p = b.as_ptr();
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
             // What multiplies each input's sum: the minimums, or the scales (times the offset).
@@ -120,37 +125,40 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const T: usize>(
                 true => _mm256_cvtph_ps(_mm_loadu_si128(p.add(16).cast())),
                 false => dw,
             };
-            // Loops, not `array::from_fn`, here and below: a closure's body may stay out of
-            // line, outside this `target_feature` function (Q6_K's did: 10× slower).
-            let mut codes = [_mm256_setzero_si256(); 8];
-            for (k, code) in codes.iter_mut().enumerate() {
-                let q = _mm256_loadu_si256(p.add(head + 32 * (k % 4)).cast());
-                let q = if k < 4 { q } else { _mm256_srli_epi16(q, 4) };
-                let q = _mm256_and_si256(q, mask);
-                *code = if FIFTH {
-                    let bits = p.add(masks_at + 4 * k).cast::<u32>().read_unaligned();
-                    _mm256_or_si256(q, I::sixteens(bits))
-                } else {
-                    q
-                };
-            }
-            let (chain, min_chain) = (&mut acc[i % 2], &mut mins[i % 2]);
-            for t in 0..T {
-                let xb = &x[t][i];
-                let xq = xb.qs.as_ptr().cast::<i32>();
-                let quad = |k: usize| _mm256_set1_epi32(xq.add(k).read_unaligned());
-                let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                for k in 0..4 {
-                    s0 = I::dot4(s0, codes[k], quad(k));
-                    s1 = I::dot4(s1, codes[k + 4], quad(k + 4));
+            for s in 0..SHARED {
+                let (i, codes_at) = (u * SHARED + s, head + 128 * s);
+                // Loops, not `array::from_fn`, here and below: a closure's body may stay out of
+                // line, outside this `target_feature` function (Q6_K's did: 10× slower).
+                let mut codes = [_mm256_setzero_si256(); 8];
+                for (k, code) in codes.iter_mut().enumerate() {
+                    let q = _mm256_loadu_si256(p.add(codes_at + 32 * (k % 4)).cast());
+                    let q = if k < 4 { q } else { _mm256_srli_epi16(q, 4) };
+                    let q = _mm256_and_si256(q, mask);
+                    *code = if FIFTH {
+                        let bits = p.add(masks_at + 4 * k).cast::<u32>().read_unaligned();
+                        _mm256_or_si256(q, I::sixteens(bits))
+                    } else {
+                        q
+                    };
                 }
-                let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
-                // The minimum or offset terms add up apart and join at the end, as llama.cpp
-                // and the row kernels sum them.
-                let m = if MIN { xb.ds } else { -offset * xb.dsum };
-                min_chain[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(m), min_chain[t]);
-                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(xb.d));
-                chain[t] = _mm256_fmadd_ps(scale, sum, chain[t]);
+                let (chain, min_chain) = (&mut acc[i % 2], &mut mins[i % 2]);
+                for t in 0..T {
+                    let xb = &x[t][i];
+                    let xq = xb.qs.as_ptr().cast::<i32>();
+                    let quad = |k: usize| _mm256_set1_epi32(xq.add(k).read_unaligned());
+                    let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                    for k in 0..4 {
+                        s0 = I::dot4(s0, codes[k], quad(k));
+                        s1 = I::dot4(s1, codes[k + 4], quad(k + 4));
+                    }
+                    let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+                    // The minimum or offset terms add up apart and join at the end, as
+                    // llama.cpp and the row kernels sum them.
+                    let m = if MIN { xb.ds } else { -offset * xb.dsum };
+                    min_chain[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(m), min_chain[t]);
+                    let scale = _mm256_mul_ps(dw, _mm256_set1_ps(xb.d));
+                    chain[t] = _mm256_fmadd_ps(scale, sum, chain[t]);
+                }
             }
         }
         std::array::from_fn(|t| {

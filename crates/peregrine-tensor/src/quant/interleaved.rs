@@ -71,10 +71,13 @@ impl Fields {
 pub struct Interleaved {
     /// The groups one after another, each `blocks` group-blocks long.
     pub bytes: Vec<u8>,
-    /// Q4_0, Q4_1, Q5_0 or Q5_1.
+    /// One of [`FORMATS`].
     pub format: Format,
     /// Blocks per row.
     pub blocks: usize,
+    /// Consecutive blocks that share one set of scales: 1, or 2 for Q4_1 regrouped from MLX
+    /// groups of 64 or 128 ([`Interleaved::share_scales`]).
+    pub shared: usize,
 }
 
 impl Interleaved {
@@ -134,12 +137,48 @@ impl Interleaved {
             bytes,
             format,
             blocks,
+            shared: 1,
         }
+    }
+
+    /// Q4_1 whose blocks come in pairs with the same scales and minimums (MLX groups of 64 or
+    /// 128): each pair keeps one copy, 36 bytes per 64 values per row instead of 40, the MLX
+    /// file's own size. Moved in place; anything else comes back unchanged.
+    pub fn share_scales(mut self) -> Self {
+        let (gbb, heads) = (group_block_bytes(self.format), 32);
+        let pairs = self.bytes.len() / (2 * gbb);
+        let same = |p: usize| {
+            let b = &self.bytes[2 * p * gbb..][..2 * gbb];
+            b[..heads] == b[gbb..gbb + heads]
+        };
+        if self.format != Format::Q4_1 || self.shared != 1 || !self.blocks.is_multiple_of(2) {
+            return self;
+        }
+        if !(0..pairs).all(same) {
+            return self;
+        }
+        let unit = gbb + 128;
+        for p in 0..pairs {
+            // Head and first codes, then the second block's codes (its head is dropped).
+            self.bytes
+                .copy_within(2 * p * gbb..2 * p * gbb + gbb, p * unit);
+            let second = 2 * p * gbb + gbb + heads;
+            self.bytes.copy_within(second..second + 128, p * unit + gbb);
+        }
+        self.bytes.truncate(pairs * unit);
+        self.bytes.shrink_to_fit();
+        self.shared = 2;
+        self
+    }
+
+    /// Bytes of `shared` blocks of 8 rows: one set of scales and `shared` blocks of codes.
+    pub fn unit_bytes(&self) -> usize {
+        group_block_bytes(self.format) + 128 * (self.shared - 1)
     }
 
     /// Bytes of one group of 8 rows.
     pub fn group_bytes(&self) -> usize {
-        self.blocks * group_block_bytes(self.format)
+        self.blocks / self.shared * self.unit_bytes()
     }
 
     /// Group `g` (rows `8g..8g + 8`).
@@ -151,8 +190,10 @@ impl Interleaved {
     pub fn row_block(&self, r: usize, b: usize, out: &mut [u8]) {
         let (f, bb) = (Fields::of(self.format), self.format.block_bytes());
         let ((qh, qs), (m_at, masks_at, codes_at)) = (f.row_offsets(), f.group_offsets());
-        let (g, l, gbb) = (r / ROWS, r % ROWS, group_block_bytes(self.format));
-        let gb = &self.group(g)[b * gbb..][..gbb];
+        let (g, l, unit) = (r / ROWS, r % ROWS, self.unit_bytes());
+        let gb = &self.group(g)[b / self.shared * unit..][..unit];
+        // Block `b`'s codes: the `b % shared`-th after the unit's scales.
+        let codes_at = codes_at + 128 * (b % self.shared);
         match self.format {
             Format::Q4K => return q4k::row_block(gb, l, &mut out[..bb]),
             Format::Q6K => return q6k::row_block(gb, l, &mut out[..bb]),
@@ -234,6 +275,35 @@ impl Interleaved {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shared_scales_keep_every_row() {
+        let (rows, blocks, bb) = (16, 4, Format::Q4_1.block_bytes());
+        let mut data: Vec<u8> = (0..rows * blocks * bb)
+            .map(|i| (i * 7 + i / 11) as u8)
+            .collect();
+        // Pairs of blocks with the same scale and minimum, as MLX groups of 64 regroup.
+        for row in data.chunks_exact_mut(blocks * bb) {
+            for pair in row.chunks_exact_mut(2 * bb) {
+                let head: [u8; 4] = pair[..4].try_into().unwrap();
+                pair[bb..bb + 4].copy_from_slice(&head);
+            }
+        }
+        let w = Interleaved::new(Format::Q4_1, &data, rows, blocks).share_scales();
+        assert_eq!(w.shared, 2);
+        assert_eq!(
+            w.bytes.len(),
+            rows * blocks * 36 / 2,
+            "36 bytes per 64 values"
+        );
+        for r in 0..rows {
+            assert_eq!(w.row(r), &data[r * blocks * bb..][..blocks * bb], "row {r}");
+        }
+        // A pair that differs keeps its own scales.
+        data[bb] ^= 1;
+        let w = Interleaved::new(Format::Q4_1, &data, rows, blocks).share_scales();
+        assert_eq!((w.shared, w.bytes.len()), (1, data.len()));
+    }
 
     #[test]
     fn rows_come_back_byte_for_byte() {

@@ -66,7 +66,8 @@ impl GgufMatrix {
     }
 
     /// A matrix of `dims` from its blocks of `format` in GGUF's row layout, interleaved as
-    /// [`new`](Self::new) would (moved without another copy).
+    /// [`new`](Self::new) would (moved without another copy). Q4_1 block pairs that share their
+    /// scales (MLX groups of 64 or 128) keep one copy of them.
     pub fn from_blocks(format: Format, bytes: Vec<u8>, dims: (usize, usize)) -> Result<Self> {
         let (rows, cols) = dims;
         let blocks = cols / format.block_len();
@@ -77,8 +78,8 @@ impl GgufMatrix {
             );
         }
         if Kernel::best().has_avx2() && Interleaved::fits(format, rows) {
-            let storage =
-                Layout::Interleaved(Arc::new(Interleaved::new(format, &bytes, rows, blocks)));
+            let interleaved = Interleaved::new(format, &bytes, rows, blocks).share_scales();
+            let storage = Layout::Interleaved(Arc::new(interleaved));
             return Ok(Self {
                 storage,
                 format: Some(format),

@@ -131,8 +131,10 @@ pub(super) unsafe fn interleaved_task(
                 while i + 4 <= i1 {
                     let x = std::array::from_fn(|t| input(i + t));
                     let ys = match kernel {
-                        Kernel::Avx512Vnni => avx2_interleaved::group_vnni::<4>(format, gw, x),
-                        _ => avx2_interleaved::group::<4>(format, gw, x),
+                        Kernel::Avx512Vnni => {
+                            avx2_interleaved::group_vnni::<4>(format, w.shared, gw, x)
+                        }
+                        _ => avx2_interleaved::group::<4>(format, w.shared, gw, x),
                     };
                     for (t, y) in ys.iter().enumerate() {
                         out.set_run(i + t, c0, y);
@@ -142,9 +144,9 @@ pub(super) unsafe fn interleaved_task(
                 for i in i..i1 {
                     let [y] = match kernel {
                         Kernel::Avx512Vnni => {
-                            avx2_interleaved::group_vnni::<1>(format, gw, [input(i)])
+                            avx2_interleaved::group_vnni::<1>(format, w.shared, gw, [input(i)])
                         }
-                        _ => avx2_interleaved::group::<1>(format, gw, [input(i)]),
+                        _ => avx2_interleaved::group::<1>(format, w.shared, gw, [input(i)]),
                     };
                     out.set_run(i, c0, &y);
                 }
