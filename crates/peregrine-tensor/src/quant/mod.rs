@@ -31,7 +31,7 @@ pub use crate::cpu::Kernel;
 pub use act::{Q8Block, QK, quantize_row};
 pub use format::Format;
 use interleaved::Interleaved;
-use tasks::{Columns, Part, interleaved_task, rows_task};
+use tasks::{Columns, Part, PartBytes, interleaved_task, rows_task};
 #[cfg(target_arch = "x86_64")]
 use tasks::{PANEL_MIN_ROWS, panel_gemm, panels};
 
@@ -242,19 +242,13 @@ impl GgufMatrix {
             if w.dims().1 != k {
                 bail!("gguf matmul: widths {} and {k} in one group", w.dims().1);
             }
-            parts.push(match &w.storage {
-                Layout::Rows { qtensor, .. } => Part {
-                    format,
-                    data: qtensor.data()?,
-                    rows: w.dims().0,
-                    interleaved: None,
-                },
-                Layout::Interleaved(iw) => Part {
-                    format,
-                    data: std::borrow::Cow::Borrowed(&iw.bytes[..]),
-                    rows: w.dims().0,
-                    interleaved: Some(iw),
-                },
+            let bytes = match &w.storage {
+                Layout::Rows { qtensor, .. } => PartBytes::Rows(format, qtensor.data()?),
+                Layout::Interleaved(iw) => PartBytes::Interleaved(iw),
+            };
+            parts.push(Part {
+                rows: w.dims().0,
+                bytes,
             });
         }
         let blocks = k / QK;
@@ -283,37 +277,29 @@ impl GgufMatrix {
         #[cfg(target_arch = "x86_64")]
         let use_panels = m >= PANEL_MIN_ROWS && kernel.has_avx2();
         #[cfg(target_arch = "x86_64")]
-        let xp = match use_panels && parts.iter().any(|p| p.interleaved.is_none()) {
+        let any_rows = parts.iter().any(|p| matches!(p.bytes, PartBytes::Rows(..)));
+        let xp = match use_panels && any_rows {
             true => panels(&xq, m, blocks),
             false => Vec::new(),
         };
         tasks.into_par_iter().for_each(|(p, r0, r1)| {
             let (part, out) = (&parts[p], &outs[p]);
             // SAFETY (every call below): the task owns output columns r0..r1, for all m rows.
-            if let Some(iw) = part.interleaved {
-                unsafe { interleaved_task(kernel, iw, &xq, m, out, r0, r1) };
-                return;
-            }
-            let row_bytes = k / part.format.block_len() * part.format.block_bytes();
+            let (format, data) = match &part.bytes {
+                PartBytes::Interleaved(iw) => {
+                    unsafe { interleaved_task(kernel, iw, &xq, m, out, r0, r1) };
+                    return;
+                }
+                PartBytes::Rows(format, data) => (*format, data),
+            };
+            let row_bytes = k / format.block_len() * format.block_bytes();
             #[cfg(target_arch = "x86_64")]
             if use_panels {
-                let rows = &part.data[r0 * row_bytes..r1 * row_bytes];
-                unsafe {
-                    panel_gemm(
-                        kernel,
-                        part.format,
-                        rows,
-                        row_bytes,
-                        &xp,
-                        blocks,
-                        m,
-                        out,
-                        r0,
-                    )
-                };
+                let rows = &data[r0 * row_bytes..r1 * row_bytes];
+                unsafe { panel_gemm(kernel, format, rows, row_bytes, &xp, blocks, m, out, r0) };
                 return;
             }
-            unsafe { rows_task(kernel, part, row_bytes, &xq, m, out, r0, r1) };
+            unsafe { rows_task(kernel, format, data, row_bytes, &xq, m, out, r0, r1) };
         });
         Ok(ys)
     }

@@ -45,22 +45,30 @@ fn dot_rows<const R: usize>(
 }
 
 /// One matrix of a [`GgufMatrix::matmul_group`](super::GgufMatrix::matmul_group) call: its
-/// bytes in its layout.
+/// weight rows and their bytes in their layout.
 pub(super) struct Part<'a> {
-    pub(super) format: Format,
-    pub(super) data: std::borrow::Cow<'a, [u8]>,
     pub(super) rows: usize,
-    pub(super) interleaved: Option<&'a Interleaved>,
+    pub(super) bytes: PartBytes<'a>,
 }
 
-/// Weight rows `r0..r1` of `part` (row layout) against every input, one or four at a time.
+/// A [`Part`]'s bytes.
+pub(super) enum PartBytes<'a> {
+    /// GGUF's row layout.
+    Rows(Format, std::borrow::Cow<'a, [u8]>),
+    /// Rows interleaved 8 at a time (which knows its format).
+    Interleaved(&'a Interleaved),
+}
+
+/// Weight rows `r0..r1` of `data` (`format` rows of `row_bytes`) against every input, one or
+/// four at a time.
 ///
 /// # Safety
 /// No other thread writes `out`'s columns `r0..r1`; `kernel` runs on this CPU.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn rows_task(
     kernel: Kernel,
-    part: &Part,
+    format: Format,
+    data: &[u8],
     row_bytes: usize,
     xq: &[Q8Block],
     m: usize,
@@ -68,8 +76,8 @@ pub(super) unsafe fn rows_task(
     r0: usize,
     r1: usize,
 ) {
-    let (format, blocks) = (part.format, xq.len() / m.max(1));
-    let row = |r: usize| &part.data[r * row_bytes..][..row_bytes];
+    let blocks = xq.len() / m.max(1);
+    let row = |r: usize| &data[r * row_bytes..][..row_bytes];
     let input = |i: usize| &xq[i * blocks..][..blocks];
     // SAFETY (every `out.set`): (i, r) with i < m and r0 ≤ r < r1 is this task's.
     for i0 in (0..m).step_by(INPUT_TILE) {
@@ -129,28 +137,38 @@ pub(super) unsafe fn interleaved_task(
             // `blocks` blocks; outputs (i, c0..c0 + 8) are this task's.
             unsafe {
                 while i + 4 <= i1 {
-                    let x = std::array::from_fn(|t| input(i + t));
-                    let ys = match kernel {
-                        Kernel::Avx512Vnni => {
-                            avx2_interleaved::group_vnni::<4>(format, w.shared, gw, x)
-                        }
-                        _ => avx2_interleaved::group::<4>(format, w.shared, gw, x),
-                    };
-                    for (t, y) in ys.iter().enumerate() {
+                    let x: [_; 4] = std::array::from_fn(|t| input(i + t));
+                    for (t, y) in group_kernel(kernel, w, gw, x).iter().enumerate() {
                         out.set_run(i + t, c0, y);
                     }
                     i += 4;
                 }
                 for i in i..i1 {
-                    let [y] = match kernel {
-                        Kernel::Avx512Vnni => {
-                            avx2_interleaved::group_vnni::<1>(format, w.shared, gw, [input(i)])
-                        }
-                        _ => avx2_interleaved::group::<1>(format, w.shared, gw, [input(i)]),
-                    };
+                    let [y] = group_kernel(kernel, w, gw, [input(i)]);
                     out.set_run(i, c0, &y);
                 }
             }
+        }
+    }
+}
+
+/// One interleaved group `gw` of `w` against `T` inputs with `kernel`'s build.
+///
+/// # Safety
+/// `kernel` runs on this CPU and has AVX2; `gw` and each input hold the group's blocks.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+unsafe fn group_kernel<const T: usize>(
+    kernel: Kernel,
+    w: &Interleaved,
+    gw: &[u8],
+    x: [&[Q8Block]; T],
+) -> [[f32; interleaved::ROWS]; T] {
+    // SAFETY: per this function's contract.
+    unsafe {
+        match kernel {
+            Kernel::Avx512Vnni => avx2_interleaved::group_vnni(w.format, w.shared, gw, x),
+            _ => avx2_interleaved::group(w.format, w.shared, gw, x),
         }
     }
 }
