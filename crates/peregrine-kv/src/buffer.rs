@@ -42,7 +42,12 @@ impl KvBuffer {
         let n = k.dim(2)?;
         if self.used + n > self.capacity() {
             let kept = keep.map_or(self.used, |keep| keep.min(self.used));
-            let want = (kept + n).max(keep.map_or(0, |keep| 2 * keep));
+            // Once positions start dropping, room for two windows makes moves rare; before
+            // that, grow in steps (a short prompt should not zero a whole window's pages).
+            let want = match keep {
+                Some(keep) if kept + n > keep => (kept + n).max(2 * keep),
+                _ => kept + n,
+            };
             self.reallocate(k, kept, want.div_ceil(GROW_STEP) * GROW_STEP)?;
         }
         let (bk, bv) = self.kv.as_ref().expect("allocated above");
