@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Speed and memory of bf16 vs MLX 4-bit (group 64) vs GGUF Q4_0 on random-weight checkpoints of
-# real model shapes (Qwen2.5-0.5B, SmolLM2-135M). Prints one JSON line per run (peregrine bench's
-# report plus `shape`, `format`, `file_bytes`, `load_1min`).
+# real model shapes (Qwen2.5-0.5B, SmolLM2-135M, Gemma 3 270M). Prints one JSON line per run
+# (peregrine bench's report plus `shape`, `format`, `file_bytes`, `load_1min`).
 #
-# usage: scripts/bench_mlx.sh [shape ...]        (default: qwen2.5-0.5b smollm2-135m)
+# usage: scripts/bench_mlx.sh [shape ...]        (default: qwen2.5-0.5b smollm2-135m gemma3-270m)
 # env:   PY            python with torch + transformers (default .venv-fixtures/bin/python,
 #                      made by scripts/fixtures/setup.sh)
 #        PEREGRINE     the binary (default: builds and uses target/release/peregrine)
@@ -22,7 +22,7 @@ THREADS="${THREADS:-2}"
 MAX_LOAD="${MAX_LOAD:-1.3}"
 WAIT_S="${WAIT_S:-600}"
 SHAPES=("$@")
-[[ ${#SHAPES[@]} -gt 0 ]] || SHAPES=(qwen2.5-0.5b smollm2-135m)
+[[ ${#SHAPES[@]} -gt 0 ]] || SHAPES=(qwen2.5-0.5b smollm2-135m gemma3-270m)
 
 if [[ -z "${PEREGRINE:-}" ]]; then
   (cd "$ROOT" && cargo build --release -q -p peregrine-server)

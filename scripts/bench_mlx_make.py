@@ -3,6 +3,8 @@
 usage: .venv-fixtures/bin/python scripts/bench_mlx_make.py SHAPE OUT_DIR
   SHAPE: qwen2.5-0.5b (qwen2: hidden 896, 24 layers, 14/2 heads, ffn 4864, vocab 151936, tied)
          smollm2-135m (llama: hidden 576, 30 layers, 9/3 heads, ffn 1536, vocab 49152, tied)
+         gemma3-270m  (gemma3_text: hidden 640, 18 layers, 4/1 heads of 256, ffn 2048,
+                       vocab 262144, tied, 5 sliding (512) : 1 global)
 
 Weights come from transformers' own initialisation (seeded), stored bf16. The tokenizer is the
 repository's llama fixture tokenizer (byte-level BPE, 512 tokens) with its vocabulary padded by
@@ -28,6 +30,11 @@ SHAPES = {
         intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
         max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
         bos_token_id=None, eos_token_id=2, pad_token_id=0),
+    "gemma3-270m": lambda: transformers.Gemma3TextConfig(
+        hidden_size=640, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=256, intermediate_size=2048, vocab_size=262144, tie_word_embeddings=True,
+        max_position_embeddings=32768, sliding_window=512, query_pre_attn_scalar=256,
+        rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=2, pad_token_id=0),
 }
 
 

@@ -358,3 +358,49 @@ fn gguf_export_permutes_llama_attention() {
         "llama q8_0 vs the same HF folder: max abs diff {max}"
     );
 }
+
+/// Gemma 3 GGUF files store norm weights as `1 + w` and leave the layer pattern (every sixth
+/// layer global) and attention scale (`head_dim^-0.5`) to the reader. The fixture's pattern of 4
+/// cannot be written, so the export refuses it; with llama.cpp's pattern and scale, the GGUF's
+/// logits match Peregrine's on the same HF folder within the Q8_0 tolerance above (dropping the
+/// `+ 1` moves them by more than 1).
+#[test]
+fn gguf_export_writes_gemma3() {
+    let dir = scratch("gguf-gemma3");
+    let refused = quantize_gguf(&fixture("gemma3"), &dir.join("pattern4.gguf"), "q8_0");
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && stderr.contains("layer_types"),
+        "{stderr}"
+    );
+
+    let hf = dir.join("hf");
+    std::fs::create_dir_all(&hf).unwrap();
+    copy_fixture("gemma3", &hf);
+    let config_path = hf.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    let config_map = config.as_object_mut().unwrap();
+    for key in ["layer_types", "_sliding_window_pattern"] {
+        config_map.remove(key);
+    }
+    config_map.insert("sliding_window_pattern".into(), 6.into());
+    config_map.insert("query_pre_attn_scalar".into(), 16.into());
+    std::fs::write(&config_path, config.to_string()).unwrap();
+
+    let out = dir.join("gemma3.gguf");
+    let run = quantize_gguf(&hf, &out, "q8_0");
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let (ids, _) = reference("gemma3");
+    let want = cli_logits(&hf, &ids, &[], "gguf-gemma3-hf");
+    let got = cli_logits(&out, &ids, &[], "gguf-gemma3-q8");
+    let max = max_abs_diff(&got, &want).unwrap();
+    assert!(
+        max < 0.3,
+        "gemma3 q8_0 vs the same HF folder: max abs diff {max}"
+    );
+}

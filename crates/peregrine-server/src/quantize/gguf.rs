@@ -4,7 +4,7 @@
 //! tokenizer from the file, not from a folder).
 //!
 //! As llama.cpp's converter does, `llama` q/k projections are permuted for GPT-J-style rotation
-//! (the loader rotates `llama` GGUF files interleaved). Rope scalings other than linear cannot be
+//! (the loader rotates `llama` GGUF files interleaved) and Gemma 3's norm weights store `1 + w`. Rope scalings other than linear cannot be
 //! expressed in the metadata the loader reads, so such checkpoints are refused.
 
 use std::collections::BTreeMap;
@@ -49,12 +49,40 @@ fn read_config(dir: &Path) -> Result<ModelConfig> {
         "mistral" => arch::mistral::configure(&fields, &mut config)?,
         "qwen2" => arch::qwen2::configure(&fields, &mut config)?,
         "qwen3" => arch::qwen3::configure(&fields, &mut config)?,
+        "gemma3_text" => {
+            arch::gemma3::configure(&fields, &mut config)?;
+            gemma3_expressible(&config)
+                .map_err(|why| anyhow::anyhow!("{}: {why}", path.display()))?;
+            config.model_type = "gemma3".into();
+        }
         other => bail!(
-            "{}: model_type `{other}` cannot be written as GGUF (supported: llama, mistral, qwen2, qwen3)",
+            "{}: model_type `{other}` cannot be written as GGUF \
+             (supported: llama, mistral, qwen2, qwen3, gemma3_text)",
             path.display()
         ),
     }
     Ok(config)
+}
+
+/// GGUF `gemma3` files carry no layer pattern or attention scale: llama.cpp (and our loader,
+/// `configure_gguf`) fix them, so a checkpoint that differs cannot be written faithfully.
+fn gemma3_expressible(c: &ModelConfig) -> std::result::Result<(), String> {
+    let pattern = peregrine_models::arch::gemma3::sliding_pattern(c.num_hidden_layers, 6);
+    if c.sliding_layers.as_ref() != Some(&pattern) {
+        return Err(
+            "GGUF gemma3 files slide every layer but each sixth; this checkpoint's \
+                    `layer_types` differ"
+                .into(),
+        );
+    }
+    if c.query_pre_attn_scalar != Some(c.head_dim as f64) {
+        return Err(format!(
+            "GGUF gemma3 files scale attention by head_dim^-0.5; `query_pre_attn_scalar` {:?} \
+             is not head_dim {}",
+            c.query_pre_attn_scalar, c.head_dim
+        ));
+    }
+    Ok(())
 }
 
 /// `{arch}.*` metadata, as llama.cpp writes it and `config_from_gguf` reads it.
@@ -115,6 +143,12 @@ fn model_metadata(c: &ModelConfig, file_type: u32) -> Result<Vec<(String, Value)
     if let Some(w) = c.sliding_window {
         md.push((format!("{arch}.attention.sliding_window"), u(w)));
     }
+    if let Some(theta) = c.rope_local_theta {
+        md.push((
+            format!("{arch}.rope.freq_base_swa"),
+            Value::F32(theta as f32),
+        ));
+    }
     Ok(md)
 }
 
@@ -155,6 +189,10 @@ pub fn run(model: &Path, out: &Path, type_name: &str) -> Result<()> {
             );
         };
         let mut t = files.load(&name, &Device::Cpu)?.to_dtype(DType::F32)?;
+        // GGUF norm weights hold Gemma's `1 + w` (llama.cpp's converter adds the offset).
+        if config.norm_weight_offset != 0.0 && name.ends_with("norm.weight") {
+            t = (t + config.norm_weight_offset)?;
+        }
         if config.model_type == "llama" {
             if name.contains("self_attn.q_proj.") {
                 t = permute_qk(&t, config.num_attention_heads)?;
