@@ -10,11 +10,12 @@
 //! differs (observed ~1e-5); one misdecoded code or a wrong group moves logits by 1e-2 or more.
 //! Those checks load with `MlxActivations::F32`, the mode that computes as mlx-lm does.
 //!
-//! The default mode regroups 4-bit weights into Q4_1 blocks (bit-exact, tests/mlx.rs in
-//! peregrine-tensor) and rounds activations to 8 bits per 32 values, as llama.cpp does. That
-//! rounding is the only difference, and it is not small on these fixtures: about 0.5 % of each
-//! matmul input's magnitude, compounded over the 7 matmuls of 2 untrained layers, measured
-//! 0.019-0.021 RMS (max 0.09-0.13) on logits of standard deviation ~1. The checks there:
+//! The default mode regroups 4-bit weights into Q4_1 blocks and 8-bit ones into MLX8 blocks
+//! (bit-exact, tests/mlx.rs in peregrine-tensor) and rounds activations to 8 bits per 32
+//! values, as llama.cpp does. That rounding is the only difference, and it is not small on
+//! these fixtures: about 0.5 % of each matmul input's magnitude, compounded over the 7 matmuls
+//! of 2 untrained layers, measured 0.019-0.021 RMS (max 0.09-0.13) on logits of standard
+//! deviation ~1, 4-bit and 8-bit weights alike. The checks there:
 //! RMS ≤ [`Q8_RMS`] (2× measured; a wrong nibble order or scale moves it to ~1), max ≤
 //! [`Q8_MAX`], and the same top-1 token wherever the reference's lead over its runner-up is
 //! more than 2 × [`Q8_MAX`] (near-ties may flip, as they do between llama.cpp and transformers).
@@ -117,7 +118,7 @@ fn check_logits(arch: &str, variant: &str) {
     }
 }
 
-/// The default (8-bit activation) mode on a 4-bit fixture, against the bounds in the module docs.
+/// The default (8-bit activation) mode on a 4- or 8-bit fixture, against the bounds in the module docs.
 fn check_q8_logits(arch: &str, variant: &str) {
     let load = |opts| load_model(&fixture(arch, variant), &opts).unwrap().model;
     let (model, exact_model) = (load(LoadOptions::default()), load(exact()));
@@ -204,7 +205,7 @@ golden_mlx! {
 #[test]
 fn eight_bit_activations_stay_within_their_rounding() {
     for arch in ["llama", "qwen3"] {
-        for variant in ["mlx-q4-g64", "mlx-q4-g32"] {
+        for variant in ["mlx-q4-g64", "mlx-q4-g32", "mlx-q8-g64"] {
             check_q8_logits(arch, variant);
         }
     }

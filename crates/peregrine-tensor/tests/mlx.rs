@@ -469,3 +469,30 @@ fn q4_1_regrouping_keeps_every_weight() {
     let eight = random_quantized(&mut rng, 3, 64, 8, 32);
     assert!(eight.to_q4_1().unwrap().is_none());
 }
+
+#[test]
+fn eight_bit_regrouping_keeps_every_weight() {
+    let mut rng = Rng(23);
+    for group in GROUPS {
+        let q = random_quantized(&mut rng, 9, group * 3, 8, group);
+        let m = q
+            .to_gguf_matrix()
+            .unwrap()
+            .expect("f16-exact scales regroup");
+        // 32 codes, an f16 scale and bias per block: 9 bits a weight, not interleaved.
+        assert!(!m.is_interleaved());
+        assert_eq!(m.weight_bytes(), 9 * group * 3 / 32 * 36, "group {group}");
+        // The same numbers: looked-up rows equal MLX's dequantization bit for bit (the kernels'
+        // products are checked against the exact product in tests/quant.rs).
+        let ids = Tensor::new(&[8u32, 0, 3, 3], &Device::Cpu).unwrap();
+        let want = q.dequantize_ref().unwrap().index_select(&ids, 0).unwrap();
+        let got = m.embedding(&ids).unwrap();
+        assert_eq!(
+            got.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            "group {group}"
+        );
+    }
+    let inexact = random_quantized_as(&mut rng, 3, 64, 8, 32, DType::F32);
+    assert!(inexact.to_gguf_matrix().unwrap().is_none());
+}

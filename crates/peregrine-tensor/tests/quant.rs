@@ -6,18 +6,37 @@ use std::sync::Arc;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use peregrine_tensor::GgufMatrix;
+use peregrine_tensor::mlx::MlxQuantized;
 use peregrine_tensor::quant::{Kernel, QK};
 
-const FORMATS: [GgmlDType; 8] = [
-    GgmlDType::Q4_0,
-    GgmlDType::Q4_1,
-    GgmlDType::Q5_0,
-    GgmlDType::Q5_1,
-    GgmlDType::Q8_0,
-    GgmlDType::Q4K,
-    GgmlDType::Q5K,
-    GgmlDType::Q6K,
+/// A format under test: a GGUF dtype (candle quantizes the matrix), or MLX 8-bit (MLX's
+/// quantizer, regrouped into [`Format::MLX8`](peregrine_tensor::quant::Format::MLX8) blocks).
+#[derive(Debug, Clone, Copy)]
+enum Case {
+    Gguf(GgmlDType),
+    Mlx8,
+}
+
+const CASES: [Case; 9] = [
+    Case::Gguf(GgmlDType::Q4_0),
+    Case::Gguf(GgmlDType::Q4_1),
+    Case::Gguf(GgmlDType::Q5_0),
+    Case::Gguf(GgmlDType::Q5_1),
+    Case::Gguf(GgmlDType::Q8_0),
+    Case::Gguf(GgmlDType::Q4K),
+    Case::Gguf(GgmlDType::Q5K),
+    Case::Gguf(GgmlDType::Q6K),
+    Case::Mlx8,
 ];
+
+impl Case {
+    fn block_size(self) -> usize {
+        match self {
+            Case::Gguf(dtype) => dtype.block_size(),
+            Case::Mlx8 => QK,
+        }
+    }
+}
 
 /// Deterministic values in about [-1, 1] with some large outliers, as real activations have.
 fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -35,16 +54,28 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-fn matrix(dtype: GgmlDType, n: usize, k: usize) -> (GgufMatrix, Vec<f32>) {
+fn matrix(case: Case, n: usize, k: usize) -> (GgufMatrix, Vec<f32>) {
     let w = Tensor::from_vec(
         values(n * k, n as u64 * 31 + k as u64),
         (n, k),
         &Device::Cpu,
     )
     .unwrap();
-    let q = Arc::new(QTensor::quantize(&w, dtype).unwrap());
-    let dequantized = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap();
-    (GgufMatrix::new(q).unwrap(), dequantized.to_vec1().unwrap())
+    let (matrix, dequantized) = match case {
+        Case::Gguf(dtype) => {
+            let q = Arc::new(QTensor::quantize(&w, dtype).unwrap());
+            let dequantized = q.dequantize(&Device::Cpu).unwrap();
+            (GgufMatrix::new(q).unwrap(), dequantized)
+        }
+        Case::Mlx8 => {
+            // Groups of 32: the bias (the group's extreme) is within the block's max |w|.
+            let q = MlxQuantized::quantize(&w, 8, 32).unwrap();
+            let m = q.to_gguf_matrix().unwrap().expect("bf16 scales regroup");
+            (m, q.dequantize_ref().unwrap())
+        }
+    };
+    let dequantized = dequantized.flatten_all().unwrap().to_vec1().unwrap();
+    (matrix, dequantized)
 }
 
 /// Per output: the exact product, `Σ|w||x|`, and the worst case of quantizing `x` to 8 bits as
@@ -82,16 +113,16 @@ fn exact(w: &[f32], x: &[f32], k: usize) -> Vec<(f32, f32, f32)> {
 
 #[test]
 fn every_kernel_matches_the_exact_product_within_the_quantization_bound() {
-    for dtype in FORMATS {
-        let ks: &[usize] = match dtype.block_size() {
+    for case in CASES {
+        let ks: &[usize] = match case.block_size() {
             256 => &[256, 768],
             _ => &[32, 160, 768],
         };
         for &k in ks {
             // 8 and 40 rows: Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K interleave 8 rows at a time on x86.
             for n in [1, 7, 8, 37, 40] {
-                let (w, wf) = matrix(dtype, n, k);
-                assert!(w.format().is_some(), "{dtype:?} should have a kernel");
+                let (w, wf) = matrix(case, n, k);
+                assert!(w.format().is_some(), "{case:?} should have a kernel");
                 for m in [1, 3, 70] {
                     let x = values(m * k, (m * 1000 + k) as u64);
                     let reference = exact(&wf, &x, k);
@@ -101,7 +132,7 @@ fn every_kernel_matches_the_exact_product_within_the_quantization_bound() {
                         for (i, ((got, s), (want, mag, qbound))) in
                             y.iter().zip(&scalar).zip(&reference).enumerate()
                         {
-                            let case = format!("{dtype:?} {kernel:?} n={n} k={k} m={m} out {i}");
+                            let case = format!("{case:?} {kernel:?} n={n} k={k} m={m} out {i}");
                             // Same integer sums; only the float summation order differs.
                             assert!((got - s).abs() <= 1e-5 * mag, "{case}: {got} vs scalar {s}");
                             // Quantizing x is the only approximation: bounded by half a step.
@@ -117,7 +148,7 @@ fn every_kernel_matches_the_exact_product_within_the_quantization_bound() {
 
 #[test]
 fn forward_keeps_leading_dims_and_formats_without_kernels_fall_back() {
-    let (w, wf) = matrix(GgmlDType::Q4K, 9, 256);
+    let (w, wf) = matrix(Case::Gguf(GgmlDType::Q4K), 9, 256);
     let x = values(2 * 3 * 256, 5);
     let xt = Tensor::from_vec(x.clone(), (2, 3, 256), &Device::Cpu).unwrap();
     let y = w.forward(&xt).unwrap();
@@ -209,7 +240,7 @@ fn interleaved_rows_equal_the_file_layout() {
 
 #[test]
 fn input_of_the_wrong_width_is_an_error() {
-    let (w, _) = matrix(GgmlDType::Q8_0, 4, 64);
+    let (w, _) = matrix(Case::Gguf(GgmlDType::Q8_0), 4, 64);
     let err = w.matmul_with(&[0.0; 63], 1, Kernel::Scalar).unwrap_err();
     assert!(err.to_string().contains("63 inputs"), "{err}");
     let x = Tensor::zeros((1, 65), candle_core::DType::F32, &Device::Cpu).unwrap();
@@ -218,9 +249,9 @@ fn input_of_the_wrong_width_is_an_error() {
 
 #[test]
 fn a_group_equals_its_members_one_by_one() {
-    let (a, _) = matrix(GgmlDType::Q4K, 9, 256);
-    let (b, _) = matrix(GgmlDType::Q6K, 5, 256);
-    let (c, _) = matrix(GgmlDType::Q8_0, 3, 256);
+    let (a, _) = matrix(Case::Gguf(GgmlDType::Q4K), 9, 256);
+    let (b, _) = matrix(Case::Gguf(GgmlDType::Q6K), 5, 256);
+    let (c, _) = matrix(Case::Gguf(GgmlDType::Q8_0), 3, 256);
     let x = values(7 * 256, 9);
     for kernel in Kernel::available() {
         let group = GgufMatrix::matmul_group(&[&a, &b, &c], &x, 7, kernel).unwrap();
@@ -228,7 +259,7 @@ fn a_group_equals_its_members_one_by_one() {
             assert_eq!(y, &w.matmul_with(&x, 7, kernel).unwrap(), "{kernel:?}");
         }
     }
-    let (wide, _) = matrix(GgmlDType::Q8_0, 3, 512);
+    let (wide, _) = matrix(Case::Gguf(GgmlDType::Q8_0), 3, 512);
     assert!(GgufMatrix::matmul_group(&[&a, &wide], &x, 7, Kernel::Scalar).is_err());
 }
 

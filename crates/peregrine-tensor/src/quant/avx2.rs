@@ -43,7 +43,7 @@ pub unsafe fn dot_rows_vnni<const R: usize>(
 /// straight-line loop.
 macro_rules! with_format {
     ($format:expr, $f:ident => $body:expr) => {
-        with_format!(@ids $format, $f, $body, Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4K Q5K Q6K)
+        with_format!(@ids $format, $f, $body, Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4K Q5K Q6K MLX8)
     };
     (@ids $format:expr, $f:ident, $body:expr, $($id:ident)*) => {
         match $format {
@@ -117,6 +117,7 @@ pub(super) const Q8_0: u8 = 4;
 pub(super) const Q4K: u8 = 5;
 pub(super) const Q5K: u8 = 6;
 pub(super) const Q6K: u8 = 7;
+pub(super) const MLX8: u8 = 8;
 
 /// One 32-value (sub-)block of weights, unpacked.
 pub(super) struct Sub {
@@ -124,7 +125,7 @@ pub(super) struct Sub {
     pub codes: __m256i,
     /// Multiplies `x.d · Σ codes·x` (for Q6_K, the per-16 scales are in `lane_scales`).
     pub scale: f32,
-    /// Q4_1/Q5_1: the minimum, times `x.ds`. Q4_0/Q5_0/K-quants: times `x.dsum`.
+    /// Q4_1/Q5_1/MLX8: the minimum, times `x.ds`. Q4_0/Q5_0/K-quants: times `x.dsum`.
     pub min: f32,
     /// Q6_K: i16 scale of each product pair (8 lanes per 16 values).
     pub lane_scales: __m256i,
@@ -144,6 +145,7 @@ pub(super) const fn shape(f: u8) -> (usize, usize) {
         Q8_0 => (34, 1),
         Q4K => (144, 8),
         Q5K => (176, 8),
+        MLX8 => (36, 1),
         _ => (210, 8),
     }
 }
@@ -174,6 +176,7 @@ pub(super) unsafe fn sub<I: Isa, const F: u8>(b: &[u8], j: usize) -> Sub {
                 s.min = f16(b, 2);
             }
             Q8_0 => s.codes = load32(&b[2..34]),
+            MLX8 => (s.codes, s.min) = (load32(&b[4..36]), f16(b, 2)),
             Q4K | Q5K => {
                 let (qs_at, mask) = (if F == Q5K { 48 } else { 16 }, _mm256_set1_epi8(0xF));
                 let q = load32(&b[qs_at + 32 * (j / 2)..]);
@@ -267,17 +270,23 @@ unsafe fn block<I: Isa, const F: u8, const R: usize>(
     unsafe {
         for j in 0..subs {
             let s = sub::<I, F>(b, j);
-            // Q8_0 is signed: |w| · (x · sign w), as the products need unsigned weights.
-            let codes = if F == Q8_0 {
-                _mm256_sign_epi8(s.codes, s.codes)
+            let raw = match F {
+                // `maddubs` saturates on codes past 128: MLX8 takes `q - 128`, plus 128·Σx.
+                MLX8 if !I::WIDE => _mm256_xor_si256(s.codes, _mm256_set1_epi8(-128)),
+                _ => s.codes,
+            };
+            // Signed codes: |w| · (x · sign w), as the products need unsigned weights.
+            let signed = F == Q8_0 || (F == MLX8 && !I::WIDE);
+            let codes = if signed {
+                _mm256_sign_epi8(raw, raw)
             } else {
-                s.codes
+                raw
             };
             for r in 0..R {
                 let xb = &x[r][i * subs + j];
                 let xv = xq(xb);
-                let xv = if F == Q8_0 {
-                    _mm256_sign_epi8(xv, s.codes)
+                let xv = if signed {
+                    _mm256_sign_epi8(xv, raw)
                 } else {
                     xv
                 };
@@ -288,7 +297,8 @@ unsafe fn block<I: Isa, const F: u8, const R: usize>(
                 };
                 acc[r] = fma(acc[r], p, s.scale * xb.d);
                 off[r] += match F {
-                    Q4_1 | Q5_1 => s.min * xb.ds,
+                    MLX8 if !I::WIDE => s.min * xb.ds + 128.0 * s.scale * xb.dsum,
+                    Q4_1 | Q5_1 | MLX8 => s.min * xb.ds,
                     Q8_0 => 0.0,
                     Q6K => s.offsets16[0] * xb.dsum16[0] + s.offsets16[1] * xb.dsum16[1],
                     _ => s.min * xb.dsum,

@@ -7,7 +7,7 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{Avx2, Isa, Q4_1, Q5_1, Q6K, Q8_0, Vnni, shape, sub, with_format};
+use super::avx2::{Avx2, Isa, MLX8, Q4_1, Q5_1, Q6K, Q8_0, Vnni, shape, sub, with_format};
 use super::format::Format;
 use super::panel::{LANES, PanelBlock};
 
@@ -53,8 +53,9 @@ unsafe fn row<I: Isa, const F: u8, const G: usize>(
 ) -> [[f32; LANES]; G] {
     let (bytes, subs) = shape(F);
     // Q8_0 is signed. Wide products take it plus 128, less 128·Σx through the offsets;
-    // narrow ones (maddubs saturates) take |w| times x with w's signs.
-    let signed = F == Q8_0 && !I::WIDE;
+    // narrow ones (maddubs saturates) take |w| times x with w's signs. MLX8 is unsigned: narrow
+    // products take it less 128 (signed, as Q8_0), plus 128·Σx.
+    let signed = (F == Q8_0 || F == MLX8) && !I::WIDE;
     // Q6_K scales each 16 values: its blocks are two halves of 4 quads.
     let halves = if F == Q6K { 2 } else { 1 };
     let (mut quads, mut signs) = (Quads([0; 8]), Quads([0; 8]));
@@ -66,17 +67,28 @@ unsafe fn row<I: Isa, const F: u8, const G: usize>(
             for j in 0..subs {
                 let s = sub::<I, F>(b, j);
                 let blk = i * subs + j;
-                let (codes, min) = match F {
-                    Q8_0 if I::WIDE => (
-                        _mm256_xor_si256(s.codes, _mm256_set1_epi8(-128)),
-                        -128.0 * s.scale,
-                    ),
-                    Q8_0 => (_mm256_sign_epi8(s.codes, s.codes), 0.0),
+                let flipped = _mm256_xor_si256(s.codes, _mm256_set1_epi8(-128));
+                // `raw`: the codes the products see, before taking magnitudes for `signed`.
+                let (raw, min) = match F {
+                    Q8_0 if I::WIDE => (flipped, -128.0 * s.scale),
+                    Q8_0 => (s.codes, 0.0),
+                    MLX8 if !I::WIDE => (flipped, s.min),
                     _ => (s.codes, s.min),
+                };
+                // MLX8's narrow products miss 128·scale·Σx, added against `dsum`.
+                let shift = if F == MLX8 && !I::WIDE {
+                    128.0 * s.scale
+                } else {
+                    0.0
+                };
+                let codes = if signed {
+                    _mm256_sign_epi8(raw, raw)
+                } else {
+                    raw
                 };
                 _mm256_store_si256(quads.0.as_mut_ptr().cast(), codes);
                 if signed {
-                    _mm256_store_si256(signs.0.as_mut_ptr().cast(), s.codes);
+                    _mm256_store_si256(signs.0.as_mut_ptr().cast(), raw);
                 }
                 for h in 0..halves {
                     let mut int = [_mm256_setzero_si256(); G];
@@ -100,12 +112,16 @@ unsafe fn row<I: Isa, const F: u8, const G: usize>(
                         let p = _mm256_cvtepi32_ps(int[g]);
                         acc[g] = _mm256_fmadd_ps(p, _mm256_mul_ps(scale, xd), acc[g]);
                         let sums = match F {
-                            Q4_1 | Q5_1 => &pb.ds,
+                            Q4_1 | Q5_1 | MLX8 => &pb.ds,
                             Q6K => &pb.dsum16[h],
                             _ => &pb.dsum,
                         };
-                        if !signed {
+                        if F != Q8_0 || I::WIDE {
                             off[g] = _mm256_fmadd_ps(min, _mm256_load_ps(sums.as_ptr()), off[g]);
+                        }
+                        if F == MLX8 && !I::WIDE {
+                            let dsum = _mm256_load_ps(pb.dsum.as_ptr());
+                            off[g] = _mm256_fmadd_ps(_mm256_set1_ps(shift), dsum, off[g]);
                         }
                     }
                 }

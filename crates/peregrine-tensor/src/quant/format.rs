@@ -1,10 +1,11 @@
-//! The GGUF block formats Peregrine's CPU kernels multiply directly.
+//! The block formats Peregrine's CPU kernels multiply directly: GGUF's, and one of our own for
+//! MLX 8-bit weights.
 
 use candle_core::quantized::GgmlDType;
 
 /// A GGUF block format with a Peregrine kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[allow(non_camel_case_types)]
+#[allow(non_camel_case_types, clippy::upper_case_acronyms)]
 pub enum Format {
     /// 32 values: f16 scale, 4-bit codes offset by 8.
     Q4_0,
@@ -22,6 +23,9 @@ pub enum Format {
     Q5K,
     /// 256 values: 16 groups with i8 scales, 6-bit codes offset by 32.
     Q6K,
+    /// 32 values: f16 scale and bias, 8-bit unsigned codes (`w = scale·q + bias`): MLX affine
+    /// 8-bit weights regrouped. Not a GGUF format (ggml's Q8_1 holds signed codes and a sum).
+    MLX8,
 }
 
 impl Format {
@@ -40,9 +44,9 @@ impl Format {
         })
     }
 
-    /// The GGUF dtype.
-    pub fn dtype(self) -> GgmlDType {
-        match self {
+    /// The GGUF dtype, `None` for [`Format::MLX8`].
+    pub fn dtype(self) -> Option<GgmlDType> {
+        Some(match self {
             Self::Q4_0 => GgmlDType::Q4_0,
             Self::Q4_1 => GgmlDType::Q4_1,
             Self::Q5_0 => GgmlDType::Q5_0,
@@ -51,7 +55,8 @@ impl Format {
             Self::Q4K => GgmlDType::Q4K,
             Self::Q5K => GgmlDType::Q5K,
             Self::Q6K => GgmlDType::Q6K,
-        }
+            Self::MLX8 => return None,
+        })
     }
 
     /// Values per block.
@@ -73,6 +78,7 @@ impl Format {
             Self::Q4K => 144,
             Self::Q5K => 176,
             Self::Q6K => 210,
+            Self::MLX8 => 36,
         }
     }
 }

@@ -53,6 +53,8 @@ enum Layout {
     },
     /// Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K with 8 rows interleaved ([`interleaved`]), for the x86 kernels.
     Interleaved(Arc<Interleaved>),
+    /// Row-layout blocks of a format candle cannot hold ([`Format::MLX8`]): CPU kernels only.
+    Blocks(Arc<Vec<u8>>),
 }
 
 impl GgufMatrix {
@@ -86,7 +88,14 @@ impl GgufMatrix {
                 dims,
             });
         }
-        let q = qtensor_from_ggml(format.dtype(), &bytes, vec![rows, cols], &Device::Cpu)?;
+        let Some(dtype) = format.dtype() else {
+            return Ok(Self {
+                storage: Layout::Blocks(Arc::new(bytes)),
+                format: Some(format),
+                dims,
+            });
+        };
+        let q = qtensor_from_ggml(dtype, &bytes, vec![rows, cols], &Device::Cpu)?;
         Self::new(Arc::new(q))
     }
 
@@ -140,6 +149,7 @@ impl GgufMatrix {
     pub fn weight_bytes(&self) -> usize {
         match &self.storage {
             Layout::Interleaved(w) => w.bytes.len(),
+            Layout::Blocks(b) => b.len(),
             Layout::Rows { fallback, .. } => match fallback {
                 QMatMul::QTensor(q) => q.storage_size_in_bytes(),
                 QMatMul::Tensor(t) | QMatMul::TensorF16(t) => crate::linear::tensor_bytes(t),
@@ -149,10 +159,9 @@ impl GgufMatrix {
 
     /// Rows `ids` (`[..]`, u32) dequantized: `[.., in]` f32 (an embedding lookup).
     pub fn embedding(&self, ids: &Tensor) -> Result<Tensor> {
-        let w = match &self.storage {
-            Layout::Rows { qtensor, .. } => return qtensor.embedding(ids),
-            Layout::Interleaved(w) => w,
-        };
+        if let Layout::Rows { qtensor, .. } = &self.storage {
+            return qtensor.embedding(ids);
+        }
         let (rows, hidden) = self.dims;
         let flat = ids.flatten_all()?.to_dtype(DType::U32)?.to_vec1::<u32>()?;
         if let Some(bad) = flat.iter().find(|&&i| i as usize >= rows) {
@@ -160,7 +169,15 @@ impl GgufMatrix {
         }
         let mut out = vec![0f32; flat.len() * hidden];
         for (o, &id) in out.chunks_exact_mut(hidden).zip(&flat) {
-            w.dequantize_row(id as usize, o);
+            let id = id as usize;
+            match (&self.storage, self.format) {
+                (Layout::Interleaved(w), _) => w.dequantize_row(id, o),
+                (Layout::Blocks(b), Some(format)) => {
+                    let row_bytes = hidden / format.block_len() * format.block_bytes();
+                    scalar::dequantize_row(format, &b[id * row_bytes..][..row_bytes], o)?;
+                }
+                _ => bail!("gguf embedding: rows of {:?} without a format", self.dims),
+            }
         }
         let mut dims = ids.dims().to_vec();
         dims.push(hidden);
@@ -184,7 +201,7 @@ impl GgufMatrix {
             return (mats.iter())
                 .map(|w| match &w.storage {
                     Layout::Rows { fallback, .. } => fallback.forward(x),
-                    Layout::Interleaved(_) => {
+                    Layout::Interleaved(_) | Layout::Blocks(_) => {
                         bail!("gguf matmul: CPU weights, input on {:?}", x.device())
                     }
                 })
@@ -245,6 +262,7 @@ impl GgufMatrix {
             let bytes = match &w.storage {
                 Layout::Rows { qtensor, .. } => PartBytes::Rows(format, qtensor.data()?),
                 Layout::Interleaved(iw) => PartBytes::Interleaved(iw),
+                Layout::Blocks(b) => PartBytes::Rows(format, b.as_slice().into()),
             };
             parts.push(Part {
                 rows: w.dims().0,

@@ -19,8 +19,24 @@ pub fn dot_row(format: Format, w: &[u8], x: &[Q8Block]) -> f32 {
             Format::Q4K => q4_k(b, xs),
             Format::Q5K => q5_k(b, xs),
             Format::Q6K => q6_k(b, xs),
+            Format::MLX8 => mlx8(b, &xs[0]),
         })
         .sum()
+}
+
+/// One row's blocks `w` as values into `out`, for the formats candle cannot dequantize
+/// ([`Format::MLX8`]).
+pub fn dequantize_row(format: Format, w: &[u8], out: &mut [f32]) -> candle_core::Result<()> {
+    if format != Format::MLX8 {
+        candle_core::bail!("dequantize_row: {format:?} is candle's to dequantize");
+    }
+    for (b, out) in w.chunks_exact(36).zip(out.chunks_exact_mut(QK)) {
+        let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+        for (o, &q) in out.iter_mut().zip(&b[4..36]) {
+            *o = d * f32::from(q) + m;
+        }
+    }
+    Ok(())
 }
 
 /// `Σ codes[i] · x.qs[i]` for unsigned codes.
@@ -70,6 +86,11 @@ fn q8_0(b: &[u8], x: &Q8Block) -> f32 {
         .map(|(&w, q)| i32::from(w as i8) * i32::from(q))
         .sum();
     f16_at(b, 0) * x.d * s as f32
+}
+
+fn mlx8(b: &[u8], x: &Q8Block) -> f32 {
+    let s = idot(b[4..36].iter().copied(), x);
+    f16_at(b, 0) * x.d * s as f32 + f16_at(b, 2) * x.ds
 }
 
 /// Q4_K: 8 sub-blocks of 32, each `d·sc·q - dmin·m` with 6-bit `sc`, `m`.
