@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Speed and memory of bf16 vs MLX 4-bit (group 64) vs GGUF Q4_0 on random-weight checkpoints of
+# Speed and memory of bf16 vs MLX 4-bit and 8-bit (group 64) vs GGUF Q4_0 and Q8_0 of the same
+# weights, and llama.cpp on the same GGUF files, on random-weight checkpoints of
 # real model shapes (Qwen2.5-0.5B, SmolLM2-135M, Gemma 3 270M). Prints one JSON line per run
 # (peregrine bench's report plus `shape`, `format`, `file_bytes`, `load_1min`).
 #
@@ -12,8 +13,9 @@
 #        MAX_LOAD      wait (up to WAIT_S seconds, default 600) for the 1-minute load average
 #                      to drop below this before each run (default 1.3); the JSON records it
 #        REF_PY        python with llama-cpp-python (default .venv-ref/bin/python, made by
-#                      scripts/setup-ref-venv.sh): when present, llama.cpp runs the Q4_0 file too
-#                      (one more line per shape, `format` "llama.cpp q4_0.gguf")
+#                      scripts/setup-ref-venv.sh): when present, llama.cpp runs both GGUF files
+#                      (two more lines per shape, `format` "llama.cpp q4_0.gguf" and
+#                      "llama.cpp q8_0.gguf")
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PY="${PY:-$ROOT/.venv-fixtures/bin/python}"
@@ -44,9 +46,13 @@ for shape in "${SHAPES[@]}"; do
   [[ -f "$dir/bf16/config.json" ]] || "$PY" "$ROOT/scripts/bench_mlx_make.py" "$shape" "$dir/bf16" >&2
   [[ -f "$dir/mlx-4bit-g64/config.json" ]] ||
     "$PEREGRINE" quantize --model "$dir/bf16" --out "$dir/mlx-4bit-g64" --bits 4 --group-size 64 >&2
-  [[ -f "$dir/q4_0.gguf" ]] ||
-    "$PEREGRINE" quantize --model "$dir/bf16" --out "$dir/q4_0.gguf" --format gguf --type q4_0 >&2
-  for format in bf16 mlx-4bit-g64 q4_0.gguf; do
+  [[ -f "$dir/mlx-8bit-g64/config.json" ]] ||
+    "$PEREGRINE" quantize --model "$dir/bf16" --out "$dir/mlx-8bit-g64" --bits 8 --group-size 64 >&2
+  for type in q4_0 q8_0; do
+    [[ -f "$dir/$type.gguf" ]] ||
+      "$PEREGRINE" quantize --model "$dir/bf16" --out "$dir/$type.gguf" --format gguf --type $type >&2
+  done
+  for format in bf16 mlx-4bit-g64 q4_0.gguf mlx-8bit-g64 q8_0.gguf; do
     model="$dir/$format"
     weights="$model"
     [[ -d "$model" ]] && weights="$model/model.safetensors"
@@ -60,14 +66,15 @@ r.update(shape=sys.argv[2], format=sys.argv[3], file_bytes=int(sys.argv[4]), loa
 print(json.dumps(r))' "$report" "$shape" "$format" "$(size_of "$weights")" "$load"
   done
   REF_PY="${REF_PY:-$ROOT/.venv-ref/bin/python}"
-  if [[ -x "$REF_PY" ]]; then
+  for type in q4_0 q8_0; do
+    [[ -x "$REF_PY" ]] || break
     wait_quiet
     load="$(load1)"
-    "$REF_PY" "$ROOT/scripts/bench_compare.py" --model "$dir/q4_0.gguf" --skip-peregrine \
+    "$REF_PY" "$ROOT/scripts/bench_compare.py" --model "$dir/$type.gguf" --skip-peregrine \
       --prompt-tokens 40 --gen-tokens 64 --threads "$THREADS" --repeat 3 2>/dev/null |
       "$PY" -c 'import json, sys
 r = json.loads(sys.stdin.read().strip().splitlines()[-1])["llama_cpp"]
-r.update(shape=sys.argv[1], format="llama.cpp q4_0.gguf", load_1min=float(sys.argv[2]))
-print(json.dumps(r))' "$shape" "$load"
-  fi
+r.update(shape=sys.argv[1], format="llama.cpp " + sys.argv[3], load_1min=float(sys.argv[2]))
+print(json.dumps(r))' "$shape" "$load" "$type.gguf"
+  done
 done

@@ -55,8 +55,9 @@ pub struct ModelArgs {
     /// KV cache storage: f32 (exact), f16 (half the memory; llama.cpp's default) or bf16.
     #[arg(long, default_value = "f32", value_parser = ["f32", "f16", "bf16"])]
     pub cache_type: String,
-    /// MLX 4-bit weights: q8 rounds activations to 8 bits per 32 values and runs the integer
-    /// kernels (as llama.cpp does for its 4-bit formats); f32 computes as mlx-lm does (slower).
+    /// MLX 4- and 8-bit weights: q8 rounds activations to 8 bits per 32 values and runs the
+    /// integer kernels (as llama.cpp does for its block formats); f32 computes as mlx-lm does
+    /// (slower).
     #[arg(long, default_value = "q8", value_parser = ["q8", "f32"])]
     pub mlx_activations: String,
 }

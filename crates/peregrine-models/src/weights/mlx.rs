@@ -18,9 +18,11 @@ use crate::{ModelError, Result};
 /// How MLX 4-bit matrices are multiplied on CPU (other widths always use f32 activations).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum MlxActivations {
-    /// Regrouped at load into GGUF Q4_1 blocks (the same numbers) and multiplied by the integer
-    /// kernels against activations rounded to 8 bits per 32 values, as llama.cpp multiplies its
-    /// 4-bit formats: prefill 2-3× faster. Logits move by about 1e-2 against mlx-lm's.
+    /// 4- and 8-bit weights regrouped at load into 32-value blocks (GGUF Q4_1, or
+    /// [`Format::MLX8`](peregrine_tensor::quant::Format::MLX8); the same numbers) and multiplied
+    /// by the integer kernels against activations rounded to 8 bits per 32 values, as llama.cpp
+    /// multiplies its block formats: prefill 2-3× faster. Logits move by about 1e-2 against
+    /// mlx-lm's.
     #[default]
     Q8,
     /// The codes as stored against f32 activations, as mlx-lm computes: logits within ~1e-5 of

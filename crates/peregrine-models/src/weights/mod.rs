@@ -53,7 +53,8 @@ impl Weights {
         self
     }
 
-    /// `q` as Q4_1 for the integer kernels, when they are asked for and it regroups exactly.
+    /// `q` as 32-value blocks for the integer kernels, when they are asked for and it regroups
+    /// exactly (4 and 8 bits).
     fn regrouped(&self, q: &MlxQuantized) -> Result<Option<GgufMatrix>> {
         if self.mlx_activations != MlxActivations::Q8 {
             return Ok(None);
