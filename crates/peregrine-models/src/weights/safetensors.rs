@@ -1,19 +1,33 @@
 //! HF safetensors checkpoints: one file or shards listed in `model.safetensors.index.json`,
-//! memory-mapped.
+//! memory-mapped. Each tensor is copied out once and its pages are then released, so loading
+//! never holds the file and the weights made from it at the same time.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
-use peregrine_tensor::candle::safetensors::MmapedSafetensors;
+use memmap2::Mmap;
+use peregrine_tensor::candle::safetensors::Load;
 use peregrine_tensor::{Device, Tensor};
+use safetensors::tensor::{SafeTensors, TensorInfo, TensorView};
 
 use crate::config::read_json_object;
 use crate::{ModelError, Result};
 
+/// One mapped file and where its tensors lie.
+struct Mapped {
+    path: PathBuf,
+    mmap: Mmap,
+    /// Where the data section starts (after the length and the JSON header).
+    data_start: usize,
+    tensors: HashMap<String, TensorInfo>,
+}
+
 /// A checkpoint's safetensors files, memory-mapped.
 pub struct SafetensorsFiles {
     root: PathBuf,
-    files: MmapedSafetensors,
+    files: Vec<Mapped>,
+    /// Tensor name → index in `files` (the last file naming a tensor wins).
+    routing: HashMap<String, usize>,
 }
 
 impl SafetensorsFiles {
@@ -33,26 +47,22 @@ impl SafetensorsFiles {
         } else {
             vec![dir.join("model.safetensors")]
         };
-        for p in &paths {
-            check_file(p)?;
+        let mut files = Vec::with_capacity(paths.len());
+        let mut routing = HashMap::new();
+        for path in paths {
+            let mapped = map_file(path)?;
+            routing.extend(
+                mapped
+                    .tensors
+                    .keys()
+                    .map(|name| (name.clone(), files.len())),
+            );
+            files.push(mapped);
         }
-        // SAFETY: the files are mapped read-only; like every mmap reader we rely on them not
-        // being truncated while the process runs.
-        let files =
-            unsafe { MmapedSafetensors::multi(&paths) }.map_err(|e| ModelError::Checkpoint {
-                file: if paths.len() == 1 {
-                    paths[0].clone()
-                } else {
-                    dir.to_path_buf()
-                },
-                message: format!(
-                    "not a valid safetensors file: {}",
-                    peregrine_tensor::error_message(&e)
-                ),
-            })?;
         Ok(Self {
             root: dir.to_path_buf(),
             files,
+            routing,
         })
     }
 
@@ -63,31 +73,118 @@ impl SafetensorsFiles {
 
     /// Whether a tensor named `name` exists.
     pub fn contains(&self, name: &str) -> bool {
-        self.files.get(name).is_ok()
+        self.routing.contains_key(name)
     }
 
-    /// Loads `name` as stored (dtype unchanged).
+    /// Loads `name` as stored (dtype unchanged), then releases the file's pages under it.
     pub fn load(&self, name: &str, device: &Device) -> Result<Tensor> {
-        if !self.contains(name) {
+        let Some(&index) = self.routing.get(name) else {
             return Err(ModelError::MissingTensor {
                 file: self.root.clone(),
                 tensor: name.to_string(),
             });
-        }
-        self.files
-            .load(name, device)
-            .map_err(|e| ModelError::Checkpoint {
-                file: self.root.clone(),
-                message: format!("tensor `{name}`: {}", peregrine_tensor::error_message(&e)),
-            })
+        };
+        let file = &self.files[index];
+        let info = &file.tensors[name];
+        let (start, end) = info.data_offsets;
+        let range = file.data_start + start..file.data_start + end;
+        let err = |message: String| ModelError::Checkpoint {
+            file: file.path.clone(),
+            message: format!("tensor `{name}`: {message}"),
+        };
+        let view = TensorView::new(info.dtype, info.shape.clone(), &file.mmap[range.clone()])
+            .map_err(|e| err(e.to_string()))?;
+        let tensor = view
+            .load(device)
+            .map_err(|e| err(peregrine_tensor::error_message(&e)))?;
+        release(&file.mmap, range);
+        Ok(tensor)
     }
 }
 
-fn check_file(path: &Path) -> Result<()> {
-    std::fs::metadata(path)
-        .map(|_| ())
-        .map_err(|source| ModelError::Io {
-            path: path.to_path_buf(),
-            source,
-        })
+/// Maps `path` and reads its header (which must describe exactly the bytes that follow it).
+fn map_file(path: PathBuf) -> Result<Mapped> {
+    let file = std::fs::File::open(&path).map_err(|source| ModelError::Io {
+        path: path.clone(),
+        source,
+    })?;
+    // SAFETY: the file is mapped read-only; like every mmap reader we rely on it not being
+    // truncated or rewritten while the process runs.
+    let mmap = unsafe { Mmap::map(&file) }.map_err(|source| ModelError::Io {
+        path: path.clone(),
+        source,
+    })?;
+    let (header_len, metadata) =
+        SafeTensors::read_metadata(&mmap).map_err(|e| ModelError::Checkpoint {
+            file: path.clone(),
+            message: format!("not a valid safetensors file: {e}"),
+        })?;
+    let tensors = (metadata.tensors().into_iter())
+        .map(|(name, info)| (name, info.clone()))
+        .collect();
+    Ok(Mapped {
+        path,
+        mmap,
+        data_start: 8 + header_len,
+        tensors,
+    })
+}
+
+/// Drops the mapped pages of `range` from this process's memory once a tensor has been copied
+/// out of them: the mapping is read-only and file-backed, so a later read maps them again from
+/// the file (a neighbour sharing an edge page included).
+fn release(mmap: &Mmap, range: std::ops::Range<usize>) {
+    #[cfg(unix)]
+    // SAFETY: `DontNeed` on a read-only shared file mapping keeps its contents (they are read
+    // back from the unchanged file on the next access); no memory is freed under a reference.
+    // A failure only means the pages stay resident.
+    let _ = unsafe {
+        mmap.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, range.start, range.len())
+    };
+    #[cfg(not(unix))]
+    let _ = (mmap, range);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use peregrine_tensor::DType;
+
+    /// Released pages come back from the file: tensors sharing pages load the same bytes again,
+    /// in any order, and twice.
+    #[test]
+    fn released_tensors_load_again_unchanged() {
+        let dir = std::env::temp_dir().join(format!("peregrine-st-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let tensors: Vec<(String, Tensor)> = (0..6)
+            .map(|i| {
+                let n = 700 * (i + 1); // sizes that straddle 4 KiB pages
+                let v: Vec<f32> = (0..n).map(|j| (i * 10_000 + j) as f32 * 0.5).collect();
+                let t = Tensor::from_vec(v, n, &Device::Cpu).unwrap();
+                (format!("t{i}"), t.to_dtype(DType::BF16).unwrap())
+            })
+            .collect();
+        let refs: HashMap<String, Tensor> = tensors.iter().cloned().collect();
+        peregrine_tensor::candle::safetensors::save(&refs, dir.join("model.safetensors")).unwrap();
+        let files = SafetensorsFiles::open_dir(&dir).unwrap();
+        for name in ["t3", "t0", "t5", "t3", "t1", "t4", "t2", "t0"] {
+            let got = files.load(name, &Device::Cpu).unwrap();
+            let want = &refs[name];
+            assert_eq!(got.dtype(), DType::BF16);
+            let diff = (got.to_dtype(DType::F32).unwrap() - want.to_dtype(DType::F32).unwrap())
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert_eq!(diff, 0.0, "{name}");
+        }
+        assert!(matches!(
+            files.load("missing", &Device::Cpu),
+            Err(ModelError::MissingTensor { .. })
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
