@@ -55,11 +55,11 @@ impl Weights {
 
     /// `q` as 32-value blocks for the integer kernels, when they are asked for and it regroups
     /// exactly (4 and 8 bits).
-    fn regrouped(&self, q: &MlxQuantized) -> Result<Option<GgufMatrix>> {
+    fn regrouped(&self, q: MlxQuantized) -> Result<std::result::Result<GgufMatrix, MlxQuantized>> {
         if self.mlx_activations != MlxActivations::Q8 {
-            return Ok(None);
+            return Ok(Err(q));
         }
-        Ok(q.to_gguf_matrix()?)
+        Ok(q.into_gguf_matrix()?)
     }
 
     /// `{prefix}.weight` as MLX affine-quantized, when `{prefix}.scales` exists beside it.
@@ -134,9 +134,9 @@ impl Weights {
             false => None,
         };
         if let Some(w) = self.mlx_quantized(prefix, out_dim, in_dim)? {
-            return match self.regrouped(&w)? {
-                Some(w) => Ok(QLinear::Gguf { w, b }),
-                None => Ok(QLinear::MlxAffine { w, b }),
+            return match self.regrouped(w)? {
+                Ok(w) => Ok(QLinear::Gguf { w, b }),
+                Err(w) => Ok(QLinear::MlxAffine { w, b }),
             };
         }
         match &self.source {
@@ -157,9 +157,9 @@ impl Weights {
         if let Some(prefix) = name.strip_suffix(".weight")
             && let Some(q) = self.mlx_quantized(prefix, vocab, hidden)?
         {
-            return Ok(match self.regrouped(&q)? {
-                Some(q4) => Embedding::Gguf(q4),
-                None => Embedding::MlxAffine(q),
+            return Ok(match self.regrouped(q)? {
+                Ok(blocks) => Embedding::Gguf(blocks),
+                Err(q) => Embedding::MlxAffine(q),
             });
         }
         match &self.source {

@@ -41,10 +41,19 @@ impl MlxQuantized {
     /// [`Format::MLX8`]), without an intermediate copy in candle's tensor; `None` for other
     /// widths, other devices, or when a value would change (module docs).
     pub fn to_gguf_matrix(&self) -> Result<Option<GgufMatrix>> {
+        Ok(self.clone().into_gguf_matrix()?.ok())
+    }
+
+    /// [`to_gguf_matrix`](Self::to_gguf_matrix) that gives this matrix up first, so its codes
+    /// are freed before the blocks move into their layout (loading holds one copy fewer of
+    /// the largest matrix); `Err(self)` when it does not regroup.
+    pub fn into_gguf_matrix(self) -> Result<std::result::Result<GgufMatrix, Self>> {
         let Some((format, bytes)) = self.blocks()? else {
-            return Ok(None);
+            return Ok(Err(self));
         };
-        GgufMatrix::from_blocks(format, bytes, self.dims()).map(Some)
+        let dims = self.dims();
+        drop(self);
+        GgufMatrix::from_blocks(format, bytes, dims).map(Ok)
     }
 
     /// The regrouped blocks, row by row, when the matrix regroups exactly.

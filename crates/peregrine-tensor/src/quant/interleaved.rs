@@ -91,48 +91,33 @@ impl Interleaved {
         debug_assert!(
             Self::fits(format, rows) && data.len() == rows * blocks * format.block_bytes()
         );
-        let (f, bb) = (Fields::of(format), format.block_bytes());
-        let ((qh, qs), (m_at, masks_at, codes_at)) = (f.row_offsets(), f.group_offsets());
-        let (row_bytes, gbb) = (blocks * bb, group_block_bytes(format));
-        let mut bytes = vec![0u8; rows / ROWS * blocks * gbb];
-        for (g, out) in bytes.chunks_exact_mut(blocks * gbb).enumerate() {
-            for (b, gb) in out.chunks_exact_mut(gbb).enumerate() {
-                let src = |l: usize| &data[(g * ROWS + l) * row_bytes + b * bb..][..bb];
-                match format {
-                    Format::Q4K => q4k::interleave(std::array::from_fn(src), gb),
-                    Format::Q6K => q6k::interleave(std::array::from_fn(src), gb),
-                    _ => {}
-                }
-                if matches!(format, Format::Q4K | Format::Q6K) {
-                    continue;
-                }
-                let mut masks = [0u32; 8];
-                for l in 0..ROWS {
-                    let src = &data[(g * ROWS + l) * row_bytes + b * bb..][..bb];
-                    gb[2 * l..2 * l + 2].copy_from_slice(&src[..2]);
-                    if f.min {
-                        gb[m_at + 2 * l..m_at + 2 * l + 2].copy_from_slice(&src[2..4]);
-                    }
-                    if f.fifth {
-                        let bits =
-                            u32::from_le_bytes([src[qh], src[qh + 1], src[qh + 2], src[qh + 3]]);
-                        for (k, mask) in masks.iter_mut().enumerate() {
-                            *mask |= ((bits >> (4 * k)) & 0xF) << (4 * l);
-                        }
-                    }
-                    for c in 0..4 {
-                        let at = codes_at + 32 * c + 4 * l;
-                        gb[at..at + 4].copy_from_slice(&src[qs + 4 * c..qs + 4 * c + 4]);
-                    }
-                }
-                if f.fifth {
-                    for (k, mask) in masks.iter().enumerate() {
-                        gb[masks_at + 4 * k..masks_at + 4 * k + 4]
-                            .copy_from_slice(&mask.to_le_bytes());
-                    }
-                }
-            }
+        let group_rows = ROWS * blocks * format.block_bytes();
+        let mut bytes = vec![0u8; rows / ROWS * blocks * group_block_bytes(format)];
+        let groups = bytes.chunks_exact_mut(blocks * group_block_bytes(format));
+        for (out, src) in groups.zip(data.chunks_exact(group_rows)) {
+            interleave_group(format, src, blocks, out);
         }
+        Self::from_parts(bytes, format, blocks)
+    }
+
+    /// [`new`](Self::new) from owned rows, moved in place a group at a time where the layout
+    /// takes the same bytes (all but Q4_K), so a large matrix never exists twice.
+    pub fn from_vec(format: Format, mut data: Vec<u8>, rows: usize, blocks: usize) -> Self {
+        if format == Format::Q4K {
+            return Self::new(format, &data, rows, blocks);
+        }
+        debug_assert!(
+            Self::fits(format, rows) && data.len() == rows * blocks * format.block_bytes()
+        );
+        let mut scratch = vec![0u8; ROWS * blocks * format.block_bytes()];
+        for group in data.chunks_exact_mut(scratch.len()) {
+            scratch.copy_from_slice(group);
+            interleave_group(format, &scratch, blocks, group);
+        }
+        Self::from_parts(data, format, blocks)
+    }
+
+    fn from_parts(bytes: Vec<u8>, format: Format, blocks: usize) -> Self {
         Self {
             bytes,
             format,
@@ -272,6 +257,47 @@ impl Interleaved {
     }
 }
 
+/// One group of 8 GGUF rows (`data`, `blocks` blocks each) into its interleaved bytes `out`.
+fn interleave_group(format: Format, data: &[u8], blocks: usize, out: &mut [u8]) {
+    let (f, bb) = (Fields::of(format), format.block_bytes());
+    let ((qh, qs), (m_at, masks_at, codes_at)) = (f.row_offsets(), f.group_offsets());
+    let row_bytes = blocks * bb;
+    for (b, gb) in out.chunks_exact_mut(group_block_bytes(format)).enumerate() {
+        let src = |l: usize| &data[l * row_bytes + b * bb..][..bb];
+        match format {
+            Format::Q4K => q4k::interleave(std::array::from_fn(src), gb),
+            Format::Q6K => q6k::interleave(std::array::from_fn(src), gb),
+            _ => {}
+        }
+        if matches!(format, Format::Q4K | Format::Q6K) {
+            continue;
+        }
+        let mut masks = [0u32; 8];
+        for l in 0..ROWS {
+            let src = src(l);
+            gb[2 * l..2 * l + 2].copy_from_slice(&src[..2]);
+            if f.min {
+                gb[m_at + 2 * l..m_at + 2 * l + 2].copy_from_slice(&src[2..4]);
+            }
+            if f.fifth {
+                let bits = u32::from_le_bytes([src[qh], src[qh + 1], src[qh + 2], src[qh + 3]]);
+                for (k, mask) in masks.iter_mut().enumerate() {
+                    *mask |= ((bits >> (4 * k)) & 0xF) << (4 * l);
+                }
+            }
+            for c in 0..4 {
+                let at = codes_at + 32 * c + 4 * l;
+                gb[at..at + 4].copy_from_slice(&src[qs + 4 * c..qs + 4 * c + 4]);
+            }
+        }
+        if f.fifth {
+            for (k, mask) in masks.iter().enumerate() {
+                gb[masks_at + 4 * k..masks_at + 4 * k + 4].copy_from_slice(&mask.to_le_bytes());
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -313,6 +339,9 @@ mod tests {
                 .map(|i| (i * 7 + i / 13 + i * i / 101) as u8)
                 .collect();
             let w = Interleaved::new(format, &data, rows, blocks);
+            // Moving owned rows in place gives the same bytes.
+            let moved = Interleaved::from_vec(format, data.clone(), rows, blocks);
+            assert!(moved.bytes == w.bytes, "{format:?}: in place differs");
             for r in 0..rows {
                 assert_eq!(
                     w.row(r),

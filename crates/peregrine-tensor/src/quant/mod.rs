@@ -80,7 +80,7 @@ impl GgufMatrix {
             );
         }
         if Kernel::best().has_avx2() && Interleaved::fits(format, rows) {
-            let interleaved = Interleaved::new(format, &bytes, rows, blocks).share_scales();
+            let interleaved = Interleaved::from_vec(format, bytes, rows, blocks).share_scales();
             let storage = Layout::Interleaved(Arc::new(interleaved));
             return Ok(Self {
                 storage,
