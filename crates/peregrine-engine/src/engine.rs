@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use peregrine_models::weights::MlxActivations;
-use peregrine_models::{CausalLm, KvOptions, LoadOptions, Logits, SequenceCache, load_model};
+use peregrine_models::{CausalLm, KvOptions, LoadOptions, Logits, SequenceCache, open_model};
 use peregrine_tensor::{Device, Tensor};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
@@ -116,11 +116,14 @@ impl Engine {
             max_context: config.max_context,
             mlx_activations: config.mlx_activations,
         };
-        let loaded = load_model(path, &opts)?;
-        let tokenizer = match &loaded.gguf {
+        // The tokenizer first: building a large vocabulary's takes memory for a moment, and
+        // that moment should not come on top of the weights.
+        let open = open_model(path, &opts)?;
+        let tokenizer = match open.gguf() {
             Some(gguf) => Tokenizer::from_gguf(gguf.metadata())?,
             None => Tokenizer::from_dir(path)?,
         };
+        let loaded = open.load()?;
         let (model, max_context) = (loaded.model, loaded.max_context);
         drop(loaded.gguf);
         release_freed_memory();

@@ -16,7 +16,9 @@ pub mod weights;
 pub use config::ModelConfig;
 pub use error::{ModelError, Result};
 pub use peregrine_kv::{KvOptions, LayerKind, SequenceCache};
-pub use registry::{LoadOptions, LoadedModel, load_model, supported_architectures};
+pub use registry::{
+    LoadOptions, LoadedModel, OpenModel, load_model, open_model, supported_architectures,
+};
 
 use peregrine_tensor::{Device, Tensor};
 

@@ -105,6 +105,51 @@ fn find_gguf(dir: &Path) -> Option<PathBuf> {
 
 /// Loads a GGUF file, or an HF checkpoint folder (`config.json` + safetensors).
 pub fn load_model(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
+    open_model(path, opts)?.load()
+}
+
+/// A checkpoint whose config is read and whose files are open, weights not loaded yet.
+pub struct OpenModel {
+    config: ModelConfig,
+    weights: Weights,
+    build: Build,
+    path: PathBuf,
+    max_context: usize,
+}
+
+impl OpenModel {
+    /// The GGUF file, when the checkpoint is one (its metadata carries the tokenizer).
+    pub fn gguf(&self) -> Option<&GgufFile> {
+        match self.weights.source() {
+            Source::Gguf(file) => Some(file),
+            Source::Safetensors(_) => None,
+        }
+    }
+
+    /// The resolved checkpoint path (a folder's single GGUF file, for instance).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Loads the weights and builds the model.
+    pub fn load(self) -> Result<LoadedModel> {
+        let model = (self.build)(self.config, &self.weights, self.max_context)?;
+        let gguf = match self.weights.into_source() {
+            Source::Gguf(file) => Some(file),
+            Source::Safetensors(_) => None,
+        };
+        Ok(LoadedModel {
+            model,
+            path: self.path,
+            gguf,
+            max_context: self.max_context,
+        })
+    }
+}
+
+/// Opens a GGUF file or HF checkpoint folder: config and file headers read, weights not yet
+/// (so a caller can build the tokenizer first, while little memory is in use).
+pub fn open_model(path: &Path, opts: &LoadOptions) -> Result<OpenModel> {
     let meta = std::fs::metadata(path).map_err(|source| ModelError::Io {
         path: path.to_path_buf(),
         source,
@@ -112,7 +157,7 @@ pub fn load_model(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     let dtype = compute_dtype(&opts.device);
     if meta.is_dir() && !path.join("config.json").exists() {
         match find_gguf(path) {
-            Some(gguf) => return load_model(&gguf, opts),
+            Some(gguf) => return open_model(&gguf, opts),
             None => {
                 let source = std::io::Error::new(
                     std::io::ErrorKind::NotFound,
@@ -125,7 +170,7 @@ pub fn load_model(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
             }
         }
     }
-    let (config, weights, gguf, build) = if meta.is_dir() {
+    let (config, weights, build) = if meta.is_dir() {
         let config_path = path.join("config.json");
         let map = read_json_object(&config_path)?;
         let fields = Fields::new(&config_path, &map);
@@ -149,30 +194,20 @@ pub fn load_model(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         // MLX checkpoints: quantized modules are found per tensor by their `.scales`.
         let mlx = MlxQuantization::from_config(&config_path, &map)?;
         let weights = Weights::new(Source::Safetensors(files), opts.device.clone(), dtype);
-        (
-            config,
-            weights.with_mlx(mlx, opts.mlx_activations),
-            None,
-            *build,
-        )
+        (config, weights.with_mlx(mlx, opts.mlx_activations), *build)
     } else {
         let file = GgufFile::open(path)?;
         let config = config_from_gguf(&file)?;
         let (_, _, build) = find_architecture(&config.model_type)
             .ok_or_else(|| unsupported(path, &config.model_type))?;
         let weights = Weights::new(Source::Gguf(file), opts.device.clone(), dtype);
-        (config, weights, Some(()), *build)
+        (config, weights, *build)
     };
-    let max_context = opts.max_context.unwrap_or(config.max_position_embeddings);
-    let model = build(config, &weights, max_context)?;
-    let gguf = gguf.and_then(|()| match weights.into_source() {
-        Source::Gguf(file) => Some(file),
-        Source::Safetensors(_) => None,
-    });
-    Ok(LoadedModel {
-        model,
+    Ok(OpenModel {
+        max_context: opts.max_context.unwrap_or(config.max_position_embeddings),
+        config,
+        weights,
+        build,
         path: path.to_path_buf(),
-        gguf,
-        max_context,
     })
 }

@@ -3,12 +3,14 @@
 
 use std::collections::HashMap;
 use std::fs::File;
+use std::io::{BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
-use peregrine_tensor::candle::quantized::QTensor;
-use peregrine_tensor::candle::quantized::gguf_file::{Content, Value};
-use peregrine_tensor::{Device, RopeScaling, RopeStyle};
+use peregrine_tensor::candle::quantized::gguf_file::{Content, TensorInfo, Value};
+use peregrine_tensor::candle::quantized::{GgmlDType, GgmlType, QStorage, QTensor, k_quants};
+use peregrine_tensor::quant::Format;
+use peregrine_tensor::{Device, GgufMatrix, RopeScaling, RopeStyle};
 
 use crate::config::Activation;
 use crate::{ModelConfig, ModelError, Result};
@@ -65,13 +67,15 @@ impl GgufFile {
         };
         let mut file = File::open(path).map_err(io_err)?;
         let len = file.metadata().map_err(io_err)?.len();
-        let content = Content::read(&mut file).map_err(|e| ModelError::Checkpoint {
-            file: path.to_path_buf(),
-            message: format!(
-                "not a valid GGUF file: {}",
-                peregrine_tensor::error_message(&e)
-            ),
-        })?;
+        // Buffered: the header is hundreds of thousands of small fields (a 262K-token vocabulary).
+        let content =
+            Content::read(&mut BufReader::new(&mut file)).map_err(|e| ModelError::Checkpoint {
+                file: path.to_path_buf(),
+                message: format!(
+                    "not a valid GGUF file: {}",
+                    peregrine_tensor::error_message(&e)
+                ),
+            })?;
         for (name, info) in &content.tensor_infos {
             let dtype = info.ggml_dtype;
             let bytes = info.shape.elem_count() / dtype.block_size() * dtype.type_size();
@@ -121,23 +125,110 @@ impl GgufFile {
         self.name_for(hf).is_some()
     }
 
-    /// Reads the tensor with HF name `hf` (GGUF shapes are reported as `[out, in]`).
-    pub fn qtensor(&self, hf: &str, device: &Device) -> Result<QTensor> {
-        let name = self.name_for(hf).ok_or_else(|| ModelError::MissingTensor {
-            file: self.path.clone(),
-            tensor: match gguf_name(hf, self.arch()) {
-                Some(g) => format!("{g}` (HF `{hf}`)"),
-                None => hf.to_string(),
-            },
-        })?;
+    /// The GGUF name and directory entry of the tensor with HF name `hf`.
+    fn info(&self, hf: &str) -> Result<(String, &TensorInfo)> {
+        match self.name_for(hf) {
+            Some(name) => Ok((name.clone(), &self.content.tensor_infos[&name])),
+            None => Err(ModelError::MissingTensor {
+                file: self.path.clone(),
+                tensor: match gguf_name(hf, self.arch()) {
+                    Some(g) => format!("{g}` (HF `{hf}`)"),
+                    None => hf.to_string(),
+                },
+            }),
+        }
+    }
+
+    /// The shape of the tensor with HF name `hf`, `[out, in]` for a matrix.
+    pub fn dims(&self, hf: &str) -> Result<Vec<usize>> {
+        Ok(self.info(hf)?.1.shape.dims().to_vec())
+    }
+
+    /// Reads tensor `name`'s bytes into `out` (which holds exactly them).
+    fn read_into(&self, name: &str, info: &TensorInfo, out: &mut [u8]) -> Result<()> {
         let mut file = self.file.lock().unwrap_or_else(|e| e.into_inner());
-        self.content
-            .tensor(&mut *file, &name, device)
+        let at = self.content.tensor_data_offset + info.offset;
+        (file.seek(SeekFrom::Start(at)))
+            .and_then(|_| file.read_exact(out))
             .map_err(|e| ModelError::Checkpoint {
                 file: self.path.clone(),
-                message: format!("tensor `{name}`: {}", peregrine_tensor::error_message(&e)),
+                message: format!("tensor `{name}`: {e}"),
             })
     }
+
+    /// Reads the tensor with HF name `hf` (GGUF shapes are reported as `[out, in]`). On the CPU
+    /// the bytes go straight into the tensor's storage: a large table is never held twice.
+    pub fn qtensor(&self, hf: &str, device: &Device) -> Result<QTensor> {
+        let (name, info) = self.info(hf)?;
+        let err = |e: peregrine_tensor::candle::Error| ModelError::Checkpoint {
+            file: self.path.clone(),
+            message: format!("tensor `{name}`: {}", peregrine_tensor::error_message(&e)),
+        };
+        if !matches!(device, Device::Cpu) {
+            let mut file = self.file.lock().unwrap_or_else(|e| e.into_inner());
+            return self.content.tensor(&mut *file, &name, device).map_err(err);
+        }
+        let dims = info.shape.dims().to_vec();
+        let blocks = info.shape.elem_count() / info.ggml_dtype.block_size();
+        let read = |out: &mut [u8]| self.read_into(&name, info, out);
+        let storage = match info.ggml_dtype {
+            GgmlDType::F32 => read_blocks::<f32>(blocks, read)?,
+            GgmlDType::F16 => read_blocks::<half::f16>(blocks, read)?,
+            GgmlDType::BF16 => read_blocks::<half::bf16>(blocks, read)?,
+            GgmlDType::Q4_0 => read_blocks::<k_quants::BlockQ4_0>(blocks, read)?,
+            GgmlDType::Q4_1 => read_blocks::<k_quants::BlockQ4_1>(blocks, read)?,
+            GgmlDType::Q5_0 => read_blocks::<k_quants::BlockQ5_0>(blocks, read)?,
+            GgmlDType::Q5_1 => read_blocks::<k_quants::BlockQ5_1>(blocks, read)?,
+            GgmlDType::Q8_0 => read_blocks::<k_quants::BlockQ8_0>(blocks, read)?,
+            GgmlDType::Q2K => read_blocks::<k_quants::BlockQ2K>(blocks, read)?,
+            GgmlDType::Q3K => read_blocks::<k_quants::BlockQ3K>(blocks, read)?,
+            GgmlDType::Q4K => read_blocks::<k_quants::BlockQ4K>(blocks, read)?,
+            GgmlDType::Q5K => read_blocks::<k_quants::BlockQ5K>(blocks, read)?,
+            GgmlDType::Q6K => read_blocks::<k_quants::BlockQ6K>(blocks, read)?,
+            _ => {
+                // Types Peregrine does not read itself: candle's reader (or its error).
+                let mut file = self.file.lock().unwrap_or_else(|e| e.into_inner());
+                return self.content.tensor(&mut *file, &name, device).map_err(err);
+            }
+        };
+        QTensor::new(storage, dims).map_err(err)
+    }
+
+    /// The tensor with HF name `hf` as a matrix for the CPU kernels (`[out, in]`). Formats that
+    /// interleave are read as bytes and moved into that layout in place.
+    pub fn matrix(&self, hf: &str, device: &Device) -> Result<GgufMatrix> {
+        let (name, info) = self.info(hf)?;
+        let dims = info.shape.dims();
+        let format = Format::of(info.ggml_dtype);
+        match (device, format, dims) {
+            (Device::Cpu, Some(f), &[rows, cols]) if GgufMatrix::interleaves(f, rows, cols) => {
+                let mut bytes = vec![0u8; rows * cols / f.block_len() * f.block_bytes()];
+                self.read_into(&name, info, &mut bytes)?;
+                Ok(GgufMatrix::from_blocks(f, bytes, (rows, cols))?)
+            }
+            _ => Ok(GgufMatrix::new(Arc::new(self.qtensor(hf, device)?))?),
+        }
+    }
+}
+
+/// `n` blocks of `T` filled by `read` with their bytes, as candle's CPU storage.
+fn read_blocks<T: GgmlType + Send + Sync + 'static>(
+    n: usize,
+    read: impl FnOnce(&mut [u8]) -> Result<()>,
+) -> Result<QStorage> {
+    let bytes = n * std::mem::size_of::<T>();
+    debug_assert_eq!(
+        bytes,
+        n * T::DTYPE.type_size(),
+        "{:?} blocks are padded",
+        T::DTYPE
+    );
+    let mut blocks = vec![T::zeros(); n];
+    // SAFETY: GGUF block types are plain data (floats, f16s and byte arrays, no padding or
+    // invalid bit patterns), laid out as the file stores them, so any bytes are valid blocks.
+    let out = unsafe { std::slice::from_raw_parts_mut(blocks.as_mut_ptr().cast::<u8>(), bytes) };
+    read(out)?;
+    Ok(QStorage::Cpu(Box::new(blocks)))
 }
 
 /// A typed view of GGUF metadata with errors naming the key.

@@ -10,7 +10,6 @@ pub use mlx::{MlxActivations, MlxQuantization};
 pub use safetensors::SafetensorsFiles;
 
 use std::path::Path;
-use std::sync::Arc;
 
 use peregrine_tensor::{DType, Device, Embedding, GgufMatrix, MlxQuantized, QLinear, Tensor};
 
@@ -145,9 +144,9 @@ impl Weights {
                 b,
             }),
             Source::Gguf(g) => {
-                let q = g.qtensor(&w_name, &self.device)?;
-                self.check_shape(&w_name, q.shape().dims(), &[out_dim, in_dim])?;
-                Ok(QLinear::from_qtensor(Arc::new(q), b)?)
+                self.check_shape(&w_name, &g.dims(&w_name)?, &[out_dim, in_dim])?;
+                let w = g.matrix(&w_name, &self.device)?;
+                Ok(QLinear::Gguf { w, b })
             }
         }
     }
@@ -165,15 +164,19 @@ impl Weights {
         match &self.source {
             Source::Safetensors(_) => Ok(Embedding::Dense(self.tensor(name, &[vocab, hidden])?)),
             Source::Gguf(g) => {
-                let q = g.qtensor(name, &self.device)?;
-                self.check_shape(name, q.shape().dims(), &[vocab, hidden])?;
-                Ok(Embedding::Gguf(GgufMatrix::new(Arc::new(q))?))
+                self.check_shape(name, &g.dims(name)?, &[vocab, hidden])?;
+                Ok(Embedding::Gguf(g.matrix(name, &self.device)?))
             }
         }
     }
 }
 
 impl Weights {
+    /// The checkpoint files.
+    pub fn source(&self) -> &Source {
+        &self.source
+    }
+
     /// Gives back the source (e.g. to keep a GGUF file's metadata after loading).
     pub fn into_source(self) -> Source {
         self.source

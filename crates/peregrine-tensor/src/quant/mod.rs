@@ -63,8 +63,7 @@ impl GgufMatrix {
     /// 6-bit scales take a byte each, 2.8 % more), and the file's copy is dropped once no one
     /// else holds it.
     pub fn new(qtensor: Arc<QTensor>) -> Result<Self> {
-        let interleave = Kernel::best().has_avx2();
-        Self::with_layout(qtensor, interleave)
+        Self::with_layout(qtensor, true)
     }
 
     /// A matrix of `dims` from its blocks of `format` in GGUF's row layout, interleaved as
@@ -79,7 +78,7 @@ impl GgufMatrix {
                 bytes.len()
             );
         }
-        if Kernel::best().has_avx2() && Interleaved::fits(format, rows) {
+        if Self::interleaves(format, rows, cols) {
             let interleaved = Interleaved::from_vec(format, bytes, rows, blocks).share_scales();
             let storage = Layout::Interleaved(Arc::new(interleaved));
             return Ok(Self {
@@ -99,6 +98,14 @@ impl GgufMatrix {
         Self::new(Arc::new(q))
     }
 
+    /// Whether a CPU matrix of `format` and `(rows, cols)` moves into the interleaved layout
+    /// (the x86 kernels' fastest; a multiple of 8 rows).
+    pub fn interleaves(format: Format, rows: usize, cols: usize) -> bool {
+        Kernel::best().has_avx2()
+            && Interleaved::fits(format, rows)
+            && cols.is_multiple_of(format.block_len())
+    }
+
     /// [`new`](Self::new) that keeps the file's row layout (to compare the two layouts).
     pub fn new_rows(qtensor: Arc<QTensor>) -> Result<Self> {
         Self::with_layout(qtensor, false)
@@ -109,7 +116,7 @@ impl GgufMatrix {
         let format = Format::of(qtensor.dtype()).filter(|f| dims.1 % f.block_len() == 0);
         let cpu = matches!(qtensor.device(), Device::Cpu);
         let storage = match format {
-            Some(f) if interleave && cpu && Interleaved::fits(f, dims.0) => {
+            Some(f) if interleave && cpu && Self::interleaves(f, dims.0, dims.1) => {
                 let blocks = dims.1 / f.block_len();
                 Layout::Interleaved(Arc::new(Interleaved::new(
                     f,
