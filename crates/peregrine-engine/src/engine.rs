@@ -116,6 +116,7 @@ impl Engine {
             max_context: config.max_context,
             mlx_activations: config.mlx_activations,
         };
+        tune_allocator();
         // The tokenizer first: building a large vocabulary's takes memory for a moment, and
         // that moment should not come on top of the weights.
         let open = open_model(path, &opts)?;
@@ -301,6 +302,28 @@ fn worker(shared: &Shared, queue: &Mutex<Receiver<Job>>) {
             &mut send,
         ) {
             let _ = job.events.send(Event::Error(e));
+        }
+    }
+}
+
+/// Keeps the allocator from returning activation-sized buffers to the system between forward
+/// passes. glibc maps every block over its threshold (128 KiB until a large mapped block is
+/// freed) afresh and unmaps it on free, so each prefill chunk's multi-megabyte buffers page-fault
+/// and zero anew (measured: 20-40 % of a 512-token prefill, depending on what loading happened to
+/// free). Blocks up to 32 MiB now come from the heap, and up to 64 MiB of free heap top stays.
+/// Process-wide, as every glibc tuning is; weights (larger blocks) are still mapped on their own.
+fn tune_allocator() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        unsafe extern "C" {
+            fn mallopt(param: i32, value: i32) -> i32;
+        }
+        const M_TRIM_THRESHOLD: i32 = -1;
+        const M_MMAP_THRESHOLD: i32 = -3;
+        // SAFETY: mallopt only changes glibc's thresholds; both values are within its limits.
+        unsafe {
+            mallopt(M_MMAP_THRESHOLD, 32 << 20);
+            mallopt(M_TRIM_THRESHOLD, 64 << 20);
         }
     }
 }
