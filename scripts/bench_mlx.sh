@@ -52,7 +52,8 @@ for shape in "${SHAPES[@]}"; do
     [[ -f "$dir/$type.gguf" ]] ||
       "$PEREGRINE" quantize --model "$dir/bf16" --out "$dir/$type.gguf" --format gguf --type $type >&2
   done
-  for format in bf16 mlx-4bit-g64 q4_0.gguf mlx-8bit-g64 q8_0.gguf; do
+  # bf16 last: its 1-2 GB load and release disturbed the runs that followed it.
+  for format in mlx-4bit-g64 q4_0.gguf mlx-8bit-g64 q8_0.gguf bf16; do
     model="$dir/$format"
     weights="$model"
     [[ -d "$model" ]] && weights="$model/model.safetensors"
