@@ -317,94 +317,74 @@ fn gguf_export_loads_back_close_to_transformers() {
     }
 }
 
-/// `llama` GGUF files hold q/k permuted for interleaved RoPE (llama.cpp's converter; the loader
-/// rotates them interleaved). The llama fixture's llama3 RoPE scaling cannot be expressed in the
-/// metadata the loader reads, so the export refuses it; without the scaling, the GGUF's logits
-/// match Peregrine's on the same HF folder within the Q8_0 tolerance above (a missing
-/// permutation moves them by more than 1).
-#[test]
-fn gguf_export_permutes_llama_attention() {
-    let dir = scratch("gguf-llama");
-    let refused = quantize_gguf(&fixture("llama"), &dir.join("scaled.gguf"), "q8_0");
+/// The export of `arch`'s fixture is refused with a message containing `refusal`; once
+/// `edit` makes its config expressible in GGUF metadata, the exported Q8_0 file's logits match
+/// Peregrine's on the edited HF folder within the Q8_0 tolerance above.
+fn check_gguf_export_of_edited_fixture(
+    arch: &str,
+    refusal: &str,
+    edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
+) {
+    let dir = scratch(&format!("gguf-{arch}"));
+    let refused = quantize_gguf(&fixture(arch), &dir.join("refused.gguf"), "q8_0");
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert!(
-        !refused.status.success() && stderr.contains("llama3 rope scaling"),
+        !refused.status.success() && stderr.contains(refusal),
         "{stderr}"
     );
 
     let hf = dir.join("hf");
     std::fs::create_dir_all(&hf).unwrap();
-    copy_fixture("llama", &hf);
+    copy_fixture(arch, &hf);
     let config_path = hf.join("config.json");
     let mut config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
-    let config_map = config.as_object_mut().unwrap();
-    config_map.remove("rope_scaling");
-    config_map.insert(
-        "rope_parameters".into(),
-        serde_json::json!({"rope_theta": 500000.0, "rope_type": "default"}),
-    );
+    edit(config.as_object_mut().unwrap());
     std::fs::write(&config_path, config.to_string()).unwrap();
 
-    let out = dir.join("llama.gguf");
+    let out = dir.join(format!("{arch}.gguf"));
     let run = quantize_gguf(&hf, &out, "q8_0");
     assert!(
         run.status.success(),
         "{}",
         String::from_utf8_lossy(&run.stderr)
     );
-    let (ids, _) = reference("llama");
-    let want = cli_logits(&hf, &ids, &[], "gguf-llama-hf");
-    let got = cli_logits(&out, &ids, &[], "gguf-llama-q8");
+    let (ids, _) = reference(arch);
+    let want = cli_logits(&hf, &ids, &[], &format!("gguf-{arch}-hf"));
+    let got = cli_logits(&out, &ids, &[], &format!("gguf-{arch}-q8"));
     let max = max_abs_diff(&got, &want).unwrap();
     assert!(
         max < 0.3,
-        "llama q8_0 vs the same HF folder: max abs diff {max}"
+        "{arch} q8_0 vs the same HF folder: max abs diff {max}"
     );
+}
+
+/// `llama` GGUF files hold q/k permuted for interleaved RoPE (llama.cpp's converter; the loader
+/// rotates them interleaved). The llama fixture's llama3 RoPE scaling cannot be expressed in the
+/// metadata the loader reads, so the export refuses it; without the scaling, a missing
+/// permutation would move the logits by more than 1.
+#[test]
+fn gguf_export_permutes_llama_attention() {
+    check_gguf_export_of_edited_fixture("llama", "llama3 rope scaling", |config| {
+        config.remove("rope_scaling");
+        config.insert(
+            "rope_parameters".into(),
+            serde_json::json!({"rope_theta": 500000.0, "rope_type": "default"}),
+        );
+    });
 }
 
 /// Gemma 3 GGUF files store norm weights as `1 + w` and leave the layer pattern (every sixth
 /// layer global) and attention scale (`head_dim^-0.5`) to the reader. The fixture's pattern of 4
-/// cannot be written, so the export refuses it; with llama.cpp's pattern and scale, the GGUF's
-/// logits match Peregrine's on the same HF folder within the Q8_0 tolerance above (dropping the
-/// `+ 1` moves them by more than 1).
+/// cannot be written, so the export refuses it; with llama.cpp's pattern and scale, dropping the
+/// `+ 1` would move the logits by more than 1.
 #[test]
 fn gguf_export_writes_gemma3() {
-    let dir = scratch("gguf-gemma3");
-    let refused = quantize_gguf(&fixture("gemma3"), &dir.join("pattern4.gguf"), "q8_0");
-    let stderr = String::from_utf8_lossy(&refused.stderr);
-    assert!(
-        !refused.status.success() && stderr.contains("layer_types"),
-        "{stderr}"
-    );
-
-    let hf = dir.join("hf");
-    std::fs::create_dir_all(&hf).unwrap();
-    copy_fixture("gemma3", &hf);
-    let config_path = hf.join("config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
-    let config_map = config.as_object_mut().unwrap();
-    for key in ["layer_types", "_sliding_window_pattern"] {
-        config_map.remove(key);
-    }
-    config_map.insert("sliding_window_pattern".into(), 6.into());
-    config_map.insert("query_pre_attn_scalar".into(), 16.into());
-    std::fs::write(&config_path, config.to_string()).unwrap();
-
-    let out = dir.join("gemma3.gguf");
-    let run = quantize_gguf(&hf, &out, "q8_0");
-    assert!(
-        run.status.success(),
-        "{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
-    let (ids, _) = reference("gemma3");
-    let want = cli_logits(&hf, &ids, &[], "gguf-gemma3-hf");
-    let got = cli_logits(&out, &ids, &[], "gguf-gemma3-q8");
-    let max = max_abs_diff(&got, &want).unwrap();
-    assert!(
-        max < 0.3,
-        "gemma3 q8_0 vs the same HF folder: max abs diff {max}"
-    );
+    check_gguf_export_of_edited_fixture("gemma3", "layer_types", |config| {
+        for key in ["layer_types", "_sliding_window_pattern"] {
+            config.remove(key);
+        }
+        config.insert("sliding_window_pattern".into(), 6.into());
+        config.insert("query_pre_attn_scalar".into(), 16.into());
+    });
 }
