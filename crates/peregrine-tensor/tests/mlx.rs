@@ -10,6 +10,7 @@
 //! (one wrong code shifts a product by at least |scale| × |x|).
 
 use peregrine_tensor::mlx::{Kernel, MlxQuantized, SUPPORTED_BITS, avx2_available};
+use peregrine_tensor::quant::Format;
 use peregrine_tensor::{DType, Device, Embedding, GgufMatrix, QLinear, Tensor};
 
 /// Deterministic xorshift; the tests need no statistical quality, only variety.
@@ -479,9 +480,23 @@ fn eight_bit_regrouping_keeps_every_weight() {
             .to_gguf_matrix()
             .unwrap()
             .expect("f16-exact scales regroup");
-        // 32 codes, an f16 scale and bias per block: 9 bits a weight, not interleaved.
+        // An f16 scale and bias per 32 codes (groups of 32) or per 64 (larger groups: the
+        // file's 8.5 bits a weight); not interleaved.
         assert!(!m.is_interleaved());
-        assert_eq!(m.weight_bytes(), 9 * group * 3 / 32 * 36, "group {group}");
+        let (values, bytes) = if group == 32 { (32, 36) } else { (64, 68) };
+        assert_eq!(
+            m.format(),
+            Some(if group == 32 {
+                Format::MLX8
+            } else {
+                Format::MLX8G64
+            })
+        );
+        assert_eq!(
+            m.weight_bytes(),
+            9 * group * 3 / values * bytes,
+            "group {group}"
+        );
         // The same numbers: looked-up rows equal MLX's dequantization bit for bit (the kernels'
         // products are checked against the exact product in tests/quant.rs).
         let ids = Tensor::new(&[8u32, 0, 3, 3], &Device::Cpu).unwrap();

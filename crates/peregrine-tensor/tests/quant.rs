@@ -9,15 +9,15 @@ use peregrine_tensor::GgufMatrix;
 use peregrine_tensor::mlx::MlxQuantized;
 use peregrine_tensor::quant::{Kernel, QK};
 
-/// A format under test: a GGUF dtype (candle quantizes the matrix), or MLX 8-bit (MLX's
-/// quantizer, regrouped into [`Format::MLX8`](peregrine_tensor::quant::Format::MLX8) blocks).
+/// A format under test: a GGUF dtype (candle quantizes the matrix), or MLX 8-bit with groups
+/// of 32 or 64 (MLX's quantizer, regrouped into `Format::MLX8` or `Format::MLX8G64` blocks).
 #[derive(Debug, Clone, Copy)]
 enum Case {
     Gguf(GgmlDType),
-    Mlx8,
+    Mlx8 { group: usize },
 }
 
-const CASES: [Case; 9] = [
+const CASES: [Case; 10] = [
     Case::Gguf(GgmlDType::Q4_0),
     Case::Gguf(GgmlDType::Q4_1),
     Case::Gguf(GgmlDType::Q5_0),
@@ -26,14 +26,15 @@ const CASES: [Case; 9] = [
     Case::Gguf(GgmlDType::Q4K),
     Case::Gguf(GgmlDType::Q5K),
     Case::Gguf(GgmlDType::Q6K),
-    Case::Mlx8,
+    Case::Mlx8 { group: 32 },
+    Case::Mlx8 { group: 64 },
 ];
 
 impl Case {
     fn block_size(self) -> usize {
         match self {
             Case::Gguf(dtype) => dtype.block_size(),
-            Case::Mlx8 => QK,
+            Case::Mlx8 { group } => group,
         }
     }
 }
@@ -67,9 +68,10 @@ fn matrix(case: Case, n: usize, k: usize) -> (GgufMatrix, Vec<f32>) {
             let dequantized = q.dequantize(&Device::Cpu).unwrap();
             (GgufMatrix::new(q).unwrap(), dequantized)
         }
-        Case::Mlx8 => {
-            // Groups of 32: the bias (the group's extreme) is within the block's max |w|.
-            let q = MlxQuantized::quantize(&w, 8, 32).unwrap();
+        Case::Mlx8 { group } => {
+            // The bias (the group's extreme) is within each 32-value block's max |w| of the
+            // group, and a 64-value group's two blocks share it: the bound below holds.
+            let q = MlxQuantized::quantize(&w, 8, group).unwrap();
             let m = q.to_gguf_matrix().unwrap().expect("bf16 scales regroup");
             (m, q.dequantize_ref().unwrap())
         }
@@ -116,6 +118,7 @@ fn every_kernel_matches_the_exact_product_within_the_quantization_bound() {
     for case in CASES {
         let ks: &[usize] = match case.block_size() {
             256 => &[256, 768],
+            64 => &[64, 192, 768],
             _ => &[32, 160, 768],
         };
         for &k in ks {

@@ -1,9 +1,9 @@
-//! MLX 4-bit and 8-bit weights regrouped into 32-value blocks (GGUF's Q4_1, and our own
-//! [`Format::MLX8`]), so the integer kernels of [`crate::quant`] (8-bit activations, rows
+//! MLX 4-bit and 8-bit weights regrouped into blocks (GGUF's Q4_1, and our own
+//! [`Format::MLX8`] / [`Format::MLX8G64`]), so the integer kernels of [`crate::quant`] (8-bit activations, rows
 //! interleaved for x86 where the format has that layout) multiply them.
 //!
-//! Both sides mean `w = scale·q + bias`: an MLX group of 32/64/128 values is 1/2/4 blocks
-//! sharing its scale and bias. Only the packing differs: MLX puts value `i` of a 4-bit group in
+//! Both sides mean `w = scale·q + bias`: an MLX group of 32/64/128 values is 1/2/4 Q4_1
+//! blocks sharing its scale and bias (8 bits: 1 MLX8 block, or 1/2 MLX8G64 blocks). Only the packing differs: MLX puts value `i` of a 4-bit group in
 //! nibble `i % 8` of word `i / 8`; Q4_1 puts value `j` of a block in the low nibble of byte `j`
 //! and value `j + 16` in its high nibble. 8-bit codes are bytes in value order on both sides.
 //! The blocks store scale and bias as f16, so a matrix regroups only when every bias, and every
@@ -20,9 +20,6 @@ use super::kernels::ScaleType;
 use super::{MlxQuantized, Sb, with_scales};
 use crate::quant::{Format, GgufMatrix};
 
-/// Values per block.
-const BLOCK: usize = 32;
-
 impl MlxQuantized {
     /// The same matrix as a GGUF Q4_1 tensor, or `None` when it is not 4-bit or a value would
     /// change (module docs).
@@ -38,7 +35,7 @@ impl MlxQuantized {
     }
 
     /// The matrix as a [`GgufMatrix`] for the integer kernels (4-bit as Q4_1, 8-bit as
-    /// [`Format::MLX8`]), without an intermediate copy in candle's tensor; `None` for other
+    /// [`Format::MLX8G64`], or [`Format::MLX8`] for groups of 32), without an intermediate copy in candle's tensor; `None` for other
     /// widths, other devices, or when a value would change (module docs).
     pub fn to_gguf_matrix(&self) -> Result<Option<GgufMatrix>> {
         Ok(self.clone().into_gguf_matrix()?.ok())
@@ -58,16 +55,17 @@ impl MlxQuantized {
 
     /// The regrouped blocks, row by row, when the matrix regroups exactly.
     fn blocks(&self) -> Result<Option<(Format, Vec<u8>)>> {
-        let format = match self.bits {
-            4 => Format::Q4_1,
-            8 => Format::MLX8,
+        let format = match (self.bits, self.group_size) {
+            (4, _) => Format::Q4_1,
+            (8, 32) => Format::MLX8,
+            (8, _) => Format::MLX8G64,
             _ => return Ok(None),
         };
         if !matches!(self.packed.device(), Device::Cpu) {
             return Ok(None);
         }
         let (out, in_dim) = self.dims();
-        let row_bytes = in_dim / BLOCK * format.block_bytes();
+        let row_bytes = in_dim / format.block_len() * format.block_bytes();
         let mut bytes = vec![0u8; out * row_bytes];
         let exact = self.with_view(|v| {
             with_scales!(v.sb, s, b => {
@@ -93,14 +91,14 @@ fn regroup_row<S: ScaleType>(
     out: &mut [u8],
 ) -> bool {
     let exact = |v: f32| f16::from_f32(v).to_f32().to_bits() == v.to_bits();
-    // 32-bit words per block and per group: 32 values of 4 or 8 bits.
-    let bits = if format == Format::MLX8 { 8 } else { 4 };
-    let group_words = group_size * bits / 32;
+    // 32-bit words per block and per group.
+    let bits = if format == Format::Q4_1 { 4 } else { 8 };
+    let (values, group_words) = (format.block_len(), group_size * bits / 32);
     let blocks = words
-        .chunks_exact(bits)
+        .chunks_exact(values * bits / 32)
         .zip(out.chunks_exact_mut(format.block_bytes()));
     for (i, (w, block)) in blocks.enumerate() {
-        let g = i * BLOCK / group_size;
+        let g = i * values / group_size;
         let (scale, bias) = (s[g].widen(), b[g].widen());
         // All-zero codes make the scale irrelevant (MLX gives constant groups a 1e-7 scale).
         let codes_zero = words[g * group_words..][..group_words]
@@ -111,7 +109,7 @@ fn regroup_row<S: ScaleType>(
         }
         block[..2].copy_from_slice(&f16::from_f32(scale).to_le_bytes());
         block[2..4].copy_from_slice(&f16::from_f32(bias).to_le_bytes());
-        if format == Format::MLX8 {
+        if bits == 8 {
             for (q, w) in block[4..].chunks_exact_mut(4).zip(w) {
                 q.copy_from_slice(&w.to_le_bytes());
             }
@@ -119,7 +117,7 @@ fn regroup_row<S: ScaleType>(
         }
         let code = |i: usize| ((w[i / 8] >> (4 * (i % 8))) & 0xF) as u8;
         for (j, q) in block[4..].iter_mut().enumerate() {
-            *q = code(j) | code(j + BLOCK / 2) << 4;
+            *q = code(j) | code(j + values / 2) << 4;
         }
     }
     true

@@ -7,7 +7,9 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{Avx2, Isa, MLX8, Q4_1, Q5_1, Q6K, Q8_0, Vnni, shape, sub, with_format};
+use super::avx2::{
+    Avx2, Isa, MLX8, MLX8G64, Q4_1, Q5_1, Q6K, Q8_0, Vnni, is_mlx8, shape, sub, with_format,
+};
 use super::format::Format;
 use super::panel::{LANES, PanelBlock};
 
@@ -55,7 +57,7 @@ unsafe fn row<I: Isa, const F: u8, const G: usize>(
     // Q8_0 is signed. Wide products take it plus 128, less 128·Σx through the offsets;
     // narrow ones (maddubs saturates) take |w| times x with w's signs. MLX8 is unsigned: narrow
     // products take it less 128 (signed, as Q8_0), plus 128·Σx.
-    let signed = (F == Q8_0 || F == MLX8) && !I::WIDE;
+    let signed = (F == Q8_0 || is_mlx8(F)) && !I::WIDE;
     // Q6_K scales each 16 values: its blocks are two halves of 4 quads.
     let halves = if F == Q6K { 2 } else { 1 };
     let (mut quads, mut signs) = (Quads([0; 8]), Quads([0; 8]));
@@ -72,11 +74,11 @@ unsafe fn row<I: Isa, const F: u8, const G: usize>(
                 let (raw, min) = match F {
                     Q8_0 if I::WIDE => (flipped, -128.0 * s.scale),
                     Q8_0 => (s.codes, 0.0),
-                    MLX8 if !I::WIDE => (flipped, s.min),
+                    f if is_mlx8(f) && !I::WIDE => (flipped, s.min),
                     _ => (s.codes, s.min),
                 };
                 // MLX8's narrow products miss 128·scale·Σx, added against `dsum`.
-                let shift = if F == MLX8 && !I::WIDE {
+                let shift = if is_mlx8(F) && !I::WIDE {
                     128.0 * s.scale
                 } else {
                     0.0
@@ -112,14 +114,14 @@ unsafe fn row<I: Isa, const F: u8, const G: usize>(
                         let p = _mm256_cvtepi32_ps(int[g]);
                         acc[g] = _mm256_fmadd_ps(p, _mm256_mul_ps(scale, xd), acc[g]);
                         let sums = match F {
-                            Q4_1 | Q5_1 | MLX8 => &pb.ds,
+                            Q4_1 | Q5_1 | MLX8 | MLX8G64 => &pb.ds,
                             Q6K => &pb.dsum16[h],
                             _ => &pb.dsum,
                         };
                         if F != Q8_0 || I::WIDE {
                             off[g] = _mm256_fmadd_ps(min, _mm256_load_ps(sums.as_ptr()), off[g]);
                         }
-                        if F == MLX8 && !I::WIDE {
+                        if is_mlx8(F) && !I::WIDE {
                             let dsum = _mm256_load_ps(pb.dsum.as_ptr());
                             off[g] = _mm256_fmadd_ps(_mm256_set1_ps(shift), dsum, off[g]);
                         }

@@ -26,6 +26,9 @@ pub enum Format {
     /// 32 values: f16 scale and bias, 8-bit unsigned codes (`w = scale·q + bias`): MLX affine
     /// 8-bit weights regrouped. Not a GGUF format (ggml's Q8_1 holds signed codes and a sum).
     MLX8,
+    /// 64 values as [`Format::MLX8`] with one scale and bias: MLX 8-bit groups of 64 or 128,
+    /// at the file's 8.5 bits a weight.
+    MLX8G64,
 }
 
 impl Format {
@@ -44,7 +47,7 @@ impl Format {
         })
     }
 
-    /// The GGUF dtype, `None` for [`Format::MLX8`].
+    /// The GGUF dtype, `None` for [`Format::MLX8`] and [`Format::MLX8G64`].
     pub fn dtype(self) -> Option<GgmlDType> {
         Some(match self {
             Self::Q4_0 => GgmlDType::Q4_0,
@@ -55,7 +58,7 @@ impl Format {
             Self::Q4K => GgmlDType::Q4K,
             Self::Q5K => GgmlDType::Q5K,
             Self::Q6K => GgmlDType::Q6K,
-            Self::MLX8 => return None,
+            Self::MLX8 | Self::MLX8G64 => return None,
         })
     }
 
@@ -63,6 +66,7 @@ impl Format {
     pub fn block_len(self) -> usize {
         match self {
             Self::Q4K | Self::Q5K | Self::Q6K => 256,
+            Self::MLX8G64 => 64,
             _ => 32,
         }
     }
@@ -79,6 +83,7 @@ impl Format {
             Self::Q5K => 176,
             Self::Q6K => 210,
             Self::MLX8 => 36,
+            Self::MLX8G64 => 68,
         }
     }
 }

@@ -53,7 +53,8 @@ enum Layout {
     },
     /// Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K with 8 rows interleaved ([`interleaved`]), for the x86 kernels.
     Interleaved(Arc<Interleaved>),
-    /// Row-layout blocks of a format candle cannot hold ([`Format::MLX8`]): CPU kernels only.
+    /// Row-layout blocks of a format candle cannot hold ([`Format::MLX8`], [`Format::MLX8G64`]):
+    /// CPU kernels only.
     Blocks(Arc<Vec<u8>>),
 }
 

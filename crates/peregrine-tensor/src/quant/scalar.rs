@@ -19,20 +19,21 @@ pub fn dot_row(format: Format, w: &[u8], x: &[Q8Block]) -> f32 {
             Format::Q4K => q4_k(b, xs),
             Format::Q5K => q5_k(b, xs),
             Format::Q6K => q6_k(b, xs),
-            Format::MLX8 => mlx8(b, &xs[0]),
+            Format::MLX8 | Format::MLX8G64 => mlx8(b, xs),
         })
         .sum()
 }
 
 /// One row's blocks `w` as values into `out`, for the formats candle cannot dequantize
-/// ([`Format::MLX8`]).
+/// ([`Format::MLX8`], [`Format::MLX8G64`]).
 pub fn dequantize_row(format: Format, w: &[u8], out: &mut [f32]) -> candle_core::Result<()> {
-    if format != Format::MLX8 {
+    if !matches!(format, Format::MLX8 | Format::MLX8G64) {
         candle_core::bail!("dequantize_row: {format:?} is candle's to dequantize");
     }
-    for (b, out) in w.chunks_exact(36).zip(out.chunks_exact_mut(QK)) {
+    let (bytes, values) = (format.block_bytes(), format.block_len());
+    for (b, out) in w.chunks_exact(bytes).zip(out.chunks_exact_mut(values)) {
         let (d, m) = (f16_at(b, 0), f16_at(b, 2));
-        for (o, &q) in out.iter_mut().zip(&b[4..36]) {
+        for (o, &q) in out.iter_mut().zip(&b[4..]) {
             *o = d * f32::from(q) + m;
         }
     }
@@ -88,9 +89,12 @@ fn q8_0(b: &[u8], x: &Q8Block) -> f32 {
     f16_at(b, 0) * x.d * s as f32
 }
 
-fn mlx8(b: &[u8], x: &Q8Block) -> f32 {
-    let s = idot(b[4..36].iter().copied(), x);
-    f16_at(b, 0) * x.d * s as f32 + f16_at(b, 2) * x.ds
+/// MLX8 and MLX8G64: one scale and bias over the block's 32-code halves.
+fn mlx8(b: &[u8], xs: &[Q8Block]) -> f32 {
+    let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+    (b[4..].chunks_exact(QK).zip(xs))
+        .map(|(codes, x)| d * x.d * idot(codes.iter().copied(), x) as f32 + m * x.ds)
+        .sum()
 }
 
 /// Q4_K: 8 sub-blocks of 32, each `d·sc·q - dmin·m` with 6-bit `sc`, `m`.
