@@ -10,7 +10,7 @@
 //! differs (observed ~1e-5); one misdecoded code or a wrong group moves logits by 1e-2 or more.
 //! Those checks load with `MlxActivations::F32`, the mode that computes as mlx-lm does.
 //!
-//! The default mode regroups 4-bit weights into Q4_1 blocks and 8-bit ones into MLX8 blocks
+//! The default mode regroups 4-bit weights into Q4_1 blocks and 8-bit ones into MLX8G64 blocks
 //! (bit-exact, tests/mlx.rs in peregrine-tensor) and rounds activations to 8 bits per 32
 //! values, as llama.cpp does. That rounding is the only difference, and it is not small on
 //! these fixtures: about 0.5 % of each matmul input's magnitude, compounded over the 7 matmuls

@@ -19,7 +19,7 @@ use crate::{ModelError, Result};
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum MlxActivations {
     /// 4- and 8-bit weights regrouped at load into 32-value blocks (GGUF Q4_1, or
-    /// [`Format::MLX8`](peregrine_tensor::quant::Format::MLX8); the same numbers) and multiplied
+    /// [`Format::MLX8G64`](peregrine_tensor::quant::Format::MLX8G64); the same numbers) and multiplied
     /// by the integer kernels against activations rounded to 8 bits per 32 values, as llama.cpp
     /// multiplies its block formats: prefill 2-3× faster. Logits move by about 1e-2 against
     /// mlx-lm's.
