@@ -1,11 +1,11 @@
 //! MLX 4-bit and 8-bit weights regrouped into blocks (GGUF's Q4_1, and our own
-//! [`Format::MLX8`] / [`Format::MLX8G64`]), so the integer kernels of [`crate::quant`] (8-bit activations, rows
-//! interleaved for x86 where the format has that layout) multiply them.
+//! [`Format::MLX8`] / [`Format::MLX8G64`]), so the integer kernels of [`crate::quant`] (8-bit
+//! activations, rows interleaved for x86 where the format has that layout) multiply them.
 //!
 //! Both sides mean `w = scale·q + bias`: an MLX group of 32/64/128 values is 1/2/4 Q4_1
-//! blocks sharing its scale and bias (8 bits: 1 MLX8 block, or 1/2 MLX8G64 blocks). Only the packing differs: MLX puts value `i` of a 4-bit group in
-//! nibble `i % 8` of word `i / 8`; Q4_1 puts value `j` of a block in the low nibble of byte `j`
-//! and value `j + 16` in its high nibble. 8-bit codes are bytes in value order on both sides.
+//! blocks sharing its scale and bias (8 bits: 1 MLX8 block, or 1/2 MLX8G64 blocks). Only the
+//! packing differs: MLX puts value `i` of a 4-bit group in nibble `i % 8` of word `i / 8`; Q4_1
+//! puts value `j` of a block in the low nibble of byte `j` and value `j + 16` in its high nibble. 8-bit codes are bytes in value order on both sides.
 //! The blocks store scale and bias as f16, so a matrix regroups only when every bias, and every
 //! scale of a group with a nonzero code, is exactly an f16 (bf16 values of magnitude
 //! 2⁻¹⁴..65504 always are; MLX gives constant groups, such as a padded vocabulary's zero rows,
@@ -35,8 +35,9 @@ impl MlxQuantized {
     }
 
     /// The matrix as a [`GgufMatrix`] for the integer kernels (4-bit as Q4_1, 8-bit as
-    /// [`Format::MLX8G64`], or [`Format::MLX8`] for groups of 32), without an intermediate copy in candle's tensor; `None` for other
-    /// widths, other devices, or when a value would change (module docs).
+    /// [`Format::MLX8G64`], or [`Format::MLX8`] for groups of 32), without an intermediate copy
+    /// in candle's tensor; `None` for other widths, other devices, or when a value would change
+    /// (module docs).
     pub fn to_gguf_matrix(&self) -> Result<Option<GgufMatrix>> {
         Ok(self.clone().into_gguf_matrix()?.ok())
     }
