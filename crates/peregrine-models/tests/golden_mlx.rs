@@ -118,7 +118,7 @@ fn check_logits(arch: &str, variant: &str) {
     }
 }
 
-/// The default (8-bit activation) mode on a 4- or 8-bit fixture, against the bounds in the module docs.
+/// The default (8-bit activation) mode on a 4- or 8-bit fixture, against the module docs' bounds.
 fn check_q8_logits(arch: &str, variant: &str) {
     let load = |opts| load_model(&fixture(arch, variant), &opts).unwrap().model;
     let (model, exact_model) = (load(LoadOptions::default()), load(exact()));

@@ -15,14 +15,15 @@ use serde_json::{Map, Value};
 use super::SafetensorsFiles;
 use crate::{ModelError, Result};
 
-/// How MLX 4-bit matrices are multiplied on CPU (other widths always use f32 activations).
+/// How MLX 4- and 8-bit matrices are multiplied on CPU (other widths always use f32
+/// activations).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum MlxActivations {
-    /// 4- and 8-bit weights regrouped at load into 32-value blocks (GGUF Q4_1, or
-    /// [`Format::MLX8G64`](peregrine_tensor::quant::Format::MLX8G64); the same numbers) and multiplied
-    /// by the integer kernels against activations rounded to 8 bits per 32 values, as llama.cpp
-    /// multiplies its block formats: prefill 2-3× faster. Logits move by about 1e-2 against
-    /// mlx-lm's.
+    /// Weights regrouped at load into blocks (GGUF Q4_1, or our
+    /// [`Format::MLX8G64`](peregrine_tensor::quant::Format::MLX8G64); the same numbers) and
+    /// multiplied by the integer kernels against activations rounded to 8 bits per 32 values, as
+    /// llama.cpp multiplies its block formats: prefill 2-3× faster. Logits move by about 1e-2
+    /// against mlx-lm's.
     #[default]
     Q8,
     /// The codes as stored against f32 activations, as mlx-lm computes: logits within ~1e-5 of

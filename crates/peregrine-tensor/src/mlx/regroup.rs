@@ -5,7 +5,8 @@
 //! Both sides mean `w = scale·q + bias`: an MLX group of 32/64/128 values is 1/2/4 Q4_1
 //! blocks sharing its scale and bias (8 bits: 1 MLX8 block, or 1/2 MLX8G64 blocks). Only the
 //! packing differs: MLX puts value `i` of a 4-bit group in nibble `i % 8` of word `i / 8`; Q4_1
-//! puts value `j` of a block in the low nibble of byte `j` and value `j + 16` in its high nibble. 8-bit codes are bytes in value order on both sides.
+//! puts value `j` of a block in the low nibble of byte `j` and value `j + 16` in its high nibble.
+//! 8-bit codes are bytes in value order on both sides.
 //! The blocks store scale and bias as f16, so a matrix regroups only when every bias, and every
 //! scale of a group with a nonzero code, is exactly an f16 (bf16 values of magnitude
 //! 2⁻¹⁴..65504 always are; MLX gives constant groups, such as a padded vocabulary's zero rows,
