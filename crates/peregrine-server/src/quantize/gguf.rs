@@ -5,8 +5,8 @@
 //!
 //! As llama.cpp's converter does, `llama` q/k projections are permuted for GPT-J-style rotation
 //! (the loader rotates `llama` GGUF files interleaved) and Gemma 3's norm weights store `1 + w`.
-//! Rope scalings other than linear cannot be
-//! expressed in the metadata the loader reads, so such checkpoints are refused.
+//! Rope scalings other than linear cannot be expressed in the metadata the loader reads, so such
+//! checkpoints are refused.
 
 use std::collections::BTreeMap;
 use std::path::Path;
