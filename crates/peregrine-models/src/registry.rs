@@ -126,11 +126,6 @@ impl OpenModel {
         }
     }
 
-    /// The resolved checkpoint path (a folder's single GGUF file, for instance).
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// Loads the weights and builds the model.
     pub fn load(self) -> Result<LoadedModel> {
         let model = (self.build)(self.config, &self.weights, self.max_context)?;

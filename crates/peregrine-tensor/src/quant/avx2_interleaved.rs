@@ -144,13 +144,7 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, 
                 let (chain, min_chain) = (&mut acc[i % 2], &mut mins[i % 2]);
                 for t in 0..T {
                     let xb = &x[t][i];
-                    let xq = xb.qs.as_ptr().cast::<i32>();
-                    let quad = |k: usize| _mm256_set1_epi32(xq.add(k).read_unaligned());
-                    let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                    for k in 0..4 {
-                        s0 = I::dot4(s0, codes[k], quad(k));
-                        s1 = I::dot4(s1, codes[k + 4], quad(k + 4));
-                    }
+                    let (s0, s1) = halves::<I>(&codes, xb);
                     let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
                     // The minimum or offset terms add up apart and join at the end, as
                     // llama.cpp and the row kernels sum them.
@@ -168,6 +162,27 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, 
             _mm256_storeu_ps(out.as_mut_ptr(), sum);
             out
         })
+    }
+}
+
+/// The 8 rows' integer sums against one activation block, per half: code vector `k` (values
+/// `4k..4k + 4` of each row, as [`super::interleaved`] lays them out) times the block's quad `k`
+/// broadcast, vectors 0-3 into the first sum and 4-7 into the second.
+///
+/// # Safety
+/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
+#[inline(always)]
+unsafe fn halves<I: Isa>(codes: &[__m256i; 8], xb: &Q8Block) -> (__m256i, __m256i) {
+    let xq = xb.qs.as_ptr().cast::<i32>();
+    // SAFETY: `qs` holds 8 quads; per this function's contract for the intrinsics.
+    unsafe {
+        let quad = |k: usize| _mm256_set1_epi32(xq.add(k).read_unaligned());
+        let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+        for k in 0..4 {
+            s0 = I::dot4(s0, codes[k], quad(k));
+            s1 = I::dot4(s1, codes[k + 4], quad(k + 4));
+        }
+        (s0, s1)
     }
 }
 
@@ -208,13 +223,7 @@ unsafe fn rows_q4k<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; T]) -> [[f3
                 }
                 for t in 0..T {
                     let xb = &x[t][8 * i + j];
-                    let xq = xb.qs.as_ptr().cast::<i32>();
-                    let quad = |k: usize| _mm256_set1_epi32(xq.add(k).read_unaligned());
-                    let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                    for k in 0..4 {
-                        s0 = I::dot4(s0, codes[k], quad(k));
-                        s1 = I::dot4(s1, codes[k + 4], quad(k + 4));
-                    }
+                    let (s0, s1) = halves::<I>(&codes, xb);
                     let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
                     let scaled = _mm256_mul_ps(scale, _mm256_set1_ps(xb.d));
                     acc[t] = _mm256_fmadd_ps(scaled, sum, acc[t]);
@@ -274,13 +283,7 @@ unsafe fn rows_q6k<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; T]) -> [[f3
                 }
                 for tt in 0..T {
                     let xb = &x[tt][8 * i + j];
-                    let xq = xb.qs.as_ptr().cast::<i32>();
-                    let quad = |k: usize| _mm256_set1_epi32(xq.add(k).read_unaligned());
-                    let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                    for k in 0..4 {
-                        s0 = I::dot4(s0, codes[k], quad(k));
-                        s1 = I::dot4(s1, codes[k + 4], quad(k + 4));
-                    }
+                    let (s0, s1) = halves::<I>(&codes, xb);
                     let sum = _mm256_add_epi32(
                         _mm256_mullo_epi32(s0, sc_lo),
                         _mm256_mullo_epi32(s1, sc_hi),
