@@ -160,9 +160,7 @@ pub(crate) fn generate(
         if generated.len() >= budget {
             break FinishReason::Length;
         }
-        let step_logits =
-            in_compute_pool(|| ctx.model.forward(&[token], &mut cache, Logits::Last))?;
-        logits = last_row(&step_logits)?;
+        in_compute_pool(|| ctx.model.decode(token, &mut cache, &mut logits))?;
         gauge.set(cache.bytes());
     };
     if finish != FinishReason::Cancelled && !stop.is_stopped() {

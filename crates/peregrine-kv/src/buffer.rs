@@ -1,7 +1,9 @@
 //! A growable k/v buffer shared by the cache variants.
 
-use peregrine_tensor::attention::{MaskSpec, attention};
-use peregrine_tensor::{DType, Result, Tensor};
+use half::{bf16, f16};
+use peregrine_tensor::attention::{AttnScratch, MaskSpec, attention, attention_row_into};
+use peregrine_tensor::candle::{CpuStorage, InplaceOp1, Layout};
+use peregrine_tensor::{DType, Device, Result, Tensor};
 
 use crate::AttnParams;
 
@@ -39,17 +41,9 @@ impl KvBuffer {
     /// Appends `n` positions; when `keep` is set, first drops all but the last `keep` stored
     /// positions if the buffer would otherwise grow.
     pub(crate) fn append(&mut self, k: &Tensor, v: &Tensor, keep: Option<usize>) -> Result<()> {
-        let n = k.dim(2)?;
-        if self.used + n > self.capacity() {
-            let kept = keep.map_or(self.used, |keep| keep.min(self.used));
-            // Once positions start dropping, room for two windows makes moves rare; before
-            // that, grow in steps (a short prompt should not zero a whole window's pages).
-            let want = match keep {
-                Some(keep) if kept + n > keep => (kept + n).max(2 * keep),
-                _ => kept + n,
-            };
-            self.reallocate(k, kept, want.div_ceil(GROW_STEP) * GROW_STEP)?;
-        }
+        let (_, heads, n, head_dim) = k.dims4()?;
+        let dtype = self.dtype.unwrap_or(k.dtype());
+        self.make_room(n, keep, (heads, head_dim), dtype, k.device())?;
         let (bk, bv) = self.kv.as_ref().expect("allocated above");
         bk.slice_set(&k.to_dtype(bk.dtype())?.contiguous()?, 2, self.used)?;
         bv.slice_set(&v.to_dtype(bv.dtype())?.contiguous()?, 2, self.used)?;
@@ -57,11 +51,52 @@ impl KvBuffer {
         Ok(())
     }
 
-    /// Moves the last `kept` positions into a fresh buffer of `capacity` slots.
-    fn reallocate(&mut self, like: &Tensor, kept: usize, capacity: usize) -> Result<()> {
-        let (b, h, _, d) = like.dims4()?;
-        let dtype = self.dtype.unwrap_or(like.dtype());
-        let new_k = Tensor::zeros((b, h, capacity, d), dtype, like.device())?;
+    /// [`append`](Self::append) of one position from f32 rows on the CPU, written in place.
+    pub(crate) fn append_row(
+        &mut self,
+        k: &[f32],
+        v: &[f32],
+        head_dim: usize,
+        keep: Option<usize>,
+    ) -> Result<()> {
+        let heads = k.len() / head_dim;
+        let dtype = self.dtype.unwrap_or(DType::F32);
+        self.make_room(1, keep, (heads, head_dim), dtype, &Device::Cpu)?;
+        let (bk, bv) = self.kv.as_ref().expect("allocated above");
+        bk.inplace_op1(&WriteRow {
+            row: k,
+            slot: self.used,
+        })?;
+        bv.inplace_op1(&WriteRow {
+            row: v,
+            slot: self.used,
+        })?;
+        self.used += 1;
+        Ok(())
+    }
+
+    /// Makes room for `n` more positions of `(heads, head_dim)`, dropping all but the last
+    /// `keep` stored positions first when the buffer would otherwise grow.
+    fn make_room(
+        &mut self,
+        n: usize,
+        keep: Option<usize>,
+        (heads, head_dim): (usize, usize),
+        dtype: DType,
+        device: &Device,
+    ) -> Result<()> {
+        if self.used + n <= self.capacity() {
+            return Ok(());
+        }
+        let kept = keep.map_or(self.used, |keep| keep.min(self.used));
+        // Once positions start dropping, room for two windows makes moves rare; before
+        // that, grow in steps (a short prompt should not zero a whole window's pages).
+        let want = match keep {
+            Some(keep) if kept + n > keep => (kept + n).max(2 * keep),
+            _ => kept + n,
+        };
+        let capacity = want.div_ceil(GROW_STEP) * GROW_STEP;
+        let new_k = Tensor::zeros((1, heads, capacity, head_dim), dtype, device)?;
         let new_v = new_k.zeros_like()?;
         if let Some((k, v)) = &self.kv {
             let from = self.used - kept;
@@ -108,6 +143,32 @@ impl KvBuffer {
         )
     }
 
+    /// [`attend`](Self::attend) for the last position's query heads `q` into `out`, reading
+    /// the cache in place.
+    pub(crate) fn attend_row(
+        &self,
+        q: &[f32],
+        params: &AttnParams,
+        window: Option<usize>,
+        out: &mut [f32],
+        scratch: &mut AttnScratch,
+    ) -> Result<()> {
+        let Some((k, v)) = &self.kv else {
+            candle_bail("attend called on an empty cache")?
+        };
+        let q_start = self.end() - 1;
+        let first = window.map_or(self.start, |w| {
+            (q_start + 1).saturating_sub(w).max(self.start)
+        });
+        let mask = MaskSpec {
+            q_start,
+            k_start: first,
+            window,
+        };
+        let slots = first - self.start..self.used;
+        attention_row_into(q, k, v, slots, params.scale, &mask, out, scratch)
+    }
+
     pub(crate) fn trim(&mut self, n: usize) {
         self.used -= n;
     }
@@ -130,6 +191,41 @@ impl KvBuffer {
             start: self.start,
             used: self.used,
         })
+    }
+}
+
+/// Writes one position's f32 rows (`heads · head_dim`) into slot `slot` of a
+/// `[1, heads, capacity, head_dim]` buffer, converting to its dtype.
+struct WriteRow<'a> {
+    row: &'a [f32],
+    slot: usize,
+}
+
+impl InplaceOp1 for WriteRow<'_> {
+    fn name(&self) -> &'static str {
+        "kv-write-row"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> Result<()> {
+        let (&[_, heads, capacity, d], &[_, s1, s2, 1]) = (layout.dims(), layout.stride()) else {
+            candle_bail("kv write: not a [1, heads, capacity, head_dim] buffer")?
+        };
+        if self.row.len() != heads * d || self.slot >= capacity {
+            candle_bail("kv write: the row does not fit the buffer")?
+        }
+        let at = |h: usize| layout.start_offset() + h * s1 + self.slot * s2;
+        let rows = self.row.chunks_exact(d).enumerate();
+        match storage {
+            CpuStorage::F32(b) => rows.for_each(|(h, r)| b[at(h)..][..d].copy_from_slice(r)),
+            CpuStorage::F16(b) => rows.for_each(|(h, r)| {
+                (b[at(h)..][..d].iter_mut().zip(r)).for_each(|(b, &x)| *b = f16::from_f32(x))
+            }),
+            CpuStorage::BF16(b) => rows.for_each(|(h, r)| {
+                (b[at(h)..][..d].iter_mut().zip(r)).for_each(|(b, &x)| *b = bf16::from_f32(x))
+            }),
+            _ => candle_bail("kv write: the buffer is not f32, f16 or bf16")?,
+        }
+        Ok(())
     }
 }
 

@@ -14,7 +14,8 @@ pub use rotating::RotatingCache;
 pub use sequence::{KvOptions, LayerKind, SequenceCache};
 pub use simple::SimpleCache;
 
-use peregrine_tensor::{Result, Tensor};
+use peregrine_tensor::attention::AttnScratch;
+use peregrine_tensor::{Device, Result, Tensor};
 
 /// Per-call attention parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -30,6 +31,31 @@ pub trait LayerCache: Send + Sync {
     /// Attends `q: [1, heads, n, head_dim]`, the queries of the last `n` appended positions,
     /// over everything they may see. Returns `[1, heads, n, head_dim]`.
     fn attend(&self, q: &Tensor, params: &AttnParams) -> Result<Tensor>;
+    /// [`append`](Self::append) of one position from f32 rows `k, v` (`kv_heads · head_dim`
+    /// each), the decode step's form: caches that can write in place allocate nothing (but
+    /// when they grow). The default wraps the rows in tensors.
+    fn append_row(&mut self, k: &[f32], v: &[f32], head_dim: usize) -> Result<()> {
+        let shape = (1, k.len() / head_dim, 1, head_dim);
+        let t = |x: &[f32]| Tensor::from_slice(x, shape, &Device::Cpu);
+        self.append(&t(k)?, &t(v)?)
+    }
+    /// [`attend`](Self::attend) for the last appended position's query heads `q`
+    /// (`heads · head_dim`, f32) into `out`, the decode step's form: caches with a row
+    /// kernel allocate nothing once `scratch` has grown. The default wraps `q` in a tensor.
+    fn attend_row(
+        &self,
+        q: &[f32],
+        head_dim: usize,
+        params: &AttnParams,
+        out: &mut [f32],
+        scratch: &mut AttnScratch,
+    ) -> Result<()> {
+        let _ = scratch;
+        let q = Tensor::from_slice(q, (1, q.len() / head_dim, 1, head_dim), &Device::Cpu)?;
+        let y = self.attend(&q, params)?.flatten_all()?;
+        out.copy_from_slice(&y.to_dtype(peregrine_tensor::DType::F32)?.to_vec1::<f32>()?);
+        Ok(())
+    }
     /// Number of positions seen so far (the next token's position).
     fn len(&self) -> usize;
     /// True when nothing has been appended.

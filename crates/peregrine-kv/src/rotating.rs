@@ -4,6 +4,7 @@ use peregrine_tensor::{DType, Result, Tensor};
 
 use crate::buffer::KvBuffer;
 use crate::{AttnParams, LayerCache};
+use peregrine_tensor::attention::AttnScratch;
 
 /// Keeps the last `window - 1 + rollback` positions, so that a query sees exactly the keys
 /// `q - k < window` and the last `rollback` positions can still be trimmed exactly.
@@ -43,6 +44,22 @@ impl LayerCache for RotatingCache {
 
     fn attend(&self, q: &Tensor, params: &AttnParams) -> Result<Tensor> {
         self.buf.attend(q, params, Some(self.window))
+    }
+
+    fn append_row(&mut self, k: &[f32], v: &[f32], head_dim: usize) -> Result<()> {
+        self.buf.append_row(k, v, head_dim, Some(self.keep()))
+    }
+
+    fn attend_row(
+        &self,
+        q: &[f32],
+        _head_dim: usize,
+        params: &AttnParams,
+        out: &mut [f32],
+        scratch: &mut AttnScratch,
+    ) -> Result<()> {
+        self.buf
+            .attend_row(q, params, Some(self.window), out, scratch)
     }
 
     fn len(&self) -> usize {

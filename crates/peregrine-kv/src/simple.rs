@@ -4,6 +4,7 @@ use peregrine_tensor::{DType, Result, Tensor};
 
 use crate::buffer::KvBuffer;
 use crate::{AttnParams, LayerCache};
+use peregrine_tensor::attention::AttnScratch;
 
 /// Keeps every position; trims exactly to any length.
 #[derive(Debug, Clone, Default)]
@@ -27,6 +28,21 @@ impl LayerCache for SimpleCache {
 
     fn attend(&self, q: &Tensor, params: &AttnParams) -> Result<Tensor> {
         self.buf.attend(q, params, None)
+    }
+
+    fn append_row(&mut self, k: &[f32], v: &[f32], head_dim: usize) -> Result<()> {
+        self.buf.append_row(k, v, head_dim, None)
+    }
+
+    fn attend_row(
+        &self,
+        q: &[f32],
+        _head_dim: usize,
+        params: &AttnParams,
+        out: &mut [f32],
+        scratch: &mut AttnScratch,
+    ) -> Result<()> {
+        self.buf.attend_row(q, params, None, out, scratch)
     }
 
     fn len(&self) -> usize {

@@ -40,8 +40,27 @@ pub trait CausalLm: Send + Sync {
     /// Runs `tokens` (the next positions of the sequence held in `cache`) and returns f32
     /// logits `[positions, vocab]` for the positions `want` selects.
     fn forward(&self, tokens: &[u32], cache: &mut SequenceCache, want: Logits) -> Result<Tensor>;
+    /// Runs one token (the next position of the sequence in `cache`) and writes its f32
+    /// logits (`[vocab]`) into `logits`: generation's step. CPU models override it with a
+    /// step over buffers reused from token to token ([`layers::step`]); this default goes
+    /// through [`forward`](Self::forward).
+    fn decode(&self, token: u32, cache: &mut SequenceCache, logits: &mut Vec<f32>) -> Result<()> {
+        decode_with_forward(self, token, cache, logits)
+    }
     /// The device the weights live on.
     fn device(&self) -> &Device;
     /// Bytes of weights held in memory.
     fn weight_bytes(&self) -> usize;
+}
+
+/// [`CausalLm::decode`] through [`CausalLm::forward`] (allocating tensors on the way).
+pub fn decode_with_forward<M: CausalLm + ?Sized>(
+    model: &M,
+    token: u32,
+    cache: &mut SequenceCache,
+    logits: &mut Vec<f32>,
+) -> Result<()> {
+    let row = model.forward(&[token], cache, Logits::Last)?;
+    *logits = row.flatten_all()?.to_vec1::<f32>()?;
+    Ok(())
 }

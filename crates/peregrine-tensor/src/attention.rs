@@ -110,3 +110,25 @@ pub fn attention_ref(
     let probs = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
     probs.matmul(&v.contiguous()?)
 }
+
+/// Buffers that [`attention_row_into`] reuses from one decode step to the next.
+#[derive(Debug, Default)]
+pub struct AttnScratch(crate::attention_cpu::Scratch);
+
+/// One token's attention on the CPU without allocating (the decode step): `q` holds its query
+/// heads (`heads · d` f32), `k, v: [1, kv_heads, capacity, d]` (f32/f16/bf16) are a cache's
+/// tensors of which slots `slots` hold the keys `mask` numbers from `mask.k_start` on; the
+/// result overwrites `out` (`heads · d`). Same arithmetic as [`attention`] on the CPU.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_row_into(
+    q: &[f32],
+    k: &Tensor,
+    v: &Tensor,
+    slots: std::ops::Range<usize>,
+    scale: f64,
+    mask: &MaskSpec,
+    out: &mut [f32],
+    scratch: &mut AttnScratch,
+) -> Result<()> {
+    crate::attention_cpu::attention_row_into(q, k, v, slots, scale, mask, out, &mut scratch.0)
+}

@@ -55,16 +55,95 @@ pub(crate) fn attention(
             view: &vv,
         },
     );
-    match k.dtype() {
-        DType::F32 => shape.run::<f32>(q_data, &qv, &kc, &vc, mask, &mut out)?,
-        DType::F16 => shape.run::<f16>(q_data, &qv, &kc, &vc, mask, &mut out)?,
-        DType::BF16 => shape.run::<bf16>(q_data, &qv, &kc, &vc, mask, &mut out)?,
-        _ => return Ok(None),
+    if !shape.run_any(
+        k.dtype(),
+        q_data,
+        &qv,
+        &kc,
+        &vc,
+        mask,
+        &mut out,
+        &mut Scratch::default(),
+    )? {
+        return Ok(None);
     }
     // Written as [b, q_len, heads, d]: the caller's transpose back to that order is free.
     Ok(Some(
         Tensor::from_vec(out, (b, q_len, heads, d), &Device::Cpu)?.transpose(1, 2)?,
     ))
+}
+
+/// One token's attention without allocating (the decode step): `q` holds its `heads` query
+/// rows of `d`, `k, v: [1, kv_heads, capacity, d]` are the cache's tensors, of which slots
+/// `slots` are the keys `mask` places from `mask.k_start` on; writes `out` (`heads · d`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_row_into(
+    q: &[f32],
+    k: &Tensor,
+    v: &Tensor,
+    slots: std::ops::Range<usize>,
+    scale: f64,
+    mask: &MaskSpec,
+    out: &mut [f32],
+    scratch: &mut Scratch,
+) -> Result<()> {
+    let (_, kv_heads, capacity, d) = k.dims4()?;
+    let heads = q.len() / d;
+    if k.dtype() != v.dtype() || v.dims4()? != (1, kv_heads, capacity, d) || out.len() != q.len() {
+        candle_core::bail!(
+            "attention row: q {} / k {:?} / v {:?}",
+            q.len(),
+            k.shape(),
+            v.shape()
+        )
+    }
+    if heads == 0 || !heads.is_multiple_of(kv_heads) || slots.is_empty() || slots.end > capacity {
+        candle_core::bail!("attention row: {heads} heads over slots {slots:?} of {k:?}")
+    }
+    let (ks, kl) = k.storage_and_layout();
+    let (vs, vl) = v.storage_and_layout();
+    let (Storage::Cpu(ks), Storage::Cpu(vs)) = (&*ks, &*vs) else {
+        candle_core::bail!("attention row: the cache is not on the CPU")
+    };
+    let (Some(mut kv), Some(mut vv)) = (View::of(kl), View::of(vl)) else {
+        candle_core::bail!("attention row: the cache's rows are not contiguous")
+    };
+    kv.offset += slots.start * kv.strides[2];
+    vv.offset += slots.start * vv.strides[2];
+    let qv = View {
+        offset: 0,
+        strides: [heads * d, d, d],
+    };
+    let shape = Shape {
+        heads,
+        groups: heads / kv_heads,
+        q_len: 1,
+        k_len: slots.len(),
+        d,
+        scale: scale as f32,
+    };
+    let (kc, vc) = (
+        Cache {
+            storage: ks,
+            view: &kv,
+        },
+        Cache {
+            storage: vs,
+            view: &vv,
+        },
+    );
+    match shape.run_any(k.dtype(), q, &qv, &kc, &vc, mask, out, scratch)? {
+        true => Ok(()),
+        false => candle_core::bail!("attention row: a {:?} cache", k.dtype()),
+    }
+}
+
+/// Buffers one decode step's attention reuses (see [`crate::attention::AttnScratch`]).
+#[derive(Debug, Default)]
+pub(crate) struct Scratch {
+    partial: Vec<f32>,
+    stats: Vec<(f32, f32)>,
+    scores: Vec<f32>,
 }
 
 /// Offset and strides of a 4-D tensor whose last dimension is contiguous.
@@ -148,6 +227,30 @@ impl<'a, E> Task<'a, E> {
 }
 
 impl Shape {
+    /// [`run`](Self::run) for the cache's element type; `false` for one it cannot read.
+    #[allow(clippy::too_many_arguments)]
+    fn run_any(
+        &self,
+        dtype: DType,
+        q: &[f32],
+        qv: &View,
+        k: &Cache,
+        v: &Cache,
+        mask: &MaskSpec,
+        out: &mut [f32],
+        scratch: &mut Scratch,
+    ) -> Result<bool> {
+        match dtype {
+            DType::F32 => self.run::<f32>(q, qv, k, v, mask, out, scratch)?,
+            DType::F16 => self.run::<f16>(q, qv, k, v, mask, out, scratch)?,
+            DType::BF16 => self.run::<bf16>(q, qv, k, v, mask, out, scratch)?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// Writes every row of `out`; allocates nothing at decode once `scratch` has grown.
+    #[allow(clippy::too_many_arguments)]
     fn run<E: Elem + candle_core::WithDType>(
         &self,
         q: &[f32],
@@ -156,7 +259,9 @@ impl Shape {
         v: &Cache,
         mask: &MaskSpec,
         out: &mut [f32],
+        scratch: &mut Scratch,
     ) -> Result<()> {
+        out.fill(0.0); // rows with no visible key stay zero; decode accumulates into them
         let (k, v) = (
             (k.storage.as_slice::<E>()?, k.view),
             (v.storage.as_slice::<E>()?, v.view),
@@ -191,6 +296,7 @@ impl Shape {
                     || (Vec::new(), vec![(0f32, 0f32); groups]),
                     |(scores, stats), (t, out)| {
                         if let Some(task) = task(t) {
+                            scores.resize(groups * task.keys.count, 0.0);
                             self.attend(simd, &task, true, scores, stats, out);
                         }
                     },
@@ -200,13 +306,24 @@ impl Shape {
         // Few tasks (decode): split each task's keys into chunks attended in parallel, then
         // merge the chunks' partial softmax sums (as flash-decoding does).
         let splits = (2 * threads).div_ceil(tasks.max(1));
-        let mut partial = vec![0f32; tasks * splits * groups * d];
-        let mut stats = vec![(f32::NEG_INFINITY, 0f32); tasks * splits * groups];
-        partial
+        // A chunk attends at most this many keys (a task sees at most `k_len`).
+        let chunk_keys = self.k_len.div_ceil(splits).max(1);
+        let chunks = tasks * splits;
+        let Scratch {
+            partial,
+            stats,
+            scores,
+        } = scratch;
+        grow(partial, chunks * groups * d, 0.0);
+        grow(scores, chunks * groups * chunk_keys, 0.0);
+        stats.clear(); // a chunk without keys must read as empty
+        stats.resize(chunks * groups, (f32::NEG_INFINITY, 0f32));
+        partial[..chunks * groups * d]
             .par_chunks_mut(groups * d)
             .zip(stats.par_chunks_mut(groups))
+            .zip(scores[..chunks * groups * chunk_keys].par_chunks_mut(groups * chunk_keys))
             .enumerate()
-            .for_each_init(Vec::new, |scores, (at, (out, stats))| {
+            .for_each(|(at, ((out, stats), scores))| {
                 let Some(task) = task(at / splits) else {
                     return;
                 };
@@ -244,13 +361,12 @@ impl Shape {
         simd: bool,
         task: &Task<E>,
         normalize: bool,
-        scores: &mut Vec<f32>,
+        scores: &mut [f32],
         stats: &mut [(f32, f32)],
         out: &mut [f32],
     ) {
         let (groups, n, d) = (self.groups, task.keys.count, self.d);
-        scores.clear();
-        scores.resize(groups * n, 0.0);
+        let scores = &mut scores[..groups * n];
         for h0 in (0..groups).step_by(simd::HEADS) {
             let g = (groups - h0).min(simd::HEADS);
             let scores = &mut scores[h0 * n..][..g * n];
@@ -280,6 +396,13 @@ impl Shape {
             let probs = &scores[h0 * n..][..g * n];
             simd::weighted_sum(simd, probs, task.values, &mut out[h0 * d..][..g * d]);
         }
+    }
+}
+
+/// Makes `v` at least `len` long (its contents are scratch: they may be stale).
+fn grow<T: Clone>(v: &mut Vec<T>, len: usize, fill: T) {
+    if v.len() < len {
+        v.resize(len, fill);
     }
 }
 

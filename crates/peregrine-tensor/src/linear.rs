@@ -3,10 +3,10 @@
 use std::sync::Arc;
 
 use candle_core::quantized::QTensor;
-use candle_core::{D, Result, Tensor};
+use candle_core::{D, DType, Device, Result, Tensor};
 
 use crate::mlx::MlxQuantized;
-use crate::quant::GgufMatrix;
+use crate::quant::{GgufMatrix, Kernel, MAX_GROUP, Q8Block};
 
 /// A linear layer `y = x Wᵀ + b`; the only place where weight formats meet matmul.
 /// Adding a format adds a variant here and a mapping in the loader, nothing in model code.
@@ -87,6 +87,71 @@ impl QLinear {
             .collect()
     }
 
+    /// [`forward_group`](Self::forward_group) for one input row into the caller's buffers
+    /// (the decode step): `x` is `[in]`, each `outs[i]` is `[out_i]` and is overwritten. GGUF
+    /// weights (and MLX weights regrouped into blocks) allocate nothing once `scratch` has
+    /// grown; dense and MLX-f32 weights run through candle and copy their result.
+    pub fn forward_group_into(
+        layers: &[&Self],
+        x: &[f32],
+        outs: &mut [&mut [f32]],
+        scratch: &mut LinearScratch,
+    ) -> Result<()> {
+        if layers.len() != outs.len() {
+            candle_core::bail!("linear: {} layers, {} outputs", layers.len(), outs.len());
+        }
+        let all_kernels = layers.iter().all(|l| l.cpu_kernel().is_some());
+        match layers.first().and_then(|l| l.cpu_kernel()) {
+            // One pass over the pool for the whole group, as `forward_group` does.
+            Some(first) if all_kernels && layers.len() <= MAX_GROUP => {
+                let mut mats = [first; MAX_GROUP];
+                for (m, l) in mats.iter_mut().zip(layers) {
+                    *m = l.cpu_kernel().expect("checked above");
+                }
+                let mats = &mats[..layers.len()];
+                GgufMatrix::matmul_group_into(mats, x, 1, Kernel::best(), &mut scratch.xq, outs)?;
+            }
+            _ => {
+                let xt = Tensor::from_slice(x, (1, x.len()), &Device::Cpu)?;
+                for (l, out) in layers.iter().zip(outs.iter_mut()) {
+                    let y = l
+                        .forward_unbiased(&xt)?
+                        .flatten_all()?
+                        .to_dtype(DType::F32)?;
+                    out.copy_from_slice(&y.to_vec1::<f32>()?);
+                }
+            }
+        }
+        for (l, out) in layers.iter().zip(outs.iter_mut()) {
+            if let Some(b) = l.bias() {
+                add_bias(b, out)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The GGUF matrix, when one of Peregrine's kernels multiplies it.
+    fn cpu_kernel(&self) -> Option<&GgufMatrix> {
+        match self {
+            Self::Gguf { w, .. } if w.format().is_some() => Some(w),
+            _ => None,
+        }
+    }
+
+    fn bias(&self) -> Option<&Tensor> {
+        match self {
+            Self::Dense { b, .. } | Self::Gguf { b, .. } | Self::MlxAffine { b, .. } => b.as_ref(),
+        }
+    }
+
+    fn forward_unbiased(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Dense { w, .. } => dense_matmul(x, w),
+            Self::Gguf { w, .. } => w.forward(x),
+            Self::MlxAffine { w, .. } => w.forward(x),
+        }
+    }
+
     /// Bytes the weights occupy in memory.
     pub fn weight_bytes(&self) -> usize {
         let bias = |b: &Option<Tensor>| b.as_ref().map_or(0, tensor_bytes);
@@ -96,6 +161,25 @@ impl QLinear {
             Self::MlxAffine { w, b } => w.weight_bytes() + bias(b),
         }
     }
+}
+
+/// `out += b`, reading an f32 CPU bias in place (others are converted first).
+fn add_bias(b: &Tensor, out: &mut [f32]) -> Result<()> {
+    let add = |b: &[f32]| out.iter_mut().zip(b).for_each(|(o, b)| *o += b);
+    if crate::ops::with_f32(b, add)?.is_none() {
+        let b = b
+            .to_device(&Device::Cpu)?
+            .to_dtype(DType::F32)?
+            .to_vec1::<f32>()?;
+        out.iter_mut().zip(&b).for_each(|(o, b)| *o += b);
+    }
+    Ok(())
+}
+
+/// Buffers a [`QLinear::forward_group_into`] call reuses: the input's 8-bit blocks.
+#[derive(Debug, Default)]
+pub struct LinearScratch {
+    xq: Vec<Q8Block>,
 }
 
 pub(crate) fn dense_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
@@ -143,6 +227,24 @@ impl Embedding {
                 rows.to_device(ids.device())?.reshape(dims)?.to_dtype(dtype)
             }
         }
+    }
+
+    /// Row `id` as f32 into `out` (`[hidden]`): no allocation for GGUF tables in the kernels'
+    /// layouts and f32 dense tables (the decode step); others through [`forward`](Self::forward).
+    pub fn row_into(&self, id: u32, out: &mut [f32]) -> Result<()> {
+        let copied = match self {
+            Self::Gguf(q) if q.format().is_some() => return q.row_into(id as usize, out),
+            Self::Dense(w) if (id as usize) < w.dim(0)? => crate::ops::with_f32(w, |w| {
+                out.copy_from_slice(&w[id as usize * out.len()..][..out.len()])
+            })?,
+            _ => None,
+        };
+        if copied.is_none() {
+            let ids = Tensor::new(&[id], &Device::Cpu)?;
+            let row = self.forward(&ids, DType::F32)?.flatten_all()?;
+            out.copy_from_slice(&row.to_vec1::<f32>()?);
+        }
+        Ok(())
     }
 
     /// The same table as an output projection (tied embeddings).

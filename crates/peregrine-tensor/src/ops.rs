@@ -24,21 +24,37 @@ fn rms_norm_rows(xs: &[f32], ws: &[f32], dim: usize, eps: f32) -> Vec<f32> {
     out.par_chunks_mut(dim)
         .zip(xs.par_chunks(dim))
         .with_min_len((CHUNK / dim).max(1))
-        .for_each(|(y, x)| {
-            // Eight running sums: a loop the compiler can vectorise (one sum would be serial).
-            let mut sums = [0f32; 8];
-            let chunks = x.chunks_exact(8);
-            let tail: f32 = chunks.remainder().iter().map(|v| v * v).sum();
-            for c in chunks {
-                sums.iter_mut().zip(c).for_each(|(s, v)| *s += v * v);
-            }
-            let mean = (sums.iter().sum::<f32>() + tail) / dim as f32;
-            let inv = 1.0 / (mean + eps).sqrt();
-            for ((y, x), w) in y.iter_mut().zip(x).zip(ws) {
-                *y = x * inv * w;
-            }
-        });
+        .for_each(|(y, x)| rms_norm_into(x, ws, eps, y));
     out
+}
+
+/// One row of [`rms_norm`] into `out` (the allocation-free decode step's form).
+pub fn rms_norm_into(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let inv = inverse_rms(x, eps);
+    for ((y, x), w) in out.iter_mut().zip(x).zip(w) {
+        *y = x * inv * w;
+    }
+}
+
+/// [`rms_norm_into`] over each `w.len()`-wide row of `x`, in place (per-head q/k norms).
+pub fn rms_norm_rows_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+    for row in x.chunks_exact_mut(w.len()) {
+        let inv = inverse_rms(row, eps);
+        row.iter_mut().zip(w).for_each(|(x, w)| *x = *x * inv * w);
+    }
+}
+
+/// `1 / sqrt(mean(x²) + eps)`.
+fn inverse_rms(x: &[f32], eps: f32) -> f32 {
+    // Eight running sums: a loop the compiler can vectorise (one sum would be serial).
+    let mut sums = [0f32; 8];
+    let chunks = x.chunks_exact(8);
+    let tail: f32 = chunks.remainder().iter().map(|v| v * v).sum();
+    for c in chunks {
+        sums.iter_mut().zip(c).for_each(|(s, v)| *s += v * v);
+    }
+    let mean = (sums.iter().sum::<f32>() + tail) / x.len() as f32;
+    1.0 / (mean + eps).sqrt()
 }
 
 /// Reference RMSNorm built from plain candle ops, computed in f32.
@@ -63,7 +79,11 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 }
 
 fn silu_mul_chunks(g: &[f32], u: &[f32]) -> Vec<f32> {
-    gated(g, u, |g| g / (1.0 + (-g).exp()))
+    gated(g, u, silu)
+}
+
+fn silu(g: f32) -> f32 {
+    g / (1.0 + (-g).exp())
 }
 
 /// `gelu(gate) * up` with GELU's tanh approximation (Gemma's `gelu_pytorch_tanh`).
@@ -103,8 +123,28 @@ fn gated(g: &[f32], u: &[f32], act: impl Fn(f32) -> f32 + Sync) -> Vec<f32> {
     out
 }
 
+/// The gated-MLP activations, for the slice form [`Gate::apply_in_place`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gate {
+    /// [`silu_mul`].
+    Silu,
+    /// [`gelu_mul`].
+    GeluTanh,
+}
+
+impl Gate {
+    /// `gate = act(gate) * up`, one thread (a decode step's few thousand values).
+    pub fn apply_in_place(self, gate: &mut [f32], up: &[f32]) {
+        let act = match self {
+            Self::Silu => silu,
+            Self::GeluTanh => gelu_tanh,
+        };
+        gate.iter_mut().zip(up).for_each(|(g, u)| *g = act(*g) * u);
+    }
+}
+
 /// `f` over a contiguous f32 CPU tensor's elements; `None` for any other tensor.
-fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<Option<R>> {
+pub fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<Option<R>> {
     if t.dtype() != DType::F32 || !matches!(t.device(), Device::Cpu) {
         return Ok(None);
     }

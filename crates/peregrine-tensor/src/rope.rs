@@ -154,6 +154,19 @@ impl RotaryEmbedding {
         }
     }
 
+    /// [`apply`](Self::apply) for one token, in place: each `head_dim`-wide row of `x` (one per
+    /// head) rotated for position `pos`, without allocating (the decode step's form).
+    pub fn apply_rows_in_place(&self, x: &mut [f32], pos: usize) -> Result<()> {
+        {
+            let tables = self.tables.read().unwrap_or_else(|e| e.into_inner());
+            if tables.0.dims()[0] > pos {
+                return rotate_rows(&tables, x, pos, self.style);
+            }
+        }
+        self.tables(pos, 1)?; // grows the tables (doubling), then rotates from them
+        self.apply_rows_in_place(x, pos)
+    }
+
     /// Reference rotation from plain candle ops.
     pub fn apply_ref(&self, x: &Tensor, start: usize) -> Result<Tensor> {
         let (cos, sin) = self.tables(start, x.dim(2)?)?;
@@ -161,6 +174,38 @@ impl RotaryEmbedding {
             RopeStyle::Half => candle_nn::rotary_emb::rope_slow(x, &cos, &sin),
             RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i_slow(x, &cos, &sin),
         }
+    }
+}
+
+/// Rotates `x`'s rows by the angles of table row `pos`.
+fn rotate_rows(
+    tables: &(Tensor, Tensor),
+    x: &mut [f32],
+    pos: usize,
+    style: RopeStyle,
+) -> Result<()> {
+    let half = tables.0.dims()[1];
+    let mut rotate = |cos: &[f32], sin: &[f32]| {
+        let (cos, sin) = (&cos[pos * half..][..half], &sin[pos * half..][..half]);
+        for row in x.chunks_exact_mut(2 * half) {
+            for (i, (&c, &s)) in cos.iter().zip(sin).enumerate() {
+                let (a, b) = match style {
+                    RopeStyle::Half => (i, i + half),
+                    RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                };
+                let (xa, xb) = (row[a], row[b]);
+                row[a] = xa * c - xb * s;
+                row[b] = xa * s + xb * c;
+            }
+        }
+    };
+    let rotated = crate::ops::with_f32(&tables.0, |cos| {
+        crate::ops::with_f32(&tables.1, |sin| rotate(cos, sin))
+    })?;
+    match rotated {
+        Some(Ok(Some(()))) => Ok(()),
+        Some(Err(e)) => Err(e),
+        _ => candle_core::bail!("rope: in-place rotation needs f32 tables on the CPU"),
     }
 }
 

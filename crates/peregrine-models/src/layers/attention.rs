@@ -5,6 +5,7 @@ use peregrine_tensor::ops::rms_norm;
 use peregrine_tensor::{QLinear, RotaryEmbedding, Tensor};
 
 use crate::layers::norm_weight;
+use crate::layers::step::{StepBuffers, norm_rows_in_place};
 use crate::weights::Weights;
 use crate::{ModelConfig, Result};
 
@@ -81,6 +82,43 @@ impl Attention {
             .transpose(1, 2)?
             .reshape((b, n, self.heads * self.head_dim))?;
         Ok(self.o_proj.forward(&y)?)
+    }
+
+    /// [`forward`](Self::forward) for one token at `pos` over a decode step's buffers: reads
+    /// `b.normed`, leaves the projected output in `b.out`.
+    pub fn step(
+        &self,
+        b: &mut StepBuffers,
+        rope: &RotaryEmbedding,
+        cache: &mut dyn LayerCache,
+        pos: usize,
+    ) -> Result<()> {
+        let StepBuffers {
+            normed,
+            out,
+            q,
+            k,
+            v,
+            attn,
+            linear,
+            attention,
+            ..
+        } = b;
+        let qkv = [&self.q_proj, &self.k_proj, &self.v_proj];
+        QLinear::forward_group_into(&qkv, normed, &mut [q, k, v], linear)?;
+        if let Some(w) = &self.q_norm {
+            norm_rows_in_place(q, w, self.eps)?;
+        }
+        if let Some(w) = &self.k_norm {
+            norm_rows_in_place(k, w, self.eps)?;
+        }
+        rope.apply_rows_in_place(q, pos)?;
+        rope.apply_rows_in_place(k, pos)?;
+        cache.append_row(k, v, self.head_dim)?;
+        let params = AttnParams { scale: self.scale };
+        cache.attend_row(q, self.head_dim, &params, attn, attention)?;
+        QLinear::forward_group_into(&[&self.o_proj], attn, &mut [out], linear)?;
+        Ok(())
     }
 
     /// Bytes of weights.

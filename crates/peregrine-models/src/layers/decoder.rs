@@ -9,8 +9,9 @@ use peregrine_tensor::{DType, Device, Embedding, QLinear, RotaryEmbedding, Tenso
 use crate::layers::attention::Attention;
 use crate::layers::mlp::GatedMlp;
 use crate::layers::norm_weight;
+use crate::layers::step::{StepBuffers, StepPool, add_into, norm_into, output_logits_into};
 use crate::weights::Weights;
-use crate::{CausalLm, Logits, ModelConfig, ModelError, Result};
+use crate::{CausalLm, Logits, ModelConfig, Result};
 
 struct DecoderLayer {
     input_layernorm: Tensor,
@@ -29,6 +30,7 @@ pub struct DecoderLm {
     rope: RotaryEmbedding,
     device: Device,
     dtype: DType,
+    steps: StepPool,
 }
 
 impl DecoderLm {
@@ -75,6 +77,7 @@ impl DecoderLm {
             device: w.device().clone(),
             dtype: w.dtype(),
             config,
+            steps: StepPool::default(),
         })
     }
 }
@@ -102,6 +105,26 @@ impl DecoderLayer {
     }
 }
 
+impl DecoderLayer {
+    /// [`forward`](Self::forward) for one token over a decode step's buffers (`b.x`).
+    fn step(
+        &self,
+        b: &mut StepBuffers,
+        eps: f32,
+        rope: &RotaryEmbedding,
+        cache: &mut dyn LayerCache,
+        pos: usize,
+    ) -> Result<()> {
+        norm_into(&b.x, &self.input_layernorm, eps, &mut b.normed)?;
+        self.self_attn.step(b, rope, cache, pos)?;
+        add_into(&mut b.x, &b.out);
+        norm_into(&b.x, &self.post_attention_layernorm, eps, &mut b.normed)?;
+        self.mlp.step(b)?;
+        add_into(&mut b.x, &b.out);
+        Ok(())
+    }
+}
+
 impl CausalLm for DecoderLm {
     fn config(&self) -> &ModelConfig {
         &self.config
@@ -118,14 +141,7 @@ impl CausalLm for DecoderLm {
     fn forward(&self, tokens: &[u32], cache: &mut SequenceCache, want: Logits) -> Result<Tensor> {
         let n = tokens.len();
         let start = cache.len();
-        if n == 0 || start + n > self.rope.max_positions() {
-            return Err(ModelError::Tensor(peregrine_tensor::candle::Error::Msg(
-                format!(
-                    "cannot run {n} tokens at position {start}: the context holds {} positions",
-                    self.rope.max_positions()
-                ),
-            )));
-        }
+        super::check_room(n, start, self.rope.max_positions())?;
         let eps = self.config.rms_norm_eps as f32;
         let ids = Tensor::new(tokens, &self.device)?.unsqueeze(0)?; // [1, n]
         let mut x = self.embed_tokens.forward(&ids, self.dtype)?; // [1, n, hidden]
@@ -133,6 +149,23 @@ impl CausalLm for DecoderLm {
             x = layer.forward(&x, eps, &self.rope, cache.layer(i), start)?;
         }
         super::output_logits(&x, want, &self.norm, eps, &self.lm_head)
+    }
+
+    fn decode(&self, token: u32, cache: &mut SequenceCache, logits: &mut Vec<f32>) -> Result<()> {
+        if !self.device.is_cpu() {
+            return crate::decode_with_forward(self, token, cache, logits);
+        }
+        let pos = cache.len();
+        super::check_room(1, pos, self.rope.max_positions())?;
+        let eps = self.config.rms_norm_eps as f32;
+        self.steps.run(&self.config, |b| {
+            self.embed_tokens.row_into(token, &mut b.x)?;
+            for (i, layer) in self.layers.iter().enumerate() {
+                layer.step(b, eps, &self.rope, cache.layer(i), pos)?;
+            }
+            let vocab = self.config.vocab_size;
+            output_logits_into(b, &self.norm, eps, &self.lm_head, vocab, logits)
+        })
     }
 
     fn device(&self) -> &Device {

@@ -1,9 +1,10 @@
 //! The gated MLP: `down(act(gate(x)) * up(x))`, SiLU (SwiGLU) or GELU-tanh (GeGLU, Gemma).
 
-use peregrine_tensor::ops::{gelu_mul, silu_mul};
+use peregrine_tensor::ops::{Gate, gelu_mul, silu_mul};
 use peregrine_tensor::{QLinear, Tensor};
 
 use crate::config::Activation;
+use crate::layers::step::StepBuffers;
 use crate::weights::Weights;
 use crate::{ModelConfig, Result};
 
@@ -37,6 +38,28 @@ impl GatedMlp {
             Activation::GeluTanh => gelu_mul(&gate, &up)?,
         };
         Ok(self.down_proj.forward(&act)?)
+    }
+
+    /// [`forward`](Self::forward) over a decode step's buffers: reads `b.normed`, leaves the
+    /// output in `b.out`.
+    pub fn step(&self, b: &mut StepBuffers) -> Result<()> {
+        let StepBuffers {
+            normed,
+            out,
+            gate,
+            up,
+            linear,
+            ..
+        } = b;
+        let gate_up = [&self.gate_proj, &self.up_proj];
+        QLinear::forward_group_into(&gate_up, normed, &mut [gate, up], linear)?;
+        let act = match self.activation {
+            Activation::Silu => Gate::Silu,
+            Activation::GeluTanh => Gate::GeluTanh,
+        };
+        act.apply_in_place(gate, up);
+        QLinear::forward_group_into(&[&self.down_proj], gate, &mut [out], linear)?;
+        Ok(())
     }
 
     /// Bytes of weights.

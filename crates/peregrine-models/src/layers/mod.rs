@@ -3,6 +3,7 @@
 pub mod attention;
 pub mod decoder;
 pub mod mlp;
+pub mod step;
 
 use peregrine_tensor::ops::rms_norm;
 use peregrine_tensor::{DType, Embedding, QLinear, Tensor};
@@ -35,6 +36,18 @@ pub fn output_logits(
     };
     let logits = lm_head.forward(&rms_norm(&x, norm, eps)?)?; // [1, m, vocab]
     Ok(logits.squeeze(0)?.to_dtype(DType::F32)?)
+}
+
+/// Fails unless `n` tokens (at least one) fit at position `start` of a context of `max`.
+pub fn check_room(n: usize, start: usize, max: usize) -> Result<()> {
+    if n == 0 || start + n > max {
+        return Err(crate::ModelError::Tensor(
+            peregrine_tensor::candle::Error::Msg(format!(
+                "cannot run {n} tokens at position {start}: the context holds {max} positions"
+            )),
+        ));
+    }
+    Ok(())
 }
 
 /// Bytes of a decoder's weights: `norms_per_layer` hidden-size norms per layer and the final

@@ -35,6 +35,9 @@ use tasks::{Columns, Part, PartBytes, interleaved_task, rows_task};
 #[cfg(target_arch = "x86_64")]
 use tasks::{PANEL_MIN_ROWS, panel_gemm, panels};
 
+/// Most matrices one [`GgufMatrix::matmul_group_into`] call takes (q/k/v is three).
+pub const MAX_GROUP: usize = 4;
+
 /// A GGUF weight `[out, in]` with its CPU kernel (when its format has one).
 #[derive(Debug, Clone)]
 pub struct GgufMatrix {
@@ -177,19 +180,39 @@ impl GgufMatrix {
         }
         let mut out = vec![0f32; flat.len() * hidden];
         for (o, &id) in out.chunks_exact_mut(hidden).zip(&flat) {
-            let id = id as usize;
-            match (&self.storage, self.format) {
-                (Layout::Interleaved(w), _) => w.dequantize_row(id, o),
-                (Layout::Blocks(b), Some(format)) => {
-                    let row_bytes = hidden / format.block_len() * format.block_bytes();
-                    scalar::dequantize_row(format, &b[id * row_bytes..][..row_bytes], o)?;
-                }
-                _ => bail!("gguf embedding: rows of {:?} without a format", self.dims),
-            }
+            self.row_into(id as usize, o)?;
         }
         let mut dims = ids.dims().to_vec();
         dims.push(hidden);
         Tensor::from_vec(out, dims, &Device::Cpu)?.to_device(ids.device())
+    }
+
+    /// Row `r` dequantized into `out` (`in` values); allocates nothing in the interleaved and
+    /// block layouts (a decode step's embedding lookup), goes through candle in the file's.
+    pub fn row_into(&self, r: usize, out: &mut [f32]) -> Result<()> {
+        let (rows, cols) = self.dims;
+        if r >= rows || out.len() != cols {
+            bail!("gguf row {r} of {:?} into {} values", self.dims, out.len());
+        }
+        match (&self.storage, self.format) {
+            (Layout::Interleaved(w), _) => w.dequantize_row(r, out),
+            (Layout::Blocks(b), Some(format)) => {
+                let row_bytes = cols / format.block_len() * format.block_bytes();
+                scalar::dequantize_row(format, &b[r * row_bytes..][..row_bytes], out)?;
+            }
+            (Layout::Blocks(_), None) => {
+                bail!("gguf row: blocks of {:?} without a format", self.dims)
+            }
+            (Layout::Rows { qtensor, .. }, _) => {
+                let ids = Tensor::new(&[r as u32], &Device::Cpu)?;
+                let row = qtensor
+                    .embedding(&ids)?
+                    .flatten_all()?
+                    .to_dtype(DType::F32)?;
+                out.copy_from_slice(&row.to_vec1::<f32>()?);
+            }
+        }
+        Ok(())
     }
 
     /// `x: [.., in]` → `[.., out]` in `x`'s dtype.
@@ -250,70 +273,109 @@ impl GgufMatrix {
         m: usize,
         kernel: Kernel,
     ) -> Result<Vec<Vec<f32>>> {
+        let mut ys: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; m * w.dims().0]).collect();
+        let mut xq = Vec::new();
+        for (mats, ys) in mats.chunks(MAX_GROUP).zip(ys.chunks_mut(MAX_GROUP)) {
+            let mut outs: [&mut [f32]; MAX_GROUP] = Default::default();
+            for (o, y) in outs.iter_mut().zip(ys) {
+                *o = y;
+            }
+            Self::matmul_group_into(mats, x, m, kernel, &mut xq, &mut outs[..mats.len()])?;
+        }
+        Ok(ys)
+    }
+
+    /// [`matmul_group`](Self::matmul_group) into the caller's buffers, allocating nothing for
+    /// a single input row (the decode step): `outs[i]` is `[m, out_i]` and is overwritten,
+    /// `xq` holds the quantized input between calls. At most [`MAX_GROUP`] matrices.
+    pub fn matmul_group_into(
+        mats: &[&Self],
+        x: &[f32],
+        m: usize,
+        kernel: Kernel,
+        xq: &mut Vec<Q8Block>,
+        outs: &mut [&mut [f32]],
+    ) -> Result<()> {
         if !kernel.runs_here() {
             bail!("gguf matmul: this CPU cannot run the {kernel:?} kernel");
         }
         let Some(k) = mats.first().map(|w| w.dims().1) else {
-            return Ok(Vec::new());
+            return Ok(());
         };
         if x.len() != m * k {
             bail!("gguf matmul: {} inputs for {m} rows of {k}", x.len());
         }
-        let mut parts = Vec::with_capacity(mats.len());
-        for w in mats {
+        if mats.len() > MAX_GROUP || outs.len() != mats.len() {
+            bail!(
+                "gguf matmul: {} matrices, {} outputs",
+                mats.len(),
+                outs.len()
+            );
+        }
+        let mut parts: [Option<Part>; MAX_GROUP] = Default::default();
+        let mut columns: [Option<Columns>; MAX_GROUP] = Default::default();
+        for (i, (w, out)) in mats.iter().zip(outs.iter_mut()).enumerate() {
             let Some(format) = w.format else {
                 bail!("gguf matmul: a matrix without a kernel in {:?}", w.dims());
             };
-            if w.dims().1 != k {
-                bail!("gguf matmul: widths {} and {k} in one group", w.dims().1);
+            if w.dims().1 != k || out.len() != m * w.dims().0 {
+                bail!(
+                    "gguf matmul: a {:?} matrix in a group of width {k} with {} outputs",
+                    w.dims(),
+                    out.len()
+                );
             }
             let bytes = match &w.storage {
                 Layout::Rows { qtensor, .. } => PartBytes::Rows(format, qtensor.data()?),
                 Layout::Interleaved(iw) => PartBytes::Interleaved(iw),
                 Layout::Blocks(b) => PartBytes::Rows(format, b.as_slice().into()),
             };
-            parts.push(Part {
+            parts[i] = Some(Part {
                 rows: w.dims().0,
                 bytes,
             });
+            columns[i] = Some(Columns(out.as_mut_ptr(), w.dims().0));
         }
+        let parts = &parts[..mats.len()];
         let blocks = k / QK;
-        let mut xq = vec![Q8Block::default(); m * blocks];
+        xq.clear();
+        xq.resize(m * blocks, Q8Block::default());
         xq.par_chunks_mut(blocks)
             .zip(x.par_chunks(k))
             .for_each(|(q, x)| quantize_row(x, q));
+        let xq = &xq[..];
 
-        let total_rows: usize = parts.iter().map(|p| p.rows).sum();
+        let rows = |p: &Option<Part>| p.as_ref().map_or(0, |p| p.rows);
+        let total_rows: usize = parts.iter().map(rows).sum();
         // Whole groups of 8 rows per task, for the interleaved layout.
         let rows_per_task = (total_rows / (rayon::current_num_threads() * 4))
             .clamp(1, 512)
             .next_multiple_of(interleaved::ROWS);
-        let mut ys: Vec<Vec<f32>> = parts.iter().map(|p| vec![0f32; m * p.rows]).collect();
-        let outs: Vec<Columns> = (ys.iter_mut().zip(&parts))
-            .map(|(y, p)| Columns(y.as_mut_ptr(), p.rows))
-            .collect();
-        // Each task owns output columns r0..r1 of one matrix (rows of its weight), for all m.
-        let tasks: Vec<(usize, usize, usize)> = (parts.iter().enumerate())
-            .flat_map(|(p, part)| {
-                (0..part.rows)
-                    .step_by(rows_per_task)
-                    .map(move |r0| (p, r0, (r0 + rows_per_task).min(part.rows)))
-            })
-            .collect();
+        let tasks_of = |p: &Option<Part>| rows(p).div_ceil(rows_per_task);
+        let tasks: usize = parts.iter().map(tasks_of).sum();
         #[cfg(target_arch = "x86_64")]
         let use_panels = m >= PANEL_MIN_ROWS && kernel.has_avx2();
         #[cfg(target_arch = "x86_64")]
-        let any_rows = parts.iter().any(|p| matches!(p.bytes, PartBytes::Rows(..)));
+        let any_rows = (parts.iter().flatten()).any(|p| matches!(p.bytes, PartBytes::Rows(..)));
         let xp = match use_panels && any_rows {
-            true => panels(&xq, m, blocks),
+            true => panels(xq, m, blocks),
             false => Vec::new(),
         };
-        tasks.into_par_iter().for_each(|(p, r0, r1)| {
-            let (part, out) = (&parts[p], &outs[p]);
+        // Each task owns output columns r0..r1 of one matrix (rows of its weight), for all m.
+        (0..tasks).into_par_iter().for_each(|mut t| {
+            let mut p = 0;
+            while t >= tasks_of(&parts[p]) {
+                t -= tasks_of(&parts[p]);
+                p += 1;
+            }
+            let (Some(part), Some(out)) = (&parts[p], &columns[p]) else {
+                unreachable!("every matrix of the group has a part and its columns")
+            };
+            let (r0, r1) = (t * rows_per_task, ((t + 1) * rows_per_task).min(part.rows));
             // SAFETY (every call below): the task owns output columns r0..r1, for all m rows.
             let (format, data) = match &part.bytes {
                 PartBytes::Interleaved(iw) => {
-                    unsafe { interleaved_task(kernel, iw, &xq, m, out, r0, r1) };
+                    unsafe { interleaved_task(kernel, iw, xq, m, out, r0, r1) };
                     return;
                 }
                 PartBytes::Rows(format, data) => (*format, data),
@@ -325,8 +387,8 @@ impl GgufMatrix {
                 unsafe { panel_gemm(kernel, format, rows, row_bytes, &xp, blocks, m, out, r0) };
                 return;
             }
-            unsafe { rows_task(kernel, format, data, row_bytes, &xq, m, out, r0, r1) };
+            unsafe { rows_task(kernel, format, data, row_bytes, xq, m, out, r0, r1) };
         });
-        Ok(ys)
+        Ok(())
     }
 }

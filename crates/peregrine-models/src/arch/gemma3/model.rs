@@ -8,8 +8,9 @@ use peregrine_tensor::{DType, Device, Embedding, QLinear, RopeScaling, RotaryEmb
 use crate::layers::attention::Attention;
 use crate::layers::mlp::GatedMlp;
 use crate::layers::norm_weight;
+use crate::layers::step::{StepBuffers, StepPool, add_into, norm_into, output_logits_into};
 use crate::weights::Weights;
-use crate::{CausalLm, Logits, ModelConfig, ModelError, Result};
+use crate::{CausalLm, Logits, ModelConfig, Result};
 
 struct Layer {
     input_layernorm: Tensor,
@@ -34,6 +35,7 @@ pub struct Gemma3Lm {
     rope_local: RotaryEmbedding,
     device: Device,
     dtype: DType,
+    steps: StepPool,
 }
 
 impl Gemma3Lm {
@@ -94,6 +96,7 @@ impl Gemma3Lm {
             device: w.device().clone(),
             dtype: w.dtype(),
             config,
+            steps: StepPool::default(),
         })
     }
 }
@@ -121,6 +124,37 @@ impl Layer {
     }
 }
 
+impl Layer {
+    /// [`forward`](Self::forward) for one token over a decode step's buffers (`b.x`).
+    fn step(
+        &self,
+        b: &mut StepBuffers,
+        eps: f32,
+        rope: &RotaryEmbedding,
+        cache: &mut dyn LayerCache,
+        pos: usize,
+    ) -> Result<()> {
+        norm_into(&b.x, &self.input_layernorm, eps, &mut b.normed)?;
+        self.self_attn.step(b, rope, cache, pos)?;
+        norm_into(&b.out, &self.post_attention_layernorm, eps, &mut b.normed)?;
+        add_into(&mut b.x, &b.normed);
+        norm_into(&b.x, &self.pre_feedforward_layernorm, eps, &mut b.normed)?;
+        self.mlp.step(b)?;
+        norm_into(&b.out, &self.post_feedforward_layernorm, eps, &mut b.normed)?;
+        add_into(&mut b.x, &b.normed);
+        Ok(())
+    }
+}
+
+impl Gemma3Lm {
+    fn rope(&self, layer: &Layer) -> &RotaryEmbedding {
+        match layer.sliding {
+            true => &self.rope_local,
+            false => &self.rope_global,
+        }
+    }
+}
+
 impl CausalLm for Gemma3Lm {
     fn config(&self) -> &ModelConfig {
         &self.config
@@ -140,14 +174,7 @@ impl CausalLm for Gemma3Lm {
     fn forward(&self, tokens: &[u32], cache: &mut SequenceCache, want: Logits) -> Result<Tensor> {
         let n = tokens.len();
         let start = cache.len();
-        if n == 0 || start + n > self.rope_global.max_positions() {
-            return Err(ModelError::Tensor(peregrine_tensor::candle::Error::Msg(
-                format!(
-                    "cannot run {n} tokens at position {start}: the context holds {} positions",
-                    self.rope_global.max_positions()
-                ),
-            )));
-        }
+        crate::layers::check_room(n, start, self.rope_global.max_positions())?;
         let eps = self.config.rms_norm_eps as f32;
         let ids = Tensor::new(tokens, &self.device)?.unsqueeze(0)?; // [1, n]
         let mut x = self
@@ -155,13 +182,29 @@ impl CausalLm for Gemma3Lm {
             .forward(&ids, self.dtype)?
             .broadcast_mul(&self.embed_scale)?; // [1, n, hidden]
         for (i, layer) in self.layers.iter().enumerate() {
-            let rope = match layer.sliding {
-                true => &self.rope_local,
-                false => &self.rope_global,
-            };
-            x = layer.forward(&x, eps, rope, cache.layer(i), start)?;
+            x = layer.forward(&x, eps, self.rope(layer), cache.layer(i), start)?;
         }
         crate::layers::output_logits(&x, want, &self.norm, eps, &self.lm_head)
+    }
+
+    fn decode(&self, token: u32, cache: &mut SequenceCache, logits: &mut Vec<f32>) -> Result<()> {
+        if !self.device.is_cpu() {
+            return crate::decode_with_forward(self, token, cache, logits);
+        }
+        let pos = cache.len();
+        crate::layers::check_room(1, pos, self.rope_global.max_positions())?;
+        let eps = self.config.rms_norm_eps as f32;
+        // `embed_scale` in f32, the CPU's compute dtype.
+        let scale = (self.config.hidden_size as f32).sqrt();
+        self.steps.run(&self.config, |b| {
+            self.embed_tokens.row_into(token, &mut b.x)?;
+            b.x.iter_mut().for_each(|x| *x *= scale);
+            for (i, layer) in self.layers.iter().enumerate() {
+                layer.step(b, eps, self.rope(layer), cache.layer(i), pos)?;
+            }
+            let vocab = self.config.vocab_size;
+            output_logits_into(b, &self.norm, eps, &self.lm_head, vocab, logits)
+        })
     }
 
     fn device(&self) -> &Device {

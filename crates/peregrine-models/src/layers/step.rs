@@ -1,0 +1,117 @@
+//! The decode step on the CPU: one token through the model over buffers allocated once per
+//! sequence slot and reused every token, so the hot path allocates nothing (GGUF and regrouped
+//! MLX weights; KV buffers still grow in steps of 256 positions). Each architecture's `decode`
+//! runs the same layers as its `forward`, which stays the reference the step is tested against.
+
+use std::sync::Mutex;
+
+use peregrine_tensor::attention::AttnScratch;
+use peregrine_tensor::linear::LinearScratch;
+use peregrine_tensor::ops::{rms_norm_into, rms_norm_rows_in_place, with_f32};
+use peregrine_tensor::{QLinear, Tensor};
+
+use crate::{ModelConfig, ModelError, Result};
+
+/// The activations of one decode step, each sized for its place in the layer.
+pub struct StepBuffers {
+    /// The residual stream, `[hidden]`.
+    pub x: Vec<f32>,
+    /// A normed copy of `x` (a block's input), `[hidden]`.
+    pub normed: Vec<f32>,
+    /// A block's output before it joins `x`, `[hidden]`.
+    pub out: Vec<f32>,
+    /// Query heads, `[heads · head_dim]`.
+    pub q: Vec<f32>,
+    /// Key heads, `[kv_heads · head_dim]`.
+    pub k: Vec<f32>,
+    /// Value heads, `[kv_heads · head_dim]`.
+    pub v: Vec<f32>,
+    /// Attention's output heads, `[heads · head_dim]`.
+    pub attn: Vec<f32>,
+    /// The MLP's gate (then its activation), `[intermediate]`.
+    pub gate: Vec<f32>,
+    /// The MLP's up projection, `[intermediate]`.
+    pub up: Vec<f32>,
+    /// The matmuls' quantized input.
+    pub linear: LinearScratch,
+    /// Attention's partial sums.
+    pub attention: AttnScratch,
+}
+
+impl StepBuffers {
+    fn new(c: &ModelConfig) -> Self {
+        let zeros = |n: usize| vec![0f32; n];
+        let (q_dim, kv_dim) = (
+            c.num_attention_heads * c.head_dim,
+            c.num_key_value_heads * c.head_dim,
+        );
+        Self {
+            x: zeros(c.hidden_size),
+            normed: zeros(c.hidden_size),
+            out: zeros(c.hidden_size),
+            q: zeros(q_dim),
+            k: zeros(kv_dim),
+            v: zeros(kv_dim),
+            attn: zeros(q_dim),
+            gate: zeros(c.intermediate_size),
+            up: zeros(c.intermediate_size),
+            linear: LinearScratch::default(),
+            attention: AttnScratch::default(),
+        }
+    }
+}
+
+/// Step buffers for the sequences decoding at once: a step takes a set (allocated the first
+/// time only) and gives it back, so the model stays shareable across threads.
+#[derive(Default)]
+pub struct StepPool(Mutex<Vec<StepBuffers>>);
+
+impl StepPool {
+    /// Runs `f` with a set of buffers sized for `c`.
+    pub fn run<R>(&self, c: &ModelConfig, f: impl FnOnce(&mut StepBuffers) -> R) -> R {
+        let taken = self.0.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let mut buffers = taken.unwrap_or_else(|| StepBuffers::new(c));
+        let result = f(&mut buffers);
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(buffers);
+        result
+    }
+}
+
+/// `out = rms_norm(x) · w` for one row, `w` an f32 CPU tensor (every CPU model's norms).
+pub fn norm_into(x: &[f32], w: &Tensor, eps: f32, out: &mut [f32]) -> Result<()> {
+    with_f32(w, |w| rms_norm_into(x, w, eps, out))?.ok_or_else(not_f32)
+}
+
+/// Each `w.len()`-wide row of `x` normed in place (per-head q/k norms).
+pub fn norm_rows_in_place(x: &mut [f32], w: &Tensor, eps: f32) -> Result<()> {
+    with_f32(w, |w| rms_norm_rows_in_place(x, w, eps))?.ok_or_else(not_f32)
+}
+
+fn not_f32() -> ModelError {
+    ModelError::Tensor(peregrine_tensor::candle::Error::Msg(
+        "decode step: norm weights must be f32 on the CPU".into(),
+    ))
+}
+
+/// `x += y`.
+pub fn add_into(x: &mut [f32], y: &[f32]) {
+    x.iter_mut().zip(y).for_each(|(x, y)| *x += y);
+}
+
+/// The output head for one token: final norm of `b.x`, then `lm_head` into `logits`.
+pub fn output_logits_into(
+    b: &mut StepBuffers,
+    norm: &Tensor,
+    eps: f32,
+    lm_head: &QLinear,
+    vocab: usize,
+    logits: &mut Vec<f32>,
+) -> Result<()> {
+    norm_into(&b.x, norm, eps, &mut b.normed)?;
+    logits.resize(vocab, 0.0);
+    QLinear::forward_group_into(&[lm_head], &b.normed, &mut [&mut logits[..]], &mut b.linear)?;
+    Ok(())
+}
