@@ -1,8 +1,14 @@
-//! A growable k/v buffer shared by the cache variants.
+//! A growable k/v buffer shared by the cache variants. On the CPU it owns its memory, written
+//! and read in place (a decode step's append and attention allocate nothing); on other devices
+//! it holds candle tensors.
+
+use std::ops::Range;
 
 use half::{bf16, f16};
-use peregrine_tensor::attention::{AttnScratch, MaskSpec, attention, attention_row_into};
-use peregrine_tensor::candle::{CpuStorage, InplaceOp1, Layout};
+use peregrine_tensor::attention::{
+    AttnScratch, CpuKv, CpuRows, MaskSpec, attention, attention_kv, attention_row_into,
+};
+use peregrine_tensor::ops::with_f32;
 use peregrine_tensor::{DType, Device, Result, Tensor};
 
 use crate::AttnParams;
@@ -10,15 +16,39 @@ use crate::AttnParams;
 /// Rounds allocations up so that decode rarely reallocates.
 const GROW_STEP: usize = 256;
 
-/// k and v stored as `[1, kv_heads, capacity, head_dim]`; slots `0..used` hold positions
-/// `start..start + used`.
+/// Slots `0..used` hold positions `start..start + used`.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct KvBuffer {
-    kv: Option<(Tensor, Tensor)>,
+    store: Option<Store>,
     /// Storage dtype; `None` keeps the activations' dtype.
     pub(crate) dtype: Option<DType>,
     pub(crate) start: usize,
     pub(crate) used: usize,
+    /// Keep CPU data in tensors too, as on other devices (tests compare the two stores).
+    tensors_on_cpu: bool,
+}
+
+/// Where the keys and values live: `[kv_heads, capacity, head_dim]` each.
+#[derive(Debug, Clone)]
+enum Store {
+    /// On the CPU, in our own buffers.
+    Cpu {
+        k: Plane,
+        v: Plane,
+        heads: usize,
+        capacity: usize,
+        head_dim: usize,
+    },
+    /// As `[1, kv_heads, capacity, head_dim]` tensors written with `slice_set`.
+    Tensors(Tensor, Tensor),
+}
+
+/// Keys or values on the CPU, in the storage dtype.
+#[derive(Debug, Clone)]
+enum Plane {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
 }
 
 impl KvBuffer {
@@ -30,28 +60,60 @@ impl KvBuffer {
         }
     }
 
+    /// [`new`](Self::new) that keeps CPU data in candle tensors, as on other devices.
+    #[cfg(test)]
+    fn new_on_tensors(dtype: Option<DType>) -> Self {
+        Self {
+            tensors_on_cpu: true,
+            ..Self::new(dtype)
+        }
+    }
+
     pub(crate) fn end(&self) -> usize {
         self.start + self.used
     }
 
     fn capacity(&self) -> usize {
-        self.kv.as_ref().map_or(0, |(k, _)| k.dims()[2])
+        match &self.store {
+            None => 0,
+            Some(Store::Cpu { capacity, .. }) => *capacity,
+            Some(Store::Tensors(k, _)) => k.dims()[2],
+        }
     }
 
-    /// Appends `n` positions; when `keep` is set, first drops all but the last `keep` stored
-    /// positions if the buffer would otherwise grow.
+    /// Appends `k, v: [1, heads, n, head_dim]`; when `keep` is set, first drops all but the
+    /// last `keep` stored positions if the buffer would otherwise grow.
     pub(crate) fn append(&mut self, k: &Tensor, v: &Tensor, keep: Option<usize>) -> Result<()> {
         let (_, heads, n, head_dim) = k.dims4()?;
         let dtype = self.dtype.unwrap_or(k.dtype());
         self.make_room(n, keep, (heads, head_dim), dtype, k.device())?;
-        let (bk, bv) = self.kv.as_ref().expect("allocated above");
-        bk.slice_set(&k.to_dtype(bk.dtype())?.contiguous()?, 2, self.used)?;
-        bv.slice_set(&v.to_dtype(bv.dtype())?.contiguous()?, 2, self.used)?;
+        let at = self.used;
+        match self.store.as_mut().expect("allocated above") {
+            Store::Cpu {
+                k: pk,
+                v: pv,
+                capacity,
+                ..
+            } => {
+                for (plane, x) in [(pk, k), (pv, v)] {
+                    let x = x.to_dtype(DType::F32)?.contiguous()?;
+                    let write = |x: &[f32]| plane.write(x, n * head_dim, at, *capacity, head_dim);
+                    if with_f32(&x, write)?.is_none() {
+                        bail("kv append: rows are not on the CPU")?;
+                    }
+                }
+            }
+            Store::Tensors(bk, bv) => {
+                bk.slice_set(&k.to_dtype(bk.dtype())?.contiguous()?, 2, at)?;
+                bv.slice_set(&v.to_dtype(bv.dtype())?.contiguous()?, 2, at)?;
+            }
+        }
         self.used += n;
         Ok(())
     }
 
-    /// [`append`](Self::append) of one position from f32 rows on the CPU, written in place.
+    /// [`append`](Self::append) of one position from f32 rows (`heads · head_dim` each):
+    /// written in place on the CPU.
     pub(crate) fn append_row(
         &mut self,
         k: &[f32],
@@ -60,19 +122,31 @@ impl KvBuffer {
         keep: Option<usize>,
     ) -> Result<()> {
         let heads = k.len() / head_dim;
+        if let Some(Store::Tensors(bk, _)) = &self.store {
+            let device = bk.device().clone();
+            let t = |x: &[f32]| Tensor::from_slice(x, (1, heads, 1, head_dim), &device);
+            return self.append(&t(k)?, &t(v)?, keep);
+        }
         let dtype = self.dtype.unwrap_or(DType::F32);
         self.make_room(1, keep, (heads, head_dim), dtype, &Device::Cpu)?;
-        let (bk, bv) = self.kv.as_ref().expect("allocated above");
-        bk.inplace_op1(&WriteRow {
-            row: k,
-            slot: self.used,
-        })?;
-        bv.inplace_op1(&WriteRow {
-            row: v,
-            slot: self.used,
-        })?;
-        self.used += 1;
-        Ok(())
+        let at = self.used;
+        match self.store.as_mut().expect("allocated above") {
+            Store::Cpu {
+                k: pk,
+                v: pv,
+                capacity,
+                ..
+            } => {
+                pk.write(k, head_dim, at, *capacity, head_dim);
+                pv.write(v, head_dim, at, *capacity, head_dim);
+                self.used += 1;
+                Ok(())
+            }
+            Store::Tensors(..) => {
+                let t = |x: &[f32]| Tensor::from_slice(x, (1, heads, 1, head_dim), &Device::Cpu);
+                self.append(&t(k)?, &t(v)?, keep)
+            }
+        }
     }
 
     /// Makes room for `n` more positions of `(heads, head_dim)`, dropping all but the last
@@ -96,17 +170,63 @@ impl KvBuffer {
             _ => kept + n,
         };
         let capacity = want.div_ceil(GROW_STEP) * GROW_STEP;
-        let new_k = Tensor::zeros((1, heads, capacity, head_dim), dtype, device)?;
-        let new_v = new_k.zeros_like()?;
-        if let Some((k, v)) = &self.kv {
-            let from = self.used - kept;
-            new_k.slice_set(&k.narrow(2, from, kept)?.contiguous()?, 2, 0)?;
-            new_v.slice_set(&v.narrow(2, from, kept)?.contiguous()?, 2, 0)?;
-            self.start += from;
-        }
+        let from = self.used - kept;
+        let moved = from..self.used;
+        let store = match self.store.take() {
+            None if device.is_cpu() && !self.tensors_on_cpu => {
+                let plane = || Plane::zeros(dtype, heads * capacity * head_dim);
+                Store::Cpu {
+                    k: plane()?,
+                    v: plane()?,
+                    heads,
+                    capacity,
+                    head_dim,
+                }
+            }
+            None => {
+                let k = Tensor::zeros((1, heads, capacity, head_dim), dtype, device)?;
+                let v = k.zeros_like()?;
+                Store::Tensors(k, v)
+            }
+            Some(Store::Cpu {
+                k,
+                v,
+                capacity: old,
+                ..
+            }) => Store::Cpu {
+                k: k.regrown(old, capacity, moved.clone(), head_dim),
+                v: v.regrown(old, capacity, moved, head_dim),
+                heads,
+                capacity,
+                head_dim,
+            },
+            Some(Store::Tensors(k, v)) => {
+                let new_k = Tensor::zeros((1, heads, capacity, head_dim), k.dtype(), k.device())?;
+                let new_v = new_k.zeros_like()?;
+                new_k.slice_set(&k.narrow(2, from, kept)?.contiguous()?, 2, 0)?;
+                new_v.slice_set(&v.narrow(2, from, kept)?.contiguous()?, 2, 0)?;
+                Store::Tensors(new_k, new_v)
+            }
+        };
+        self.store = Some(store);
+        self.start += from;
         self.used = kept;
-        self.kv = Some((new_k, new_v));
         Ok(())
+    }
+
+    /// The slots the last `q_len` positions' queries may see, and their mask.
+    fn visible(&self, q_len: usize, window: Option<usize>) -> (Range<usize>, MaskSpec) {
+        let q_start = self.end() - q_len;
+        // Keys older than the window are never visible: skip them instead of masking them.
+        let first = window.map_or(self.start, |w| {
+            (q_start + 1).saturating_sub(w).max(self.start)
+        });
+        let mask = MaskSpec {
+            q_start,
+            k_start: first,
+            window,
+        };
+        (first - self.start..self.used, mask)
     }
 
     /// Attends the queries of the last `q.dim(2)` positions over the stored keys they may see.
@@ -116,57 +236,58 @@ impl KvBuffer {
         params: &AttnParams,
         window: Option<usize>,
     ) -> Result<Tensor> {
-        let Some((k, v)) = &self.kv else {
-            candle_bail("attend called on an empty cache")?
-        };
-        let q_len = q.dim(2)?;
-        let q_start = self.end() - q_len;
-        // Keys older than the window are never visible: skip them instead of masking them.
-        let first = window.map_or(self.start, |w| {
-            (q_start + 1).saturating_sub(w).max(self.start)
-        });
-        let skip = first - self.start;
-        let (k, v) = (
-            k.narrow(2, skip, self.used - skip)?,
-            v.narrow(2, skip, self.used - skip)?,
-        );
-        attention(
-            q,
-            &k,
-            &v,
-            params.scale,
-            &MaskSpec {
-                q_start,
-                k_start: first,
-                window,
-            },
-        )
+        let (slots, mask) = self.visible(q.dim(2)?, window);
+        match &self.store {
+            None => bail("attend called on an empty cache"),
+            Some(Store::Cpu { .. }) => attention_kv(q, &self.cpu_kv()?, slots, params.scale, &mask),
+            Some(Store::Tensors(k, v)) => {
+                let (k, v) = (
+                    k.narrow(2, slots.start, slots.len())?,
+                    v.narrow(2, slots.start, slots.len())?,
+                );
+                attention(q, &k, &v, params.scale, &mask)
+            }
+        }
     }
 
-    /// [`attend`](Self::attend) for the last position's query heads `q` into `out`, reading
-    /// the cache in place.
+    /// [`attend`](Self::attend) for the last position's query heads `q` into `out`; on the
+    /// CPU without allocating once `scratch` has grown.
     pub(crate) fn attend_row(
         &self,
         q: &[f32],
+        head_dim: usize,
         params: &AttnParams,
         window: Option<usize>,
-        out: &mut [f32],
-        scratch: &mut AttnScratch,
+        (out, scratch): (&mut [f32], &mut AttnScratch),
     ) -> Result<()> {
-        let Some((k, v)) = &self.kv else {
-            candle_bail("attend called on an empty cache")?
-        };
-        let q_start = self.end() - 1;
-        let first = window.map_or(self.start, |w| {
-            (q_start + 1).saturating_sub(w).max(self.start)
-        });
-        let mask = MaskSpec {
-            q_start,
-            k_start: first,
-            window,
-        };
-        let slots = first - self.start..self.used;
-        attention_row_into(q, k, v, slots, params.scale, &mask, out, scratch)
+        let (slots, mask) = self.visible(1, window);
+        match &self.store {
+            None => bail("attend called on an empty cache"),
+            Some(Store::Cpu { .. }) => {
+                let kv = self.cpu_kv()?;
+                attention_row_into(q, &kv, slots, params.scale, &mask, out, scratch)
+            }
+            Some(Store::Tensors(k, _)) => {
+                let shape = (1, q.len() / head_dim, 1, head_dim);
+                let q = Tensor::from_slice(q, shape, k.device())?;
+                let y = self.attend(&q, params, window)?.flatten_all()?;
+                out.copy_from_slice(&y.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+                Ok(())
+            }
+        }
+    }
+
+    fn cpu_kv(&self) -> Result<CpuKv<'_>> {
+        match &self.store {
+            Some(Store::Cpu {
+                k,
+                v,
+                heads,
+                capacity,
+                head_dim,
+            }) => CpuKv::new(k.rows(), v.rows(), *heads, *capacity, *head_dim),
+            _ => bail("kv: not a CPU buffer"),
+        }
     }
 
     pub(crate) fn trim(&mut self, n: usize) {
@@ -174,61 +295,156 @@ impl KvBuffer {
     }
 
     pub(crate) fn bytes(&self) -> usize {
-        self.kv.as_ref().map_or(0, |(k, v)| {
-            (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes()
-        })
+        match &self.store {
+            None => 0,
+            Some(Store::Cpu { k, v, .. }) => k.bytes() + v.bytes(),
+            Some(Store::Tensors(k, v)) => {
+                (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes()
+            }
+        }
     }
 
-    /// A deep copy: buffers are written in place, so sharing storage would alias.
+    /// A deep copy: tensors are written in place, so sharing their storage would alias.
     pub(crate) fn deep_copy(&self) -> Result<Self> {
-        let kv = match &self.kv {
-            Some((k, v)) => Some((k.copy()?, v.copy()?)),
-            None => None,
+        let store = match &self.store {
+            Some(Store::Tensors(k, v)) => Some(Store::Tensors(k.copy()?, v.copy()?)),
+            other => other.clone(),
         };
         Ok(Self {
-            kv,
-            dtype: self.dtype,
-            start: self.start,
-            used: self.used,
+            store,
+            ..self.clone()
         })
     }
 }
 
-/// Writes one position's f32 rows (`heads · head_dim`) into slot `slot` of a
-/// `[1, heads, capacity, head_dim]` buffer, converting to its dtype.
-struct WriteRow<'a> {
-    row: &'a [f32],
-    slot: usize,
-}
-
-impl InplaceOp1 for WriteRow<'_> {
-    fn name(&self) -> &'static str {
-        "kv-write-row"
+impl Plane {
+    fn zeros(dtype: DType, len: usize) -> Result<Self> {
+        Ok(match dtype {
+            DType::F32 => Self::F32(vec![0.0; len]),
+            DType::F16 => Self::F16(vec![f16::ZERO; len]),
+            DType::BF16 => Self::BF16(vec![bf16::ZERO; len]),
+            other => bail(&format!(
+                "kv cache: {other:?} storage (f32, f16 or bf16 on the CPU)"
+            ))?,
+        })
     }
 
-    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> Result<()> {
-        let (&[_, heads, capacity, d], &[_, s1, s2, 1]) = (layout.dims(), layout.stride()) else {
-            candle_bail("kv write: not a [1, heads, capacity, head_dim] buffer")?
-        };
-        if self.row.len() != heads * d || self.slot >= capacity {
-            candle_bail("kv write: the row does not fit the buffer")?
+    fn rows(&self) -> CpuRows<'_> {
+        match self {
+            Self::F32(x) => CpuRows::F32(x),
+            Self::F16(x) => CpuRows::F16(x),
+            Self::BF16(x) => CpuRows::BF16(x),
         }
-        let at = |h: usize| layout.start_offset() + h * s1 + self.slot * s2;
-        let rows = self.row.chunks_exact(d).enumerate();
-        match storage {
-            CpuStorage::F32(b) => rows.for_each(|(h, r)| b[at(h)..][..d].copy_from_slice(r)),
-            CpuStorage::F16(b) => rows.for_each(|(h, r)| {
-                (b[at(h)..][..d].iter_mut().zip(r)).for_each(|(b, &x)| *b = f16::from_f32(x))
-            }),
-            CpuStorage::BF16(b) => rows.for_each(|(h, r)| {
-                (b[at(h)..][..d].iter_mut().zip(r)).for_each(|(b, &x)| *b = bf16::from_f32(x))
-            }),
-            _ => candle_bail("kv write: the buffer is not f32, f16 or bf16")?,
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Self::F32(x) => x.len() * 4,
+            Self::F16(x) => x.len() * 2,
+            Self::BF16(x) => x.len() * 2,
         }
-        Ok(())
+    }
+
+    /// Writes `src`, one run of `run` values per head, from slot `at` of each head.
+    fn write(&mut self, src: &[f32], run: usize, at: usize, capacity: usize, head_dim: usize) {
+        fn put<T>(
+            dst: &mut [T],
+            src: &[f32],
+            run: usize,
+            first: impl Fn(usize) -> usize,
+            f: impl Fn(f32) -> T,
+        ) {
+            for (h, src) in src.chunks_exact(run).enumerate() {
+                let dst = &mut dst[first(h)..][..run];
+                dst.iter_mut().zip(src).for_each(|(d, &x)| *d = f(x));
+            }
+        }
+        let first = |h: usize| (h * capacity + at) * head_dim;
+        match self {
+            Self::F32(d) => put(d, src, run, first, |x| x),
+            Self::F16(d) => put(d, src, run, first, f16::from_f32),
+            Self::BF16(d) => put(d, src, run, first, bf16::from_f32),
+        }
+    }
+
+    /// A plane of `capacity` slots per head holding slots `moved` of this one (of `old` slots
+    /// per head) at its start.
+    fn regrown(self, old: usize, capacity: usize, moved: Range<usize>, head_dim: usize) -> Self {
+        fn regrow<T: Copy + Default>(
+            x: Vec<T>,
+            old: usize,
+            capacity: usize,
+            moved: Range<usize>,
+            d: usize,
+        ) -> Vec<T> {
+            let heads = x.len() / (old * d);
+            let mut grown = vec![T::default(); heads * capacity * d];
+            for h in 0..heads {
+                let src = &x[(h * old + moved.start) * d..(h * old + moved.end) * d];
+                grown[h * capacity * d..][..src.len()].copy_from_slice(src);
+            }
+            grown
+        }
+        match self {
+            Self::F32(x) => Self::F32(regrow(x, old, capacity, moved, head_dim)),
+            Self::F16(x) => Self::F16(regrow(x, old, capacity, moved, head_dim)),
+            Self::BF16(x) => Self::BF16(regrow(x, old, capacity, moved, head_dim)),
+        }
     }
 }
 
-fn candle_bail<T>(msg: &str) -> Result<T> {
+fn bail<T>(msg: &str) -> Result<T> {
     Err(peregrine_tensor::candle::Error::Msg(msg.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(from: usize, n: usize, salt: f32) -> Vec<f32> {
+        (0..2 * n * 8)
+            .map(|i| ((from * 16 + i) as f32 * 0.37 + salt).sin())
+            .collect()
+    }
+
+    /// The CPU store and the tensor store (other devices') take the same appends, tensor and
+    /// row ones, across growth and window drops, and attend identically after each.
+    #[test]
+    fn cpu_and_tensor_stores_attend_alike() {
+        let params = AttnParams { scale: 0.3 };
+        for dtype in [None, Some(DType::F16), Some(DType::BF16)] {
+            let (mut cpu, mut tensors) = (KvBuffer::new(dtype), KvBuffer::new_on_tensors(dtype));
+            let (keep, window) = (Some(300), Some(280));
+            let mut end = 0;
+            for n in [5, 1, 1, 300, 1, 260, 1] {
+                for b in [&mut cpu, &mut tensors] {
+                    if n == 1 {
+                        b.append_row(&rows(end, 1, 0.0), &rows(end, 1, 1.0), 8, keep)
+                            .unwrap();
+                    } else {
+                        let t = |s| Tensor::from_vec(rows(end, n, s), (1, 2, n, 8), &Device::Cpu);
+                        b.append(&t(0.0).unwrap(), &t(1.0).unwrap(), keep).unwrap();
+                    }
+                }
+                end += n;
+                assert_eq!((cpu.start, cpu.used), (tensors.start, tensors.used));
+                assert_eq!(cpu.bytes(), tensors.bytes());
+                let q = Tensor::from_vec(rows(end, 2, 2.0), (1, 4, 1, 8), &Device::Cpu).unwrap();
+                let a = cpu.attend(&q, &params, window).unwrap();
+                let b = tensors.attend(&q, &params, window).unwrap();
+                let diff = peregrine_tensor::ops::max_abs_diff(&a, &b).unwrap();
+                assert!(diff < 1e-6, "{dtype:?} after {end}: {diff}");
+                let mut out = vec![0f32; 32];
+                let scratch = &mut AttnScratch::default();
+                let q_row = rows(end, 2, 2.0);
+                cpu.attend_row(&q_row, 8, &params, window, (&mut out, scratch))
+                    .unwrap();
+                let a = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                assert_eq!(
+                    out, a,
+                    "{dtype:?} after {end}: attend_row differs from attend"
+                );
+            }
+        }
+    }
 }

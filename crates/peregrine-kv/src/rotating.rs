@@ -53,13 +53,13 @@ impl LayerCache for RotatingCache {
     fn attend_row(
         &self,
         q: &[f32],
-        _head_dim: usize,
+        head_dim: usize,
         params: &AttnParams,
         out: &mut [f32],
         scratch: &mut AttnScratch,
     ) -> Result<()> {
-        self.buf
-            .attend_row(q, params, Some(self.window), out, scratch)
+        let window = Some(self.window);
+        (self.buf).attend_row(q, head_dim, params, window, (out, scratch))
     }
 
     fn len(&self) -> usize {

@@ -37,12 +37,12 @@ impl LayerCache for SimpleCache {
     fn attend_row(
         &self,
         q: &[f32],
-        _head_dim: usize,
+        head_dim: usize,
         params: &AttnParams,
         out: &mut [f32],
         scratch: &mut AttnScratch,
     ) -> Result<()> {
-        self.buf.attend_row(q, params, None, out, scratch)
+        (self.buf).attend_row(q, head_dim, params, None, (out, scratch))
     }
 
     fn len(&self) -> usize {

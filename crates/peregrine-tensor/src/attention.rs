@@ -1,6 +1,9 @@
 //! Scaled dot-product attention with grouped-query heads, causal and sliding-window masks.
 
+use std::ops::Range;
+
 use candle_core::{D, Device, Result, Tensor};
+use half::{bf16, f16};
 
 /// Which keys a query may see, in absolute positions.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -111,24 +114,104 @@ pub fn attention_ref(
     probs.matmul(&v.contiguous()?)
 }
 
+/// One layer's keys or values held on the CPU by a cache, `[kv_heads, capacity, head_dim]`
+/// row-major in the cache's element type: attention reads them in place, never widened into a
+/// copy.
+#[derive(Debug, Clone, Copy)]
+pub enum CpuRows<'a> {
+    /// f32 elements.
+    F32(&'a [f32]),
+    /// f16 elements (llama.cpp's default cache precision).
+    F16(&'a [f16]),
+    /// bf16 elements.
+    BF16(&'a [bf16]),
+}
+
+impl CpuRows<'_> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::F32(x) => x.len(),
+            Self::F16(x) => x.len(),
+            Self::BF16(x) => x.len(),
+        }
+    }
+
+    /// True when there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A layer's cache on the CPU as attention reads it: keys and values of one element type,
+/// `[kv_heads, capacity, head_dim]` each.
+#[derive(Debug, Clone, Copy)]
+pub struct CpuKv<'a> {
+    pub(crate) k: CpuRows<'a>,
+    pub(crate) v: CpuRows<'a>,
+    pub(crate) kv_heads: usize,
+    pub(crate) capacity: usize,
+    pub(crate) head_dim: usize,
+}
+
+impl<'a> CpuKv<'a> {
+    /// Keys and values of `kv_heads × capacity × head_dim` elements each, of one element type.
+    pub fn new(
+        k: CpuRows<'a>,
+        v: CpuRows<'a>,
+        kv_heads: usize,
+        capacity: usize,
+        head_dim: usize,
+    ) -> Result<Self> {
+        let same_type = std::mem::discriminant(&k) == std::mem::discriminant(&v);
+        let plane = kv_heads * capacity * head_dim;
+        if !same_type || k.len() != plane || v.len() != plane {
+            candle_core::bail!(
+                "kv rows: {:?}/{:?} of {}/{} elements for {kv_heads} × {capacity} × {head_dim}",
+                std::mem::discriminant(&k),
+                std::mem::discriminant(&v),
+                k.len(),
+                v.len()
+            )
+        }
+        Ok(Self {
+            k,
+            v,
+            kv_heads,
+            capacity,
+            head_dim,
+        })
+    }
+}
+
+/// [`attention`] over slots `slots` of a CPU cache, whose first slot holds position
+/// `mask.k_start`: `q: [1, heads, q_len, head_dim]` → `[1, heads, q_len, head_dim]` (f32).
+pub fn attention_kv(
+    q: &Tensor,
+    kv: &CpuKv,
+    slots: Range<usize>,
+    scale: f64,
+    mask: &MaskSpec,
+) -> Result<Tensor> {
+    crate::attention_cpu::attention_kv(q, kv, slots, scale, mask)
+}
+
 /// Buffers that [`attention_row_into`] reuses from one decode step to the next.
 #[derive(Debug, Default)]
 pub struct AttnScratch(crate::attention_cpu::Scratch);
 
-/// One token's attention on the CPU without allocating (the decode step): `q` holds its query
-/// heads (`heads · d` f32), `k, v: [1, kv_heads, capacity, d]` (f32/f16/bf16) are a cache's
-/// tensors of which slots `slots` hold the keys `mask` numbers from `mask.k_start` on; the
-/// result overwrites `out` (`heads · d`). Same arithmetic as [`attention`] on the CPU.
-#[allow(clippy::too_many_arguments)]
+/// One token's attention without allocating once `scratch` has grown (the decode step): `q`
+/// holds its query heads (`heads · head_dim` f32), slots `slots` of `kv` hold the keys `mask`
+/// numbers from `mask.k_start` on; the result overwrites `out` (`heads · head_dim`). The same
+/// arithmetic as [`attention_kv`].
 pub fn attention_row_into(
     q: &[f32],
-    k: &Tensor,
-    v: &Tensor,
-    slots: std::ops::Range<usize>,
+    kv: &CpuKv,
+    slots: Range<usize>,
     scale: f64,
     mask: &MaskSpec,
     out: &mut [f32],
     scratch: &mut AttnScratch,
 ) -> Result<()> {
-    crate::attention_cpu::attention_row_into(q, k, v, slots, scale, mask, out, &mut scratch.0)
+    crate::attention_cpu::attention_row_into(q, kv, slots, scale, mask, out, &mut scratch.0)
 }

@@ -7,7 +7,9 @@ use candle_core::{CpuStorage, DType, Device, Layout, Result, Storage, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use crate::attention::MaskSpec;
+use std::ops::Range;
+
+use crate::attention::{CpuKv, CpuRows, MaskSpec};
 
 /// Multiply-adds per rayon task: below this, splitting costs more than it saves.
 const TASK_WORK: usize = 1 << 15;
@@ -35,107 +37,148 @@ pub(crate) fn attention(
     let (Some(qv), Some(kv), Some(vv)) = (View::of(ql), View::of(kl), View::of(vl)) else {
         return Ok(None);
     };
-    let q_data = qs.as_slice::<f32>()?;
+    let Some(kv_rows) = Pair::of(ks, vs) else {
+        return Ok(None);
+    };
     let shape = Shape {
         heads,
         groups: heads / kv_heads,
         q_len,
         k_len,
+        key_room: k_len,
         d,
         scale: scale as f32,
     };
     let mut out = vec![0f32; b * q_len * heads * d];
-    let (kc, vc) = (
-        Cache {
-            storage: ks,
-            view: &kv,
-        },
-        Cache {
-            storage: vs,
-            view: &vv,
-        },
-    );
-    if !shape.run_any(
-        k.dtype(),
-        q_data,
+    let q = qs.as_slice::<f32>()?;
+    shape.run_pair(
+        kv_rows,
+        q,
         &qv,
-        &kc,
-        &vc,
+        (&kv, &vv),
         mask,
         &mut out,
         &mut Scratch::default(),
-    )? {
-        return Ok(None);
-    }
+    );
     // Written as [b, q_len, heads, d]: the caller's transpose back to that order is free.
     Ok(Some(
         Tensor::from_vec(out, (b, q_len, heads, d), &Device::Cpu)?.transpose(1, 2)?,
     ))
 }
 
+/// Attention of `q: [1, heads, q_len, d]` (f32, CPU) over slots `slots` of a CPU cache, whose
+/// first slot holds position `mask.k_start`: `[1, heads, q_len, d]`.
+pub(crate) fn attention_kv(
+    q: &Tensor,
+    kv: &CpuKv,
+    slots: Range<usize>,
+    scale: f64,
+    mask: &MaskSpec,
+) -> Result<Tensor> {
+    let (b, heads, q_len, d) = q.dims4()?;
+    let q = q
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .contiguous()?;
+    let (qs, _) = q.storage_and_layout();
+    let Storage::Cpu(qs) = &*qs else {
+        candle_core::bail!("attention: queries are not on the CPU")
+    };
+    let q_data = &qs.as_slice::<f32>()?[q.layout().start_offset()..];
+    let (shape, view) = kv_shape(kv, heads, q_len, d, &slots, scale)?;
+    let qv = View {
+        offset: 0,
+        strides: [heads * q_len * d, q_len * d, d],
+    };
+    let mut out = vec![0f32; b * q_len * heads * d];
+    let pair = Pair::of_kv(kv);
+    shape.run_pair(
+        pair,
+        q_data,
+        &qv,
+        (&view, &view),
+        mask,
+        &mut out,
+        &mut Scratch::default(),
+    );
+    // Written as [b, q_len, heads, d]: the caller's transpose back to that order is free.
+    Tensor::from_vec(out, (b, q_len, heads, d), &Device::Cpu)?.transpose(1, 2)
+}
+
 /// One token's attention without allocating (the decode step): `q` holds its `heads` query
-/// rows of `d`, `k, v: [1, kv_heads, capacity, d]` are the cache's tensors, of which slots
-/// `slots` are the keys `mask` places from `mask.k_start` on; writes `out` (`heads · d`).
+/// rows of `d`; slots `slots` of the cache hold the keys `mask` numbers from `mask.k_start`
+/// on; writes `out` (`heads · d`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_row_into(
     q: &[f32],
-    k: &Tensor,
-    v: &Tensor,
-    slots: std::ops::Range<usize>,
+    kv: &CpuKv,
+    slots: Range<usize>,
     scale: f64,
     mask: &MaskSpec,
     out: &mut [f32],
     scratch: &mut Scratch,
 ) -> Result<()> {
-    let (_, kv_heads, capacity, d) = k.dims4()?;
-    let heads = q.len() / d;
-    if k.dtype() != v.dtype() || v.dims4()? != (1, kv_heads, capacity, d) || out.len() != q.len() {
+    let d = kv.head_dim;
+    if out.len() != q.len() || !q.len().is_multiple_of(d) {
         candle_core::bail!(
-            "attention row: q {} / k {:?} / v {:?}",
+            "attention row: {} query values, {} outputs, head_dim {d}",
             q.len(),
-            k.shape(),
-            v.shape()
+            out.len()
         )
     }
-    if heads == 0 || !heads.is_multiple_of(kv_heads) || slots.is_empty() || slots.end > capacity {
-        candle_core::bail!("attention row: {heads} heads over slots {slots:?} of {k:?}")
-    }
-    let (ks, kl) = k.storage_and_layout();
-    let (vs, vl) = v.storage_and_layout();
-    let (Storage::Cpu(ks), Storage::Cpu(vs)) = (&*ks, &*vs) else {
-        candle_core::bail!("attention row: the cache is not on the CPU")
-    };
-    let (Some(mut kv), Some(mut vv)) = (View::of(kl), View::of(vl)) else {
-        candle_core::bail!("attention row: the cache's rows are not contiguous")
-    };
-    kv.offset += slots.start * kv.strides[2];
-    vv.offset += slots.start * vv.strides[2];
+    let heads = q.len() / d;
+    let (shape, view) = kv_shape(kv, heads, 1, d, &slots, scale)?;
     let qv = View {
         offset: 0,
         strides: [heads * d, d, d],
     };
+    shape.run_pair(Pair::of_kv(kv), q, &qv, (&view, &view), mask, out, scratch);
+    Ok(())
+}
+
+/// The shape of attending `heads × q_len` queries over `slots` of `kv`, and the view of its
+/// keys (and values: the same layout) from the first slot on.
+fn kv_shape(
+    kv: &CpuKv,
+    heads: usize,
+    q_len: usize,
+    d: usize,
+    slots: &Range<usize>,
+    scale: f64,
+) -> Result<(Shape, View)> {
+    let (kv_heads, capacity) = (kv.kv_heads, kv.capacity);
+    let plane = kv_heads * capacity * d;
+    if d != kv.head_dim || kv.k.len() < plane || kv.v.len() < plane {
+        candle_core::bail!(
+            "attention: a cache of {} values for {kv_heads} heads × {capacity} × {}",
+            kv.k.len(),
+            kv.head_dim
+        )
+    }
+    if heads == 0
+        || kv_heads == 0
+        || !heads.is_multiple_of(kv_heads)
+        || slots.is_empty()
+        || slots.end > capacity
+    {
+        candle_core::bail!(
+            "attention: {heads} query heads over slots {slots:?} of {kv_heads} heads × {capacity}"
+        )
+    }
+    let view = View {
+        offset: slots.start * d,
+        strides: [plane, capacity * d, d],
+    };
     let shape = Shape {
         heads,
         groups: heads / kv_heads,
-        q_len: 1,
+        q_len,
         k_len: slots.len(),
+        key_room: capacity,
         d,
         scale: scale as f32,
     };
-    let (kc, vc) = (
-        Cache {
-            storage: ks,
-            view: &kv,
-        },
-        Cache {
-            storage: vs,
-            view: &vv,
-        },
-    );
-    match shape.run_any(k.dtype(), q, &qv, &kc, &vc, mask, out, scratch)? {
-        true => Ok(()),
-        false => candle_core::bail!("attention row: a {:?} cache", k.dtype()),
-    }
+    Ok((shape, view))
 }
 
 /// Buffers one decode step's attention reuses (see [`crate::attention::AttnScratch`]).
@@ -147,6 +190,7 @@ pub(crate) struct Scratch {
 }
 
 /// Offset and strides of a 4-D tensor whose last dimension is contiguous.
+#[derive(Clone, Copy)]
 struct View {
     offset: usize,
     strides: [usize; 3],
@@ -184,10 +228,32 @@ impl View {
     }
 }
 
-/// A key or value cache: its CPU storage and where this tensor sits in it.
-struct Cache<'a> {
-    storage: &'a CpuStorage,
-    view: &'a View,
+/// Keys and values of one element type.
+#[derive(Clone, Copy)]
+enum Pair<'a> {
+    F32(&'a [f32], &'a [f32]),
+    F16(&'a [f16], &'a [f16]),
+    BF16(&'a [bf16], &'a [bf16]),
+}
+
+impl<'a> Pair<'a> {
+    fn of(k: &'a CpuStorage, v: &'a CpuStorage) -> Option<Self> {
+        match (k, v) {
+            (CpuStorage::F32(k), CpuStorage::F32(v)) => Some(Self::F32(k, v)),
+            (CpuStorage::F16(k), CpuStorage::F16(v)) => Some(Self::F16(k, v)),
+            (CpuStorage::BF16(k), CpuStorage::BF16(v)) => Some(Self::BF16(k, v)),
+            _ => None,
+        }
+    }
+
+    fn of_kv(kv: &CpuKv<'a>) -> Self {
+        match (kv.k, kv.v) {
+            (CpuRows::F32(k), CpuRows::F32(v)) => Self::F32(k, v),
+            (CpuRows::F16(k), CpuRows::F16(v)) => Self::F16(k, v),
+            (CpuRows::BF16(k), CpuRows::BF16(v)) => Self::BF16(k, v),
+            _ => unreachable!("CpuKv::new keeps k and v in one element type"),
+        }
+    }
 }
 
 struct Shape {
@@ -195,6 +261,9 @@ struct Shape {
     groups: usize,
     q_len: usize,
     k_len: usize,
+    /// Keys the source can hold (≥ `k_len`): decode's scratch is sized for it, so that it
+    /// grows with the cache's capacity, not with every new key.
+    key_room: usize,
     d: usize,
     scale: f32,
 }
@@ -227,45 +296,38 @@ impl<'a, E> Task<'a, E> {
 }
 
 impl Shape {
-    /// [`run`](Self::run) for the cache's element type; `false` for one it cannot read.
+    /// [`run`](Self::run) for the cache's element type.
     #[allow(clippy::too_many_arguments)]
-    fn run_any(
+    fn run_pair(
         &self,
-        dtype: DType,
+        kv: Pair,
         q: &[f32],
         qv: &View,
-        k: &Cache,
-        v: &Cache,
+        (k_view, v_view): (&View, &View),
         mask: &MaskSpec,
         out: &mut [f32],
         scratch: &mut Scratch,
-    ) -> Result<bool> {
-        match dtype {
-            DType::F32 => self.run::<f32>(q, qv, k, v, mask, out, scratch)?,
-            DType::F16 => self.run::<f16>(q, qv, k, v, mask, out, scratch)?,
-            DType::BF16 => self.run::<bf16>(q, qv, k, v, mask, out, scratch)?,
-            _ => return Ok(false),
+    ) {
+        match kv {
+            Pair::F32(k, v) => self.run(q, qv, (k, k_view), (v, v_view), mask, out, scratch),
+            Pair::F16(k, v) => self.run(q, qv, (k, k_view), (v, v_view), mask, out, scratch),
+            Pair::BF16(k, v) => self.run(q, qv, (k, k_view), (v, v_view), mask, out, scratch),
         }
-        Ok(true)
     }
 
     /// Writes every row of `out`; allocates nothing at decode once `scratch` has grown.
     #[allow(clippy::too_many_arguments)]
-    fn run<E: Elem + candle_core::WithDType>(
+    fn run<E: Elem>(
         &self,
         q: &[f32],
         qv: &View,
-        k: &Cache,
-        v: &Cache,
+        k: (&[E], &View),
+        v: (&[E], &View),
         mask: &MaskSpec,
         out: &mut [f32],
         scratch: &mut Scratch,
-    ) -> Result<()> {
+    ) {
         out.fill(0.0); // rows with no visible key stay zero; decode accumulates into them
-        let (k, v) = (
-            (k.storage.as_slice::<E>()?, k.view),
-            (v.storage.as_slice::<E>()?, v.view),
-        );
         let (groups, q_len, d) = (self.groups, self.q_len, self.d);
         let kv_heads = self.heads / groups;
         let simd = simd::available();
@@ -301,13 +363,13 @@ impl Shape {
                         }
                     },
                 );
-            return Ok(());
+            return;
         }
         // Few tasks (decode): split each task's keys into chunks attended in parallel, then
         // merge the chunks' partial softmax sums (as flash-decoding does).
         let splits = (2 * threads).div_ceil(tasks.max(1));
         // A chunk attends at most this many keys (a task sees at most `k_len`).
-        let chunk_keys = self.k_len.div_ceil(splits).max(1);
+        let chunk_keys = self.key_room.div_ceil(splits).max(1);
         let chunks = tasks * splits;
         let Scratch {
             partial,
@@ -350,7 +412,6 @@ impl Shape {
                 out.iter_mut().for_each(|o| *o /= total);
             }
         }
-        Ok(())
     }
 
     /// Attention of one task: `out[g] = Σ_j p_gj · v_j` with `p_gj = exp(s_gj - max_g)`, and

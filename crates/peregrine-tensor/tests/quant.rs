@@ -283,3 +283,50 @@ fn linear_groups_add_each_layers_bias() {
         assert_eq!(peregrine_tensor::ops::max_abs_diff(y, &alone).unwrap(), 0.0);
     }
 }
+
+/// A decode step's embedding lookup (`row_into`, no allocation) equals candle's dequantization
+/// bit for bit, in the file's row layout and the interleaved one, for every GGUF format.
+#[test]
+fn row_lookups_equal_candles_dequantization() {
+    let formats = [
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q5_1,
+        GgmlDType::Q8_0,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+    ];
+    for dtype in formats {
+        let (n, k) = (16, if dtype.block_size() == 256 { 512 } else { 96 });
+        let w = Tensor::from_vec(values(n * k, 7), (n, k), &Device::Cpu).unwrap();
+        let q = Arc::new(QTensor::quantize(&w, dtype).unwrap());
+        let want = q
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        for m in [GgufMatrix::new(q.clone()), GgufMatrix::new_rows(q.clone())] {
+            let m = m.unwrap();
+            let mut row = vec![f32::NAN; k];
+            for (r, want) in want.iter().enumerate() {
+                m.row_into(r, &mut row).unwrap();
+                assert_eq!(
+                    &row,
+                    want,
+                    "{dtype:?} row {r} (interleaved: {})",
+                    m.is_interleaved()
+                );
+            }
+            assert!(
+                m.row_into(n, &mut row).is_err(),
+                "{dtype:?}: a row past the end"
+            );
+            assert!(
+                m.row_into(0, &mut row[1..]).is_err(),
+                "{dtype:?}: a short output"
+            );
+        }
+    }
+}

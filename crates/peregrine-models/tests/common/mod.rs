@@ -2,22 +2,21 @@
 
 use peregrine_models::{CausalLm, KvOptions, Logits, SequenceCache};
 
-/// The greedy continuation of `prompt`, `n` tokens long, decoded one token at a time.
+/// The greedy continuation of `prompt`, `n` tokens long: the prompt through `forward`, then
+/// one token at a time through `decode`, as generation runs.
 pub fn greedy_ids(model: &dyn CausalLm, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut cache = SequenceCache::new(&model.cache_spec(), &KvOptions::default());
-    let mut next = prompt.to_vec();
+    let logits = model.forward(prompt, &mut cache, Logits::Last).unwrap();
+    let mut logits = logits.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
-        let logits = model.forward(&next, &mut cache, Logits::Last).unwrap();
-        let id = logits
-            .squeeze(0)
-            .unwrap()
-            .argmax(0)
-            .unwrap()
-            .to_scalar::<u32>()
-            .unwrap();
+        let id = (0..logits.len())
+            .max_by(|&a, &b| logits[a].total_cmp(&logits[b]).then(b.cmp(&a)))
+            .unwrap() as u32;
         out.push(id);
-        next = vec![id];
+        if out.len() < n {
+            model.decode(id, &mut cache, &mut logits).unwrap();
+        }
     }
     out
 }

@@ -187,29 +187,33 @@ impl GgufMatrix {
         Tensor::from_vec(out, dims, &Device::Cpu)?.to_device(ids.device())
     }
 
-    /// Row `r` dequantized into `out` (`in` values); allocates nothing in the interleaved and
-    /// block layouts (a decode step's embedding lookup), goes through candle in the file's.
+    /// Row `r` dequantized into `out` (`in` values), without allocating for the formats with a
+    /// kernel (a decode step's embedding lookup); others go through candle.
     pub fn row_into(&self, r: usize, out: &mut [f32]) -> Result<()> {
         let (rows, cols) = self.dims;
         if r >= rows || out.len() != cols {
             bail!("gguf row {r} of {:?} into {} values", self.dims, out.len());
         }
+        let row_bytes = |f: Format| cols / f.block_len() * f.block_bytes();
         match (&self.storage, self.format) {
             (Layout::Interleaved(w), _) => w.dequantize_row(r, out),
-            (Layout::Blocks(b), Some(format)) => {
-                let row_bytes = cols / format.block_len() * format.block_bytes();
-                scalar::dequantize_row(format, &b[r * row_bytes..][..row_bytes], out)?;
+            (Layout::Blocks(b), Some(f)) => {
+                scalar::dequantize_row(f, &b[r * row_bytes(f)..][..row_bytes(f)], out)?
             }
-            (Layout::Blocks(_), None) => {
-                bail!("gguf row: blocks of {:?} without a format", self.dims)
+            (Layout::Rows { qtensor, .. }, Some(f)) => {
+                let data = qtensor.data()?;
+                scalar::dequantize_row(f, &data[r * row_bytes(f)..][..row_bytes(f)], out)?
             }
-            (Layout::Rows { qtensor, .. }, _) => {
+            (Layout::Rows { qtensor, .. }, None) => {
                 let ids = Tensor::new(&[r as u32], &Device::Cpu)?;
                 let row = qtensor
                     .embedding(&ids)?
                     .flatten_all()?
                     .to_dtype(DType::F32)?;
                 out.copy_from_slice(&row.to_vec1::<f32>()?);
+            }
+            (Layout::Blocks(_), None) => {
+                bail!("gguf row: blocks of {:?} without a format", self.dims)
             }
         }
         Ok(())

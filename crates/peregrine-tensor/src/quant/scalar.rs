@@ -24,19 +24,59 @@ pub fn dot_row(format: Format, w: &[u8], x: &[Q8Block]) -> f32 {
         .sum()
 }
 
-/// One row's blocks `w` as values into `out`, for the formats candle cannot dequantize
-/// ([`Format::MLX8`], [`Format::MLX8G64`]).
+/// One row's blocks `w` as values into `out`, without allocating: ggml's own dequantization
+/// (candle's) for the GGUF formats, `scale · q + bias` for [`Format::MLX8`] and
+/// [`Format::MLX8G64`].
 pub fn dequantize_row(format: Format, w: &[u8], out: &mut [f32]) -> candle_core::Result<()> {
-    if !matches!(format, Format::MLX8 | Format::MLX8G64) {
-        candle_core::bail!("dequantize_row: {format:?} is candle's to dequantize");
-    }
+    use candle_core::quantized::k_quants::*;
     let (bytes, values) = (format.block_bytes(), format.block_len());
-    for (b, out) in w.chunks_exact(bytes).zip(out.chunks_exact_mut(values)) {
-        let (d, m) = (f16_at(b, 0), f16_at(b, 2));
-        for (o, &q) in out.iter_mut().zip(&b[4..]) {
-            *o = d * f32::from(q) + m;
+    if !w.len().is_multiple_of(bytes) || out.len() != w.len() / bytes * values {
+        candle_core::bail!(
+            "dequantize_row: {} bytes of {format:?} into {} values",
+            w.len(),
+            out.len()
+        );
+    }
+    match format {
+        Format::Q4_0 => ggml_blocks::<BlockQ4_0>(w, out),
+        Format::Q4_1 => ggml_blocks::<BlockQ4_1>(w, out),
+        Format::Q5_0 => ggml_blocks::<BlockQ5_0>(w, out),
+        Format::Q5_1 => ggml_blocks::<BlockQ5_1>(w, out),
+        Format::Q8_0 => ggml_blocks::<BlockQ8_0>(w, out),
+        Format::Q4K => ggml_blocks::<BlockQ4K>(w, out),
+        Format::Q5K => ggml_blocks::<BlockQ5K>(w, out),
+        Format::Q6K => ggml_blocks::<BlockQ6K>(w, out),
+        Format::MLX8 | Format::MLX8G64 => {
+            for (b, out) in w.chunks_exact(bytes).zip(out.chunks_exact_mut(values)) {
+                let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+                for (o, &q) in out.iter_mut().zip(&b[4..]) {
+                    *o = d * f32::from(q) + m;
+                }
+            }
+            Ok(())
         }
     }
+}
+
+/// `w`'s whole blocks of `T` dequantized by candle into `out`.
+fn ggml_blocks<T: candle_core::quantized::GgmlType>(
+    w: &[u8],
+    out: &mut [f32],
+) -> candle_core::Result<()> {
+    let size = std::mem::size_of::<T>();
+    if !w.len().is_multiple_of(size)
+        || !(w.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>())
+    {
+        candle_core::bail!(
+            "dequantize_row: {} bytes are not whole aligned {:?} blocks",
+            w.len(),
+            T::DTYPE
+        );
+    }
+    // SAFETY: GGUF block types are plain data (floats, f16s and byte arrays, no padding or
+    // invalid bit patterns); `w` holds whole blocks at their alignment (checked above).
+    let blocks = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<T>(), w.len() / size) };
+    T::to_float(blocks, out);
     Ok(())
 }
 
