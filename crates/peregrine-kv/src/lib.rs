@@ -48,9 +48,8 @@ pub trait LayerCache: Send + Sync {
         head_dim: usize,
         params: &AttnParams,
         out: &mut [f32],
-        scratch: &mut AttnScratch,
+        _scratch: &mut AttnScratch,
     ) -> Result<()> {
-        let _ = scratch;
         let q = Tensor::from_slice(q, (1, q.len() / head_dim, 1, head_dim), &Device::Cpu)?;
         let y = self.attend(&q, params)?.flatten_all()?;
         out.copy_from_slice(&y.to_dtype(peregrine_tensor::DType::F32)?.to_vec1::<f32>()?);

@@ -3,11 +3,11 @@
 //! values, read straight from the cache's strided f32/f16/bf16 storage (no widened copy). Query
 //! rows run in parallel on rayon's pool; AVX2/FMA/F16C when the CPU has them.
 
+use std::ops::Range;
+
 use candle_core::{CpuStorage, DType, Device, Layout, Result, Storage, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
-
-use std::ops::Range;
 
 use crate::attention::{CpuKv, CpuRows, MaskSpec};
 
@@ -76,6 +76,9 @@ pub(crate) fn attention_kv(
     mask: &MaskSpec,
 ) -> Result<Tensor> {
     let (b, heads, q_len, d) = q.dims4()?;
+    if b != 1 {
+        candle_core::bail!("attention: a batch of {b} over one sequence's cache")
+    }
     let q = q
         .to_device(&Device::Cpu)?
         .to_dtype(DType::F32)?

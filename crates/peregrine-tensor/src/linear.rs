@@ -46,12 +46,8 @@ impl QLinear {
 
     /// `x: [.., in]` → `[.., out]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (y, b) = match self {
-            Self::Dense { w, b } => (dense_matmul(x, w)?, b),
-            Self::Gguf { w, b } => (w.forward(x)?, b),
-            Self::MlxAffine { w, b } => (w.forward(x)?, b),
-        };
-        match b {
+        let y = self.forward_unbiased(x)?;
+        match self.bias() {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
         }
@@ -78,11 +74,9 @@ impl QLinear {
             _ => return layers.iter().map(|l| l.forward(x)).collect(),
         };
         (layers.iter().zip(ys))
-            .map(|(l, y)| match l {
-                Self::Gguf { b: Some(b), .. } | Self::MlxAffine { b: Some(b), .. } => {
-                    y.broadcast_add(b)
-                }
-                _ => Ok(y),
+            .map(|(l, y)| match l.bias() {
+                Some(b) => y.broadcast_add(b),
+                None => Ok(y),
             })
             .collect()
     }
