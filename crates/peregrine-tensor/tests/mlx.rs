@@ -511,3 +511,95 @@ fn eight_bit_regrouping_keeps_every_weight() {
     let inexact = random_quantized_as(&mut rng, 3, 64, 8, 32, DType::F32);
     assert!(inexact.to_gguf_matrix().unwrap().is_none());
 }
+
+/// Random codes with bf16 scales and biases that are also f16 values (magnitudes 0.01-0.5: no
+/// f16 subnormals), so every group regroups.
+fn f16_exact_quantized(
+    rng: &mut Rng,
+    out: usize,
+    in_dim: usize,
+    bits: usize,
+    group: usize,
+) -> MlxQuantized {
+    let (words, groups) = (in_dim * bits / 32, in_dim / group);
+    let packed: Vec<u32> = (0..out * words).map(|_| rng.next() as u32).collect();
+    let mut away_from_zero = |scale: f32| {
+        let u = rng.uniform();
+        u.signum() * (0.01 + u.abs() * scale)
+    };
+    let scales: Vec<f32> = (0..out * groups).map(|_| away_from_zero(0.05)).collect();
+    let biases: Vec<f32> = (0..out * groups).map(|_| away_from_zero(0.5)).collect();
+    let t = |v: Vec<f32>| {
+        let t = Tensor::from_vec(v, (out, groups), &Device::Cpu).unwrap();
+        t.to_dtype(DType::BF16).unwrap()
+    };
+    let packed = Tensor::from_vec(packed, (out, words), &Device::Cpu).unwrap();
+    MlxQuantized::new(packed, t(scales), t(biases), bits, group).unwrap()
+}
+
+/// Regrouping straight from the file's bytes (`regroup_mapped`, what loading does) gives the
+/// blocks regrouping the loaded matrix gives, at any alignment of the words, reports every band
+/// of the bytes once, in order, and declines what it cannot do exactly (3 bits, inexact scales).
+#[test]
+fn regrouping_from_mapped_bytes_equals_regrouping_the_matrix() {
+    let mut rng = Rng(31);
+    let bytes_of = |q: &MlxQuantized| -> Vec<u8> {
+        let words = q.parts().0.flatten_all().unwrap().to_vec1::<u32>().unwrap();
+        words.iter().flat_map(|w| w.to_le_bytes()).collect()
+    };
+    for (bits, group) in [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128)] {
+        // Enough rows for three bands at 8 MiB of codes each.
+        let (out, in_dim) = (2 * (8 << 20) / (2048 * bits / 8) + 5, 2048);
+        let q = f16_exact_quantized(&mut rng, out, in_dim, bits, group);
+        let (_, scales, biases) = q.parts();
+        let bytes = bytes_of(&q);
+        let mut bands = Vec::new();
+        let mapped =
+            MlxQuantized::regroup_mapped(&bytes, scales, biases, (bits, group), &mut |r| {
+                bands.push(r)
+            })
+            .unwrap()
+            .expect("regroups");
+        assert!(bands.len() >= 3, "{bits} bits: {} bands", bands.len());
+        assert_eq!(bands.first().unwrap().start, 0);
+        assert_eq!(bands.last().unwrap().end, bytes.len());
+        assert!(bands.windows(2).all(|w| w[0].end == w[1].start));
+        let loaded = q.to_gguf_matrix().unwrap().expect("regroups");
+        assert_eq!(mapped.format(), loaded.format());
+        let ids = Tensor::new(&[0u32, 7, out as u32 - 1], &Device::Cpu).unwrap();
+        let (a, b) = (
+            mapped.embedding(&ids).unwrap(),
+            loaded.embedding(&ids).unwrap(),
+        );
+        assert_eq!(
+            a.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            b.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            "{bits} bits, group {group}"
+        );
+        // Words one byte off four-byte alignment (files need not align them) read the same.
+        let mut shifted = vec![0u8; bytes.len() + 1];
+        shifted[1..].copy_from_slice(&bytes);
+        let unaligned = (bits, group);
+        let unaligned =
+            MlxQuantized::regroup_mapped(&shifted[1..], scales, biases, unaligned, &mut |_| {})
+                .unwrap()
+                .expect("regroups");
+        let c = unaligned.embedding(&ids).unwrap();
+        assert_eq!(
+            c.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            b.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            "{bits} bits, group {group}, unaligned"
+        );
+    }
+    let three = random_quantized(&mut rng, 4, 64, 3, 32);
+    let (_, s, b) = three.parts();
+    let declined = MlxQuantized::regroup_mapped(&bytes_of(&three), s, b, (3, 32), &mut |_| {});
+    assert!(declined.unwrap().is_none(), "3 bits do not regroup");
+    let inexact = random_quantized_as(&mut rng, 3, 64, 8, 32, DType::F32);
+    let (_, s, b) = inexact.parts();
+    let declined = MlxQuantized::regroup_mapped(&bytes_of(&inexact), s, b, (8, 32), &mut |_| {});
+    assert!(
+        declined.unwrap().is_none(),
+        "f32 scales that are not f16 values"
+    );
+}

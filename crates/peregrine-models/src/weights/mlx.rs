@@ -9,7 +9,8 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use peregrine_tensor::{Device, MlxQuantized};
+use peregrine_tensor::{Device, GgufMatrix, MlxQuantized};
+use safetensors::tensor::Dtype;
 use serde_json::{Map, Value};
 
 use super::SafetensorsFiles;
@@ -132,25 +133,28 @@ fn params(
 
 /// The quantized matrix `{prefix}.weight` `[out, in]`, or `None` when the module is stored in
 /// float (no `{prefix}.scales`). Without a config entry the settings are read off the shapes.
+/// With `regroup`, 4- and 8-bit matrices come back as blocks for the integer kernels when every
+/// value survives (`Ok`), regrouped straight from the mapped file so that the codes and the
+/// blocks are never both in memory; otherwise as stored (`Err`).
 pub fn load_quantized(
     files: &SafetensorsFiles,
     quant: Option<&MlxQuantization>,
     prefix: &str,
-    out_dim: usize,
-    in_dim: usize,
+    (out_dim, in_dim): (usize, usize),
     device: &Device,
-) -> Result<Option<MlxQuantized>> {
+    regroup: bool,
+) -> Result<Option<std::result::Result<GgufMatrix, MlxQuantized>>> {
     let scales_name = format!("{prefix}.scales");
     if !files.contains(&scales_name) {
         return Ok(None);
     }
-    let w_name = format!("{prefix}.weight");
-    let packed = files.load(&w_name, device)?;
+    let (w_name, biases_name) = (format!("{prefix}.weight"), format!("{prefix}.biases"));
+    let packed_dims = files.dims(&w_name)?.to_vec();
     let scales = files.load(&scales_name, device)?;
-    let biases = files.load(&format!("{prefix}.biases"), device)?;
+    let biases = files.load(&biases_name, device)?;
     let p = match quant.and_then(|q| q.params(prefix)) {
         Some(p) => p,
-        None => inferred(&packed, &scales, in_dim),
+        None => inferred(&packed_dims, scales.dims(), in_dim),
     };
     let shape_err = |tensor: &str, got: &[usize], expected: Vec<usize>| ModelError::Shape {
         file: quant.map_or_else(|| files.path().to_path_buf(), |q| q.file.clone()),
@@ -159,34 +163,35 @@ pub fn load_quantized(
         got: got.to_vec(),
     };
     let words = [out_dim, in_dim * p.bits / 32];
-    if packed.dims() != words || !(in_dim * p.bits).is_multiple_of(32) {
-        return Err(shape_err(&w_name, packed.dims(), words.to_vec()));
+    if packed_dims != words || !(in_dim * p.bits).is_multiple_of(32) {
+        return Err(shape_err(&w_name, &packed_dims, words.to_vec()));
     }
     let groups = [out_dim, in_dim / p.group_size];
-    for (name, t) in [
-        (&scales_name, &scales),
-        (&format!("{prefix}.biases"), &biases),
-    ] {
+    for (name, t) in [(&scales_name, &scales), (&biases_name, &biases)] {
         if t.dims() != groups || !in_dim.is_multiple_of(p.group_size) {
             return Err(shape_err(name, t.dims(), groups.to_vec()));
         }
     }
-    Ok(Some(MlxQuantized::new(
-        packed,
-        scales,
-        biases,
-        p.bits,
-        p.group_size,
-    )?))
+    let params = (p.bits, p.group_size);
+    if regroup && device.is_cpu() {
+        let mapped = files.with_bytes(&w_name, Dtype::U32, |packed, done| {
+            MlxQuantized::regroup_mapped(packed, &scales, &biases, params, done)
+        })??;
+        if let Some(blocks) = mapped {
+            return Ok(Some(Ok(blocks)));
+        }
+    }
+    let packed = files.load(&w_name, device)?;
+    let q = MlxQuantized::new(packed, scales, biases, p.bits, p.group_size)?;
+    Ok(Some(match regroup {
+        true => q.into_gguf_matrix()?,
+        false => Err(q),
+    }))
 }
 
 /// Settings implied by the shapes (checkpoints whose config lost its `quantization`).
-fn inferred(
-    packed: &peregrine_tensor::Tensor,
-    scales: &peregrine_tensor::Tensor,
-    in_dim: usize,
-) -> MlxParams {
-    let last = |t: &peregrine_tensor::Tensor| t.dims().last().copied().unwrap_or(0).max(1);
+fn inferred(packed: &[usize], scales: &[usize], in_dim: usize) -> MlxParams {
+    let last = |dims: &[usize]| dims.last().copied().unwrap_or(0).max(1);
     MlxParams {
         bits: last(packed) * 32 / in_dim.max(1),
         group_size: in_dim / last(scales),

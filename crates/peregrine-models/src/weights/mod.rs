@@ -52,20 +52,20 @@ impl Weights {
         self
     }
 
-    /// `q` as 32-value blocks for the integer kernels, when they are asked for and it regroups
-    /// exactly (4 and 8 bits).
-    fn regrouped(&self, q: MlxQuantized) -> Result<std::result::Result<GgufMatrix, MlxQuantized>> {
-        if self.mlx_activations != MlxActivations::Q8 {
-            return Ok(Err(q));
-        }
-        Ok(q.into_gguf_matrix()?)
-    }
-
-    /// `{prefix}.weight` as MLX affine-quantized, when `{prefix}.scales` exists beside it.
-    fn mlx_quantized(&self, prefix: &str, out: usize, inp: usize) -> Result<Option<MlxQuantized>> {
+    /// `{prefix}.weight` as MLX affine-quantized, when `{prefix}.scales` exists beside it:
+    /// regrouped into blocks for the integer kernels (`Ok`) when they are asked for and every
+    /// value survives (4 and 8 bits), else as stored (`Err`).
+    fn mlx_matrix(
+        &self,
+        prefix: &str,
+        out: usize,
+        inp: usize,
+    ) -> Result<Option<std::result::Result<GgufMatrix, MlxQuantized>>> {
         match &self.source {
             Source::Safetensors(s) => {
-                mlx::load_quantized(s, self.mlx.as_ref(), prefix, out, inp, &self.device)
+                let regroup = self.mlx_activations == MlxActivations::Q8;
+                let quant = self.mlx.as_ref();
+                mlx::load_quantized(s, quant, prefix, (out, inp), &self.device, regroup)
             }
             Source::Gguf(_) => Ok(None),
         }
@@ -132,8 +132,8 @@ impl Weights {
             true => Some(self.tensor(&format!("{prefix}.bias"), &[out_dim])?),
             false => None,
         };
-        if let Some(w) = self.mlx_quantized(prefix, out_dim, in_dim)? {
-            return match self.regrouped(w)? {
+        if let Some(w) = self.mlx_matrix(prefix, out_dim, in_dim)? {
+            return match w {
                 Ok(w) => Ok(QLinear::Gguf { w, b }),
                 Err(w) => Ok(QLinear::MlxAffine { w, b }),
             };
@@ -154,9 +154,9 @@ impl Weights {
     /// The embedding table `name` `[vocab, hidden]`, kept quantized when the file is.
     pub fn embedding(&self, name: &str, vocab: usize, hidden: usize) -> Result<Embedding> {
         if let Some(prefix) = name.strip_suffix(".weight")
-            && let Some(q) = self.mlx_quantized(prefix, vocab, hidden)?
+            && let Some(q) = self.mlx_matrix(prefix, vocab, hidden)?
         {
-            return Ok(match self.regrouped(q)? {
+            return Ok(match q {
                 Ok(blocks) => Embedding::Gguf(blocks),
                 Err(q) => Embedding::MlxAffine(q),
             });

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 use peregrine_tensor::candle::safetensors::Load;
 use peregrine_tensor::{Device, Tensor};
-use safetensors::tensor::{SafeTensors, TensorInfo, TensorView};
+use safetensors::tensor::{Dtype, SafeTensors, TensorInfo, TensorView};
 
 use crate::config::read_json_object;
 use crate::{ModelError, Result};
@@ -76,8 +76,37 @@ impl SafetensorsFiles {
         self.routing.contains_key(name)
     }
 
-    /// Loads `name` as stored (dtype unchanged), then releases the file's pages under it.
-    pub fn load(&self, name: &str, device: &Device) -> Result<Tensor> {
+    /// The stored shape of `name`.
+    pub fn dims(&self, name: &str) -> Result<&[usize]> {
+        Ok(&self.find(name)?.1.shape)
+    }
+
+    /// Runs `f` over `name`'s bytes as the file stores them (`dtype` checked), with a callback
+    /// that releases the pages under a sub-range of them (relative to the tensor) once read; the
+    /// rest are released when `f` returns. For loaders that transform a tensor as they read it.
+    pub fn with_bytes<R>(
+        &self,
+        name: &str,
+        dtype: Dtype,
+        f: impl FnOnce(&[u8], &mut dyn FnMut(std::ops::Range<usize>)) -> R,
+    ) -> Result<R> {
+        let (file, info) = self.find(name)?;
+        if info.dtype != dtype {
+            return Err(ModelError::Checkpoint {
+                file: file.path.clone(),
+                message: format!("tensor `{name}`: {:?}, expected {dtype:?}", info.dtype),
+            });
+        }
+        let range = file.data_start + info.data_offsets.0..file.data_start + info.data_offsets.1;
+        let base = range.start;
+        let mut done =
+            |r: std::ops::Range<usize>| release(&file.mmap, base + r.start..base + r.end);
+        let result = f(&file.mmap[range.clone()], &mut done);
+        release(&file.mmap, range);
+        Ok(result)
+    }
+
+    fn find(&self, name: &str) -> Result<(&Mapped, &TensorInfo)> {
         let Some(&index) = self.routing.get(name) else {
             return Err(ModelError::MissingTensor {
                 file: self.root.clone(),
@@ -85,7 +114,12 @@ impl SafetensorsFiles {
             });
         };
         let file = &self.files[index];
-        let info = &file.tensors[name];
+        Ok((file, &file.tensors[name]))
+    }
+
+    /// Loads `name` as stored (dtype unchanged), then releases the file's pages under it.
+    pub fn load(&self, name: &str, device: &Device) -> Result<Tensor> {
+        let (file, info) = self.find(name)?;
         let (start, end) = info.data_offsets;
         let range = file.data_start + start..file.data_start + end;
         let err = |message: String| ModelError::Checkpoint {

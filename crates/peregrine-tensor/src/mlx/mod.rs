@@ -351,19 +351,15 @@ impl MlxQuantized {
         guards: &'a [(G, &Layout); 3],
     ) -> Result<CpuView<'a>> {
         let [p, s, b] = guards;
-        let sb = match self.scales.dtype() {
-            DType::BF16 => Sb::Bf16(cpu_slice(&s.0, s.1)?, cpu_slice(&b.0, b.1)?),
-            DType::F16 => Sb::F16(cpu_slice(&s.0, s.1)?, cpu_slice(&b.0, b.1)?),
-            _ => Sb::F32(cpu_slice(&s.0, s.1)?, cpu_slice(&b.0, b.1)?),
-        };
-        Ok(CpuView {
-            packed: cpu_slice::<u32>(&p.0, p.1)?,
+        let packed = cpu_slice::<u32>(&p.0, p.1)?;
+        let sb = Sb::of(self.scales.dtype(), (&s.0, s.1), (&b.0, b.1))?;
+        Ok(CpuView::new(
+            packed,
             sb,
-            bits: self.bits,
-            group_size: self.group_size,
-            groups: self.in_dim / self.group_size,
-            words_per_row: self.in_dim * self.bits / 32,
-        })
+            self.bits,
+            self.group_size,
+            self.in_dim,
+        ))
     }
 }
 
@@ -379,6 +375,27 @@ enum Sb<'a> {
     F32(&'a [f32], &'a [f32]),
     Bf16(&'a [bf16], &'a [bf16]),
     F16(&'a [f16], &'a [f16]),
+}
+
+impl<'a> Sb<'a> {
+    /// Rows `rows` of `groups` groups each.
+    fn rows(self, rows: std::ops::Range<usize>, groups: usize) -> Self {
+        let g = rows.start * groups..rows.end * groups;
+        match self {
+            Sb::F32(s, b) => Sb::F32(&s[g.clone()], &b[g]),
+            Sb::Bf16(s, b) => Sb::Bf16(&s[g.clone()], &b[g]),
+            Sb::F16(s, b) => Sb::F16(&s[g.clone()], &b[g]),
+        }
+    }
+
+    /// The scale and bias slices of CPU storages holding `dtype` (bf16, f16, else f32).
+    fn of(dtype: DType, s: (&'a Storage, &Layout), b: (&'a Storage, &Layout)) -> Result<Self> {
+        Ok(match dtype {
+            DType::BF16 => Sb::Bf16(cpu_slice(s.0, s.1)?, cpu_slice(b.0, b.1)?),
+            DType::F16 => Sb::F16(cpu_slice(s.0, s.1)?, cpu_slice(b.0, b.1)?),
+            _ => Sb::F32(cpu_slice(s.0, s.1)?, cpu_slice(b.0, b.1)?),
+        })
+    }
 }
 
 /// Runs `$body` with `$s`, `$b` bound to the typed scale and bias slices of `$sb` (the body is
@@ -404,7 +421,18 @@ struct CpuView<'a> {
     words_per_row: usize,
 }
 
-impl CpuView<'_> {
+impl<'a> CpuView<'a> {
+    fn new(packed: &'a [u32], sb: Sb<'a>, bits: usize, group_size: usize, in_dim: usize) -> Self {
+        Self {
+            packed,
+            sb,
+            bits,
+            group_size,
+            groups: in_dim / group_size,
+            words_per_row: in_dim * bits / 32,
+        }
+    }
+
     /// Codes of group `g` of row `r` into `q` (as f32). Every group starts on a word boundary
     /// because `group_size * bits` is a multiple of 32 for every supported pair.
     fn unpack(&self, r: usize, g: usize, q: &mut [f32]) {

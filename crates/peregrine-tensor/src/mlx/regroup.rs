@@ -13,12 +13,14 @@
 //! a 1e-7 scale and zero codes): the regrouped weights are the same numbers, bit for bit.
 
 use candle_core::quantized::{GgmlDType, QTensor, ggml_file::qtensor_from_ggml};
-use candle_core::{Device, Result};
+use std::ops::Range;
+
+use candle_core::{DType, Device, Result, Tensor};
 use half::f16;
 use rayon::prelude::*;
 
 use super::kernels::ScaleType;
-use super::{MlxQuantized, Sb, with_scales};
+use super::{CpuView, MlxQuantized, Sb, with_scales};
 use crate::quant::{Format, GgufMatrix};
 
 impl MlxQuantized {
@@ -57,29 +59,99 @@ impl MlxQuantized {
 
     /// The regrouped blocks, row by row, when the matrix regroups exactly.
     fn blocks(&self) -> Result<Option<(Format, Vec<u8>)>> {
-        let format = match (self.bits, self.group_size) {
-            (4, _) => Format::Q4_1,
-            (8, 32) => Format::MLX8,
-            (8, _) => Format::MLX8G64,
-            _ => return Ok(None),
+        let Some(format) = block_format(self.bits, self.group_size) else {
+            return Ok(None);
         };
         if !matches!(self.packed.device(), Device::Cpu) {
             return Ok(None);
         }
         let (out, in_dim) = self.dims();
-        let row_bytes = in_dim / format.block_len() * format.block_bytes();
-        let mut bytes = vec![0u8; out * row_bytes];
-        let exact = self.with_view(|v| {
-            with_scales!(v.sb, s, b => {
-                bytes.par_chunks_mut(row_bytes).enumerate().all(|(r, row)| {
-                    let groups = r * v.groups..(r + 1) * v.groups;
-                    let (s, b) = (&s[groups.clone()], &b[groups]);
-                    regroup_row(format, v.row_words(r), s, b, v.group_size, row)
-                })
-            })
-        })?;
+        let mut bytes = vec![0u8; out * in_dim / format.block_len() * format.block_bytes()];
+        let exact = self.with_view(|v| regroup_rows(format, v, &mut bytes))?;
         Ok(exact.then_some((format, bytes)))
     }
+
+    /// [`into_gguf_matrix`](Self::into_gguf_matrix) for a matrix whose codes are still in a
+    /// mapped file: `packed` holds MLX's u32 words as stored (little-endian, any alignment),
+    /// `scales` and `biases` are loaded. The codes are read in bands of about 8 MiB, and `done`
+    /// receives each band's byte range once it is regrouped, for the caller to release those
+    /// pages: loading never holds the codes and the blocks at once. `None` when the matrix does
+    /// not regroup (other widths, a value that would change); the caller then loads it.
+    pub fn regroup_mapped(
+        packed: &[u8],
+        scales: &Tensor,
+        biases: &Tensor,
+        (bits, group_size): (usize, usize),
+        done: &mut dyn FnMut(Range<usize>),
+    ) -> Result<Option<GgufMatrix>> {
+        let Some(format) = block_format(bits, group_size) else {
+            return Ok(None);
+        };
+        let (out, groups) = scales.dims2()?;
+        let in_dim = groups * group_size;
+        let stored = matches!(scales.dtype(), DType::BF16 | DType::F16 | DType::F32);
+        let words_per_row = in_dim * bits / 32;
+        if packed.len() != out * words_per_row * 4
+            || biases.dims2()? != (out, groups)
+            || scales.dtype() != biases.dtype()
+            || !stored
+            || !scales.device().is_cpu()
+        {
+            return Ok(None);
+        }
+        let (s, b) = (scales.contiguous()?, biases.contiguous()?);
+        let ((sg, sl), (bg, bl)) = (s.storage_and_layout(), b.storage_and_layout());
+        let sb = Sb::of(s.dtype(), (&sg, sl), (&bg, bl))?;
+        let row_bytes = in_dim / format.block_len() * format.block_bytes();
+        let band = (BAND_BYTES / (4 * words_per_row).max(1)).max(1);
+        let mut bytes = vec![0u8; out * row_bytes];
+        let mut words = Vec::with_capacity(band * words_per_row);
+        for r0 in (0..out).step_by(band) {
+            let rows = r0..(r0 + band).min(out);
+            let codes = rows.start * words_per_row * 4..rows.end * words_per_row * 4;
+            words.clear();
+            let le = packed[codes.clone()].chunks_exact(4);
+            words.extend(le.map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]])));
+            let view = CpuView::new(
+                &words,
+                sb.rows(rows.clone(), groups),
+                bits,
+                group_size,
+                in_dim,
+            );
+            let blocks = &mut bytes[rows.start * row_bytes..rows.end * row_bytes];
+            if !regroup_rows(format, &view, blocks) {
+                return Ok(None);
+            }
+            done(codes);
+        }
+        GgufMatrix::from_blocks(format, bytes, (out, in_dim)).map(Some)
+    }
+}
+
+/// The block format MLX weights of `bits` and `group_size` regroup into.
+fn block_format(bits: usize, group_size: usize) -> Option<Format> {
+    match (bits, group_size) {
+        (4, _) => Some(Format::Q4_1),
+        (8, 32) => Some(Format::MLX8),
+        (8, _) => Some(Format::MLX8G64),
+        _ => None,
+    }
+}
+
+/// Bytes of codes [`MlxQuantized::regroup_mapped`] reads per band.
+const BAND_BYTES: usize = 8 << 20;
+
+/// `v`'s rows as `format` blocks into `out` (whole rows); false as soon as a value would change.
+fn regroup_rows(format: Format, v: &CpuView, out: &mut [u8]) -> bool {
+    let row_bytes = v.groups * v.group_size / format.block_len() * format.block_bytes();
+    with_scales!(v.sb, s, b => {
+        out.par_chunks_mut(row_bytes).enumerate().all(|(r, row)| {
+            let groups = r * v.groups..(r + 1) * v.groups;
+            let (s, b) = (&s[groups.clone()], &b[groups]);
+            regroup_row(format, v.row_words(r), s, b, v.group_size, row)
+        })
+    })
 }
 
 /// One row's MLX words and group scales/biases as `format` blocks into `out`; false when a
