@@ -122,31 +122,27 @@ impl KvBuffer {
         keep: Option<usize>,
     ) -> Result<()> {
         let heads = k.len() / head_dim;
-        if let Some(Store::Tensors(bk, _)) = &self.store {
-            let device = bk.device().clone();
-            let t = |x: &[f32]| Tensor::from_slice(x, (1, heads, 1, head_dim), &device);
-            return self.append(&t(k)?, &t(v)?, keep);
-        }
+        let device = match &self.store {
+            Some(Store::Tensors(k, _)) => k.device().clone(),
+            _ => Device::Cpu,
+        };
         let dtype = self.dtype.unwrap_or(DType::F32);
-        self.make_room(1, keep, (heads, head_dim), dtype, &Device::Cpu)?;
+        self.make_room(1, keep, (heads, head_dim), dtype, &device)?;
         let at = self.used;
-        match self.store.as_mut().expect("allocated above") {
-            Store::Cpu {
-                k: pk,
-                v: pv,
-                capacity,
-                ..
-            } => {
-                pk.write(k, head_dim, at, *capacity, head_dim);
-                pv.write(v, head_dim, at, *capacity, head_dim);
-                self.used += 1;
-                Ok(())
-            }
-            Store::Tensors(..) => {
-                let t = |x: &[f32]| Tensor::from_slice(x, (1, heads, 1, head_dim), &Device::Cpu);
-                self.append(&t(k)?, &t(v)?, keep)
-            }
+        if let Some(Store::Cpu {
+            k: pk,
+            v: pv,
+            capacity,
+            ..
+        }) = &mut self.store
+        {
+            pk.write(k, head_dim, at, *capacity, head_dim);
+            pv.write(v, head_dim, at, *capacity, head_dim);
+            self.used += 1;
+            return Ok(());
         }
+        let t = |x: &[f32]| Tensor::from_slice(x, (1, heads, 1, head_dim), &device);
+        self.append(&t(k)?, &t(v)?, keep)
     }
 
     /// Makes room for `n` more positions of `(heads, head_dim)`, dropping all but the last

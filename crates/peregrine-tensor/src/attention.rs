@@ -1,7 +1,4 @@
 //! Scaled dot-product attention with grouped-query heads, causal and sliding-window masks.
-
-use std::ops::Range;
-
 use candle_core::{D, Device, Result, Tensor};
 use half::{bf16, f16};
 
@@ -184,34 +181,4 @@ impl<'a> CpuKv<'a> {
     }
 }
 
-/// [`attention`] over slots `slots` of a CPU cache, whose first slot holds position
-/// `mask.k_start`: `q: [1, heads, q_len, head_dim]` → `[1, heads, q_len, head_dim]` (f32).
-pub fn attention_kv(
-    q: &Tensor,
-    kv: &CpuKv,
-    slots: Range<usize>,
-    scale: f64,
-    mask: &MaskSpec,
-) -> Result<Tensor> {
-    crate::attention_cpu::attention_kv(q, kv, slots, scale, mask)
-}
-
-/// Buffers that [`attention_row_into`] reuses from one decode step to the next.
-#[derive(Debug, Default)]
-pub struct AttnScratch(crate::attention_cpu::Scratch);
-
-/// One token's attention without allocating once `scratch` has grown (the decode step): `q`
-/// holds its query heads (`heads · head_dim` f32), slots `slots` of `kv` hold the keys `mask`
-/// numbers from `mask.k_start` on; the result overwrites `out` (`heads · head_dim`). The same
-/// arithmetic as [`attention_kv`].
-pub fn attention_row_into(
-    q: &[f32],
-    kv: &CpuKv,
-    slots: Range<usize>,
-    scale: f64,
-    mask: &MaskSpec,
-    out: &mut [f32],
-    scratch: &mut AttnScratch,
-) -> Result<()> {
-    crate::attention_cpu::attention_row_into(q, kv, slots, scale, mask, out, &mut scratch.0)
-}
+pub use crate::attention_cpu::{AttnScratch, attention_kv, attention_row_into};

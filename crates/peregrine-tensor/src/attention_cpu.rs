@@ -58,7 +58,7 @@ pub(crate) fn attention(
         (&kv, &vv),
         mask,
         &mut out,
-        &mut Scratch::default(),
+        &mut AttnScratch::default(),
     );
     // Written as [b, q_len, heads, d]: the caller's transpose back to that order is free.
     Ok(Some(
@@ -66,9 +66,10 @@ pub(crate) fn attention(
     ))
 }
 
-/// Attention of `q: [1, heads, q_len, d]` (f32, CPU) over slots `slots` of a CPU cache, whose
-/// first slot holds position `mask.k_start`: `[1, heads, q_len, d]`.
-pub(crate) fn attention_kv(
+/// [`attention`](crate::attention::attention) over slots `slots` of a CPU cache, whose first
+/// slot holds position `mask.k_start`: `q: [1, heads, q_len, head_dim]` (f32) →
+/// `[1, heads, q_len, head_dim]`.
+pub fn attention_kv(
     q: &Tensor,
     kv: &CpuKv,
     slots: Range<usize>,
@@ -102,24 +103,24 @@ pub(crate) fn attention_kv(
         (&view, &view),
         mask,
         &mut out,
-        &mut Scratch::default(),
+        &mut AttnScratch::default(),
     );
     // Written as [b, q_len, heads, d]: the caller's transpose back to that order is free.
     Tensor::from_vec(out, (b, q_len, heads, d), &Device::Cpu)?.transpose(1, 2)
 }
 
-/// One token's attention without allocating (the decode step): `q` holds its `heads` query
-/// rows of `d`; slots `slots` of the cache hold the keys `mask` numbers from `mask.k_start`
-/// on; writes `out` (`heads · d`).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn attention_row_into(
+/// One token's attention without allocating once `scratch` has grown (the decode step): `q`
+/// holds its query heads (`heads · head_dim` f32), slots `slots` of `kv` hold the keys `mask`
+/// numbers from `mask.k_start` on; the result overwrites `out` (`heads · head_dim`). The same
+/// arithmetic as [`attention_kv`].
+pub fn attention_row_into(
     q: &[f32],
     kv: &CpuKv,
     slots: Range<usize>,
     scale: f64,
     mask: &MaskSpec,
     out: &mut [f32],
-    scratch: &mut Scratch,
+    scratch: &mut AttnScratch,
 ) -> Result<()> {
     let d = kv.head_dim;
     if out.len() != q.len() || !q.len().is_multiple_of(d) {
@@ -184,9 +185,9 @@ fn kv_shape(
     Ok((shape, view))
 }
 
-/// Buffers one decode step's attention reuses (see [`crate::attention::AttnScratch`]).
+/// Buffers that [`attention_row_into`] reuses from one decode step to the next.
 #[derive(Debug, Default)]
-pub(crate) struct Scratch {
+pub struct AttnScratch {
     partial: Vec<f32>,
     stats: Vec<(f32, f32)>,
     scores: Vec<f32>,
@@ -309,7 +310,7 @@ impl Shape {
         (k_view, v_view): (&View, &View),
         mask: &MaskSpec,
         out: &mut [f32],
-        scratch: &mut Scratch,
+        scratch: &mut AttnScratch,
     ) {
         match kv {
             Pair::F32(k, v) => self.run(q, qv, (k, k_view), (v, v_view), mask, out, scratch),
@@ -328,7 +329,7 @@ impl Shape {
         v: (&[E], &View),
         mask: &MaskSpec,
         out: &mut [f32],
-        scratch: &mut Scratch,
+        scratch: &mut AttnScratch,
     ) {
         out.fill(0.0); // rows with no visible key stay zero; decode accumulates into them
         let (groups, q_len, d) = (self.groups, self.q_len, self.d);
@@ -374,7 +375,7 @@ impl Shape {
         // A chunk attends at most this many keys (a task sees at most `k_len`).
         let chunk_keys = self.key_room.div_ceil(splits).max(1);
         let chunks = tasks * splits;
-        let Scratch {
+        let AttnScratch {
             partial,
             stats,
             scores,

@@ -103,9 +103,7 @@ impl DecoderLayer {
             .forward(&rms_norm(&x, &self.post_attention_layernorm, eps)?)?;
         Ok((x + mlp)?)
     }
-}
 
-impl DecoderLayer {
     /// [`forward`](Self::forward) for one token over a decode step's buffers (`b.x`).
     fn step(
         &self,

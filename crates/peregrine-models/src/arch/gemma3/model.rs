@@ -122,9 +122,7 @@ impl Layer {
             .forward(&rms_norm(&x, &self.pre_feedforward_layernorm, eps)?)?;
         Ok((&x + rms_norm(&mlp, &self.post_feedforward_layernorm, eps)?)?)
     }
-}
 
-impl Layer {
     /// [`forward`](Self::forward) for one token over a decode step's buffers (`b.x`).
     fn step(
         &self,
