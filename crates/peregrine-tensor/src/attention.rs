@@ -1,4 +1,5 @@
 //! Scaled dot-product attention with grouped-query heads, causal and sliding-window masks.
+
 use candle_core::{D, Device, Result, Tensor};
 use half::{bf16, f16};
 
