@@ -1,0 +1,66 @@
+//! Random MLX matrices shared by the MLX test files.
+#![allow(dead_code)] // each test binary uses its own subset
+
+use peregrine_tensor::mlx::MlxQuantized;
+use peregrine_tensor::{DType, Device, Tensor};
+
+/// MLX's group sizes.
+pub const GROUPS: [usize; 3] = [32, 64, 128];
+
+/// Deterministic xorshift; the tests need no statistical quality, only variety.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    pub fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+}
+
+pub fn random_quantized(
+    rng: &mut Rng,
+    out: usize,
+    in_dim: usize,
+    bits: usize,
+    group: usize,
+) -> MlxQuantized {
+    random_quantized_as(rng, out, in_dim, bits, group, DType::BF16)
+}
+
+/// Random codes, scales and biases with the scales and biases stored as `dtype`.
+pub fn random_quantized_as(
+    rng: &mut Rng,
+    out: usize,
+    in_dim: usize,
+    bits: usize,
+    group: usize,
+    dtype: DType,
+) -> MlxQuantized {
+    let words = in_dim * bits / 32;
+    let packed: Vec<u32> = (0..out * words).map(|_| rng.next() as u32).collect();
+    let groups = in_dim / group;
+    // Negative scales occur in real checkpoints (MLX stores max→min ranges that way).
+    let scale = 1.0 / (1u32 << bits) as f32;
+    let scales: Vec<f32> = (0..out * groups).map(|_| rng.uniform() * scale).collect();
+    let biases: Vec<f32> = (0..out * groups).map(|_| rng.uniform() * 0.5).collect();
+    let dev = Device::Cpu;
+    MlxQuantized::new(
+        Tensor::from_vec(packed, (out, words), &dev).unwrap(),
+        Tensor::from_vec(scales, (out, groups), &dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap(),
+        Tensor::from_vec(biases, (out, groups), &dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap(),
+        bits,
+        group,
+    )
+    .unwrap()
+}
