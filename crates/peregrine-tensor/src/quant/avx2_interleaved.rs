@@ -1,4 +1,4 @@
-//! x86 kernels for [`Interleaved`](super::interleaved::Interleaved) Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K weights:
+//! x86 kernels for [`Interleaved`](super::interleaved::Interleaved) Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K weights:
 //! one group of 8 rows against `T` input rows. Per block the 8 rows' codes are unpacked once into 8
 //! vectors (values `4k..4k + 4` of every row in each), and each input's 4 codes at `4k`,
 //! broadcast, multiply vector `k`: 8 integer products per lane give each row's block sum
@@ -91,6 +91,7 @@ unsafe fn dispatch<I: Isa, const T: usize>(
         match format {
             Format::Q4K => rows_q4k::<I, T>(w, x),
             Format::Q6K => rows_q6k::<I, T>(w, x),
+            Format::Q8_0 => rows_q8_0::<I, T>(w, x),
             Format::Q4_1 if shared == 2 => rows::<I, true, false, 2, T>(w, x),
             _ => with_fields!(format, MIN, FIFTH => rows::<I, MIN, FIFTH, 1, T>(w, x)),
         }
@@ -160,6 +161,53 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, 
             let sum = _mm256_add_ps(acc[0][t], acc[1][t]);
             let sum = _mm256_add_ps(sum, _mm256_add_ps(mins[0][t], mins[1][t]));
             _mm256_storeu_ps(out.as_mut_ptr(), sum);
+            out
+        })
+    }
+}
+
+/// Q8_0: the 8 vectors are the block's 256 code bytes as they stand (signed). `dot4` takes
+/// unsigned bytes, so each vector goes in as `|q|` against the input's quad carrying `q`'s
+/// sign (ggml's trick; `|q| ≤ 128` keeps AVX2's pair sums from saturating).
+///
+/// # Safety
+/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
+#[inline(always)]
+unsafe fn rows_q8_0<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; T]) -> [[f32; ROWS]; T] {
+    let block_bytes = super::interleaved::group_block_bytes(Format::Q8_0);
+    // SAFETY: per this function's contract; every load below stays inside block `b`.
+    unsafe {
+        let mut acc = [[_mm256_setzero_ps(); T]; 2];
+        for (b, gb) in w.chunks_exact(block_bytes).enumerate() {
+            let p = gb.as_ptr();
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
+            let mut codes = [_mm256_setzero_si256(); 8];
+            for (k, code) in codes.iter_mut().enumerate() {
+                *code = _mm256_loadu_si256(p.add(16 + 32 * k).cast());
+            }
+            let mut magnitudes = [_mm256_setzero_si256(); 8];
+            for (m, code) in magnitudes.iter_mut().zip(&codes) {
+                *m = _mm256_abs_epi8(*code);
+            }
+            let chain = &mut acc[b % 2];
+            for t in 0..T {
+                let xb = &x[t][b];
+                let xq = xb.qs.as_ptr().cast::<i32>();
+                let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                for k in 0..4 {
+                    let quad = |k: usize| _mm256_set1_epi32(xq.add(k).read_unaligned());
+                    let signed = |k: usize| _mm256_sign_epi8(quad(k), codes[k]);
+                    s0 = I::dot4(s0, magnitudes[k], signed(k));
+                    s1 = I::dot4(s1, magnitudes[k + 4], signed(k + 4));
+                }
+                let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(xb.d));
+                chain[t] = _mm256_fmadd_ps(scale, sum, chain[t]);
+            }
+        }
+        std::array::from_fn(|t| {
+            let mut out = [0f32; ROWS];
+            _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(acc[0][t], acc[1][t]));
             out
         })
     }

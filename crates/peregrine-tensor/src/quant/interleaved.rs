@@ -1,15 +1,16 @@
-//! Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K weights with 8 rows interleaved block by block, the layout the x86
+//! Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K weights with 8 rows interleaved block by block, the layout the x86
 //! kernels multiply fastest: one 32-byte vector holds 4 codes of each of 8 rows, so 4 activation
 //! codes broadcast to every lane advance 8 outputs at once, and the rows' scales load as one
 //! vector. (llama.cpp repacks Q4_0 the same way for the same reason.) Nothing is rounded or
 //! re-encoded: [`Interleaved::row_block`] gives any row's GGUF block back byte for byte.
 //!
 //! Per group of 8 rows and per block: 8 f16 scales; 8 f16 minimums (Q4_1, Q5_1); the fifth bits
-//! as 8 masks (Q5_0, Q5_1); then 128 bytes of codes. Codes byte `32c + 4l + t` is byte `4c + t`
-//! of row `l`'s GGUF codes: its low nibble is value `4c + t`, its high nibble value
+//! as 8 masks (Q5_0, Q5_1); then 128 bytes of codes (Q8_0: 256). Codes byte `32c + 4l + t` is
+//! byte `4c + t` of row `l`'s GGUF codes: its low nibble is value `4c + t`, its high nibble value
 //! `16 + 4c + t`. So the low nibbles of the 32 bytes at `32c` are values `4c..4c + 4` of every
 //! row ("vector `c`"), and their high nibbles values `16 + 4c..` ("vector `c + 4`"); mask `k`
-//! holds vector `k`'s fifth bits, bit `4l + t` for row `l`'s value `4k + t`.
+//! holds vector `k`'s fifth bits, bit `4l + t` for row `l`'s value `4k + t`. Q8_0's bytes are
+//! whole codes, so its 8 vectors are the 8 runs of 32 bytes as they stand.
 //!
 //! The K-quants (256 values per block, `interleaved_k.rs`) keep the same code vectors, per pair
 //! of sub-blocks: Q4_K with its 6-bit sub-block scales and minimums unpacked to bytes (32 bytes
@@ -22,11 +23,12 @@ pub use super::interleaved_k::{q4k, q6k};
 pub const ROWS: usize = 8;
 
 /// The formats that interleave.
-pub const FORMATS: [Format; 6] = [
+pub const FORMATS: [Format; 7] = [
     Format::Q4_0,
     Format::Q4_1,
     Format::Q5_0,
     Format::Q5_1,
+    Format::Q8_0,
     Format::Q4K,
     Format::Q6K,
 ];
@@ -197,7 +199,7 @@ impl Interleaved {
             }
             out[qh..qh + 4].copy_from_slice(&bits.to_le_bytes());
         }
-        for c in 0..4 {
+        for c in 0..(bb - qs) / 4 {
             let at = codes_at + 32 * c + 4 * l;
             out[qs + 4 * c..qs + 4 * c + 4].copy_from_slice(&gb[at..at + 4]);
         }
@@ -229,9 +231,19 @@ impl Interleaved {
         }
         let f = Fields::of(self.format);
         let (qh, qs) = f.row_offsets();
-        let mut block = [0u8; 24];
+        let mut block = [0u8; 34];
+        if self.format == Format::Q8_0 {
+            for (b, vals) in out.chunks_exact_mut(32).enumerate() {
+                self.row_block(r, b, &mut block);
+                let d = super::format::f16_at(&block, 0);
+                for (v, &q) in vals.iter_mut().zip(&block[2..]) {
+                    *v = f32::from(q as i8) * d;
+                }
+            }
+            return;
+        }
         for (b, vals) in out.chunks_exact_mut(32).enumerate() {
-            self.row_block(r, b, &mut block);
+            self.row_block(r, b, &mut block[..self.format.block_bytes()]);
             let d = super::format::f16_at(&block, 0);
             let m = if f.min {
                 super::format::f16_at(&block, 2)
@@ -285,7 +297,7 @@ fn interleave_group(format: Format, data: &[u8], blocks: usize, out: &mut [u8]) 
                     *mask |= ((bits >> (4 * k)) & 0xF) << (4 * l);
                 }
             }
-            for c in 0..4 {
+            for c in 0..(bb - qs) / 4 {
                 let at = codes_at + 32 * c + 4 * l;
                 gb[at..at + 4].copy_from_slice(&src[qs + 4 * c..qs + 4 * c + 4]);
             }

@@ -54,7 +54,8 @@ enum Layout {
         qtensor: Arc<QTensor>,
         fallback: QMatMul,
     },
-    /// Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K with 8 rows interleaved ([`interleaved`]), for the x86 kernels.
+    /// Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K with 8 rows interleaved ([`interleaved`]), for the x86
+    /// kernels.
     Interleaved(Arc<Interleaved>),
     /// Row-layout blocks of a format candle cannot hold ([`Format::MLX8`], [`Format::MLX8G64`]):
     /// CPU kernels only.
@@ -62,7 +63,7 @@ enum Layout {
 }
 
 impl GgufMatrix {
-    /// Wraps a 2-D GGUF tensor. On CPUs with the AVX2 kernels, Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q6_K
+    /// Wraps a 2-D GGUF tensor. On CPUs with the AVX2 kernels, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K
     /// matrices of a multiple of 8 rows move into the interleaved layout (the same bytes; Q4_K's
     /// 6-bit scales take a byte each, 2.8 % more), and the file's copy is dropped once no one
     /// else holds it.
