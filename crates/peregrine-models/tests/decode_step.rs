@@ -2,7 +2,7 @@
 //! against `forward`, the reference path, token by token on every fixture: HF f32 weights
 //! (dense matmuls through candle), MLX 4-bit (regrouped into Q4_1: the interleaved kernels),
 //! MLX 8-bit (MLX8G64 blocks), MLX 3- and 6-bit (f32 activations), full and sliding-window
-//! layers, f32 and f16 KV caches.
+//! layers, f32 and f16 KV caches; and the two real GGUF models (SmolLM2 Q4_1, Gemma 3 Q4_K_M).
 //!
 //! Tolerance 1e-5 max abs on the logits: both paths run the same kernels on the same numbers and
 //! differ at most in rounding order; measured bit-identical (0.0) everywhere. A wrong position,
@@ -28,18 +28,24 @@ fn prompt(arch: &str) -> Vec<u32> {
     ids.to_vec1::<u32>().unwrap()
 }
 
-/// Prefills the first 3 prompt tokens, then runs every later one through `decode` and through
-/// `forward` on two caches; returns the largest logit difference.
+/// [`compare`] on a fixture's prompt.
 fn decode_vs_forward(checkpoint: &str, kv: KvOptions) -> f32 {
     let arch = checkpoint.split('/').next().unwrap();
-    let model = load_model(&fixture(checkpoint), &LoadOptions::default())
-        .unwrap_or_else(|e| panic!("{checkpoint}: {e}"))
-        .model;
     let ids = prompt(arch);
     assert!(
         ids.len() > 10,
         "{checkpoint}: a prompt long enough to pass the window"
     );
+    compare(&fixture(checkpoint), &ids, kv)
+}
+
+/// Prefills the first 3 of `ids`, then runs every later one through `decode` and through
+/// `forward` on two caches; returns the largest logit difference.
+fn compare(path: &std::path::Path, ids: &[u32], kv: KvOptions) -> f32 {
+    let checkpoint = path.display();
+    let model = load_model(path, &LoadOptions::default())
+        .unwrap_or_else(|e| panic!("{checkpoint}: {e}"))
+        .model;
     let new_cache = || SequenceCache::new(&model.cache_spec(), &kv);
     let (mut stepped, mut reference) = (new_cache(), new_cache());
     for cache in [&mut stepped, &mut reference] {
@@ -115,4 +121,34 @@ fn decode_refuses_a_position_past_the_context() {
         "{err}"
     );
     assert_eq!(cache.len(), 4, "a refused step changes nothing");
+}
+
+/// A model from `${PEREGRINE_MODELS:-$HOME/.cache/peregrine/models}` (scripts/fetch-models.sh).
+fn real_model(file: &str) -> PathBuf {
+    let dir = std::env::var_os("PEREGRINE_MODELS").map_or_else(
+        || PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/peregrine/models"),
+        PathBuf::from,
+    );
+    let path = dir.join(file);
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/fetch-models.sh",
+        path.display()
+    );
+    path
+}
+
+#[test]
+fn decode_matches_forward_on_the_real_models() {
+    // Token ids below both vocabularies' sizes; what they spell does not matter here.
+    let ids: Vec<u32> = (0..40).map(|i| 100 + 37 * i).collect();
+    let f16 = KvOptions {
+        dtype: Some(DType::F16),
+    };
+    for file in [
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "gemma-3-270m-q4_k_m.gguf",
+    ] {
+        compare(&real_model(file), &ids, f16);
+    }
 }
