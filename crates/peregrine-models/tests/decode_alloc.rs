@@ -7,13 +7,17 @@
 //! positions, outside this window; dense and MLX 3/6-bit weights go through candle and
 //! allocate. One test in this binary: the counter sees every thread of the process.
 
+mod common;
+
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use peregrine_models::{KvOptions, LoadOptions, Logits, SequenceCache, load_model};
 use peregrine_tensor::DType;
 use peregrine_tensor::device::in_compute_pool;
+
+use common::{fixture, real_model};
 
 struct Counting;
 
@@ -43,27 +47,6 @@ unsafe impl GlobalAlloc for Counting {
 
 #[global_allocator]
 static GLOBAL: Counting = Counting;
-
-fn fixture(checkpoint: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(checkpoint)
-}
-
-/// A model from `${PEREGRINE_MODELS:-$HOME/.cache/peregrine/models}` (scripts/fetch-models.sh).
-fn real_model(file: &str) -> PathBuf {
-    let dir = std::env::var_os("PEREGRINE_MODELS").map_or_else(
-        || PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/peregrine/models"),
-        PathBuf::from,
-    );
-    let path = dir.join(file);
-    assert!(
-        path.exists(),
-        "{} is missing: run scripts/fetch-models.sh",
-        path.display()
-    );
-    path
-}
 
 /// Allocations made by 16 decode steps after an 8-token prompt and 4 warm-up steps.
 fn allocations_per_16_steps(path: &Path, kv: KvOptions) -> usize {

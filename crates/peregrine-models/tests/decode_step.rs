@@ -8,19 +8,15 @@
 //! differ at most in rounding order; measured bit-identical (0.0) everywhere. A wrong position,
 //! head order, window, norm or cache slot moves the logits by 1e-2 or more.
 
-use std::path::PathBuf;
+mod common;
 
 use peregrine_models::{KvOptions, LoadOptions, Logits, SequenceCache, load_model};
 use peregrine_tensor::candle::safetensors::load;
 use peregrine_tensor::{DType, Device};
 
-const TOLERANCE: f32 = 1e-5;
+use common::{fixture, real_model};
 
-fn fixture(path: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(path)
-}
+const TOLERANCE: f32 = 1e-5;
 
 fn prompt(arch: &str) -> Vec<u32> {
     let r = load(fixture(arch).join("hf/reference.safetensors"), &Device::Cpu).unwrap();
@@ -121,21 +117,6 @@ fn decode_refuses_a_position_past_the_context() {
         "{err}"
     );
     assert_eq!(cache.len(), 4, "a refused step changes nothing");
-}
-
-/// A model from `${PEREGRINE_MODELS:-$HOME/.cache/peregrine/models}` (scripts/fetch-models.sh).
-fn real_model(file: &str) -> PathBuf {
-    let dir = std::env::var_os("PEREGRINE_MODELS").map_or_else(
-        || PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/peregrine/models"),
-        PathBuf::from,
-    );
-    let path = dir.join(file);
-    assert!(
-        path.exists(),
-        "{} is missing: run scripts/fetch-models.sh",
-        path.display()
-    );
-    path
 }
 
 #[test]

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{GROUPS, Rng, random_quantized, random_quantized_as};
+use common::{GROUPS, Rng, random_codes, random_quantized, random_quantized_as};
 use peregrine_tensor::mlx::{MlxQuantized, avx2_available};
 use peregrine_tensor::quant::Format;
 use peregrine_tensor::{DType, Device, GgufMatrix, Tensor};
@@ -151,20 +151,21 @@ fn f16_exact_quantized(
     bits: usize,
     group: usize,
 ) -> MlxQuantized {
-    let (words, groups) = (in_dim * bits / 32, in_dim / group);
-    let packed: Vec<u32> = (0..out * words).map(|_| rng.next() as u32).collect();
-    let mut away_from_zero = |scale: f32| {
-        let u = rng.uniform();
-        u.signum() * (0.01 + u.abs() * scale)
+    let away_from_zero = |scale: f32| {
+        move |r: &mut Rng| {
+            let u = r.uniform();
+            u.signum() * (0.01 + u.abs() * scale)
+        }
     };
-    let scales: Vec<f32> = (0..out * groups).map(|_| away_from_zero(0.05)).collect();
-    let biases: Vec<f32> = (0..out * groups).map(|_| away_from_zero(0.5)).collect();
-    let t = |v: Vec<f32>| {
-        let t = Tensor::from_vec(v, (out, groups), &Device::Cpu).unwrap();
-        t.to_dtype(DType::BF16).unwrap()
-    };
-    let packed = Tensor::from_vec(packed, (out, words), &Device::Cpu).unwrap();
-    MlxQuantized::new(packed, t(scales), t(biases), bits, group).unwrap()
+    let (scales, biases) = (away_from_zero(0.05), away_from_zero(0.5));
+    random_codes(
+        rng,
+        (out, in_dim),
+        (bits, group),
+        DType::BF16,
+        scales,
+        biases,
+    )
 }
 
 /// Regrouping straight from the file's bytes (`regroup_mapped`, what loading does) gives the

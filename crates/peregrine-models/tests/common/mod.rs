@@ -1,4 +1,7 @@
-//! Helpers shared by the golden tests.
+//! Helpers shared by the model tests.
+#![allow(dead_code)] // each test binary uses its own subset
+
+use std::path::PathBuf;
 
 use peregrine_models::{CausalLm, KvOptions, Logits, SequenceCache};
 
@@ -19,4 +22,26 @@ pub fn greedy_ids(model: &dyn CausalLm, prompt: &[u32], n: usize) -> Vec<u32> {
         }
     }
     out
+}
+
+/// `tests/fixtures/<path>` at the repository root.
+pub fn fixture(path: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(path)
+}
+
+/// A model from `${PEREGRINE_MODELS:-$HOME/.cache/peregrine/models}` (scripts/fetch-models.sh).
+pub fn real_model(file: &str) -> PathBuf {
+    let dir = std::env::var_os("PEREGRINE_MODELS").map_or_else(
+        || PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/peregrine/models"),
+        PathBuf::from,
+    );
+    let path = dir.join(file);
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/fetch-models.sh",
+        path.display()
+    );
+    path
 }

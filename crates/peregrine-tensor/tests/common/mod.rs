@@ -41,26 +41,33 @@ pub fn random_quantized_as(
     group: usize,
     dtype: DType,
 ) -> MlxQuantized {
-    let words = in_dim * bits / 32;
-    let packed: Vec<u32> = (0..out * words).map(|_| rng.next() as u32).collect();
-    let groups = in_dim / group;
     // Negative scales occur in real checkpoints (MLX stores max→min ranges that way).
     let scale = 1.0 / (1u32 << bits) as f32;
-    let scales: Vec<f32> = (0..out * groups).map(|_| rng.uniform() * scale).collect();
-    let biases: Vec<f32> = (0..out * groups).map(|_| rng.uniform() * 0.5).collect();
-    let dev = Device::Cpu;
-    MlxQuantized::new(
-        Tensor::from_vec(packed, (out, words), &dev).unwrap(),
-        Tensor::from_vec(scales, (out, groups), &dev)
-            .unwrap()
-            .to_dtype(dtype)
-            .unwrap(),
-        Tensor::from_vec(biases, (out, groups), &dev)
-            .unwrap()
-            .to_dtype(dtype)
-            .unwrap(),
-        bits,
-        group,
-    )
-    .unwrap()
+    let (scales, biases) = (
+        |r: &mut Rng| r.uniform() * scale,
+        |r: &mut Rng| r.uniform() * 0.5,
+    );
+    random_codes(rng, (out, in_dim), (bits, group), dtype, scales, biases)
+}
+
+/// Random codes of `bits` for an `[out, in_dim]` matrix, with scales and biases drawn by
+/// `scale` and `bias` and stored as `dtype`.
+pub fn random_codes(
+    rng: &mut Rng,
+    (out, in_dim): (usize, usize),
+    (bits, group): (usize, usize),
+    dtype: DType,
+    scale: impl Fn(&mut Rng) -> f32,
+    bias: impl Fn(&mut Rng) -> f32,
+) -> MlxQuantized {
+    let (words, groups) = (in_dim * bits / 32, in_dim / group);
+    let packed: Vec<u32> = (0..out * words).map(|_| rng.next() as u32).collect();
+    let scales: Vec<f32> = (0..out * groups).map(|_| scale(rng)).collect();
+    let biases: Vec<f32> = (0..out * groups).map(|_| bias(rng)).collect();
+    let t = |v: Vec<f32>| {
+        let t = Tensor::from_vec(v, (out, groups), &Device::Cpu).unwrap();
+        t.to_dtype(dtype).unwrap()
+    };
+    let packed = Tensor::from_vec(packed, (out, words), &Device::Cpu).unwrap();
+    MlxQuantized::new(packed, t(scales), t(biases), bits, group).unwrap()
 }
