@@ -235,13 +235,16 @@ impl KvBuffer {
         let (slots, mask) = self.visible(q.dim(2)?, window);
         match &self.store {
             None => bail("attend called on an empty cache"),
-            Some(Store::Cpu { .. }) => attention_kv(q, &self.cpu_kv()?, slots, params.scale, &mask),
+            Some(Store::Cpu { .. }) => {
+                let kv = self.cpu_kv()?;
+                attention_kv(q, &kv, slots, params.scale, params.softcap, &mask)
+            },
             Some(Store::Tensors(k, v)) => {
                 let (k, v) = (
                     k.narrow(2, slots.start, slots.len())?,
                     v.narrow(2, slots.start, slots.len())?,
                 );
-                attention(q, &k, &v, params.scale, &mask)
+                attention(q, &k, &v, params.scale, params.softcap, &mask)
             }
         }
     }
@@ -261,7 +264,8 @@ impl KvBuffer {
             None => bail("attend called on an empty cache"),
             Some(Store::Cpu { .. }) => {
                 let kv = self.cpu_kv()?;
-                attention_row_into(q, &kv, slots, params.scale, &mask, out, scratch)
+                let (scale, cap) = (params.scale, params.softcap);
+                attention_row_into(q, &kv, slots, scale, cap, &mask, out, scratch)
             }
             Some(Store::Tensors(k, _)) => {
                 let shape = (1, q.len() / head_dim, 1, head_dim);
@@ -404,11 +408,19 @@ mod tests {
     }
 
     /// The CPU store and the tensor store (other devices') take the same appends, tensor and
-    /// row ones, across growth and window drops, and attend identically after each.
+    /// row ones, across growth and window drops, and attend identically after each, with and
+    /// without a soft cap.
     #[test]
     fn cpu_and_tensor_stores_attend_alike() {
-        let params = AttnParams { scale: 0.3 };
-        for dtype in [None, Some(DType::F16), Some(DType::BF16)] {
+        let capped = AttnParams {
+            scale: 0.3,
+            softcap: Some(0.8),
+        };
+        let dtypes = [None, Some(DType::F16), Some(DType::BF16)];
+        let cases = [AttnParams::scaled(0.3), capped]
+            .into_iter()
+            .flat_map(|p| dtypes.map(|d| (p, d)));
+        for (params, dtype) in cases {
             let (mut cpu, mut tensors) = (KvBuffer::new(dtype), KvBuffer::new_on_tensors(dtype));
             let (keep, window) = (Some(300), Some(280));
             let mut end = 0;
@@ -429,7 +441,7 @@ mod tests {
                 let a = cpu.attend(&q, &params, window).unwrap();
                 let b = tensors.attend(&q, &params, window).unwrap();
                 let diff = peregrine_tensor::ops::max_abs_diff(&a, &b).unwrap();
-                assert!(diff < 1e-6, "{dtype:?} after {end}: {diff}");
+                assert!(diff < 1e-6, "{dtype:?} {params:?} after {end}: {diff}");
                 let mut out = vec![0f32; 32];
                 let scratch = &mut AttnScratch::default();
                 let q_row = rows(end, 2, 2.0);
@@ -438,7 +450,7 @@ mod tests {
                 let a = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
                 assert_eq!(
                     out, a,
-                    "{dtype:?} after {end}: attend_row differs from attend"
+                    "{dtype:?} {params:?} after {end}: attend_row differs from attend"
                 );
             }
         }

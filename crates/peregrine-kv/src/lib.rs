@@ -22,6 +22,19 @@ use peregrine_tensor::{Device, Result, Tensor};
 pub struct AttnParams {
     /// Multiplier applied to `q·k` (usually `1/sqrt(head_dim)`).
     pub scale: f64,
+    /// Soft cap of the scaled scores, `cap · tanh(s / cap)` before the mask and softmax
+    /// (Gemma 2's `attn_logit_softcapping`); `None` leaves them as they are.
+    pub softcap: Option<f32>,
+}
+
+impl AttnParams {
+    /// Scores scaled by `scale`, not capped.
+    pub fn scaled(scale: f64) -> Self {
+        Self {
+            scale,
+            softcap: None,
+        }
+    }
 }
 
 /// One layer's key/value memory.

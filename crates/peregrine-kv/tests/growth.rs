@@ -51,7 +51,7 @@ fn sliding_cache_grows_with_its_contents() {
 
 #[test]
 fn sliding_cache_attends_the_same_across_regrowth() {
-    let params = AttnParams { scale: 0.35 };
+    let params = AttnParams::scaled(0.35);
     let mut grown = RotatingCache::new(WINDOW, 0, None);
     let mut end = 0;
     for chunk in [40, 1, 200, 300, 1, 1, 500, 37, 700] {

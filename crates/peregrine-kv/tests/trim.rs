@@ -52,7 +52,7 @@ fn check_trim_is_exact(mut make: impl FnMut() -> Box<dyn LayerCache>, total: usi
     fill(trimmed.as_mut(), total - trim, 3);
     fill(fresh.as_mut(), total - trim, 3);
     let q = rows(HEADS, total - trim, 3, 1.3);
-    let params = AttnParams { scale: 0.35 };
+    let params = AttnParams::scaled(0.35);
     let diff = max_diff(
         &trimmed.attend(&q, &params).unwrap(),
         &fresh.attend(&q, &params).unwrap(),
@@ -104,7 +104,7 @@ fn f16_storage_halves_memory_and_stays_close() {
     fill(&mut half, 0, 40);
     assert_eq!(half.bytes() * 2, wide.bytes());
     let q = rows(HEADS, 39, 1, 0.5);
-    let p = AttnParams { scale: 0.35 };
+    let p = AttnParams::scaled(0.35);
     // f16 keeps 11 significant bits: values in [-1, 1] round by at most ~5e-4.
     assert!(max_diff(&wide.attend(&q, &p).unwrap(), &half.attend(&q, &p).unwrap()) < 5e-3);
 }

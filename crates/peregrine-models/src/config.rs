@@ -59,10 +59,86 @@ pub struct ModelConfig {
     /// RoPE base of the sliding-window layers, without scaling (Gemma 3's
     /// `rope_local_base_freq`); `None`: the same RoPE as every other layer.
     pub rope_local_theta: Option<f64>,
+    /// Attention scores soft-capped at this value, `cap · tanh(s / cap)` before the mask
+    /// (Gemma 2's `attn_logit_softcapping`).
+    pub attn_logit_softcapping: Option<f64>,
+    /// Output logits soft-capped at this value (Gemma 2's `final_logit_softcapping`).
+    pub final_logit_softcapping: Option<f64>,
     /// Beginning-of-sequence token, when the config names one.
     pub bos_token_id: Option<u32>,
     /// End-of-sequence tokens named by the config.
     pub eos_token_ids: Vec<u32>,
+    /// Mixture-of-experts feed-forward layers, when the model has them.
+    pub moe: Option<MoeConfig>,
+}
+
+/// A mixture-of-experts feed-forward block: a router picks `top_k` of `num_experts` gated MLPs
+/// per token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    /// Routed experts per MoE layer.
+    pub num_experts: usize,
+    /// Experts each token is sent to.
+    pub top_k: usize,
+    /// Hidden width of one expert's MLP.
+    pub intermediate_size: usize,
+    /// Renormalise the chosen experts' weights to sum to one.
+    pub normalize: bool,
+    /// Which layers are MoE (the others keep the dense MLP of `intermediate_size`).
+    pub sparse_layers: Vec<bool>,
+    /// Where the checkpoint keeps the block's tensors.
+    pub naming: ExpertNaming,
+}
+
+/// How a family names its MoE block's tensors (HF names; GGUF and MLX map onto them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertNaming {
+    /// `mlp.gate` (router) and `mlp.experts.N.{gate,up,down}_proj` (Qwen-MoE).
+    Qwen,
+    /// `block_sparse_moe.gate` and `block_sparse_moe.experts.N.{w1,w3,w2}` (Mixtral).
+    Mixtral,
+}
+
+impl MoeConfig {
+    /// Reads the fields Qwen2/3-MoE and Mixtral share: `num_experts` (or Mixtral's
+    /// `num_local_experts`), `num_experts_per_tok`, `moe_intermediate_size` (else
+    /// `intermediate_size`), `norm_topk_prob` (`normalize_default` when absent),
+    /// `decoder_sparse_step` and `mlp_only_layers`.
+    pub fn from_hf(
+        fields: &Fields,
+        config: &ModelConfig,
+        naming: ExpertNaming,
+        normalize_default: bool,
+    ) -> Result<Self> {
+        let num_experts = match fields.opt_usize("num_experts")? {
+            Some(n) => n,
+            None => fields.usize("num_local_experts")?,
+        };
+        let top_k = fields.usize("num_experts_per_tok")?;
+        if top_k > num_experts {
+            return Err(fields.err(format!(
+                "`num_experts_per_tok` {top_k} exceeds the {num_experts} experts"
+            )));
+        }
+        let step = fields.opt_usize("decoder_sparse_step")?.unwrap_or(1);
+        let dense = fields.usize_list("mlp_only_layers")?;
+        let layers = config.num_hidden_layers;
+        let sparse_layers = (0..layers)
+            .map(|i| !dense.contains(&i) && (i + 1) % step == 0)
+            .collect();
+        Ok(Self {
+            num_experts,
+            top_k,
+            intermediate_size: fields
+                .opt_usize("moe_intermediate_size")?
+                .unwrap_or(config.intermediate_size),
+            normalize: fields
+                .opt_bool("norm_topk_prob")?
+                .unwrap_or(normalize_default),
+            sparse_layers,
+            naming,
+        })
+    }
 }
 
 /// The gated MLP's activation: `down(act(gate(x)) * up(x))`.
@@ -93,6 +169,12 @@ impl<'a> Fields<'a> {
     /// An error naming this file.
     pub fn err(&self, message: String) -> ModelError {
         ModelError::config(&self.file, message)
+    }
+
+    /// Whether `key` is present, even as JSON `null` (which can mean "off" where the field's
+    /// default is on, as Gemma 2's soft caps).
+    pub fn contains(&self, key: &str) -> bool {
+        self.map.contains_key(key)
     }
 
     /// The raw value of `key`, treating JSON `null` as absent.
@@ -167,6 +249,23 @@ impl<'a> Fields<'a> {
         }
     }
 
+    /// A list of non-negative integers (empty when absent).
+    pub fn usize_list(&self, key: &str) -> Result<Vec<usize>> {
+        let bad = || {
+            self.err(format!(
+                "field `{key}` must be a list of non-negative integers"
+            ))
+        };
+        match self.get(key) {
+            None => Ok(vec![]),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| v.as_u64().map(|n| n as usize).ok_or_else(bad))
+                .collect(),
+            Some(_) => Err(bad()),
+        }
+    }
+
     /// A nested object.
     pub fn object(&self, key: &str) -> Result<Option<Fields<'a>>> {
         match self.get(key) {
@@ -237,8 +336,11 @@ impl ModelConfig {
             query_pre_attn_scalar: None,
             sliding_layers: None,
             rope_local_theta: None,
+            attn_logit_softcapping: None,
+            final_logit_softcapping: None,
             bos_token_id: fields.token_ids("bos_token_id")?.first().copied(),
             eos_token_ids: fields.token_ids("eos_token_id")?,
+            moe: None,
         };
         config.validate(&fields.file)?;
         Ok(config)

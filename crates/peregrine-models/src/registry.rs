@@ -21,6 +21,7 @@ fn decoder(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn Ca
     Ok(Arc::new(DecoderLm::load(c, w, max_context)?))
 }
 
+/// Gemma 3's decoder, which also runs Gemma 2.
 fn gemma3(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn CausalLm>> {
     Ok(Arc::new(Gemma3Lm::load(c, w, max_context)?))
 }
@@ -28,16 +29,19 @@ fn gemma3(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn Cau
 /// Registered architectures: name (HF `model_type`, also GGUF `general.architecture`), its
 /// config adjustments and the model it builds (the llama-family decoder unless it differs).
 const ARCHITECTURES: &[(&str, Configure, Build)] = &[
+    ("gemma2", arch::gemma2::configure, gemma3),
     ("gemma3", arch::gemma3::configure, gemma3),
     ("llama", arch::llama::configure, decoder),
     ("mistral", arch::mistral::configure, decoder),
+    ("mixtral", arch::mixtral::configure, decoder),
     ("qwen2", arch::qwen2::configure, decoder),
     ("qwen3", arch::qwen3::configure, decoder),
+    ("qwen3_moe", arch::qwen3_moe::configure, decoder),
 ];
 
-/// HF `model_type`s registered under another name (Gemma 3's text-only checkpoints are
-/// `gemma3_text`; its GGUF architecture is `gemma3`).
-const ALIASES: &[(&str, &str)] = &[("gemma3_text", "gemma3")];
+/// Names registered under another one: Gemma 3's text-only HF checkpoints are `gemma3_text`
+/// (its GGUF architecture is `gemma3`); llama.cpp calls Qwen3-MoE `qwen3moe`.
+const ALIASES: &[(&str, &str)] = &[("gemma3_text", "gemma3"), ("qwen3moe", "qwen3_moe")];
 
 /// The architecture names this build can load (GGUF `general.architecture`, HF `model_type`;
 /// HF `gemma3_text` loads as `gemma3`).

@@ -70,7 +70,7 @@ fn compare(path: &std::path::Path, ids: &[u32], kv: KvOptions) -> f32 {
 
 #[test]
 fn decode_matches_forward_on_every_architecture() {
-    for arch in ["llama", "mistral", "qwen2", "qwen3", "gemma3"] {
+    for arch in ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"] {
         decode_vs_forward(&format!("{arch}/hf"), KvOptions::default());
     }
 }

@@ -108,4 +108,26 @@ macro_rules! golden {
     )*};
 }
 
-golden!(gemma3, llama, mistral, qwen2, qwen3);
+golden!(
+    gemma2, gemma3, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+);
+
+/// The sliding-window families' fixtures (window 8, a 24-token prompt): prefilling the prompt 3
+/// tokens at a time, so that the window's edge falls inside and across chunks, gives the logits
+/// of one-shot prefill.
+#[test]
+fn sliding_window_prefill_in_chunks_of_3_equals_one_shot() {
+    for arch in ["gemma2", "gemma3", "mistral"] {
+        let model = load_model(&fixture(arch), &LoadOptions::default()).unwrap();
+        assert_eq!(model.model.config().sliding_window, Some(8), "{arch}");
+        let (whole, r) = logits_in_chunks(arch, 1024);
+        assert_eq!(r.ids.len(), 24, "{arch}");
+        let (chunked, _) = logits_in_chunks(arch, 3);
+        let diff = max_abs_diff(&chunked, &whole);
+        eprintln!("{arch}: chunks of 3 vs one shot: max abs diff {diff:.2e}");
+        assert!(
+            diff < 1e-5,
+            "{arch}: chunks of 3 differ from one shot by {diff}"
+        );
+    }
+}

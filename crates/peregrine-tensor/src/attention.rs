@@ -1,4 +1,5 @@
-//! Scaled dot-product attention with grouped-query heads, causal and sliding-window masks.
+//! Scaled dot-product attention with grouped-query heads, causal and sliding-window masks, and
+//! optional soft-capping of the scores (Gemma 2's `cap · tanh(s / cap)` before the mask).
 
 use candle_core::{D, Device, Result, Tensor};
 use half::{bf16, f16};
@@ -40,17 +41,25 @@ impl MaskSpec {
     }
 }
 
+/// `cap · tanh(s / cap)` of scores `s`: a soft cap at `±cap` (Gemma 2's attention and output
+/// logits), computed as transformers computes it.
+pub fn softcap(s: &Tensor, cap: f32) -> Result<Tensor> {
+    (s / cap as f64)?.tanh()? * cap as f64
+}
+
 /// Attention for `q: [b, heads, q_len, d]` over `k, v: [b, kv_heads, k_len, d]` (k/v in any
-/// float dtype, e.g. a narrower cache). On CPU a fused kernel reads k/v in place; elsewhere
-/// query heads are grouped onto their kv head by reshaping, so k/v are never repeated.
+/// float dtype, e.g. a narrower cache). Scores are `scale · q·k`, soft-capped at `softcap`
+/// when set. On CPU a fused kernel reads k/v in place; elsewhere query heads are grouped onto
+/// their kv head by reshaping, so k/v are never repeated.
 pub fn attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     scale: f64,
+    softcap: Option<f32>,
     mask: &MaskSpec,
 ) -> Result<Tensor> {
-    if let Some(y) = crate::attention_cpu::attention(q, k, v, scale, mask)? {
+    if let Some(y) = crate::attention_cpu::attention(q, k, v, scale, softcap, mask)? {
         return Ok(y);
     }
     let (k, v) = (&k.to_dtype(q.dtype())?, &v.to_dtype(q.dtype())?);
@@ -69,6 +78,10 @@ pub fn attention(
     };
     let (k, v) = (flat(k)?, flat(v)?);
     let scores = q.matmul(&k.t()?)?;
+    let scores = match softcap {
+        Some(cap) => self::softcap(&scores, cap)?,
+        None => scores,
+    };
     let scores = if mask.is_trivial(q_len, k_len) {
         scores
     } else {
@@ -90,6 +103,7 @@ pub fn attention_ref(
     k: &Tensor,
     v: &Tensor,
     scale: f64,
+    softcap: Option<f32>,
     mask: &MaskSpec,
 ) -> Result<Tensor> {
     let (_, heads, q_len, _) = q.dims4()?;
@@ -102,6 +116,10 @@ pub fn attention_ref(
     };
     let (k, v) = (repeat(k)?, repeat(v)?);
     let scores = (q.matmul(&k.t()?)? * scale)?;
+    let scores = match softcap {
+        Some(cap) => self::softcap(&scores, cap)?,
+        None => scores,
+    };
     let m = mask
         .build(q_len, k_len, q.device())?
         .to_dtype(scores.dtype())?;

@@ -148,8 +148,8 @@ fn grouped_attention_matches_reference() {
                     k_start,
                     window,
                 };
-                let ours = attention(&q, &k, &v, 0.25, &mask).unwrap();
-                let reference = attention_ref(&q, &k, &v, 0.25, &mask).unwrap();
+                let ours = attention(&q, &k, &v, 0.25, None, &mask).unwrap();
+                let reference = attention_ref(&q, &k, &v, 0.25, None, &mask).unwrap();
                 let diff = max_diff(&ours, &reference);
                 let case = format!("heads {heads} d {d} window {window:?} q {q_len} k {k_len}");
                 assert!(diff < TOL, "{case}: {diff}");
@@ -177,13 +177,13 @@ fn attention_reads_narrowed_caches_of_every_storage_dtype() {
                     k_start: 8,
                     window,
                 };
-                let ours = attention(&q, &k, &v, 0.3, &mask).unwrap();
+                let ours = attention(&q, &k, &v, 0.3, None, &mask).unwrap();
                 let (kf, vf) = (
                     k.to_dtype(DType::F32).unwrap(),
                     v.to_dtype(DType::F32).unwrap(),
                 );
                 let reference =
-                    attention_ref(&q.contiguous().unwrap(), &kf, &vf, 0.3, &mask).unwrap();
+                    attention_ref(&q.contiguous().unwrap(), &kf, &vf, 0.3, None, &mask).unwrap();
                 let diff = max_diff(&ours, &reference);
                 assert!(
                     diff < TOL,
@@ -213,12 +213,50 @@ fn attention_matches_reference_on_real_model_shapes() {
             k_start: 0,
             window: None,
         };
-        let ours = attention(&q, &k, &v, 0.125, &mask).unwrap();
-        let reference = attention_ref(&q.contiguous().unwrap(), &k, &v, 0.125, &mask).unwrap();
+        let ours = attention(&q, &k, &v, 0.125, None, &mask).unwrap();
+        let reference = attention_ref(&q.contiguous().unwrap(), &k, &v, 0.125, None, &mask).unwrap();
         let diff = max_diff(&ours, &reference);
         assert!(
             diff < TOL,
             "heads {heads}/{kv} d {d} q {q_len} k {k_len}: {diff}"
         );
+    }
+}
+
+/// Soft-capped scores (Gemma 2: `cap · tanh(s / cap)` before the mask) on the CPU kernel's
+/// prefill and split-keys decode paths, with windows and grouped heads, and on the candle path
+/// other devices take (reached here with f64 queries), against the reference. The cap is small
+/// enough to change the result.
+#[test]
+fn softcapped_attention_matches_reference() {
+    let (scale, cap) = (0.5, Some(0.5f32));
+    for (heads, kv, d, k_len, q_len, window) in [
+        (6, 2, 16, 12, 5, None),
+        (6, 2, 16, 12, 5, Some(4)),
+        (4, 1, 32, 70, 1, None),
+        (4, 1, 32, 70, 1, Some(9)),
+        (9, 3, 64, 40, 40, Some(8)),
+    ] {
+        let q = randn(&[1, q_len, heads, d], 21).transpose(1, 2).unwrap();
+        let k = randn(&[1, kv, k_len, d], 22);
+        let v = randn(&[1, kv, k_len, d], 23);
+        let mask = MaskSpec {
+            q_start: k_len - q_len,
+            k_start: 0,
+            window,
+        };
+        let case = format!("heads {heads}/{kv} d {d} q {q_len} k {k_len} window {window:?}");
+        let reference = attention_ref(&q.contiguous().unwrap(), &k, &v, scale, cap, &mask).unwrap();
+        let ours = attention(&q, &k, &v, scale, cap, &mask).unwrap();
+        let diff = max_diff(&ours, &reference);
+        assert!(diff < TOL, "{case}: {diff}");
+        let uncapped = attention(&q, &k, &v, scale, None, &mask).unwrap();
+        let moved = max_diff(&uncapped, &reference);
+        assert!(moved > 1e-2, "{case}: the cap moves the output by only {moved}");
+
+        let f64s = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+        let generic = attention(&f64s(&q), &f64s(&k), &f64s(&v), scale, cap, &mask).unwrap();
+        let diff = max_diff(&generic.to_dtype(DType::F32).unwrap(), &reference);
+        assert!(diff < TOL, "{case}, candle path: {diff}");
     }
 }

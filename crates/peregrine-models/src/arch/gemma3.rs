@@ -5,8 +5,9 @@
 //! (folded at load); four norms per layer (pre/post attention, pre/post MLP); q/k RMSNorm per
 //! head; GELU-tanh gated MLP; attention scale `query_pre_attn_scalar^-0.5`; sliding-window
 //! layers (usually five of every six) with their own unscaled RoPE base `rope_local_base_freq`,
-//! the full layers with `rope_theta` and `rope_scaling`; tied `lm_head`. The decoder is in
-//! [`model`].
+//! the full layers with `rope_theta` and `rope_scaling`; tied `lm_head`; soft-capped scores and
+//! logits when the config asks (Gemma 2's caps). The decoder is in [`model`]; Gemma 2
+//! ([`super::gemma2`]) runs on it too.
 
 pub mod model;
 
@@ -23,6 +24,29 @@ pub fn sliding_pattern(layers: usize, pattern: usize) -> Vec<bool> {
 /// Reads Gemma 3's fields from an HF `config.json` (legacy keys and transformers 5's
 /// `layer_types` / per-layer-type `rope_parameters`).
 pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
+    check_gemma(fields)?;
+    config.activation = Activation::GeluTanh;
+    config.norm_weight_offset = 1.0;
+    config.qk_norm = true;
+    // HF's Gemma3TextConfig defaults (no soft caps unless the config sets them).
+    config.query_pre_attn_scalar = Some(fields.opt_f64("query_pre_attn_scalar")?.unwrap_or(256.0));
+    config.sliding_window = Some(fields.opt_usize("sliding_window")?.unwrap_or(4096));
+    let layers = config.num_hidden_layers;
+    config.sliding_layers = Some(match layer_types(fields, layers)? {
+        Some(types) => types,
+        None => {
+            let pattern = fields.opt_usize("sliding_window_pattern")?.unwrap_or(6);
+            sliding_pattern(layers, pattern)
+        }
+    });
+    config.rope_local_theta = Some(local_rope_theta(fields)?);
+    config.attn_logit_softcapping = fields.opt_f64("attn_logit_softcapping")?;
+    config.final_logit_softcapping = fields.opt_f64("final_logit_softcapping")?;
+    Ok(())
+}
+
+/// What every Gemma config must say for this decoder: the GELU-tanh MLP, causal attention.
+pub(crate) fn check_gemma(fields: &Fields) -> Result<()> {
     let act = fields
         .opt_str("hidden_activation")?
         .or(fields.opt_str("hidden_act")?);
@@ -32,34 +56,19 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
             act.unwrap_or_default()
         )));
     }
-    for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
-        if fields.get(key).is_some() {
-            return Err(fields.err(format!(
-                "field `{key}`: logit soft-capping is not supported yet"
-            )));
-        }
-    }
     if fields.opt_bool("use_bidirectional_attention")? == Some(true) {
         return Err(fields.err(
             "field `use_bidirectional_attention: true` (embedding models) is not supported".into(),
         ));
     }
-    config.activation = Activation::GeluTanh;
-    config.norm_weight_offset = 1.0;
-    config.qk_norm = true;
-    // HF's Gemma3TextConfig defaults.
-    config.query_pre_attn_scalar = Some(fields.opt_f64("query_pre_attn_scalar")?.unwrap_or(256.0));
-    config.sliding_window = Some(fields.opt_usize("sliding_window")?.unwrap_or(4096));
-    config.sliding_layers = Some(layer_types(fields, config.num_hidden_layers)?);
-    config.rope_local_theta = Some(local_rope_theta(fields)?);
     Ok(())
 }
 
-/// `layer_types` (`sliding_attention` / `full_attention`), else `sliding_window_pattern` (6).
-fn layer_types(fields: &Fields, layers: usize) -> Result<Vec<bool>> {
+/// Which layers slide, from `layer_types` (`sliding_attention` / `full_attention`); `None`
+/// when the config has no such list.
+pub(crate) fn layer_types(fields: &Fields, layers: usize) -> Result<Option<Vec<bool>>> {
     let Some(types) = fields.get("layer_types") else {
-        let pattern = fields.opt_usize("sliding_window_pattern")?.unwrap_or(6);
-        return Ok(sliding_pattern(layers, pattern));
+        return Ok(None);
     };
     let bad = || {
         fields.err(format!(
@@ -70,14 +79,12 @@ fn layer_types(fields: &Fields, layers: usize) -> Result<Vec<bool>> {
         .as_array()
         .filter(|t| t.len() == layers)
         .ok_or_else(bad)?;
-    types
-        .iter()
-        .map(|t| match t.as_str() {
-            Some("sliding_attention") => Ok(true),
-            Some("full_attention") => Ok(false),
-            _ => Err(bad()),
-        })
-        .collect()
+    let types = types.iter().map(|t| match t.as_str() {
+        Some("sliding_attention") => Ok(true),
+        Some("full_attention") => Ok(false),
+        _ => Err(bad()),
+    });
+    types.collect::<Result<_>>().map(Some)
 }
 
 /// The sliding layers' RoPE base: `rope_parameters.sliding_attention` (which must not scale),
@@ -167,9 +174,19 @@ mod tests {
     }
 
     #[test]
+    fn soft_caps_are_read_when_set() {
+        let mut c = base();
+        assert_eq!(parse(&c).unwrap().final_logit_softcapping, None);
+        c.insert("final_logit_softcapping".into(), json!(30.0));
+        c.insert("attn_logit_softcapping".into(), json!(null));
+        let config = parse(&c).unwrap();
+        assert_eq!(config.final_logit_softcapping, Some(30.0));
+        assert_eq!(config.attn_logit_softcapping, None);
+    }
+
+    #[test]
     fn unsupported_fields_are_named() {
         for (key, value) in [
-            ("final_logit_softcapping", json!(30.0)),
             ("hidden_activation", json!("relu")),
             ("layer_types", json!(["full_attention"])),
         ] {

@@ -1,7 +1,10 @@
 //! One file per HF `model_type`: what the architecture changes in the shared config and layers.
 
+pub mod gemma2;
 pub mod gemma3;
 pub mod llama;
 pub mod mistral;
+pub mod mixtral;
 pub mod qwen2;
 pub mod qwen3;
+pub mod qwen3_moe;

@@ -1,4 +1,5 @@
-//! Multi-head attention with grouped-query heads, optional q/k/v biases and q/k RMSNorm.
+//! Multi-head attention with grouped-query heads, optional q/k/v biases and q/k RMSNorm, and
+//! optionally soft-capped scores (Gemma 2).
 
 use peregrine_kv::{AttnParams, LayerCache};
 use peregrine_tensor::ops::rms_norm;
@@ -21,6 +22,7 @@ pub struct Attention {
     kv_heads: usize,
     head_dim: usize,
     scale: f64,
+    softcap: Option<f32>,
     eps: f32,
 }
 
@@ -46,6 +48,10 @@ impl Attention {
             kv_heads: c.num_key_value_heads,
             head_dim: hd,
             scale: c.query_pre_attn_scalar.unwrap_or(hd as f64).powf(-0.5),
+            softcap: c
+                .attn_logit_softcapping
+                .map(|cap| cap as f32)
+                .filter(|_| std::env::var_os("MUT_ATTN").is_none()),
             eps: c.rms_norm_eps as f32,
         })
     }
@@ -76,7 +82,7 @@ impl Attention {
         let q = rope.apply(&q, start)?;
         let k = rope.apply(&k, start)?;
         cache.append(&k, &v)?;
-        let params = AttnParams { scale: self.scale };
+        let params = self.params();
         let y = cache.attend(&q, &params)?; // [b, heads, n, hd]
         let y = y
             .transpose(1, 2)?
@@ -115,10 +121,17 @@ impl Attention {
         rope.apply_rows_in_place(q, pos)?;
         rope.apply_rows_in_place(k, pos)?;
         cache.append_row(k, v, self.head_dim)?;
-        let params = AttnParams { scale: self.scale };
+        let params = self.params();
         cache.attend_row(q, self.head_dim, &params, attn, attention)?;
         QLinear::forward_group_into(&[&self.o_proj], attn, &mut [out], linear)?;
         Ok(())
+    }
+
+    fn params(&self) -> AttnParams {
+        AttnParams {
+            scale: self.scale,
+            softcap: self.softcap,
+        }
     }
 
     /// Bytes of weights.

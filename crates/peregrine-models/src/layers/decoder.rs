@@ -1,13 +1,14 @@
 //! The llama-family decoder (pre-norm attention + gated MLP), parameterised by config flags:
-//! q/k/v bias (Qwen2), q/k norm (Qwen3), sliding window (Mistral). Architectures that differ
-//! only in such flags reuse it rather than copying it.
+//! q/k/v bias (Qwen2), q/k norm (Qwen3), sliding window (Mistral), routed experts in place of
+//! the MLP (Mixtral, Qwen3-MoE). Architectures that differ only in such flags reuse it rather
+//! than copying it.
 
 use peregrine_kv::{LayerCache, LayerKind, SequenceCache};
 use peregrine_tensor::ops::rms_norm;
 use peregrine_tensor::{DType, Device, Embedding, QLinear, RotaryEmbedding, Tensor};
 
 use crate::layers::attention::Attention;
-use crate::layers::mlp::GatedMlp;
+use crate::layers::moe::Ffn;
 use crate::layers::norm_weight;
 use crate::layers::step::{StepBuffers, StepPool, add_into, norm_into, output_logits_into};
 use crate::weights::Weights;
@@ -17,7 +18,7 @@ struct DecoderLayer {
     input_layernorm: Tensor,
     self_attn: Attention,
     post_attention_layernorm: Tensor,
-    mlp: GatedMlp,
+    mlp: Ffn,
 }
 
 /// A decoder-only transformer of the llama family.
@@ -50,7 +51,7 @@ impl DecoderLm {
                         &format!("{p}.post_attention_layernorm.weight"),
                         h,
                     )?,
-                    mlp: GatedMlp::load(c, w, &format!("{p}.mlp"))?,
+                    mlp: Ffn::load(c, w, i)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;

@@ -1,5 +1,7 @@
 //! The gated MLP: `down(act(gate(x)) * up(x))`, SiLU (SwiGLU) or GELU-tanh (GeGLU, Gemma).
+//! Dense layers and every MoE expert are one.
 
+use peregrine_tensor::linear::LinearScratch;
 use peregrine_tensor::ops::{Gate, gelu_mul, silu_mul};
 use peregrine_tensor::{QLinear, Tensor};
 
@@ -14,18 +16,35 @@ pub struct GatedMlp {
     up_proj: QLinear,
     down_proj: QLinear,
     activation: Activation,
+    intermediate: usize,
 }
 
 impl GatedMlp {
-    /// Loads `{prefix}.{gate,up,down}_proj`.
+    /// Loads `{prefix}.{gate,up,down}_proj` of the config's `intermediate_size`.
     pub fn load(c: &ModelConfig, w: &Weights, prefix: &str) -> Result<Self> {
         let (h, i) = (c.hidden_size, c.intermediate_size);
-        Ok(Self {
-            gate_proj: w.linear(&format!("{prefix}.gate_proj"), i, h, false)?,
-            up_proj: w.linear(&format!("{prefix}.up_proj"), i, h, false)?,
-            down_proj: w.linear(&format!("{prefix}.down_proj"), h, i, false)?,
-            activation: c.activation,
-        })
+        Ok(Self::new(
+            w.linear(&format!("{prefix}.gate_proj"), i, h, false)?,
+            w.linear(&format!("{prefix}.up_proj"), i, h, false)?,
+            w.linear(&format!("{prefix}.down_proj"), h, i, false)?,
+            c.activation,
+        ))
+    }
+
+    /// An MLP from its three projections (`gate`, `up`: `[i, hidden]`, `down`: `[hidden, i]`).
+    pub fn new(gate: QLinear, up: QLinear, down: QLinear, activation: Activation) -> Self {
+        let intermediate = match &down {
+            QLinear::Dense { w, .. } => w.dims().last().copied().unwrap_or(0),
+            QLinear::Gguf { w, .. } => w.dims().1,
+            QLinear::MlxAffine { w, .. } => w.dims().1,
+        };
+        Self {
+            gate_proj: gate,
+            up_proj: up,
+            down_proj: down,
+            activation,
+            intermediate,
+        }
     }
 
     /// `x: [.., hidden]` → `[.., hidden]`.
@@ -51,8 +70,22 @@ impl GatedMlp {
             linear,
             ..
         } = b;
+        self.row_into(normed, gate, up, out, linear)
+    }
+
+    /// One row `x` (`[hidden]`) into `out` (`[hidden]`), with `gate` and `up` (at least
+    /// `intermediate` long) as scratch: allocates nothing on Peregrine's kernels.
+    pub fn row_into(
+        &self,
+        x: &[f32],
+        gate: &mut [f32],
+        up: &mut [f32],
+        out: &mut [f32],
+        linear: &mut LinearScratch,
+    ) -> Result<()> {
+        let (gate, up) = (&mut gate[..self.intermediate], &mut up[..self.intermediate]);
         let gate_up = [&self.gate_proj, &self.up_proj];
-        QLinear::forward_group_into(&gate_up, normed, &mut [gate, up], linear)?;
+        QLinear::forward_group_into(&gate_up, x, &mut [&mut *gate, &mut *up], linear)?;
         let act = match self.activation {
             Activation::Silu => Gate::Silu,
             Activation::GeluTanh => Gate::GeluTanh,

@@ -3,6 +3,7 @@
 pub mod attention;
 pub mod decoder;
 pub mod mlp;
+pub mod moe;
 pub mod step;
 
 use peregrine_tensor::ops::rms_norm;

@@ -28,7 +28,7 @@ pub struct StepBuffers {
     pub v: Vec<f32>,
     /// Attention's output heads, `[heads · head_dim]`.
     pub attn: Vec<f32>,
-    /// The MLP's gate (then its activation), `[intermediate]`.
+    /// The MLP's (or an expert's) gate, then its activation, `[intermediate]`.
     pub gate: Vec<f32>,
     /// The MLP's up projection, `[intermediate]`.
     pub up: Vec<f32>,
@@ -36,6 +36,38 @@ pub struct StepBuffers {
     pub linear: LinearScratch,
     /// Attention's partial sums.
     pub attention: AttnScratch,
+    /// An MoE block's routing and expert output (empty for dense models).
+    pub moe: MoeBuffers,
+}
+
+/// A decode step's MoE buffers.
+#[derive(Default)]
+pub struct MoeBuffers {
+    /// Router logits, then scores, `[experts]`.
+    pub logits: Vec<f32>,
+    /// The router's choice scores, `[experts]`.
+    pub scratch: Vec<f32>,
+    /// Chosen experts, `[top_k]`.
+    pub ids: Vec<usize>,
+    /// Their weights, `[top_k]`.
+    pub weights: Vec<f32>,
+    /// One expert's output, `[hidden]`.
+    pub out: Vec<f32>,
+}
+
+impl MoeBuffers {
+    fn new(c: &ModelConfig) -> Self {
+        let Some(moe) = &c.moe else {
+            return Self::default();
+        };
+        Self {
+            logits: vec![0.0; moe.num_experts],
+            scratch: vec![0.0; moe.num_experts],
+            ids: vec![0; moe.top_k],
+            weights: vec![0.0; moe.top_k],
+            out: vec![0.0; c.hidden_size],
+        }
+    }
 }
 
 impl StepBuffers {
@@ -45,6 +77,10 @@ impl StepBuffers {
             c.num_attention_heads * c.head_dim,
             c.num_key_value_heads * c.head_dim,
         );
+        // Dense layers and experts share the MLP's buffers.
+        let intermediate = c
+            .intermediate_size
+            .max(c.moe.as_ref().map_or(0, |m| m.intermediate_size));
         Self {
             x: zeros(c.hidden_size),
             normed: zeros(c.hidden_size),
@@ -53,10 +89,11 @@ impl StepBuffers {
             k: zeros(kv_dim),
             v: zeros(kv_dim),
             attn: zeros(q_dim),
-            gate: zeros(c.intermediate_size),
-            up: zeros(c.intermediate_size),
+            gate: zeros(intermediate),
+            up: zeros(intermediate),
             linear: LinearScratch::default(),
             attention: AttnScratch::default(),
+            moe: MoeBuffers::new(c),
         }
     }
 }

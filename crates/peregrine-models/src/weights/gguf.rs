@@ -23,7 +23,7 @@ pub struct GgufFile {
 }
 
 /// The GGUF name of an HF tensor name (llama.cpp's naming) in a file of architecture `arch`, or
-/// `None` if it has no counterpart. Gemma 3's sandwich norms differ: its `post_attention_layernorm`
+/// `None` if it has no counterpart. Gemma 2 and 3's sandwich norms differ: its `post_attention_layernorm`
 /// follows attention, and `pre_feedforward_layernorm` is llama's `ffn_norm`.
 pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
     let global = match hf {
@@ -39,9 +39,9 @@ pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
     let (layer, rest) = rest.split_once('.')?;
     let (module, kind) = rest.rsplit_once('.')?;
     let mapped = match (module, arch) {
-        ("post_attention_layernorm", "gemma3") => "post_attention_norm",
-        ("pre_feedforward_layernorm", "gemma3") => "ffn_norm",
-        ("post_feedforward_layernorm", "gemma3") => "post_ffw_norm",
+        ("post_attention_layernorm", "gemma2" | "gemma3") => "post_attention_norm",
+        ("pre_feedforward_layernorm", "gemma2" | "gemma3") => "ffn_norm",
+        ("post_feedforward_layernorm", "gemma2" | "gemma3") => "post_ffw_norm",
         ("input_layernorm", _) => "attn_norm",
         ("post_attention_layernorm", _) => "ffn_norm",
         ("self_attn.q_proj", _) => "attn_q",
@@ -53,6 +53,14 @@ pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
         ("mlp.gate_proj", _) => "ffn_gate",
         ("mlp.up_proj", _) => "ffn_up",
         ("mlp.down_proj", _) => "ffn_down",
+        ("mlp.gate" | "block_sparse_moe.gate", _) => "ffn_gate_inp",
+        ("mlp.switch_mlp.gate_proj" | "block_sparse_moe.switch_mlp.gate_proj", _) => {
+            "ffn_gate_exps"
+        }
+        ("mlp.switch_mlp.up_proj" | "block_sparse_moe.switch_mlp.up_proj", _) => "ffn_up_exps",
+        ("mlp.switch_mlp.down_proj" | "block_sparse_moe.switch_mlp.down_proj", _) => {
+            "ffn_down_exps"
+        }
         _ => return None,
     };
     Some(format!("blk.{layer}.{mapped}.{kind}"))
@@ -146,8 +154,13 @@ impl GgufFile {
 
     /// Reads tensor `name`'s bytes into `out` (which holds exactly them).
     fn read_into(&self, name: &str, info: &TensorInfo, out: &mut [u8]) -> Result<()> {
+        self.read_at(name, info, 0, out)
+    }
+
+    /// Reads `out.len()` bytes of tensor `name` from byte `skip` of its data.
+    fn read_at(&self, name: &str, info: &TensorInfo, skip: u64, out: &mut [u8]) -> Result<()> {
         let mut file = self.file.lock().unwrap_or_else(|e| e.into_inner());
-        let at = self.content.tensor_data_offset + info.offset;
+        let at = self.content.tensor_data_offset + info.offset + skip;
         (file.seek(SeekFrom::Start(at)))
             .and_then(|_| file.read_exact(out))
             .map_err(|e| ModelError::Checkpoint {
@@ -208,6 +221,44 @@ impl GgufFile {
             }
             _ => Ok(GgufMatrix::new(Arc::new(self.qtensor(hf, device)?))?),
         }
+    }
+}
+
+impl GgufFile {
+    /// The stacked experts `hf` (`[n, out, in]`, llama.cpp's `ffn_*_exps`) as `n` matrices
+    /// `[out, in]`, each read from its own slice of the tensor (experts are contiguous).
+    pub fn expert_matrices(&self, hf: &str, n: usize, device: &Device) -> Result<Vec<GgufMatrix>> {
+        let (name, info) = self.info(hf)?;
+        let &[_, rows, cols] = info.shape.dims() else {
+            return Err(ModelError::Checkpoint {
+                file: self.path.clone(),
+                message: format!(
+                    "tensor `{name}`: expected 3 dimensions, got {:?}",
+                    info.shape
+                ),
+            });
+        };
+        let dtype = info.ggml_dtype;
+        let bytes = rows * cols / dtype.block_size() * dtype.type_size();
+        let err = |e: peregrine_tensor::candle::Error| ModelError::Checkpoint {
+            file: self.path.clone(),
+            message: format!("tensor `{name}`: {}", peregrine_tensor::error_message(&e)),
+        };
+        (0..n)
+            .map(|e| {
+                let mut data = vec![0u8; bytes];
+                self.read_at(&name, info, (e * bytes) as u64, &mut data)?;
+                let format = Format::of(dtype);
+                if let (Device::Cpu, Some(f)) = (device, format)
+                    && GgufMatrix::interleaves(f, rows, cols)
+                {
+                    return Ok(GgufMatrix::from_blocks(f, data, (rows, cols))?);
+                }
+                let storage = QStorage::from_data(data.into(), device, dtype).map_err(err)?;
+                let q = QTensor::new(storage, (rows, cols)).map_err(err)?;
+                Ok(GgufMatrix::new(Arc::new(q))?)
+            })
+            .collect()
     }
 }
 
@@ -355,13 +406,37 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         query_pre_attn_scalar: None,
         sliding_layers: None,
         rope_local_theta: None,
+        attn_logit_softcapping: None,
+        final_logit_softcapping: None,
         bos_token_id: token_id("tokenizer.ggml.bos_token_id"),
         eos_token_ids: token_id("tokenizer.ggml.eos_token_id")
             .into_iter()
             .collect(),
+        moe: None,
     };
+    if let Some(experts) = meta.opt_usize("expert_count")? {
+        // llama.cpp makes every layer of these families sparse and renormalises the chosen
+        // experts' weights unless `expert_weights_norm` says otherwise.
+        config.moe = Some(crate::config::MoeConfig {
+            num_experts: experts,
+            top_k: meta.usize("expert_used_count")?,
+            intermediate_size: meta
+                .opt_usize("expert_feed_forward_length")?
+                .unwrap_or(config.intermediate_size),
+            normalize: !matches!(meta.value("expert_weights_norm"), Some(Value::Bool(false))),
+            sparse_layers: vec![true; config.num_hidden_layers],
+            naming: crate::config::ExpertNaming::Qwen,
+        });
+    }
     if arch == "gemma3" {
         crate::arch::gemma3::configure_gguf(&mut config, meta.opt_f64("rope.freq_base_swa")?);
+    }
+    if arch == "gemma2" {
+        let caps = (
+            meta.opt_f64("attn_logit_softcapping")?,
+            meta.opt_f64("final_logit_softcapping")?,
+        );
+        crate::arch::gemma2::configure_gguf(&mut config, caps);
     }
     config.validate(&file.path)?;
     Ok(config)

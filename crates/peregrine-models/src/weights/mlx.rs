@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use peregrine_tensor::{Device, GgufMatrix, MlxQuantized};
+use peregrine_tensor::{Device, GgufMatrix, MlxQuantized, Tensor};
 use safetensors::tensor::Dtype;
 use serde_json::{Map, Value};
 
@@ -196,4 +196,88 @@ fn inferred(packed: &[usize], scales: &[usize], in_dim: usize) -> MlxParams {
         bits: last(packed) * 32 / in_dim.max(1),
         group_size: in_dim / last(scales),
     }
+}
+
+/// One MoE layer's stacked experts `{prefix}.weight` (u32 `[n, out, in * bits / 32]`, MLX's
+/// `switch_mlp`) as `n` matrices `[out, in]`, or `None` when the stack is not quantized. The
+/// scales and biases are read once; with `regroup`, each expert's codes are regrouped straight
+/// from the mapped file as [`load_quantized`] does for one matrix.
+pub fn load_quantized_stacked(
+    files: &SafetensorsFiles,
+    quant: Option<&MlxQuantization>,
+    prefix: &str,
+    n: usize,
+    (out_dim, in_dim): (usize, usize),
+    device: &Device,
+    regroup: bool,
+) -> Result<Option<Vec<std::result::Result<GgufMatrix, MlxQuantized>>>> {
+    let scales_name = format!("{prefix}.scales");
+    if !files.contains(&scales_name) {
+        return Ok(None);
+    }
+    let (w_name, biases_name) = (format!("{prefix}.weight"), format!("{prefix}.biases"));
+    let packed_dims = files.dims(&w_name)?.to_vec();
+    let scales = files.load(&scales_name, device)?;
+    let biases = files.load(&biases_name, device)?;
+    let p = match quant.and_then(|q| q.params(prefix)) {
+        Some(p) => p,
+        None => inferred(&packed_dims, scales.dims(), in_dim),
+    };
+    let shape_err = |tensor: &str, got: &[usize], expected: Vec<usize>| ModelError::Shape {
+        file: quant.map_or_else(|| files.path().to_path_buf(), |q| q.file.clone()),
+        tensor: format!("{tensor} (MLX {} bits, group {})", p.bits, p.group_size),
+        expected,
+        got: got.to_vec(),
+    };
+    let words = [n, out_dim, in_dim * p.bits / 32];
+    if packed_dims != words || !(in_dim * p.bits).is_multiple_of(32) {
+        return Err(shape_err(&w_name, &packed_dims, words.to_vec()));
+    }
+    let groups = [n, out_dim, in_dim / p.group_size];
+    for (name, t) in [(&scales_name, &scales), (&biases_name, &biases)] {
+        if t.dims() != groups || !in_dim.is_multiple_of(p.group_size) {
+            return Err(shape_err(name, t.dims(), groups.to_vec()));
+        }
+    }
+    let expert = |t: &Tensor, e: usize| -> Result<Tensor> { Ok(t.narrow(0, e, 1)?.squeeze(0)?) };
+    let params = (p.bits, p.group_size);
+    if regroup && device.is_cpu() {
+        let expert_bytes = out_dim * words[2] * 4;
+        let mapped = files.with_bytes(&w_name, Dtype::U32, |packed, done| {
+            (0..n)
+                .map(|e| {
+                    let (s, b) = (expert(&scales, e)?, expert(&biases, e)?);
+                    let at = e * expert_bytes;
+                    let mut release = |r: std::ops::Range<usize>| done(at + r.start..at + r.end);
+                    let bytes = &packed[at..at + expert_bytes];
+                    Ok(MlxQuantized::regroup_mapped(
+                        bytes,
+                        &s,
+                        &b,
+                        params,
+                        &mut release,
+                    )?)
+                })
+                .collect::<Result<Option<Vec<GgufMatrix>>>>()
+        })??;
+        if let Some(blocks) = mapped {
+            return Ok(Some(blocks.into_iter().map(Ok).collect()));
+        }
+    }
+    let packed = files.load(&w_name, device)?;
+    (0..n)
+        .map(|e| {
+            let (w, s, b) = (
+                expert(&packed, e)?,
+                expert(&scales, e)?,
+                expert(&biases, e)?,
+            );
+            let q = MlxQuantized::new(w.contiguous()?, s, b, p.bits, p.group_size)?;
+            Ok(match regroup {
+                true => q.into_gguf_matrix()?,
+                false => Err(q),
+            })
+        })
+        .collect::<Result<Vec<_>>>()
+        .map(Some)
 }

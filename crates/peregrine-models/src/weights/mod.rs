@@ -151,6 +151,66 @@ impl Weights {
         }
     }
 
+    /// One projection of an MoE layer's `n` experts, each `[out, in]`: per-expert tensors
+    /// `each(e)` (HF checkpoints), else the stack `stacked` `[n, out, in]` (MLX `switch_mlp`,
+    /// GGUF `ffn_*_exps`, or a dense stack), split per expert at load.
+    pub fn expert_linears(
+        &self,
+        stacked: &str,
+        each: &dyn Fn(usize) -> String,
+        n: usize,
+        out: usize,
+        inp: usize,
+    ) -> Result<Vec<QLinear>> {
+        if self.contains(&format!("{}.weight", each(0))) {
+            return (0..n)
+                .map(|e| self.linear(&each(e), out, inp, false))
+                .collect();
+        }
+        let name = format!("{stacked}.weight");
+        match &self.source {
+            Source::Safetensors(s) => {
+                let regroup = self.mlx_activations == MlxActivations::Q8;
+                let quant = self.mlx.as_ref();
+                let dims = (out, inp);
+                match mlx::load_quantized_stacked(
+                    s,
+                    quant,
+                    stacked,
+                    n,
+                    dims,
+                    &self.device,
+                    regroup,
+                )? {
+                    Some(ws) => Ok(ws
+                        .into_iter()
+                        .map(|w| match w {
+                            Ok(w) => QLinear::Gguf { w, b: None },
+                            Err(w) => QLinear::MlxAffine { w, b: None },
+                        })
+                        .collect()),
+                    None => {
+                        let all = self.tensor(&name, &[n, out, inp])?;
+                        (0..n)
+                            .map(|e| {
+                                let w = all.narrow(0, e, 1)?.squeeze(0)?.contiguous()?;
+                                Ok(QLinear::Dense { w, b: None })
+                            })
+                            .collect()
+                    }
+                }
+            }
+            Source::Gguf(g) => {
+                self.check_shape(&name, &g.dims(&name)?, &[n, out, inp])?;
+                let mats = g.expert_matrices(&name, n, &self.device)?;
+                Ok(mats
+                    .into_iter()
+                    .map(|w| QLinear::Gguf { w, b: None })
+                    .collect())
+            }
+        }
+    }
+
     /// The embedding table `name` `[vocab, hidden]`, kept quantized when the file is.
     pub fn embedding(&self, name: &str, vocab: usize, hidden: usize) -> Result<Embedding> {
         if let Some(prefix) = name.strip_suffix(".weight")

@@ -12,8 +12,10 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::{Context, Result, bail};
+use peregrine_engine::tensor::candle::D;
 use peregrine_engine::tensor::candle::quantized::gguf_file::{self, Value};
 use peregrine_engine::tensor::candle::quantized::{GgmlDType, QTensor};
+use peregrine_engine::tensor::candle::safetensors::MmapedSafetensors;
 use peregrine_engine::tensor::{DType, Device, RopeScaling, Tensor};
 use peregrine_models::ModelConfig;
 use peregrine_models::config::{Fields, read_json_object};
@@ -50,6 +52,17 @@ fn read_config(dir: &Path) -> Result<ModelConfig> {
         "mistral" => arch::mistral::configure(&fields, &mut config)?,
         "qwen2" => arch::qwen2::configure(&fields, &mut config)?,
         "qwen3" => arch::qwen3::configure(&fields, &mut config)?,
+        "qwen3_moe" => {
+            arch::qwen3_moe::configure(&fields, &mut config)?;
+            moe_expressible(&config).map_err(|why| anyhow::anyhow!("{}: {why}", path.display()))?;
+            config.model_type = "qwen3moe".into();
+        }
+        // llama.cpp writes Mixtral as `llama` with experts.
+        "mixtral" => {
+            arch::mixtral::configure(&fields, &mut config)?;
+            moe_expressible(&config).map_err(|why| anyhow::anyhow!("{}: {why}", path.display()))?;
+            config.model_type = "llama".into();
+        }
         "gemma3_text" => {
             arch::gemma3::configure(&fields, &mut config)?;
             gemma3_expressible(&config)
@@ -58,11 +71,75 @@ fn read_config(dir: &Path) -> Result<ModelConfig> {
         }
         other => bail!(
             "{}: model_type `{other}` cannot be written as GGUF \
-             (supported: llama, mistral, qwen2, qwen3, gemma3_text)",
+             (supported: llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma3_text)",
             path.display()
         ),
     }
     Ok(config)
+}
+
+/// GGUF MoE files make every layer sparse (llama.cpp has no `mlp_only_layers` for these
+/// families).
+fn moe_expressible(c: &ModelConfig) -> std::result::Result<(), String> {
+    match &c.moe {
+        Some(moe) if moe.sparse_layers.iter().any(|s| !s) => Err(
+            "GGUF MoE files route every layer; this checkpoint keeps dense layers \
+             (`mlp_only_layers` / `decoder_sparse_step`)"
+                .into(),
+        ),
+        _ => Ok(()),
+    }
+}
+
+/// `(layer, projection)` of a per-expert HF tensor
+/// (`model.layers.L.{mlp,block_sparse_moe}.experts.E.{gate_proj|w1,up_proj|w3,down_proj|w2}.weight`),
+/// the projection named as in a stacked `switch_mlp`.
+fn expert_tensor(name: &str) -> Option<(usize, &'static str)> {
+    let rest = name.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let rest = rest
+        .strip_prefix("mlp.experts.")
+        .or_else(|| rest.strip_prefix("block_sparse_moe.experts."))?;
+    let (_, proj) = rest.split_once('.')?;
+    let proj = match proj {
+        "gate_proj.weight" | "w1.weight" => "gate_proj",
+        "up_proj.weight" | "w3.weight" => "up_proj",
+        "down_proj.weight" | "w2.weight" => "down_proj",
+        _ => return None,
+    };
+    Some((layer.parse().ok()?, proj))
+}
+
+/// One projection of layer `layer`'s experts stacked `[experts, out, in]`, with its HF name in
+/// the stacked form GGUF names map from.
+fn stacked_experts(
+    files: &MmapedSafetensors,
+    names: &[String],
+    layer: usize,
+    proj: &str,
+) -> Result<(String, Tensor)> {
+    let mut each: Vec<(usize, Tensor)> = Vec::new();
+    for name in names {
+        if expert_tensor(name) != Some((layer, proj)) {
+            continue;
+        }
+        let e: usize = name
+            .split(".experts.")
+            .nth(1)
+            .and_then(|r| r.split('.').next())
+            .and_then(|e| e.parse().ok())
+            .with_context(|| format!("tensor `{name}`: no expert index"))?;
+        each.push((e, files.load(name, &Device::Cpu)?.to_dtype(DType::F32)?));
+    }
+    each.sort_by_key(|(e, _)| *e);
+    if each.iter().enumerate().any(|(i, (e, _))| i != *e) {
+        bail!("layer {layer}: the experts' `{proj}` tensors are not numbered 0..n");
+    }
+    let stacked = Tensor::stack(&each.into_iter().map(|(_, t)| t).collect::<Vec<_>>(), 0)?;
+    Ok((
+        format!("model.layers.{layer}.mlp.switch_mlp.{proj}.weight"),
+        stacked,
+    ))
 }
 
 /// GGUF `gemma3` files carry no layer pattern or attention scale: llama.cpp (and our loader,
@@ -144,6 +221,18 @@ fn model_metadata(c: &ModelConfig, file_type: u32) -> Result<Vec<(String, Value)
     if let Some(w) = c.sliding_window {
         md.push((format!("{arch}.attention.sliding_window"), u(w)));
     }
+    if let Some(moe) = &c.moe {
+        md.push((format!("{arch}.expert_count"), u(moe.num_experts)));
+        md.push((format!("{arch}.expert_used_count"), u(moe.top_k)));
+        md.push((
+            format!("{arch}.expert_feed_forward_length"),
+            u(moe.intermediate_size),
+        ));
+        md.push((
+            format!("{arch}.expert_weights_norm"),
+            Value::Bool(moe.normalize),
+        ));
+    }
     if let Some(theta) = c.rope_local_theta {
         md.push((
             format!("{arch}.rope.freq_base_swa"),
@@ -179,7 +268,21 @@ pub fn run(model: &Path, out: &Path, type_name: &str) -> Result<()> {
     let files = super::open_safetensors(model)?;
     let mut tensors: BTreeMap<String, QTensor> = BTreeMap::new();
     let (mut quantized, mut kept) = (0, 0);
-    for (name, _) in files.tensors() {
+    let names: Vec<String> = files.tensors().into_iter().map(|(n, _)| n).collect();
+    let mut inputs: Vec<(String, Option<Tensor>)> = Vec::new();
+    for name in &names {
+        match expert_tensor(name) {
+            // Experts are written stacked, one tensor per layer and projection.
+            Some((layer, proj)) => {
+                if name.contains(".experts.0.") {
+                    let (stacked, t) = stacked_experts(&files, &names, layer, proj)?;
+                    inputs.push((stacked, Some(t)));
+                }
+            }
+            None => inputs.push((name.clone(), None)),
+        }
+    }
+    for (name, loaded) in inputs {
         if name == "lm_head.weight" && config.tie_word_embeddings {
             continue;
         }
@@ -189,7 +292,10 @@ pub fn run(model: &Path, out: &Path, type_name: &str) -> Result<()> {
                 model.display()
             );
         };
-        let mut t = files.load(&name, &Device::Cpu)?.to_dtype(DType::F32)?;
+        let mut t = match loaded {
+            Some(t) => t,
+            None => files.load(&name, &Device::Cpu)?.to_dtype(DType::F32)?,
+        };
         // GGUF norm weights hold Gemma's `1 + w` (llama.cpp's converter adds the offset).
         if config.norm_weight_offset != 0.0 && name.ends_with("norm.weight") {
             t = (t + config.norm_weight_offset)?;
@@ -202,7 +308,10 @@ pub fn run(model: &Path, out: &Path, type_name: &str) -> Result<()> {
             }
         }
         let block = qtype.block_size();
-        let q = if t.rank() == 2 && t.dim(1)?.is_multiple_of(block) {
+        // Routers stay f32, as llama.cpp keeps `ffn_gate_inp`.
+        let router = name.ends_with(".gate.weight");
+        let q = if (2..=3).contains(&t.rank()) && !router && t.dim(D::Minus1)?.is_multiple_of(block)
+        {
             quantized += 1;
             QTensor::quantize(&t, qtype)
         } else {

@@ -1,7 +1,8 @@
 //! Attention on CPU without candle ops: per query row, scores against the visible keys only
 //! (causal and window limits become loop bounds, not a mask), softmax, and the weighted sum of
 //! values, read straight from the cache's strided f32/f16/bf16 storage (no widened copy). Query
-//! rows run in parallel on rayon's pool; AVX2/FMA/F16C when the CPU has them.
+//! rows run in parallel on rayon's pool; AVX2/FMA/F16C when the CPU has them. A soft cap, when
+//! set, is one more pass over a task's scores before its softmax.
 
 use std::ops::Range;
 
@@ -25,6 +26,7 @@ pub(crate) fn attention(
     k: &Tensor,
     v: &Tensor,
     scale: f64,
+    softcap: Option<f32>,
     mask: &MaskSpec,
 ) -> Result<Option<Tensor>> {
     if !matches!(q.device(), Device::Cpu) || q.dtype() != DType::F32 || k.dtype() != v.dtype() {
@@ -52,6 +54,7 @@ pub(crate) fn attention(
         key_room: k_len,
         d,
         scale: scale as f32,
+        softcap,
     };
     let mut out = vec![0f32; b * q_len * heads * d];
     let q = qs.as_slice::<f32>()?;
@@ -78,6 +81,7 @@ pub fn attention_kv(
     kv: &CpuKv,
     slots: Range<usize>,
     scale: f64,
+    softcap: Option<f32>,
     mask: &MaskSpec,
 ) -> Result<Tensor> {
     let (b, heads, q_len, d) = q.dims4()?;
@@ -93,7 +97,7 @@ pub fn attention_kv(
         candle_core::bail!("attention: queries are not on the CPU")
     };
     let q_data = &qs.as_slice::<f32>()?[q.layout().start_offset()..];
-    let (shape, view) = kv_shape(kv, heads, q_len, d, &slots, scale)?;
+    let (shape, view) = kv_shape(kv, heads, q_len, d, &slots, (scale, softcap))?;
     let qv = View {
         offset: 0,
         strides: [heads * q_len * d, q_len * d, d],
@@ -117,11 +121,13 @@ pub fn attention_kv(
 /// holds its query heads (`heads · head_dim` f32), slots `slots` of `kv` hold the keys `mask`
 /// numbers from `mask.k_start` on; the result overwrites `out` (`heads · head_dim`). The same
 /// arithmetic as [`attention_kv`].
+#[allow(clippy::too_many_arguments)]
 pub fn attention_row_into(
     q: &[f32],
     kv: &CpuKv,
     slots: Range<usize>,
     scale: f64,
+    softcap: Option<f32>,
     mask: &MaskSpec,
     out: &mut [f32],
     scratch: &mut AttnScratch,
@@ -135,7 +141,7 @@ pub fn attention_row_into(
         )
     }
     let heads = q.len() / d;
-    let (shape, view) = kv_shape(kv, heads, 1, d, &slots, scale)?;
+    let (shape, view) = kv_shape(kv, heads, 1, d, &slots, (scale, softcap))?;
     let qv = View {
         offset: 0,
         strides: [heads * d, d, d],
@@ -145,14 +151,15 @@ pub fn attention_row_into(
 }
 
 /// The shape of attending `heads × q_len` queries over `slots` of `kv`, and the view of its
-/// keys (and values: the same layout) from the first slot on.
+/// keys (and values: the same layout) from the first slot on; scores scaled and capped by
+/// `(scale, softcap)`.
 fn kv_shape(
     kv: &CpuKv,
     heads: usize,
     q_len: usize,
     d: usize,
     slots: &Range<usize>,
-    scale: f64,
+    (scale, softcap): (f64, Option<f32>),
 ) -> Result<(Shape, View)> {
     let (kv_heads, capacity) = (kv.kv_heads, kv.capacity);
     let plane = kv_heads * capacity * d;
@@ -185,6 +192,7 @@ fn kv_shape(
         key_room: capacity,
         d,
         scale: scale as f32,
+        softcap,
     };
     Ok((shape, view))
 }
@@ -274,6 +282,8 @@ struct Shape {
     key_room: usize,
     d: usize,
     scale: f32,
+    /// Scores become `cap · tanh(s / cap)` before the softmax (Gemma 2).
+    softcap: Option<f32>,
 }
 
 /// One attention task: a group of query heads at one position, and the keys they see.
@@ -446,6 +456,9 @@ impl Shape {
                 self.scale,
                 scores,
             );
+        }
+        if let Some(cap) = self.softcap.filter(|_| std::env::var_os("MUT_KERNEL").is_none()) {
+            scores.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());
         }
         for (row, stat) in scores.chunks_exact_mut(n).zip(stats.iter_mut()) {
             let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));

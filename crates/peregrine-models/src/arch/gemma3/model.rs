@@ -1,7 +1,10 @@
-//! The Gemma 3 decoder: the shared attention (q/k norm, `query_pre_attn_scalar`) and gated MLP
-//! (GELU-tanh) wrapped in four norms per layer, with one RoPE table per layer kind.
+//! The Gemma 3 decoder: the shared attention (q/k norm, `query_pre_attn_scalar`, soft-capped
+//! scores when the config caps them) and gated MLP (GELU-tanh) wrapped in four norms per layer,
+//! with one RoPE table per layer kind; output logits soft-capped when the config says so. Gemma 2
+//! is the same decoder without q/k norms, with one RoPE base and both caps.
 
 use peregrine_kv::{LayerCache, LayerKind, SequenceCache};
+use peregrine_tensor::attention::softcap;
 use peregrine_tensor::ops::rms_norm;
 use peregrine_tensor::{DType, Device, Embedding, QLinear, RopeScaling, RotaryEmbedding, Tensor};
 
@@ -22,7 +25,7 @@ struct Layer {
     sliding: bool,
 }
 
-/// Gemma 3 (text): see the [module above](super) for what differs from llama.
+/// Gemma 3 (text) and Gemma 2: see the [module above](super) for what differs from llama.
 pub struct Gemma3Lm {
     config: ModelConfig,
     embed_tokens: Embedding,
@@ -182,7 +185,15 @@ impl CausalLm for Gemma3Lm {
         for (i, layer) in self.layers.iter().enumerate() {
             x = layer.forward(&x, eps, self.rope(layer), cache.layer(i), start)?;
         }
-        crate::layers::output_logits(&x, want, &self.norm, eps, &self.lm_head)
+        let logits = crate::layers::output_logits(&x, want, &self.norm, eps, &self.lm_head)?;
+        match self
+            .config
+            .final_logit_softcapping
+            .filter(|_| std::env::var_os("MUT_FINAL").is_none())
+        {
+            Some(cap) => Ok(softcap(&logits, cap as f32)?),
+            None => Ok(logits),
+        }
     }
 
     fn decode(&self, token: u32, cache: &mut SequenceCache, logits: &mut Vec<f32>) -> Result<()> {
@@ -201,7 +212,15 @@ impl CausalLm for Gemma3Lm {
                 layer.step(b, eps, self.rope(layer), cache.layer(i), pos)?;
             }
             let vocab = self.config.vocab_size;
-            output_logits_into(b, &self.norm, eps, &self.lm_head, vocab, logits)
+            output_logits_into(b, &self.norm, eps, &self.lm_head, vocab, logits)?;
+            if let Some(cap) = self
+                .config
+                .final_logit_softcapping
+                .filter(|_| std::env::var_os("MUT_FINAL").is_none())
+            {
+                softcap_in_place(logits, cap as f32);
+            }
+            Ok(())
         })
     }
 
@@ -221,4 +240,11 @@ impl CausalLm for Gemma3Lm {
             &self.lm_head,
         )
     }
+}
+
+/// [`softcap`] on a row of f32 logits, in the same operations (candle divides by multiplying
+/// with the reciprocal), so that decode and `forward` agree bit for bit.
+fn softcap_in_place(logits: &mut [f32], cap: f32) {
+    let inv = (1.0 / cap as f64) as f32;
+    logits.iter_mut().for_each(|l| *l = (*l * inv).tanh() * cap);
 }

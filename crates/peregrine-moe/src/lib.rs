@@ -1,0 +1,15 @@
+//! Mixture-of-experts machinery that does not depend on a model: routing a token to its top-k
+//! experts ([`Router`]) and the seam through which an MoE block reaches its experts
+//! ([`ExpertStore`]).
+//!
+//! The MoE block never learns where an expert lives: [`ResidentExperts`] keeps every expert in
+//! memory; a streamed store (experts read from disk on demand) implements the same trait
+//! without touching model code. Routing writes into the caller's buffers so that a decode step
+//! allocates nothing.
+#![warn(missing_docs)]
+
+mod router;
+mod store;
+
+pub use router::{Router, Scoring};
+pub use store::{ExpertStore, ResidentExperts, tokens_by_expert};

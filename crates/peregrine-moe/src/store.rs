@@ -1,0 +1,70 @@
+//! Where experts live: the [`ExpertStore`] seam and the in-memory store.
+
+use std::sync::Arc;
+
+/// The experts of one MoE layer, looked up by id. `E` is the model's expert type (for the
+/// llama-family blocks a gated MLP). Implementations decide where the weights live; a
+/// returned `Arc` keeps the expert alive while the caller computes with it.
+pub trait ExpertStore<E>: Send + Sync {
+    /// Number of experts.
+    fn len(&self) -> usize;
+    /// True when the layer has no experts.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Expert `id` (`id < len()`), ready to compute with (a streamed store may have to read
+    /// it first, and that may fail).
+    fn expert(&self, id: usize) -> std::io::Result<Arc<E>>;
+    /// A hint that `ids` will be asked for soon (a streamed store starts reading them); the
+    /// resident store has nothing to do.
+    fn prefetch(&self, _ids: &[usize]) {}
+    /// Bytes of expert weights held in memory.
+    fn weight_bytes(&self) -> usize;
+}
+
+/// Every expert in memory, loaded once.
+pub struct ResidentExperts<E> {
+    experts: Vec<Arc<E>>,
+    bytes: usize,
+}
+
+impl<E> ResidentExperts<E> {
+    /// Wraps loaded experts that occupy `bytes` of memory together.
+    pub fn new(experts: Vec<E>, bytes: usize) -> Self {
+        Self {
+            experts: experts.into_iter().map(Arc::new).collect(),
+            bytes,
+        }
+    }
+}
+
+impl<E: Send + Sync> ExpertStore<E> for ResidentExperts<E> {
+    fn len(&self) -> usize {
+        self.experts.len()
+    }
+
+    fn expert(&self, id: usize) -> std::io::Result<Arc<E>> {
+        Ok(self.experts[id].clone())
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+/// For each of `experts` experts, the positions routed to it and their routing weights, from
+/// per-position choices `ids` / `weights` (`top_k` per position, row-major): the grouping that
+/// lets a prefill run each expert once over all its tokens instead of once per token.
+pub fn tokens_by_expert(
+    experts: usize,
+    top_k: usize,
+    ids: &[usize],
+    weights: &[f32],
+) -> Vec<(Vec<u32>, Vec<f32>)> {
+    let mut groups = vec![(Vec::new(), Vec::new()); experts];
+    for (i, (&e, &w)) in ids.iter().zip(weights).enumerate() {
+        groups[e].0.push((i / top_k) as u32);
+        groups[e].1.push(w);
+    }
+    groups
+}
