@@ -48,10 +48,7 @@ impl Attention {
             kv_heads: c.num_key_value_heads,
             head_dim: hd,
             scale: c.query_pre_attn_scalar.unwrap_or(hd as f64).powf(-0.5),
-            softcap: c
-                .attn_logit_softcapping
-                .map(|cap| cap as f32)
-                .filter(|_| std::env::var_os("MUT_ATTN").is_none()),
+            softcap: c.attn_logit_softcapping.map(|cap| cap as f32),
             eps: c.rms_norm_eps as f32,
         })
     }

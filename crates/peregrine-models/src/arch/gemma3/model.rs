@@ -186,11 +186,7 @@ impl CausalLm for Gemma3Lm {
             x = layer.forward(&x, eps, self.rope(layer), cache.layer(i), start)?;
         }
         let logits = crate::layers::output_logits(&x, want, &self.norm, eps, &self.lm_head)?;
-        match self
-            .config
-            .final_logit_softcapping
-            .filter(|_| std::env::var_os("MUT_FINAL").is_none())
-        {
+        match self.config.final_logit_softcapping {
             Some(cap) => Ok(softcap(&logits, cap as f32)?),
             None => Ok(logits),
         }
@@ -213,11 +209,7 @@ impl CausalLm for Gemma3Lm {
             }
             let vocab = self.config.vocab_size;
             output_logits_into(b, &self.norm, eps, &self.lm_head, vocab, logits)?;
-            if let Some(cap) = self
-                .config
-                .final_logit_softcapping
-                .filter(|_| std::env::var_os("MUT_FINAL").is_none())
-            {
+            if let Some(cap) = self.config.final_logit_softcapping {
                 softcap_in_place(logits, cap as f32);
             }
             Ok(())
