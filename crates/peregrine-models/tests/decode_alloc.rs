@@ -81,6 +81,8 @@ fn decode_steps_allocate_nothing() {
         (fixture("qwen3/mlx-q4-g32"), KvOptions::default()),
         (fixture("qwen3/mlx-q8-g64"), f16),
         (fixture("llama/mlx-q8-g64"), KvOptions::default()),
+        (fixture("qwen3_moe/mlx-q4-g64"), KvOptions::default()),
+        (fixture("mixtral/mlx-q8-g64"), f16),
         (real_model("SmolLM2-135M-Instruct.Q4_1.gguf"), f16),
         (real_model("gemma-3-270m-q4_k_m.gguf"), KvOptions::default()),
     ];

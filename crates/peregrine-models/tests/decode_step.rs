@@ -70,14 +70,23 @@ fn compare(path: &std::path::Path, ids: &[u32], kv: KvOptions) -> f32 {
 
 #[test]
 fn decode_matches_forward_on_every_architecture() {
-    for arch in ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"] {
+    for arch in [
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "gemma2",
+        "gemma3",
+        "mixtral",
+        "qwen3_moe",
+    ] {
         decode_vs_forward(&format!("{arch}/hf"), KvOptions::default());
     }
 }
 
 #[test]
 fn decode_matches_forward_on_mlx_checkpoints() {
-    for arch in ["llama", "qwen3"] {
+    for arch in ["llama", "qwen3", "qwen3_moe"] {
         for format in [
             "mlx-q4-g32",
             "mlx-q4-g64",
