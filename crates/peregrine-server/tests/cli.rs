@@ -100,7 +100,7 @@ fn cli_logits(model: &Path, ids: &[u32], extra: &[&str], scratch_name: &str) -> 
 
 #[test]
 fn logits_command_matches_transformers() {
-    for arch in ["gemma3", "llama", "mistral", "qwen2", "qwen3"] {
+    for arch in ["gemma2", "gemma3", "llama", "mistral", "qwen2", "qwen3"] {
         let (ids, expected) = reference(arch);
         // A small prefill size makes the command cross chunk boundaries.
         let ours = cli_logits(
@@ -332,7 +332,16 @@ fn check_gguf_export_of_edited_fixture(
         !refused.status.success() && stderr.contains(refusal),
         "{stderr}"
     );
+    check_gguf_export_of_edited_fixture_in(&dir, arch, edit);
+}
 
+/// Copies `arch`'s fixture into `dir/hf`, applies `edit` to its config, exports it as Q8_0 and
+/// compares the file's logits with Peregrine's on the edited HF folder.
+fn check_gguf_export_of_edited_fixture_in(
+    dir: &Path,
+    arch: &str,
+    edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
+) {
     let hf = dir.join("hf");
     std::fs::create_dir_all(&hf).unwrap();
     copy_fixture(arch, &hf);
@@ -357,6 +366,45 @@ fn check_gguf_export_of_edited_fixture(
         max < 0.3,
         "{arch} q8_0 vs the same HF folder: max abs diff {max}"
     );
+}
+
+/// MoE checkpoints export with their experts stacked per layer and projection (`ffn_*_exps`)
+/// and the expert counts in the metadata. The exported file of the fixture as it is must read
+/// back with the same routing settings; its logits are compared with every expert routed
+/// (`num_experts_per_tok` raised to `num_experts` in a copy), because Q8_0's rounding flips
+/// near-tied top-k choices of these untrained routers at some positions (measured 0.36 on
+/// qwen3_moe with top-2), while with every expert chosen only the rounding remains and the
+/// Q8_0 bound above applies. A mis-stacked expert or a wrong projection moves logits by more
+/// than 1.
+#[test]
+fn gguf_export_writes_moe_experts_stacked() {
+    use peregrine_models::weights::{GgufFile, config_from_gguf};
+    for (arch, gguf_arch) in [("qwen3_moe", "qwen3moe"), ("mixtral", "llama")] {
+        let dir = scratch(&format!("gguf-moe-{arch}"));
+        let out = dir.join("top-k.gguf");
+        let run = quantize_gguf(&fixture(arch), &out, "q8_0");
+        assert!(
+            run.status.success(),
+            "{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let config = config_from_gguf(&GgufFile::open(&out).unwrap()).unwrap();
+        let moe = config.moe.expect("MoE metadata");
+        assert_eq!(config.model_type, gguf_arch);
+        assert_eq!(
+            (moe.num_experts, moe.top_k, moe.normalize),
+            (4, 2, true),
+            "{arch}"
+        );
+        check_gguf_export_of_edited_fixture_in(&dir, arch, |config| {
+            let experts = config
+                .get("num_experts")
+                .or(config.get("num_local_experts"))
+                .cloned()
+                .unwrap();
+            config.insert("num_experts_per_tok".into(), experts);
+        });
+    }
 }
 
 /// `llama` GGUF files hold q/k permuted for interleaved RoPE (llama.cpp's converter; the loader
@@ -387,4 +435,59 @@ fn gguf_export_writes_gemma3() {
         config.insert("sliding_window_pattern".into(), 6.into());
         config.insert("query_pre_attn_scalar".into(), 16.into());
     });
+}
+
+/// Gemma 2 GGUF files store norm weights as `1 + w` and the two soft caps; the layer pattern
+/// (even layers slide) and attention scale (`head_dim^-0.5`) are llama.cpp's, which the fixture
+/// follows, so it exports as it is. The file reads back as the same configuration (a cap lost
+/// on the way would fall back to llama.cpp's 50 / 30, which moves these logits by ~0.25, inside
+/// the Q8_0 tolerance, hence the metadata check), and its logits match the HF folder's. A
+/// checkpoint whose cap is off (`null`) cannot be written: llama.cpp always caps.
+#[test]
+fn gguf_export_writes_gemma2() {
+    use peregrine_models::weights::{GgufFile, config_from_gguf};
+    let dir = scratch("gguf-gemma2");
+    let out = dir.join("gemma2.gguf");
+    let run = quantize_gguf(&fixture("gemma2"), &out, "q8_0");
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let config = config_from_gguf(&GgufFile::open(&out).unwrap()).unwrap();
+    assert_eq!(config.model_type, "gemma2");
+    let caps = (
+        config.attn_logit_softcapping,
+        config.final_logit_softcapping,
+    );
+    assert_eq!(caps, (Some(5.0), Some(10.0)));
+    assert_eq!(config.sliding_window, Some(8));
+    assert_eq!(config.sliding_layers, Some(vec![true, false]));
+    assert_eq!(config.query_pre_attn_scalar, Some(16.0));
+
+    let (ids, _) = reference("gemma2");
+    let want = cli_logits(&fixture("gemma2"), &ids, &[], "gguf-gemma2-hf");
+    let got = cli_logits(&out, &ids, &[], "gguf-gemma2-q8");
+    let max = max_abs_diff(&got, &want).unwrap();
+    assert!(
+        max < 0.3,
+        "gemma2 q8_0 vs the HF folder: max abs diff {max}"
+    );
+    assert!(max > 0.0, "gemma2: the weights were not quantized");
+    eprintln!("gemma2 q8_0 vs the HF folder: max abs diff {max:.3}");
+
+    let hf = dir.join("uncapped");
+    std::fs::create_dir_all(&hf).unwrap();
+    copy_fixture("gemma2", &hf);
+    let config_path = hf.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config["final_logit_softcapping"] = serde_json::Value::Null;
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let refused = quantize_gguf(&hf, &dir.join("refused.gguf"), "q8_0");
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && stderr.contains("final_logit_softcapping"),
+        "{stderr}"
+    );
 }

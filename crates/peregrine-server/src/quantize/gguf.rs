@@ -4,7 +4,8 @@
 //! tokenizer from the file, not from a folder).
 //!
 //! As llama.cpp's converter does, `llama` q/k projections are permuted for GPT-J-style rotation
-//! (the loader rotates `llama` GGUF files interleaved) and Gemma 3's norm weights store `1 + w`.
+//! (the loader rotates `llama` GGUF files interleaved) and Gemma 2 and 3's norm weights store
+//! `1 + w`; Gemma 2's soft caps go into `gemma2.{attn,final}_logit_softcapping`.
 //! Rope scalings other than linear cannot be expressed in the metadata the loader reads, so such
 //! checkpoints are refused.
 
@@ -63,15 +64,20 @@ fn read_config(dir: &Path) -> Result<ModelConfig> {
             moe_expressible(&config).map_err(|why| anyhow::anyhow!("{}: {why}", path.display()))?;
             config.model_type = "llama".into();
         }
+        "gemma2" => {
+            arch::gemma2::configure(&fields, &mut config)?;
+            gemma_expressible(&config)
+                .map_err(|why| anyhow::anyhow!("{}: {why}", path.display()))?;
+        }
         "gemma3_text" => {
             arch::gemma3::configure(&fields, &mut config)?;
-            gemma3_expressible(&config)
-                .map_err(|why| anyhow::anyhow!("{}: {why}", path.display()))?;
             config.model_type = "gemma3".into();
+            gemma_expressible(&config)
+                .map_err(|why| anyhow::anyhow!("{}: {why}", path.display()))?;
         }
         other => bail!(
             "{}: model_type `{other}` cannot be written as GGUF \
-             (supported: llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma3_text)",
+             (supported: llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text)",
             path.display()
         ),
     }
@@ -142,22 +148,48 @@ fn stacked_experts(
     ))
 }
 
-/// GGUF `gemma3` files carry no layer pattern or attention scale: llama.cpp (and our loader,
+/// GGUF `gemma2` / `gemma3` files (`c.model_type`) carry no layer pattern or attention scale,
+/// `gemma3` no soft caps and `gemma2` no way to turn its caps off: llama.cpp (and our loader,
 /// `configure_gguf`) fix them, so a checkpoint that differs cannot be written faithfully.
-fn gemma3_expressible(c: &ModelConfig) -> std::result::Result<(), String> {
-    let pattern = peregrine_models::arch::gemma3::sliding_pattern(c.num_hidden_layers, 6);
-    if c.sliding_layers.as_ref() != Some(&pattern) {
-        return Err(
-            "GGUF gemma3 files slide every layer but each sixth; this checkpoint's \
-                    `layer_types` differ"
-                .into(),
-        );
-    }
-    if c.query_pre_attn_scalar != Some(c.head_dim as f64) {
+fn gemma_expressible(c: &ModelConfig) -> std::result::Result<(), String> {
+    use peregrine_models::arch::{gemma2, gemma3};
+    let arch = c.model_type.as_str();
+    let caps = (c.attn_logit_softcapping, c.final_logit_softcapping);
+    let mut read_back = c.clone();
+    let layers = match arch {
+        "gemma2" => {
+            gemma2::configure_gguf(&mut read_back, caps);
+            "the even layers"
+        }
+        _ => {
+            gemma3::configure_gguf(&mut read_back, c.rope_local_theta);
+            // The loader reads no caps for `gemma3` (llama.cpp has none).
+            read_back.attn_logit_softcapping = None;
+            read_back.final_logit_softcapping = None;
+            "every layer but each sixth"
+        }
+    };
+    if c.sliding_layers != read_back.sliding_layers {
         return Err(format!(
-            "GGUF gemma3 files scale attention by head_dim^-0.5; `query_pre_attn_scalar` {:?} \
-             is not head_dim {}",
-            c.query_pre_attn_scalar, c.head_dim
+            "GGUF {arch} files slide {layers}; this checkpoint's `layer_types` differ"
+        ));
+    }
+    if c.query_pre_attn_scalar != read_back.query_pre_attn_scalar {
+        return Err(format!(
+            "GGUF {arch} files scale attention by {:?}^-0.5 (llama.cpp's rule); \
+             `query_pre_attn_scalar` is {:?}",
+            read_back.query_pre_attn_scalar, c.query_pre_attn_scalar
+        ));
+    }
+    if caps
+        != (
+            read_back.attn_logit_softcapping,
+            read_back.final_logit_softcapping,
+        )
+    {
+        return Err(format!(
+            "GGUF {arch} files cannot hold this checkpoint's soft caps \
+             (`attn_logit_softcapping`, `final_logit_softcapping`: {caps:?})"
         ));
     }
     Ok(())
@@ -238,6 +270,15 @@ fn model_metadata(c: &ModelConfig, file_type: u32) -> Result<Vec<(String, Value)
             format!("{arch}.rope.freq_base_swa"),
             Value::F32(theta as f32),
         ));
+    }
+    let caps = [
+        ("attn_logit_softcapping", c.attn_logit_softcapping),
+        ("final_logit_softcapping", c.final_logit_softcapping),
+    ];
+    for (key, cap) in caps {
+        if let Some(cap) = cap {
+            md.push((format!("{arch}.{key}"), Value::F32(cap as f32)));
+        }
     }
     Ok(md)
 }
