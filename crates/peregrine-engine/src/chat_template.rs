@@ -16,6 +16,21 @@ use serde_json::{Map, Value as Json};
 /// ChatML, the fallback when a model ships no template (what transformers used as its default).
 pub const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
+/// Gemma's turns, the fallback for Gemma checkpoints that ship no template (Gemma 3 270M's GGUF
+/// file): Gemma 3's official template for text, the system message folded into the first user
+/// turn, `assistant` written as `model`, roles that must alternate.
+pub const GEMMA: &str = r#"{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first_user_prefix = messages[0]['content'] + '\n\n' %}{% set loop_messages = messages[1:] %}{% else %}{% set first_user_prefix = '' %}{% set loop_messages = messages %}{% endif %}{% for message in loop_messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}{% if message['role'] == 'assistant' %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"#;
+
+/// The template for a model that ships none, by architecture (`ModelConfig::model_type`: GGUF
+/// `general.architecture` or HF `model_type`): its name and source. Gemma's turns for the Gemma
+/// family (`gemma`, `gemma2`, `gemma3`, `gemma3_text`, `gemma4`, ...), ChatML otherwise.
+pub fn fallback_template(model_type: &str) -> (&'static str, &'static str) {
+    match model_type.starts_with("gemma") {
+        true => ("Gemma's turns", GEMMA),
+        false => ("ChatML", CHATML),
+    }
+}
+
 /// Name under which the template is stored in its environment (no extension: no auto-escape).
 const TEMPLATE_NAME: &str = "chat_template";
 

@@ -14,7 +14,7 @@ use peregrine_tensor::{Device, Tensor};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use crate::api::{Event, Prompt, Request};
-use crate::chat_template::{CHATML, ChatTemplate};
+use crate::chat_template::{ChatTemplate, fallback_template};
 use crate::error::EngineError;
 use crate::generate::{GenContext, generate, prefill};
 use crate::tokenizer::Tokenizer;
@@ -139,8 +139,9 @@ impl Engine {
         config: EngineConfig,
     ) -> Result<Self, EngineError> {
         let source = tokenizer.chat_template().unwrap_or_else(|| {
-            tracing::warn!("the model has no chat template; using ChatML");
-            CHATML
+            let (name, source) = fallback_template(&model.config().model_type);
+            tracing::warn!("the model has no chat template; using {name}");
+            source
         });
         let template = ChatTemplate::new(
             source,

@@ -6,7 +6,7 @@
 //! templates that use content as a string, as vLLM does.
 
 use peregrine_engine::chat_template::{
-    CHATML, ChatMessage, ChatTemplate, TemplateError, strftime_utc,
+    CHATML, ChatMessage, ChatTemplate, GEMMA, TemplateError, fallback_template, strftime_utc,
 };
 use serde_json::{Map, Value, json};
 
@@ -454,4 +454,37 @@ fn jinja_idioms_match_jinja2() {
     let out = render(IDIOMS, msgs, false, json!({"meta": {"a": 1, "b": "two"}})).unwrap();
     let want = "n_system=1 first=system last=USER\n[1/3] User: look here\n[2/3 after user] Model: ok\n[3/3 after assistant] User: thanks\nmeta=dflt keys=a,b items=a=1;b=two;mapping seq [0, 1, 2] count=3 d=fallback\ncba x  | Title Case 003.1 bc 3 3 1 8";
     assert_eq!(out, want);
+}
+
+/// The fallback for models without a template: Gemma's turns for the Gemma family (system
+/// message folded into the first user turn, `model` for the assistant, content trimmed), as
+/// jinja2 renders Gemma 3's official template in transformers' environment; ChatML for others.
+#[test]
+fn gemma_fallback_uses_gemma_turns() {
+    for arch in ["gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text"] {
+        assert_eq!(fallback_template(arch), ("Gemma's turns", GEMMA), "{arch}");
+    }
+    for arch in ["llama", "qwen3", "mistral", "qwen3moe"] {
+        assert_eq!(fallback_template(arch).1, CHATML, "{arch}");
+    }
+    let gemma = |msgs: Value| {
+        let bos = Some("<bos>".to_owned());
+        let eos = Some("<eos>".to_owned());
+        ChatTemplate::new(GEMMA, bos, eos)?.render(&messages(msgs), true, &Map::new())
+    };
+    let with_system = json!([
+        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": " Weather? \n"}
+    ]);
+    assert_eq!(
+        gemma(with_system).unwrap(),
+        "<bos><start_of_turn>user\nYou are terse.\n\nHi<end_of_turn>\n<start_of_turn>model\n\
+         Hello!<end_of_turn>\n<start_of_turn>user\nWeather?<end_of_turn>\n<start_of_turn>model\n"
+    );
+    assert_eq!(
+        gemma(json!([{"role": "user", "content": "What is 2+2?"}])).unwrap(),
+        "<bos><start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n"
+    );
+    let err = gemma(json!([{"role": "assistant", "content": "x"}])).unwrap_err();
+    assert!(err.to_string().contains("must alternate"), "{err}");
 }
