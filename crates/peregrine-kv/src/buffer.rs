@@ -238,7 +238,7 @@ impl KvBuffer {
             Some(Store::Cpu { .. }) => {
                 let kv = self.cpu_kv()?;
                 attention_kv(q, &kv, slots, params.scale, params.softcap, &mask)
-            },
+            }
             Some(Store::Tensors(k, v)) => {
                 let (k, v) = (
                     k.narrow(2, slots.start, slots.len())?,

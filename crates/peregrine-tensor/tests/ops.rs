@@ -214,7 +214,8 @@ fn attention_matches_reference_on_real_model_shapes() {
             window: None,
         };
         let ours = attention(&q, &k, &v, 0.125, None, &mask).unwrap();
-        let reference = attention_ref(&q.contiguous().unwrap(), &k, &v, 0.125, None, &mask).unwrap();
+        let reference =
+            attention_ref(&q.contiguous().unwrap(), &k, &v, 0.125, None, &mask).unwrap();
         let diff = max_diff(&ours, &reference);
         assert!(
             diff < TOL,
@@ -252,7 +253,10 @@ fn softcapped_attention_matches_reference() {
         assert!(diff < TOL, "{case}: {diff}");
         let uncapped = attention(&q, &k, &v, scale, None, &mask).unwrap();
         let moved = max_diff(&uncapped, &reference);
-        assert!(moved > 1e-2, "{case}: the cap moves the output by only {moved}");
+        assert!(
+            moved > 1e-2,
+            "{case}: the cap moves the output by only {moved}"
+        );
 
         let f64s = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
         let generic = attention(&f64s(&q), &f64s(&k), &f64s(&v), scale, cap, &mask).unwrap();
