@@ -83,6 +83,11 @@ fn decode_steps_allocate_nothing() {
         (fixture("llama/mlx-q8-g64"), KvOptions::default()),
         (fixture("qwen3_moe/mlx-q4-g64"), KvOptions::default()),
         (fixture("mixtral/mlx-q8-g64"), f16),
+        // Q8_0 experts on the interleaved kernels, the router in f32 as llama.cpp keeps it.
+        (
+            fixture("qwen3_moe/gguf/model-q8_0.gguf"),
+            KvOptions::default(),
+        ),
         (real_model("SmolLM2-135M-Instruct.Q4_1.gguf"), f16),
         (real_model("gemma-3-270m-q4_k_m.gguf"), KvOptions::default()),
     ];

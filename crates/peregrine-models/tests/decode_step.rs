@@ -99,6 +99,19 @@ fn decode_matches_forward_on_mlx_checkpoints() {
     }
 }
 
+/// Q8_0 experts and the f32 router llama.cpp keeps: both paths multiply the router row by row
+/// (with candle's GEMM in `forward` the last bits differed, and 8-bit activation rounding
+/// downstream amplified them to 1.2e-4).
+#[test]
+fn decode_matches_forward_on_a_moe_gguf() {
+    let ids = prompt("qwen3_moe");
+    compare(
+        &fixture("qwen3_moe/gguf/model-q8_0.gguf"),
+        &ids,
+        KvOptions::default(),
+    );
+}
+
 #[test]
 fn decode_matches_forward_with_an_f16_cache() {
     let kv = KvOptions {

@@ -106,8 +106,11 @@ impl QLinear {
                 GgufMatrix::matmul_group_into(mats, x, 1, Kernel::best(), &mut scratch.xq, outs)?;
             }
             _ => {
-                let xt = Tensor::from_slice(x, (1, x.len()), &Device::Cpu)?;
                 for (l, out) in layers.iter().zip(outs.iter_mut()) {
+                    if l.dense_gguf_row_into(x, out)? {
+                        continue;
+                    }
+                    let xt = Tensor::from_slice(x, (1, x.len()), &Device::Cpu)?;
                     let y = l
                         .forward_unbiased(&xt)?
                         .flatten_all()?
@@ -122,6 +125,52 @@ impl QLinear {
             }
         }
         Ok(())
+    }
+
+    /// A small GGUF f32/f16 matrix held dense on the CPU (MoE routers, which llama.cpp keeps
+    /// in f32): multiplied by [`dense_rows_into`] in prefill and decode alike, so the two give
+    /// the same bits and the step allocates nothing. Larger ones go through candle.
+    fn small_dense(&self) -> Option<&Tensor> {
+        match self {
+            Self::Gguf { w, .. } => w.dense().filter(|_| w.dims().0 <= SMALL_DENSE_ROWS),
+            _ => None,
+        }
+    }
+
+    /// `out = W x` for a [`small_dense`](Self::small_dense) weight; `false` for every other.
+    fn dense_gguf_row_into(&self, x: &[f32], out: &mut [f32]) -> Result<bool> {
+        let Some(dense) = self.small_dense() else {
+            return Ok(false);
+        };
+        Ok(crate::ops::with_f32(dense, |w| dense_rows_into(w, x, out))?.is_some())
+    }
+
+    /// [`forward_unbiased`](Self::forward_unbiased) of a small dense GGUF weight over f32 CPU
+    /// rows, row by row as the decode step computes it.
+    fn small_dense_forward(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        let Some(dense) = self.small_dense() else {
+            return Ok(None);
+        };
+        let (out_dim, in_dim) = dense.dims2()?;
+        let mut dims = x.dims().to_vec();
+        let rows = x.elem_count() / in_dim.max(1);
+        let x = x.contiguous()?;
+        let y = crate::ops::with_f32(&x, |x| {
+            crate::ops::with_f32(dense, |w| {
+                let mut y = vec![0f32; rows * out_dim];
+                for (x, y) in x.chunks_exact(in_dim).zip(y.chunks_exact_mut(out_dim)) {
+                    dense_rows_into(w, x, y);
+                }
+                y
+            })
+        })?;
+        let Some(Some(y)) = y.transpose()? else {
+            return Ok(None);
+        };
+        *dims
+            .last_mut()
+            .expect("a matmul input has a last dimension") = out_dim;
+        Ok(Some(Tensor::from_vec(y, dims, &Device::Cpu)?))
     }
 
     /// The GGUF matrix, when one of Peregrine's kernels multiplies it.
@@ -139,6 +188,9 @@ impl QLinear {
     }
 
     fn forward_unbiased(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some(y) = self.small_dense_forward(x)? {
+            return Ok(y);
+        }
         match self {
             Self::Dense { w, .. } => dense_matmul(x, w),
             Self::Gguf { w, .. } => w.forward(x),

@@ -397,3 +397,17 @@ impl GgufMatrix {
         Ok(())
     }
 }
+
+impl GgufMatrix {
+    /// The dense weight `[out, in]` that f32/f16 GGUF tensors are dequantized into once (MoE
+    /// routers, which llama.cpp keeps in f32), for callers that multiply it themselves.
+    pub fn dense(&self) -> Option<&Tensor> {
+        match &self.storage {
+            Layout::Rows {
+                fallback: QMatMul::Tensor(t),
+                ..
+            } => Some(t),
+            _ => None,
+        }
+    }
+}
