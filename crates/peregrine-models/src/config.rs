@@ -34,6 +34,9 @@ pub struct ModelConfig {
     pub rope_theta: f64,
     /// RoPE frequency scaling.
     pub rope_scaling: RopeScaling,
+    /// Fraction of each head that RoPE rotates (the first `rotary_dim()` dimensions; Phi-3.5 /
+    /// Phi-4-mini's `partial_rotary_factor`); the rest pass through.
+    pub partial_rotary_factor: f64,
     /// Which dimensions RoPE rotates together (depends on how the weights were converted).
     pub rope_style: RopeStyle,
     /// Longest context the model was trained for.
@@ -266,6 +269,16 @@ impl<'a> Fields<'a> {
         }
     }
 
+    /// A list of numbers (empty when absent).
+    pub fn f64_list(&self, key: &str) -> Result<Vec<f64>> {
+        let bad = || self.err(format!("field `{key}` must be a list of numbers"));
+        match self.get(key) {
+            None => Ok(vec![]),
+            Some(Value::Array(items)) => items.iter().map(|v| v.as_f64().ok_or_else(bad)).collect(),
+            Some(_) => Err(bad()),
+        }
+    }
+
     /// A nested object.
     pub fn object(&self, key: &str) -> Result<Option<Fields<'a>>> {
         match self.get(key) {
@@ -310,7 +323,7 @@ impl ModelConfig {
                 )));
             }
         };
-        let (rope_theta, rope_scaling) = rope_from_hf(fields)?;
+        let (rope_theta, rope_scaling, partial_rotary_factor) = rope_from_hf(fields)?;
         let config = Self {
             model_type,
             vocab_size: fields.usize("vocab_size")?,
@@ -325,6 +338,7 @@ impl ModelConfig {
             rms_norm_eps: fields.opt_f64("rms_norm_eps")?.unwrap_or(1e-6),
             rope_theta,
             rope_scaling,
+            partial_rotary_factor,
             rope_style: RopeStyle::Half,
             max_position_embeddings: fields.opt_usize("max_position_embeddings")?.unwrap_or(4096),
             tie_word_embeddings: fields.opt_bool("tie_word_embeddings")?.unwrap_or(false),
@@ -344,6 +358,12 @@ impl ModelConfig {
         };
         config.validate(&fields.file)?;
         Ok(config)
+    }
+
+    /// The dimensions of each head that RoPE rotates: `int(head_dim · partial_rotary_factor)`,
+    /// as transformers computes it.
+    pub fn rotary_dim(&self) -> usize {
+        (self.head_dim as f64 * self.partial_rotary_factor) as usize
     }
 
     /// Checks relations between fields that the forward pass relies on.
@@ -366,13 +386,44 @@ impl ModelConfig {
                 format!("`head_dim` {} must be even for RoPE", self.head_dim),
             ));
         }
+        let rotary = self.rotary_dim();
+        if !(rotary > 0 && rotary <= self.head_dim && rotary.is_multiple_of(2)) {
+            return Err(ModelError::config(
+                file,
+                format!(
+                    "`partial_rotary_factor` {} gives {rotary} rotary dimensions of {}: they \
+                     must be even, positive and at most `head_dim`",
+                    self.partial_rotary_factor, self.head_dim
+                ),
+            ));
+        }
+        if let RopeScaling::LongRope {
+            short_factor,
+            long_factor,
+            ..
+        } = &self.rope_scaling
+        {
+            for (name, f) in [("short_factor", short_factor), ("long_factor", long_factor)] {
+                if f.len() != rotary / 2 {
+                    return Err(ModelError::config(
+                        file,
+                        format!(
+                            "longrope `{name}` has {} entries; {rotary} rotary dimensions need {}",
+                            f.len(),
+                            rotary / 2
+                        ),
+                    ));
+                }
+            }
+        }
         Ok(())
     }
 }
 
-/// RoPE base and scaling from either `rope_parameters` (transformers 5) or the legacy keys.
-/// A per-layer-type `rope_parameters` (Gemma 3) contributes its `full_attention` entry.
-fn rope_from_hf(fields: &Fields) -> Result<(f64, RopeScaling)> {
+/// RoPE base, scaling and partial rotary factor from either `rope_parameters` (transformers 5)
+/// or the legacy keys. A per-layer-type `rope_parameters` (Gemma 3) contributes its
+/// `full_attention` entry.
+fn rope_from_hf(fields: &Fields) -> Result<(f64, RopeScaling, f64)> {
     let params = fields.object("rope_parameters")?;
     let params = match params {
         Some(p) if p.get("full_attention").is_some() => p.object("full_attention")?,
@@ -384,14 +435,29 @@ fn rope_from_hf(fields: &Fields) -> Result<(f64, RopeScaling)> {
         None => None,
     };
     let theta = theta.or(fields.opt_f64("rope_theta")?).unwrap_or(10_000.0);
-    let Some(scaling) = params.or(legacy) else {
-        return Ok((theta, RopeScaling::None));
+    // transformers moves a top-level `partial_rotary_factor` into `rope_parameters` unless
+    // that already has one.
+    let partial = match &params {
+        Some(p) => p.opt_f64("partial_rotary_factor")?,
+        None => None,
     };
-    Ok((theta, rope_scaling_from(&scaling)?))
+    let partial = partial
+        .or(fields.opt_f64("partial_rotary_factor")?)
+        .unwrap_or(1.0);
+    let Some(scaling) = params.or(legacy) else {
+        return Ok((theta, RopeScaling::None, partial));
+    };
+    Ok((theta, rope_scaling_in(&scaling, Some(fields))?, partial))
 }
 
 /// The scaling named by a `rope_parameters` / `rope_scaling` object (`rope_type` or `type`).
 pub fn rope_scaling_from(scaling: &Fields) -> Result<RopeScaling> {
+    rope_scaling_in(scaling, None)
+}
+
+/// [`rope_scaling_from`] for the object found in `config` (the top-level fields, which
+/// LongRoPE also reads: `original_max_position_embeddings`, `max_position_embeddings`).
+fn rope_scaling_in(scaling: &Fields, config: Option<&Fields>) -> Result<RopeScaling> {
     let kind = match scaling.opt_str("rope_type")? {
         Some(kind) => Some(kind),
         None => scaling.opt_str("type")?,
@@ -410,9 +476,49 @@ pub fn rope_scaling_from(scaling: &Fields) -> Result<RopeScaling> {
             high_freq_factor: scaling.opt_f64("high_freq_factor")?.unwrap_or(4.0),
             original_max_position_embeddings: scaling.usize("original_max_position_embeddings")?,
         },
+        // Phi-3's first 128K checkpoints call it `su`.
+        "longrope" | "su" => long_rope(scaling, config)?,
         other => return Err(scaling.err(format!("unsupported rope scaling type `{other}`"))),
     };
     Ok(scaling)
+}
+
+/// LongRoPE as transformers' `_compute_longrope_parameters` reads it: the factor lists;
+/// `original_max_position_embeddings` from the top level of the config when it is there (which
+/// transformers prefers), else from the scaling object; `factor` (default
+/// `max_position_embeddings / original_max_position_embeddings`) and `attention_factor` (default
+/// `sqrt(1 + ln(factor) / ln(original))`, 1 when `factor <= 1`).
+fn long_rope(scaling: &Fields, config: Option<&Fields>) -> Result<RopeScaling> {
+    let top = |key: &str| config.map_or(Ok(None), |c| c.opt_usize(key));
+    let original = match top("original_max_position_embeddings")? {
+        Some(n) => n,
+        None => scaling.usize("original_max_position_embeddings")?,
+    };
+    let factor = match scaling.opt_f64("factor")? {
+        Some(f) => f,
+        None => match top("max_position_embeddings")? {
+            Some(max) => max as f64 / original as f64,
+            None => return Err(scaling.err("longrope scaling needs `factor`".into())),
+        },
+    };
+    let attention_factor = match scaling.opt_f64("attention_factor")? {
+        Some(a) => a,
+        None if factor <= 1.0 => 1.0,
+        None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+    };
+    let list = |key: &str| -> Result<Vec<f64>> {
+        let v = scaling.f64_list(key)?;
+        match v.is_empty() {
+            true => Err(scaling.err(format!("longrope scaling needs `{key}`"))),
+            false => Ok(v),
+        }
+    };
+    Ok(RopeScaling::LongRope {
+        short_factor: list("short_factor")?,
+        long_factor: list("long_factor")?,
+        original_max_position_embeddings: original,
+        attention_factor,
+    })
 }
 
 #[cfg(test)]

@@ -34,6 +34,7 @@ const ARCHITECTURES: &[(&str, Configure, Build)] = &[
     ("llama", arch::llama::configure, decoder),
     ("mistral", arch::mistral::configure, decoder),
     ("mixtral", arch::mixtral::configure, decoder),
+    ("phi3", arch::phi3::configure, decoder),
     ("qwen2", arch::qwen2::configure, decoder),
     ("qwen3", arch::qwen3::configure, decoder),
     ("qwen3_moe", arch::qwen3_moe::configure, decoder),

@@ -10,7 +10,7 @@ mod common;
 use std::path::PathBuf;
 
 use peregrine_models::{
-    KvOptions, LoadOptions, Logits, SequenceCache, load_model, supported_architectures,
+    CausalLm, KvOptions, LoadOptions, Logits, SequenceCache, load_model, supported_architectures,
 };
 use peregrine_tensor::candle::safetensors::load;
 use peregrine_tensor::{DType, Device, Tensor};
@@ -54,15 +54,18 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
 /// Runs the prompt in chunks of `chunk` tokens (exercising the cache across chunks).
 fn logits_in_chunks(arch: &str, chunk: usize) -> (Tensor, Reference) {
     let loaded = load_model(&fixture(arch), &LoadOptions::default()).expect("fixture loads");
-    let model = loaded.model;
     let r = reference(arch);
+    (run_in_chunks(loaded.model.as_ref(), &r.ids, chunk), r)
+}
+
+/// Every position's logits of `ids` run through `forward` `chunk` tokens at a time.
+fn run_in_chunks(model: &dyn CausalLm, ids: &[u32], chunk: usize) -> Tensor {
     let mut cache = SequenceCache::new(&model.cache_spec(), &KvOptions::default());
-    let parts: Vec<Tensor> = r
-        .ids
+    let parts: Vec<Tensor> = ids
         .chunks(chunk)
         .map(|c| model.forward(c, &mut cache, Logits::All).expect("forward"))
         .collect();
-    (Tensor::cat(&parts, 0).unwrap(), r)
+    Tensor::cat(&parts, 0).unwrap()
 }
 
 fn check_logits(arch: &str) {
@@ -109,8 +112,86 @@ macro_rules! golden {
 }
 
 golden!(
-    gemma2, gemma3, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+    gemma2, gemma3, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe
 );
+
+/// One tensor of `tests/fixtures/phi3/hf/reference.safetensors` (see make_hf.py's PHI3_EXTRA).
+fn phi3_reference(name: &str) -> Tensor {
+    let r = load(fixture("phi3").join("reference.safetensors"), &Device::Cpu).unwrap();
+    r[name].clone()
+}
+
+fn ids_of(t: &Tensor) -> Vec<u32> {
+    t.to_dtype(DType::U32).unwrap().to_vec1::<u32>().unwrap()
+}
+
+/// Phi-3's LongRoPE in its long regime: the 49-token prompt passes the fixture's
+/// `original_max_position_embeddings` (32; the golden prompt's 24 tokens stay in the short
+/// regime). transformers picks the factors per forward by the length it reaches, so one forward
+/// over the whole prompt rotates everything with the long factors, while in chunks of 5 (or 1)
+/// the chunks ending at or before position 31 keep the short ones; Peregrine follows the same
+/// rule and matches each. The greedy continuation (decode steps, all long) matches too.
+#[test]
+fn phi3_longrope_matches_transformers_in_the_long_regime() {
+    let model = load_model(&fixture("phi3"), &LoadOptions::default())
+        .unwrap()
+        .model;
+    let ids = ids_of(&phi3_reference("long_input_ids"));
+    assert!(ids.len() > 32);
+    for (chunk, name) in [
+        (1024, "long_logits"),
+        (5, "long_logits_chunk5"),
+        (1, "long_logits_chunk1"),
+    ] {
+        let ours = run_in_chunks(model.as_ref(), &ids, chunk);
+        let diff = max_abs_diff(&ours, &phi3_reference(name));
+        eprintln!("phi3 long prompt (chunk {chunk}): max abs diff {diff:.2e}");
+        assert!(diff < TOLERANCE, "phi3 {name}: max abs diff {diff}");
+    }
+    let greedy = common::greedy_ids(model.as_ref(), &ids, 8);
+    assert_eq!(greedy, ids_of(&phi3_reference("long_greedy_ids")));
+}
+
+/// Partial rotary: the phi3 weights with `config-partial.json` (`partial_rotary_factor` 0.5:
+/// the first 8 of each head's 16 dimensions rotate, LongRoPE factors for 4 pairs) against
+/// transformers on both prompts (short and long regimes), whole and token by token.
+#[test]
+fn phi3_partial_rotary_matches_transformers() {
+    let dir = std::env::temp_dir().join(format!("peregrine-phi3-partial-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for file in [
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        std::fs::copy(fixture("phi3").join(file), dir.join(file)).unwrap();
+    }
+    std::fs::copy(
+        fixture("phi3").join("config-partial.json"),
+        dir.join("config.json"),
+    )
+    .unwrap();
+    let model = load_model(&dir, &LoadOptions::default()).unwrap().model;
+    assert_eq!(model.config().rotary_dim(), 8);
+    for (ids, name) in [
+        ("input_ids", "partial_logits"),
+        ("long_input_ids", "partial_long_logits"),
+    ] {
+        let ids = ids_of(&phi3_reference(ids));
+        for chunk in [1024, 1] {
+            let ours = run_in_chunks(model.as_ref(), &ids, chunk);
+            let want = match (chunk, name) {
+                // token by token, the long prompt's first 32 positions keep the short factors
+                (1, "partial_long_logits") => continue,
+                _ => phi3_reference(name),
+            };
+            let diff = max_abs_diff(&ours, &want);
+            eprintln!("phi3 partial {name} (chunk {chunk}): max abs diff {diff:.2e}");
+            assert!(diff < TOLERANCE, "phi3 {name} (chunk {chunk}): {diff}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
 
 /// The sliding-window families' fixtures (window 8, a 24-token prompt): prefilling the prompt 3
 /// tokens at a time, so that the window's edge falls inside and across chunks, gives the logits

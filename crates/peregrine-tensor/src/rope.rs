@@ -26,6 +26,26 @@ pub enum RopeScaling {
         /// The context length the model was trained at.
         original_max_position_embeddings: usize,
     },
+    /// Phi-3's LongRoPE: every rotated pair's frequency divided by a per-pair factor, from
+    /// `short_factor` or `long_factor`, and cos/sin multiplied by `attention_factor`.
+    ///
+    /// Which set a rotation uses is transformers' rule (`dynamic_rope_update`, which picks by
+    /// `seq_len = max(position_ids) + 1` at every forward): a call that rotates positions
+    /// `start..end` (a forward pass over the tokens ending at `end - 1`, or the decode step at
+    /// `end - 1`) uses the long factors for all of them when `end >
+    /// original_max_position_embeddings`, else the short ones. Keys already in a KV cache keep
+    /// the factors they were rotated with (transformers' `generate` instead recomputes the whole
+    /// sequence when it first grows past `original_max_position_embeddings`).
+    LongRope {
+        /// Per-pair divisors while the sequence fits the original context (`rotary_dim / 2`).
+        short_factor: Vec<f64>,
+        /// Per-pair divisors once it is longer (`rotary_dim / 2`).
+        long_factor: Vec<f64>,
+        /// The context length the short factors were trained at.
+        original_max_position_embeddings: usize,
+        /// Scale of cos and sin (both regimes).
+        attention_factor: f64,
+    },
 }
 
 /// Which dimensions are rotated together.
@@ -40,28 +60,47 @@ pub enum RopeStyle {
 
 /// Cos/sin tables for positions `0..max_positions`, computed as positions are first used
 /// (doubling), so a 32K-position context costs memory only for the positions it reaches.
+/// The first `rotary_dim` dimensions of each `head_dim`-wide head rotate (all of them unless
+/// built with [`new_partial`](Self::new_partial)); the rest pass through unchanged.
 #[derive(Debug, Clone)]
 pub struct RotaryEmbedding {
-    freqs: Arc<[f64]>,
+    /// The frequencies and tables every rotation uses (LongRoPE: the short factors').
+    main: Table,
+    /// LongRoPE: the long factors' table and the length past which it is used.
+    long: Option<(usize, Table)>,
+    /// cos/sin multiplier (LongRoPE's attention factor; 1 otherwise).
+    scale: f64,
+    head_dim: usize,
+    rotary_dim: usize,
     max_positions: usize,
     dtype: DType,
     device: Device,
-    /// `(cos, sin)`, `[computed positions, head_dim / 2]`; shared by clones.
-    tables: Arc<RwLock<(Tensor, Tensor)>>,
     style: RopeStyle,
+}
+
+/// One set of frequencies and its tables.
+#[derive(Debug, Clone)]
+struct Table {
+    freqs: Arc<[f64]>,
+    /// `(cos, sin)`, `[computed positions, rotary_dim / 2]`; shared by clones.
+    tables: Arc<RwLock<(Tensor, Tensor)>>,
 }
 
 /// Positions computed up front; tables grow by doubling from here.
 const FIRST_POSITIONS: usize = 1024;
 
-/// Inverse frequencies `theta^(-2i/d)` after scaling, one per rotated pair.
-pub fn inv_freqs(head_dim: usize, theta: f64, scaling: &RopeScaling) -> Vec<f64> {
-    let base: Vec<f64> = (0..head_dim / 2)
-        .map(|i| 1.0 / theta.powf(2.0 * i as f64 / head_dim as f64))
+/// Inverse frequencies `theta^(-2i/d)` after scaling, one per rotated pair of a `rotary_dim`
+/// (`d`) wide rotation (LongRoPE: the short factors').
+pub fn inv_freqs(rotary_dim: usize, theta: f64, scaling: &RopeScaling) -> Vec<f64> {
+    let base: Vec<f64> = (0..rotary_dim / 2)
+        .map(|i| 1.0 / theta.powf(2.0 * i as f64 / rotary_dim as f64))
         .collect();
     match *scaling {
         RopeScaling::None => base,
         RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
+        RopeScaling::LongRope {
+            ref short_factor, ..
+        } => divided(&base, short_factor),
         RopeScaling::Llama3 {
             factor,
             low_freq_factor,
@@ -88,8 +127,30 @@ pub fn inv_freqs(head_dim: usize, theta: f64, scaling: &RopeScaling) -> Vec<f64>
     }
 }
 
+/// `base[i] / factors[i]` (LongRoPE's per-pair divisors).
+fn divided(base: &[f64], factors: &[f64]) -> Vec<f64> {
+    base.iter().zip(factors).map(|(f, d)| f / d).collect()
+}
+
+impl Table {
+    fn new(
+        freqs: Vec<f64>,
+        positions: usize,
+        scale: f64,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let freqs: Arc<[f64]> = freqs.into();
+        let tables = compute_tables(&freqs, positions, scale, dtype, device)?;
+        Ok(Self {
+            freqs,
+            tables: Arc::new(RwLock::new(tables)),
+        })
+    }
+}
+
 impl RotaryEmbedding {
-    /// Tables for up to `max_positions` positions of a `head_dim`-wide head.
+    /// Tables for up to `max_positions` positions of a `head_dim`-wide head, all of it rotated.
     pub fn new(
         head_dim: usize,
         theta: f64,
@@ -99,15 +160,63 @@ impl RotaryEmbedding {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        let freqs: Arc<[f64]> = inv_freqs(head_dim, theta, scaling).into();
+        let dims = (head_dim, head_dim);
+        Self::new_partial(dims, theta, scaling, style, max_positions, dtype, device)
+    }
+
+    /// [`new`](Self::new) for heads of which only the first `rotary_dim` dimensions rotate
+    /// (`(head_dim, rotary_dim)`; transformers' `partial_rotary_factor`): frequencies are
+    /// `theta^(-2i/rotary_dim)` and the last `head_dim - rotary_dim` dimensions pass through.
+    pub fn new_partial(
+        (head_dim, rotary_dim): (usize, usize),
+        theta: f64,
+        scaling: &RopeScaling,
+        style: RopeStyle,
+        max_positions: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        if rotary_dim > head_dim || rotary_dim % 2 != 0 || rotary_dim == 0 {
+            candle_core::bail!(
+                "rope: rotary dimension {rotary_dim} must be even, positive and at most the head's {head_dim}"
+            )
+        }
         let first = max_positions.min(FIRST_POSITIONS);
-        let tables = compute_tables(&freqs, first, dtype, device)?;
+        let (mut scale, mut long) = (1.0, None);
+        if let RopeScaling::LongRope {
+            short_factor,
+            long_factor,
+            original_max_position_embeddings,
+            attention_factor,
+        } = scaling
+        {
+            for (name, f) in [("short", short_factor), ("long", long_factor)] {
+                if f.len() != rotary_dim / 2 {
+                    candle_core::bail!(
+                        "rope: {} {name} factors for a rotary dimension of {rotary_dim} (expected {})",
+                        f.len(),
+                        rotary_dim / 2
+                    )
+                }
+            }
+            scale = *attention_factor;
+            let freqs = divided(
+                &inv_freqs(rotary_dim, theta, &RopeScaling::None),
+                long_factor,
+            );
+            let table = Table::new(freqs, first, scale, dtype, device)?;
+            long = Some((*original_max_position_embeddings, table));
+        }
+        let freqs = inv_freqs(rotary_dim, theta, scaling);
         Ok(Self {
-            freqs,
+            main: Table::new(freqs, first, scale, dtype, device)?,
+            long,
+            scale,
+            head_dim,
+            rotary_dim,
             max_positions,
             dtype,
             device: device.clone(),
-            tables: Arc::new(RwLock::new(tables)),
             style,
         })
     }
@@ -115,6 +224,14 @@ impl RotaryEmbedding {
     /// Number of positions the tables cover.
     pub fn max_positions(&self) -> usize {
         self.max_positions
+    }
+
+    /// The table a rotation of positions up to `end - 1` uses (see [`RopeScaling::LongRope`]).
+    fn table(&self, end: usize) -> &Table {
+        match &self.long {
+            Some((original, long)) if end > *original => long,
+            _ => &self.main,
+        }
     }
 
     fn tables(&self, start: usize, len: usize) -> Result<(Tensor, Tensor)> {
@@ -126,41 +243,67 @@ impl RotaryEmbedding {
                 self.max_positions
             )
         }
+        let table = self.table(end);
         let narrow = |(cos, sin): &(Tensor, Tensor)| -> Result<(Tensor, Tensor)> {
             Ok((cos.narrow(0, start, len)?, sin.narrow(0, start, len)?))
         };
         {
-            let tables = self.tables.read().unwrap_or_else(|e| e.into_inner());
+            let tables = table.tables.read().unwrap_or_else(|e| e.into_inner());
             if tables.0.dims()[0] >= end {
                 return narrow(&tables);
             }
         }
-        let mut tables = self.tables.write().unwrap_or_else(|e| e.into_inner());
+        let mut tables = table.tables.write().unwrap_or_else(|e| e.into_inner());
         let have = tables.0.dims()[0];
         if have < end {
             let grown = end.max(2 * have).min(self.max_positions);
-            *tables = compute_tables(&self.freqs, grown, self.dtype, &self.device)?;
+            *tables = compute_tables(&table.freqs, grown, self.scale, self.dtype, &self.device)?;
         }
         narrow(&tables)
+    }
+
+    /// `x: [batch, heads, seq, head_dim]` split into its rotated and passed-through dimensions
+    /// (the second `None` when every dimension rotates).
+    fn split(&self, x: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
+        let d = x.dim(3)?;
+        if d != self.head_dim {
+            candle_core::bail!("rope: heads of {d} dimensions, expected {}", self.head_dim)
+        }
+        if self.rotary_dim == d {
+            return Ok((x.clone(), None));
+        }
+        let pass = x.narrow(3, self.rotary_dim, d - self.rotary_dim)?;
+        Ok((x.narrow(3, 0, self.rotary_dim)?, Some(pass)))
+    }
+
+    /// The rotated part joined back with the passed-through one.
+    fn join(rotated: Tensor, pass: Option<Tensor>) -> Result<Tensor> {
+        match pass {
+            None => Ok(rotated),
+            Some(pass) => Tensor::cat(&[rotated, pass], 3),
+        }
     }
 
     /// Rotates `x: [batch, heads, seq, head_dim]` whose first token sits at position `start`.
     pub fn apply(&self, x: &Tensor, start: usize) -> Result<Tensor> {
         let (cos, sin) = self.tables(start, x.dim(2)?)?;
+        let (x, pass) = self.split(x)?;
         let x = x.contiguous()?;
-        match self.style {
-            RopeStyle::Half => candle_nn::rotary_emb::rope(&x, &cos, &sin),
-            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, &cos, &sin),
-        }
+        let rotated = match self.style {
+            RopeStyle::Half => candle_nn::rotary_emb::rope(&x, &cos, &sin)?,
+            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, &cos, &sin)?,
+        };
+        Self::join(rotated, pass)
     }
 
     /// [`apply`](Self::apply) for one token, in place: each `head_dim`-wide row of `x` (one per
     /// head) rotated for position `pos`, without allocating (the decode step's form).
     pub fn apply_rows_in_place(&self, x: &mut [f32], pos: usize) -> Result<()> {
         {
-            let tables = self.tables.read().unwrap_or_else(|e| e.into_inner());
+            let table = self.table(pos + 1);
+            let tables = table.tables.read().unwrap_or_else(|e| e.into_inner());
             if tables.0.dims()[0] > pos {
-                return rotate_rows(&tables, x, pos, self.style);
+                return rotate_rows(&tables, x, pos, self.head_dim, self.style);
             }
         }
         self.tables(pos, 1)?; // grows the tables (doubling), then rotates from them
@@ -170,24 +313,28 @@ impl RotaryEmbedding {
     /// Reference rotation from plain candle ops.
     pub fn apply_ref(&self, x: &Tensor, start: usize) -> Result<Tensor> {
         let (cos, sin) = self.tables(start, x.dim(2)?)?;
-        match self.style {
-            RopeStyle::Half => candle_nn::rotary_emb::rope_slow(x, &cos, &sin),
-            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i_slow(x, &cos, &sin),
-        }
+        let (x, pass) = self.split(x)?;
+        let rotated = match self.style {
+            RopeStyle::Half => candle_nn::rotary_emb::rope_slow(&x, &cos, &sin)?,
+            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i_slow(&x, &cos, &sin)?,
+        };
+        Self::join(rotated, pass)
     }
 }
 
-/// Rotates `x`'s rows by the angles of table row `pos`.
+/// Rotates the first `2 · half` dimensions of each `head_dim`-wide row of `x` by the angles of
+/// table row `pos`.
 fn rotate_rows(
     tables: &(Tensor, Tensor),
     x: &mut [f32],
     pos: usize,
+    head_dim: usize,
     style: RopeStyle,
 ) -> Result<()> {
     let half = tables.0.dims()[1];
     let mut rotate = |cos: &[f32], sin: &[f32]| {
         let (cos, sin) = (&cos[pos * half..][..half], &sin[pos * half..][..half]);
-        for row in x.chunks_exact_mut(2 * half) {
+        for row in x.chunks_exact_mut(head_dim) {
             for (i, (&c, &s)) in cos.iter().zip(sin).enumerate() {
                 let (a, b) = match style {
                     RopeStyle::Half => (i, i + half),
@@ -209,10 +356,11 @@ fn rotate_rows(
     }
 }
 
-/// `(cos, sin)` of `p · freq` for positions `0..positions`, `[positions, freqs]`.
+/// `(scale · cos, scale · sin)` of `p · freq` for positions `0..positions`, `[positions, freqs]`.
 fn compute_tables(
     freqs: &[f64],
     positions: usize,
+    scale: f64,
     dtype: DType,
     device: &Device,
 ) -> Result<(Tensor, Tensor)> {
@@ -221,8 +369,15 @@ fn compute_tables(
         angles.extend(freqs.iter().map(|f| (p as f64 * f) as f32));
     }
     let angles = Tensor::from_vec(angles, (positions, freqs.len()), device)?;
+    let scaled = |t: Tensor| {
+        if scale == 1.0 {
+            Ok(t)
+        } else {
+            t.affine(scale, 0.0)
+        }
+    };
     Ok((
-        angles.cos()?.to_dtype(dtype)?,
-        angles.sin()?.to_dtype(dtype)?,
+        scaled(angles.cos()?)?.to_dtype(dtype)?,
+        scaled(angles.sin()?)?.to_dtype(dtype)?,
     ))
 }

@@ -64,6 +64,7 @@ fn rope_matches_reference_for_every_style_and_scaling() {
             high_freq_factor: 4.0,
             original_max_position_embeddings: 64,
         },
+        long_rope(8, 40),
     ];
     for style in [RopeStyle::Half, RopeStyle::Interleaved] {
         for scaling in &scalings {
@@ -85,6 +86,147 @@ fn rope_matches_reference_for_every_style_and_scaling() {
             assert!(diff < TOL, "{style:?} {scaling:?}: {diff}");
         }
     }
+}
+
+/// LongRoPE factors for `pairs` rotated pairs, switching past `original` positions.
+fn long_rope(pairs: usize, original: usize) -> RopeScaling {
+    RopeScaling::LongRope {
+        short_factor: (0..pairs).map(|i| 1.0 + 0.1 * i as f64).collect(),
+        long_factor: (0..pairs).map(|i| 1.0 + 2.0 * i as f64).collect(),
+        original_max_position_embeddings: original,
+        attention_factor: 1.25,
+    }
+}
+
+/// `x` rotated as transformers does, in f64: the first `rotary` dimensions of each head by
+/// `scale · (cos, sin)` of `p / (factor_i · theta^(2i/rotary))` (rotate_half pairs), the rest
+/// unchanged. `x: [heads, seq, head_dim]` at positions `start..`.
+fn rope_by_hand(
+    x: &[f32],
+    (heads, seq, head_dim): (usize, usize, usize),
+    rotary: usize,
+    start: usize,
+    factors: &[f64],
+    scale: f64,
+) -> Vec<f32> {
+    let mut out = x.to_vec();
+    let half = rotary / 2;
+    for h in 0..heads {
+        for s in 0..seq {
+            let row = &mut out[(h * seq + s) * head_dim..][..head_dim];
+            for i in 0..half {
+                let freq = 1.0 / (factors[i] * 1e4f64.powf(2.0 * i as f64 / rotary as f64));
+                let angle = (start + s) as f64 * freq;
+                let (c, sn) = (scale * angle.cos(), scale * angle.sin());
+                let (a, b) = (row[i] as f64, row[i + half] as f64);
+                row[i] = (a * c - b * sn) as f32;
+                row[i + half] = (a * sn + b * c) as f32;
+            }
+        }
+    }
+    out
+}
+
+/// Partial rotary (12 of 16 dimensions, the last 4 pass through) with LongRoPE: a rotation
+/// ending at or before position `original - 1` uses the short factors, one that reaches past
+/// it the long factors for every position it rotates (transformers picks by
+/// `max(position_ids) + 1`); cos and sin carry the attention factor; `apply`, `apply_ref` and
+/// the decode step's `apply_rows_in_place` agree.
+#[test]
+fn long_rope_picks_factors_by_the_rotation_end_and_rotates_a_partial_head() {
+    let (head_dim, rotary, original) = (16, 12, 40);
+    let scaling = long_rope(rotary / 2, original);
+    let RopeScaling::LongRope {
+        short_factor,
+        long_factor,
+        ..
+    } = &scaling
+    else {
+        unreachable!()
+    };
+    let rope = RotaryEmbedding::new_partial(
+        (head_dim, rotary),
+        1e4,
+        &scaling,
+        RopeStyle::Half,
+        100,
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let (heads, seq) = (3, 5);
+    let x = randn(&[1, heads, seq, head_dim], 21);
+    let flat = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    // start 35: positions 35..40, end 40 = original → short; start 36: end 41 → long.
+    for (start, factors) in [(35, short_factor), (36, long_factor), (0, short_factor)] {
+        let want = rope_by_hand(&flat, (heads, seq, head_dim), rotary, start, factors, 1.25);
+        let want = Tensor::from_vec(want, x.dims(), &Device::Cpu).unwrap();
+        let got = rope.apply(&x, start).unwrap();
+        let diff = max_diff(&got, &want);
+        assert!(diff < 1e-4, "start {start}: {diff}");
+        assert!(max_diff(&rope.apply_ref(&x, start).unwrap(), &want) < 1e-4);
+        // the passed-through dimensions are bit-identical
+        let pass = |t: &Tensor| t.narrow(3, rotary, head_dim - rotary).unwrap();
+        assert_eq!(max_diff(&pass(&got), &pass(&x)), 0.0);
+    }
+    // The decode step at position p rotates as a one-token forward at p: short up to
+    // position original - 1, long from position original on.
+    let one = randn(&[1, heads, 1, head_dim], 22);
+    for pos in [0, original - 1, original, 99] {
+        let mut rows = one.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        rope.apply_rows_in_place(&mut rows, pos).unwrap();
+        let want = rope.apply(&one, pos).unwrap();
+        let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let diff = rows
+            .iter()
+            .zip(&want)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            diff < TOL,
+            "position {pos}: rows differ from apply by {diff}"
+        );
+        let factors = if pos + 1 > original {
+            long_factor
+        } else {
+            short_factor
+        };
+        let flat = one.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let by_hand = rope_by_hand(&flat, (heads, 1, head_dim), rotary, pos, factors, 1.25);
+        let diff = rows
+            .iter()
+            .zip(&by_hand)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(diff < 1e-4, "position {pos}: {diff} from the hand rotation");
+    }
+    // Interleaved pairs rotate only the first 12 dimensions too.
+    let gptj = RotaryEmbedding::new_partial(
+        (head_dim, rotary),
+        1e4,
+        &scaling,
+        RopeStyle::Interleaved,
+        100,
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let a = gptj.apply(&x, 36).unwrap();
+    assert!(max_diff(&a, &gptj.apply_ref(&x, 36).unwrap()) < TOL);
+    let mut rows = one.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    gptj.apply_rows_in_place(&mut rows, 41).unwrap();
+    let want = gptj.apply(&one, 41).unwrap();
+    let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert!(rows.iter().zip(&want).all(|(a, b)| (a - b).abs() < TOL));
+    // Factor lists must cover the rotated pairs.
+    let wrong = RotaryEmbedding::new_partial(
+        (head_dim, head_dim),
+        1e4,
+        &scaling,
+        RopeStyle::Half,
+        100,
+        DType::F32,
+        &Device::Cpu,
+    );
+    assert!(wrong.is_err());
 }
 
 /// Tables grow as positions are first reached; the rows are the same whichever way they grew.

@@ -5,6 +5,7 @@ pub mod gemma3;
 pub mod llama;
 pub mod mistral;
 pub mod mixtral;
+pub mod phi3;
 pub mod qwen2;
 pub mod qwen3;
 pub mod qwen3_moe;

@@ -32,15 +32,46 @@ impl Attention {
         let (h, hd) = (c.hidden_size, c.head_dim);
         let (q_dim, kv_dim) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
         let bias = c.attention_bias;
+        let qkv = [
+            w.linear(&format!("{prefix}.q_proj"), q_dim, h, bias)?,
+            w.linear(&format!("{prefix}.k_proj"), kv_dim, h, bias)?,
+            w.linear(&format!("{prefix}.v_proj"), kv_dim, h, bias)?,
+        ];
+        Self::from_projections(c, w, prefix, qkv)
+    }
+
+    /// [`load`](Self::load) for checkpoints that fuse q, k and v into one `{prefix}.qkv_proj`
+    /// (Phi-3: rows `[q; k; v]`), split by rows at load ([`Weights::linear_rows`]).
+    pub fn load_fused(c: &ModelConfig, w: &Weights, prefix: &str) -> Result<Self> {
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let (q_dim, kv_dim) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+        let parts = [q_dim, kv_dim, kv_dim];
+        let qkv = w.linear_rows(&format!("{prefix}.qkv_proj"), &parts, h, c.attention_bias)?;
+        let Ok(qkv) = <[QLinear; 3]>::try_from(qkv) else {
+            unreachable!("three parts, three layers")
+        };
+        Self::from_projections(c, w, prefix, qkv)
+    }
+
+    /// The layer from its q, k and v projections; `{prefix}.o_proj` and the q/k norms (when
+    /// the config asks for them) are loaded.
+    pub fn from_projections(
+        c: &ModelConfig,
+        w: &Weights,
+        prefix: &str,
+        [q_proj, k_proj, v_proj]: [QLinear; 3],
+    ) -> Result<Self> {
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let q_dim = c.num_attention_heads * hd;
         let norm = |name: &str| -> Result<Option<Tensor>> {
             c.qk_norm
                 .then(|| norm_weight(c, w, &format!("{prefix}.{name}.weight"), hd))
                 .transpose()
         };
         Ok(Self {
-            q_proj: w.linear(&format!("{prefix}.q_proj"), q_dim, h, bias)?,
-            k_proj: w.linear(&format!("{prefix}.k_proj"), kv_dim, h, bias)?,
-            v_proj: w.linear(&format!("{prefix}.v_proj"), kv_dim, h, bias)?,
+            q_proj,
+            k_proj,
+            v_proj,
             o_proj: w.linear(&format!("{prefix}.o_proj"), h, q_dim, false)?,
             q_norm: norm("q_norm")?,
             k_norm: norm("k_norm")?,

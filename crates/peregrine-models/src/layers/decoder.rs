@@ -8,6 +8,7 @@ use peregrine_tensor::ops::rms_norm;
 use peregrine_tensor::{DType, Device, Embedding, QLinear, RotaryEmbedding, Tensor};
 
 use crate::layers::attention::Attention;
+use crate::layers::mlp::GatedMlp;
 use crate::layers::moe::Ffn;
 use crate::layers::norm_weight;
 use crate::layers::step::{StepBuffers, StepPool, add_into, norm_into, output_logits_into};
@@ -42,16 +43,25 @@ impl DecoderLm {
         let layers = (0..c.num_hidden_layers)
             .map(|i| {
                 let p = format!("model.layers.{i}");
+                // Phi-3 fuses q/k/v and gate/up: split at load, the layers stay the same.
+                let fused = |name: &str| w.contains(&format!("{p}.{name}.weight"));
+                let (attn, mlp) = (format!("{p}.self_attn"), format!("{p}.mlp"));
                 Ok(DecoderLayer {
                     input_layernorm: norm_weight(c, w, &format!("{p}.input_layernorm.weight"), h)?,
-                    self_attn: Attention::load(c, w, &format!("{p}.self_attn"))?,
+                    self_attn: match fused("self_attn.qkv_proj") {
+                        true => Attention::load_fused(c, w, &attn)?,
+                        false => Attention::load(c, w, &attn)?,
+                    },
                     post_attention_layernorm: norm_weight(
                         c,
                         w,
                         &format!("{p}.post_attention_layernorm.weight"),
                         h,
                     )?,
-                    mlp: Ffn::load(c, w, i)?,
+                    mlp: match fused("mlp.gate_up_proj") {
+                        true => Ffn::Dense(GatedMlp::load_fused(c, w, &mlp)?),
+                        false => Ffn::load(c, w, i)?,
+                    },
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -60,8 +70,8 @@ impl DecoderLm {
             true => embed_tokens.as_linear()?,
             false => w.linear("lm_head", c.vocab_size, h, false)?,
         };
-        let rope = RotaryEmbedding::new(
-            c.head_dim,
+        let rope = RotaryEmbedding::new_partial(
+            (c.head_dim, c.rotary_dim()),
             c.rope_theta,
             &c.rope_scaling,
             c.rope_style,

@@ -31,6 +31,19 @@ impl GatedMlp {
         ))
     }
 
+    /// [`load`](Self::load) for checkpoints that fuse gate and up into one
+    /// `{prefix}.gate_up_proj` (Phi-3: rows `[gate; up]`), split by rows at load
+    /// ([`Weights::linear_rows`]).
+    pub fn load_fused(c: &ModelConfig, w: &Weights, prefix: &str) -> Result<Self> {
+        let (h, i) = (c.hidden_size, c.intermediate_size);
+        let gate_up = w.linear_rows(&format!("{prefix}.gate_up_proj"), &[i, i], h, false)?;
+        let Ok([gate, up]) = <[QLinear; 2]>::try_from(gate_up) else {
+            unreachable!("two parts, two layers")
+        };
+        let down = w.linear(&format!("{prefix}.down_proj"), h, i, false)?;
+        Ok(Self::new(gate, up, down, c.activation))
+    }
+
     /// An MLP from its three projections (`gate`, `up`: `[i, hidden]`, `down`: `[hidden, i]`).
     pub fn new(gate: QLinear, up: QLinear, down: QLinear, activation: Activation) -> Self {
         let intermediate = match &down {

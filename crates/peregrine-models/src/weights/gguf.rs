@@ -238,16 +238,68 @@ impl GgufFile {
                 ),
             });
         };
+        let parts: Vec<(usize, usize)> = (0..n).map(|e| (e * rows, rows)).collect();
+        self.row_ranges(&name, info, &parts, cols, device)
+    }
+
+    /// The matrix `hf` `[sum(parts), in]` split by output rows into consecutive matrices of
+    /// `parts[i]` rows (Phi-3's fused `attn_qkv` and gate+up `ffn_up`), each read from its own
+    /// bytes: a GGUF row is whole blocks that belong to it alone.
+    pub fn row_matrices(
+        &self,
+        hf: &str,
+        parts: &[usize],
+        device: &Device,
+    ) -> Result<Vec<GgufMatrix>> {
+        let (name, info) = self.info(hf)?;
+        let &[rows, cols] = info.shape.dims() else {
+            return Err(ModelError::Checkpoint {
+                file: self.path.clone(),
+                message: format!(
+                    "tensor `{name}`: expected 2 dimensions, got {:?}",
+                    info.shape
+                ),
+            });
+        };
+        let total: usize = parts.iter().sum();
+        if total != rows {
+            return Err(ModelError::Shape {
+                file: self.path.clone(),
+                tensor: name,
+                expected: vec![total, cols],
+                got: vec![rows, cols],
+            });
+        }
+        let mut at = 0;
+        let parts: Vec<(usize, usize)> = (parts.iter())
+            .map(|&n| {
+                at += n;
+                (at - n, n)
+            })
+            .collect();
+        self.row_ranges(&name, info, &parts, cols, device)
+    }
+
+    /// Matrices of `cols` columns read from the rows `(first, count)` of tensor `name`, whose
+    /// data is rows of `cols` values one after another.
+    fn row_ranges(
+        &self,
+        name: &str,
+        info: &TensorInfo,
+        parts: &[(usize, usize)],
+        cols: usize,
+        device: &Device,
+    ) -> Result<Vec<GgufMatrix>> {
         let dtype = info.ggml_dtype;
-        let bytes = rows * cols / dtype.block_size() * dtype.type_size();
+        let row_bytes = cols / dtype.block_size() * dtype.type_size();
         let err = |e: peregrine_tensor::candle::Error| ModelError::Checkpoint {
             file: self.path.clone(),
             message: format!("tensor `{name}`: {}", peregrine_tensor::error_message(&e)),
         };
-        (0..n)
-            .map(|e| {
-                let mut data = vec![0u8; bytes];
-                self.read_at(&name, info, (e * bytes) as u64, &mut data)?;
+        (parts.iter())
+            .map(|&(first, rows)| {
+                let mut data = vec![0u8; rows * row_bytes];
+                self.read_at(name, info, (first * row_bytes) as u64, &mut data)?;
                 let format = Format::of(dtype);
                 if let (Device::Cpu, Some(f)) = (device, format)
                     && GgufMatrix::interleaves(f, rows, cols)
@@ -387,6 +439,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
             .unwrap_or(1e-5),
         rope_theta: meta.opt_f64("rope.freq_base")?.unwrap_or(10_000.0),
         rope_scaling,
+        partial_rotary_factor: 1.0,
         // llama.cpp's converter permutes llama q/k weights for GPT-J-style rotation.
         rope_style: if arch == "llama" {
             RopeStyle::Interleaved

@@ -281,3 +281,96 @@ pub fn load_quantized_stacked(
         .collect::<Result<Vec<_>>>()
         .map(Some)
 }
+
+/// The quantized matrix `{prefix}.weight` `[sum(parts), in]` split by output rows into
+/// consecutive matrices of `parts[i]` rows (Phi-3's fused `qkv_proj` and `gate_up_proj`), or
+/// `None` when the module is stored in float. A row's codes, scales and biases belong to that
+/// row alone, so each part is the same rows of all three; with `regroup`, each part's codes are
+/// regrouped straight from the mapped file as [`load_quantized`] does for one matrix.
+pub fn load_quantized_rows(
+    files: &SafetensorsFiles,
+    quant: Option<&MlxQuantization>,
+    prefix: &str,
+    parts: &[usize],
+    in_dim: usize,
+    device: &Device,
+    regroup: bool,
+) -> Result<Option<Vec<std::result::Result<GgufMatrix, MlxQuantized>>>> {
+    let scales_name = format!("{prefix}.scales");
+    if !files.contains(&scales_name) {
+        return Ok(None);
+    }
+    let out_dim: usize = parts.iter().sum();
+    let (w_name, biases_name) = (format!("{prefix}.weight"), format!("{prefix}.biases"));
+    let packed_dims = files.dims(&w_name)?.to_vec();
+    let scales = files.load(&scales_name, device)?;
+    let biases = files.load(&biases_name, device)?;
+    let p = match quant.and_then(|q| q.params(prefix)) {
+        Some(p) => p,
+        None => inferred(&packed_dims, scales.dims(), in_dim),
+    };
+    let shape_err = |tensor: &str, got: &[usize], expected: Vec<usize>| ModelError::Shape {
+        file: quant.map_or_else(|| files.path().to_path_buf(), |q| q.file.clone()),
+        tensor: format!("{tensor} (MLX {} bits, group {})", p.bits, p.group_size),
+        expected,
+        got: got.to_vec(),
+    };
+    let words = [out_dim, in_dim * p.bits / 32];
+    if packed_dims != words || !(in_dim * p.bits).is_multiple_of(32) {
+        return Err(shape_err(&w_name, &packed_dims, words.to_vec()));
+    }
+    let groups = [out_dim, in_dim / p.group_size];
+    for (name, t) in [(&scales_name, &scales), (&biases_name, &biases)] {
+        if t.dims() != groups || !in_dim.is_multiple_of(p.group_size) {
+            return Err(shape_err(name, t.dims(), groups.to_vec()));
+        }
+    }
+    // (first row, rows) of each part
+    let starts = parts.iter().scan(0, |at, &n| {
+        *at += n;
+        Some((*at - n, n))
+    });
+    let starts: Vec<(usize, usize)> = starts.collect();
+    let rows = |t: &Tensor, (at, n): (usize, usize)| -> Result<Tensor> { Ok(t.narrow(0, at, n)?) };
+    let params = (p.bits, p.group_size);
+    if regroup && device.is_cpu() {
+        let row_bytes = words[1] * 4;
+        let mapped = files.with_bytes(&w_name, Dtype::U32, |packed, done| {
+            (starts.iter())
+                .map(|&(at, n)| {
+                    let (s, b) = (rows(&scales, (at, n))?, rows(&biases, (at, n))?);
+                    let from = at * row_bytes;
+                    let mut release =
+                        |r: std::ops::Range<usize>| done(from + r.start..from + r.end);
+                    let bytes = &packed[from..from + n * row_bytes];
+                    Ok(MlxQuantized::regroup_mapped(
+                        bytes,
+                        &s,
+                        &b,
+                        params,
+                        &mut release,
+                    )?)
+                })
+                .collect::<Result<Option<Vec<GgufMatrix>>>>()
+        })??;
+        if let Some(blocks) = mapped {
+            return Ok(Some(blocks.into_iter().map(Ok).collect()));
+        }
+    }
+    let packed = files.load(&w_name, device)?;
+    (starts.iter())
+        .map(|&part| {
+            let (w, s, b) = (
+                rows(&packed, part)?.contiguous()?,
+                rows(&scales, part)?.contiguous()?,
+                rows(&biases, part)?.contiguous()?,
+            );
+            let q = MlxQuantized::new(w, s, b, p.bits, p.group_size)?;
+            Ok(match regroup {
+                true => q.into_gguf_matrix()?,
+                false => Err(q),
+            })
+        })
+        .collect::<Result<Vec<_>>>()
+        .map(Some)
+}

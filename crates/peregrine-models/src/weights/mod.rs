@@ -151,6 +151,80 @@ impl Weights {
         }
     }
 
+    /// The fused linear layer `{prefix}.weight` `[sum(parts), in]` (and `{prefix}.bias` when
+    /// `bias`) split by output rows into consecutive layers of `parts[i]` rows: checkpoint
+    /// surgery for Phi-3's `qkv_proj` (q, k, v) and `gate_up_proj` (gate, up), so that the shared
+    /// layers take them as separate projections. Every format splits without dequantizing: a
+    /// dense matrix by rows, MLX codes with their rows of scales and biases, a GGUF matrix by the
+    /// byte ranges of its rows.
+    pub fn linear_rows(
+        &self,
+        prefix: &str,
+        parts: &[usize],
+        in_dim: usize,
+        bias: bool,
+    ) -> Result<Vec<QLinear>> {
+        let out_dim: usize = parts.iter().sum();
+        let w_name = format!("{prefix}.weight");
+        let b = match bias {
+            true => Some(self.tensor(&format!("{prefix}.bias"), &[out_dim])?),
+            false => None,
+        };
+        let mut at = 0;
+        let ranges: Vec<(usize, usize)> = (parts.iter())
+            .map(|&n| {
+                at += n;
+                (at - n, n)
+            })
+            .collect();
+        let bias_of = |(at, n): (usize, usize)| -> Result<Option<Tensor>> {
+            match &b {
+                Some(b) => Ok(Some(b.narrow(0, at, n)?.contiguous()?)),
+                None => Ok(None),
+            }
+        };
+        let mats: Vec<std::result::Result<GgufMatrix, MlxQuantized>> = match &self.source {
+            Source::Safetensors(s) => {
+                let regroup = self.mlx_activations == MlxActivations::Q8;
+                let quant = self.mlx.as_ref();
+                match mlx::load_quantized_rows(
+                    s,
+                    quant,
+                    prefix,
+                    parts,
+                    in_dim,
+                    &self.device,
+                    regroup,
+                )? {
+                    Some(mats) => mats,
+                    None => {
+                        let all = self.tensor(&w_name, &[out_dim, in_dim])?;
+                        return (ranges.iter())
+                            .map(|&r| {
+                                let w = all.narrow(0, r.0, r.1)?.contiguous()?;
+                                Ok(QLinear::Dense { w, b: bias_of(r)? })
+                            })
+                            .collect();
+                    }
+                }
+            }
+            Source::Gguf(g) => {
+                self.check_shape(&w_name, &g.dims(&w_name)?, &[out_dim, in_dim])?;
+                let mats = g.row_matrices(&w_name, parts, &self.device)?;
+                mats.into_iter().map(Ok).collect()
+            }
+        };
+        (mats.into_iter().zip(ranges))
+            .map(|(w, r)| {
+                let b = bias_of(r)?;
+                Ok(match w {
+                    Ok(w) => QLinear::Gguf { w, b },
+                    Err(w) => QLinear::MlxAffine { w, b },
+                })
+            })
+            .collect()
+    }
+
     /// One projection of an MoE layer's `n` experts, each `[out, in]`: per-expert tensors
     /// `each(e)` (HF checkpoints), else the stack `stacked` `[n, out, in]` (MLX `switch_mlp`,
     /// GGUF `ffn_*_exps`, or a dense stack), split per expert at load.

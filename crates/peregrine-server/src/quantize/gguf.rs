@@ -223,6 +223,7 @@ fn model_metadata(c: &ModelConfig, file_type: u32) -> Result<Vec<(String, Value)
         ),
         (format!("{arch}.attention.key_length"), u(c.head_dim)),
         (format!("{arch}.attention.value_length"), u(c.head_dim)),
+        (format!("{arch}.rope.dimension_count"), u(c.rotary_dim())),
         (
             format!("{arch}.attention.layer_norm_rms_epsilon"),
             Value::F32(c.rms_norm_eps as f32),
@@ -245,6 +246,10 @@ fn model_metadata(c: &ModelConfig, file_type: u32) -> Result<Vec<(String, Value)
                 Value::F32(factor as f32),
             ));
         }
+        RopeScaling::LongRope { .. } => bail!(
+            "longrope scaling is not written to GGUF yet (llama.cpp stores its factors as \
+             `rope_factors_long` / `rope_factors_short` tensors)"
+        ),
         RopeScaling::Llama3 { .. } => bail!(
             "llama3 rope scaling cannot be written as GGUF metadata that Peregrine's GGUF loader \
              reads (llama.cpp stores it as a `rope_freqs` tensor, which the loader refuses)"
