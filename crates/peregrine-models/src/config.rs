@@ -553,6 +553,109 @@ mod tests {
         ));
     }
 
+    /// Phi-3.5-mini's layout (legacy `rope_scaling`, `original_max_position_embeddings` and
+    /// `max_position_embeddings` at the top level) and transformers 5's `rope_parameters` read
+    /// alike; the attention factor defaults to `sqrt(1 + ln(131072/4096) / ln(4096))`.
+    #[test]
+    fn longrope_reads_legacy_and_transformers5_keys() {
+        let base = r#""model_type": "phi3", "vocab_size": 10, "hidden_size": 16, "intermediate_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 131072"#;
+        let factors =
+            r#""short_factor": [1.0, 1.1, 1.2, 1.3], "long_factor": [2.0, 3.0, 4.0, 5.0]"#;
+        let legacy = parse(&format!(
+            r#"{{{base}, "original_max_position_embeddings": 4096, "rope_theta": 1e4,
+            "rope_scaling": {{"type": "longrope", {factors}}}}}"#
+        ))
+        .unwrap();
+        let su = parse(&format!(
+            r#"{{{base}, "original_max_position_embeddings": 4096,
+            "rope_scaling": {{"type": "su", {factors}}}}}"#
+        ))
+        .unwrap();
+        let v5 = parse(&format!(
+            r#"{{{base}, "rope_parameters": {{"rope_type": "longrope", "rope_theta": 1e4,
+            "original_max_position_embeddings": 4096, {factors}}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(legacy, v5);
+        assert_eq!(legacy, su);
+        let RopeScaling::LongRope {
+            short_factor,
+            long_factor,
+            original_max_position_embeddings,
+            attention_factor,
+        } = &legacy.rope_scaling
+        else {
+            panic!("{:?}", legacy.rope_scaling)
+        };
+        assert_eq!(short_factor, &[1.0, 1.1, 1.2, 1.3]);
+        assert_eq!(long_factor, &[2.0, 3.0, 4.0, 5.0]);
+        assert_eq!(*original_max_position_embeddings, 4096);
+        assert!((attention_factor - 1.190_238_071_423_808_3).abs() < 1e-12);
+        // The top level's `original_max_position_embeddings` wins, as in transformers; an
+        // explicit `attention_factor` (or `factor`) is used as given.
+        let given = parse(&format!(
+            r#"{{{base}, "original_max_position_embeddings": 64,
+            "rope_scaling": {{"type": "longrope", "original_max_position_embeddings": 4096,
+            "attention_factor": 1.5, {factors}}}}}"#
+        ))
+        .unwrap();
+        assert!(matches!(
+            given.rope_scaling,
+            RopeScaling::LongRope {
+                original_max_position_embeddings: 64,
+                attention_factor: 1.5,
+                ..
+            }
+        ));
+        let by_factor = parse(&format!(
+            r#"{{{base}, "original_max_position_embeddings": 4096,
+            "rope_scaling": {{"type": "longrope", "factor": 1.0, {factors}}}}}"#
+        ))
+        .unwrap();
+        assert!(matches!(
+            by_factor.rope_scaling,
+            RopeScaling::LongRope {
+                attention_factor: 1.0,
+                ..
+            }
+        ));
+    }
+
+    /// `partial_rotary_factor` from `rope_parameters` or the top level (transformers moves the
+    /// top-level one in unless `rope_parameters` has its own); LongRoPE's factor lists must
+    /// cover the rotated pairs.
+    #[test]
+    fn partial_rotary_factor_and_longrope_lengths() {
+        let base = r#""model_type": "phi3", "vocab_size": 10, "hidden_size": 32, "intermediate_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "original_max_position_embeddings": 8"#;
+        let top = parse(&format!(r#"{{{base}, "partial_rotary_factor": 0.75}}"#)).unwrap();
+        assert_eq!((top.head_dim, top.rotary_dim()), (16, 12));
+        let inner = parse(&format!(
+            r#"{{{base}, "partial_rotary_factor": 0.75,
+            "rope_parameters": {{"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(inner.rotary_dim(), 8);
+        let long = |n: usize| {
+            let f = vec!["1.0"; n].join(", ");
+            parse(&format!(
+                r#"{{{base}, "partial_rotary_factor": 0.5, "rope_scaling": {{"type": "longrope",
+                "factor": 2.0, "short_factor": [{f}], "long_factor": [{f}]}}}}"#
+            ))
+        };
+        assert!(long(4).is_ok());
+        let err = long(8).unwrap_err().to_string();
+        assert!(
+            err.contains("short_factor") && err.contains("need 4"),
+            "{err}"
+        );
+        let err = parse(&format!(r#"{{{base}, "partial_rotary_factor": 0.1}}"#))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("partial_rotary_factor"), "{err}");
+    }
+
     #[test]
     fn errors_name_the_field() {
         let err = parse(r#"{"model_type": "llama"}"#).unwrap_err().to_string();
