@@ -99,7 +99,7 @@ fn decode_matches_forward_across_the_longrope_switch() {
 
 #[test]
 fn decode_matches_forward_on_mlx_checkpoints() {
-    for arch in ["llama", "qwen3", "qwen3_moe"] {
+    for arch in ["llama", "qwen3", "qwen3_moe", "phi3"] {
         for format in [
             "mlx-q4-g32",
             "mlx-q4-g64",

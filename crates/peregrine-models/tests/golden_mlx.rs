@@ -124,7 +124,12 @@ fn check_q8_logits(arch: &str, variant: &str) {
     let (model, exact_model) = (load(LoadOptions::default()), load(exact()));
     let r = reference(arch, variant);
     let exact_logits = logits_in_chunks(exact_model.as_ref(), &r, 1024);
-    let want = r.logits_mlx.to_vec2::<f32>().unwrap();
+    // mlx-lm runs phi3 with LongRoPE's long factors on this short prompt (see `phi3` below).
+    let reference = match arch {
+        "phi3" => &r.logits,
+        _ => &r.logits_mlx,
+    };
+    let want = reference.to_vec2::<f32>().unwrap();
     for chunk in [1024, 5, 1] {
         let ours = logits_in_chunks(model.as_ref(), &r, chunk);
         let what = format!("{arch}/{variant} (chunk {chunk}, 8-bit activations)");
@@ -133,8 +138,8 @@ fn check_q8_logits(arch: &str, variant: &str) {
             max_abs_diff(&ours, &exact_logits) > 1e-4,
             "{what}: integer kernels not used"
         );
-        let max = max_abs_diff(&ours, &r.logits_mlx);
-        let rms = (&ours - &r.logits_mlx)
+        let max = max_abs_diff(&ours, reference);
+        let rms = (&ours - reference)
             .and_then(|d| d.sqr()?.mean_all()?.sqrt()?.to_scalar::<f32>())
             .unwrap();
         assert!(
@@ -205,6 +210,63 @@ golden_mlx! {
     mixtral: q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64";
 }
 
+/// Phi-3 in MLX form (fused `qkv_proj` / `gate_up_proj` quantized as one matrix each, split by
+/// rows at load). mlx-lm always rotates with LongRoPE's long factors, transformers with the short
+/// ones until a forward passes `original_max_position_embeddings` (32): on the 24-token prompt
+/// the check is against transformers on the dequantized weights (whole, chunks of 5, token by
+/// token); on the 49-token prompt both use the long factors and both references are checked.
+#[test]
+fn phi3_matches_transformers_and_mlx_lm_in_its_longrope_regimes() {
+    for variant in [
+        "mlx-bf16",
+        "mlx-q4-g64",
+        "mlx-q8-g64",
+        "mlx-q4-g32",
+        "mlx-q3-g32",
+        "mlx-q6-g128",
+    ] {
+        let model = load_model(&fixture("phi3", variant), &exact())
+            .unwrap()
+            .model;
+        let r = reference("phi3", variant);
+        let mut worst = 0f32;
+        for chunk in [1024, 5, 1] {
+            let diff = max_abs_diff(&logits_in_chunks(model.as_ref(), &r, chunk), &r.logits);
+            assert!(diff < TOLERANCE, "phi3/{variant} (chunk {chunk}): {diff}");
+            worst = worst.max(diff);
+        }
+        let extra = load(
+            fixture("phi3", variant).join("reference.safetensors"),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let long = Reference {
+            ids: extra["long_input_ids"]
+                .to_dtype(DType::U32)
+                .unwrap()
+                .to_vec1::<u32>()
+                .unwrap(),
+            logits: extra["long_logits"].clone(),
+            logits_mlx: extra["long_logits_mlx"].clone(),
+            greedy: vec![],
+        };
+        let ours = logits_in_chunks(model.as_ref(), &long, 1024);
+        for (what, want) in [("transformers", &long.logits), ("mlx-lm", &long.logits_mlx)] {
+            let diff = max_abs_diff(&ours, want);
+            assert!(
+                diff < TOLERANCE,
+                "phi3/{variant} long prompt vs {what}: {diff}"
+            );
+            worst = worst.max(diff);
+        }
+        eprintln!("phi3/{variant}: max abs diff {worst:.2e}");
+        check_greedy("phi3", variant);
+    }
+    for variant in ["mlx-q4-g64", "mlx-q4-g32", "mlx-q8-g64"] {
+        check_q8_logits("phi3", variant);
+    }
+}
+
 #[test]
 fn eight_bit_activations_stay_within_their_rounding() {
     for arch in ["llama", "qwen3"] {
@@ -271,7 +333,7 @@ fn eight_bit_activations_on_moe_with_every_expert_routed() {
 
 #[test]
 fn quantized_checkpoints_stay_about_their_file_size() {
-    for arch in ["llama", "qwen3", "qwen3_moe"] {
+    for arch in ["llama", "qwen3", "qwen3_moe", "phi3"] {
         for variant in ["mlx-q4-g64", "mlx-q8-g64", "mlx-q4-g32", "mlx-q3-g32"] {
             check_memory(arch, variant);
         }
