@@ -483,6 +483,16 @@ fn rope_scaling_in(scaling: &Fields, config: Option<&Fields>) -> Result<RopeScal
     Ok(scaling)
 }
 
+/// LongRoPE's default attention factor for a context `factor` times the `original` one:
+/// `sqrt(1 + ln(factor) / ln(original))`, 1 when `factor <= 1` (transformers and llama.cpp's
+/// converter alike).
+pub fn longrope_attention_factor(factor: f64, original: usize) -> f64 {
+    match factor <= 1.0 {
+        true => 1.0,
+        false => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+    }
+}
+
 /// LongRoPE as transformers' `_compute_longrope_parameters` reads it: the factor lists;
 /// `original_max_position_embeddings` from the top level of the config when it is there (which
 /// transformers prefers), else from the scaling object; `factor` (default
@@ -503,8 +513,7 @@ fn long_rope(scaling: &Fields, config: Option<&Fields>) -> Result<RopeScaling> {
     };
     let attention_factor = match scaling.opt_f64("attention_factor")? {
         Some(a) => a,
-        None if factor <= 1.0 => 1.0,
-        None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+        None => longrope_attention_factor(factor, original),
     };
     let list = |key: &str| -> Result<Vec<f64>> {
         let v = scaling.f64_list(key)?;

@@ -87,14 +87,21 @@ fn decode_matches_forward_on_every_architecture() {
 
 /// Phi-3's LongRoPE across `original_max_position_embeddings` (32): the 49-token prompt's
 /// decode steps rotate with the short factors up to position 31 and the long ones from 32 on,
-/// in the step (`apply_rows_in_place`) as in `forward`.
+/// in the step (`apply_rows_in_place`) as in `forward`; HF f32 weights and the Q8_0 GGUF
+/// (fused matrices split into interleaved Q8_0 rows), full and partial rotary.
 #[test]
 fn decode_matches_forward_across_the_longrope_switch() {
     let r = load(fixture("phi3/hf/reference.safetensors"), &Device::Cpu).unwrap();
     let ids = r["long_input_ids"].to_dtype(DType::U32).unwrap();
     let ids = ids.to_vec1::<u32>().unwrap();
     assert!(ids.len() > 32);
-    compare(&fixture("phi3/hf"), &ids, KvOptions::default());
+    for checkpoint in [
+        "phi3/hf",
+        "phi3/gguf/model-q8_0.gguf",
+        "phi3/gguf/partial-q8_0.gguf",
+    ] {
+        compare(&fixture(checkpoint), &ids, KvOptions::default());
+    }
 }
 
 #[test]

@@ -152,6 +152,83 @@ fn phi3_longrope_matches_transformers_in_the_long_regime() {
     assert_eq!(greedy, ids_of(&phi3_reference("long_greedy_ids")));
 }
 
+/// RMS and largest logit difference of `ours` from `want`.
+fn rms_and_max(ours: &Tensor, want: &Tensor) -> (f32, f32) {
+    let rms = (ours - want)
+        .and_then(|d| d.sqr()?.mean_all()?.sqrt()?.to_scalar::<f32>())
+        .unwrap();
+    (rms, max_abs_diff(ours, want))
+}
+
+/// Phi-3 as llama.cpp's converter writes it (`scripts/fixtures/make_gguf.py`, with gguf-py's
+/// own tensor-name map): fused `attn_qkv` and gate+up `ffn_up` split by the byte ranges of their
+/// rows, LongRoPE from the `rope_factors_short` / `rope_factors_long` tensors and
+/// `rope.scaling.*` metadata, partial rotary from `rope.dimension_count`.
+///
+/// The f32 file holds the HF fixture's numbers: it matches transformers at 1e-3 in both regimes
+/// and every chunking, greedy ids included. The Q8_0 files are checked against transformers on
+/// their dequantized weights; Peregrine rounds activations to 8 bits per 32 values as llama.cpp
+/// does, so the bounds are the MLX 8-bit ones (golden_mlx.rs: RMS 0.04, max 0.25) — a wrong
+/// regime, factor or split moves the logits by 1 or more.
+#[test]
+fn phi3_gguf_matches_transformers() {
+    let gguf = |name: &str| fixture("phi3").join("../gguf").join(name);
+    let f32_model = load_model(&gguf("model-f32.gguf"), &LoadOptions::default())
+        .unwrap()
+        .model;
+    assert!(f32_model.config().rope_scaling != peregrine_tensor::RopeScaling::None);
+    let short = ids_of(&phi3_reference("input_ids"));
+    let long = ids_of(&phi3_reference("long_input_ids"));
+    for (ids, chunk, name) in [
+        (&short, 1024, "logits"),
+        (&short, 5, "logits"),
+        (&short, 1, "logits"),
+        (&long, 1024, "long_logits"),
+        (&long, 5, "long_logits_chunk5"),
+        (&long, 1, "long_logits_chunk1"),
+    ] {
+        let diff = max_abs_diff(
+            &run_in_chunks(f32_model.as_ref(), ids, chunk),
+            &phi3_reference(name),
+        );
+        eprintln!("phi3 f32 GGUF {name} (chunk {chunk}): max abs diff {diff:.2e}");
+        assert!(
+            diff < TOLERANCE,
+            "phi3 f32 GGUF {name} (chunk {chunk}): {diff}"
+        );
+    }
+    let greedy = common::greedy_ids(f32_model.as_ref(), &short, 8);
+    assert_eq!(greedy, ids_of(&phi3_reference("greedy_ids")));
+    let greedy = common::greedy_ids(f32_model.as_ref(), &long, 8);
+    assert_eq!(greedy, ids_of(&phi3_reference("long_greedy_ids")));
+
+    let q8_reference = load(gguf("reference.safetensors"), &Device::Cpu).unwrap();
+    for (file, key) in [
+        ("model-q8_0.gguf", "q8_0"),
+        ("partial-q8_0.gguf", "partial_q8_0"),
+    ] {
+        let model = load_model(&gguf(file), &LoadOptions::default())
+            .unwrap()
+            .model;
+        let rotary = if key == "q8_0" { 16 } else { 8 };
+        assert_eq!(model.config().rotary_dim(), rotary, "{file}");
+        for (ids, chunks, name) in [
+            (&short, &[1024, 5, 1][..], format!("{key}_logits")),
+            (&long, &[1024][..], format!("{key}_long_logits")),
+        ] {
+            for &chunk in chunks {
+                let ours = run_in_chunks(model.as_ref(), ids, chunk);
+                let (rms, max) = rms_and_max(&ours, &q8_reference[&name]);
+                eprintln!("phi3 {file} {name} (chunk {chunk}): rms {rms:.3}, max {max:.3}");
+                assert!(
+                    rms <= 0.04 && max <= 0.25,
+                    "phi3 {file} {name} (chunk {chunk}): rms {rms}, max {max}"
+                );
+            }
+        }
+    }
+}
+
 /// Partial rotary: the phi3 weights with `config-partial.json` (`partial_rotary_factor` 0.5:
 /// the first 8 of each head's 16 dimensions rotate, LongRoPE factors for 4 pairs) against
 /// transformers on both prompts (short and long regimes), whole and token by token.

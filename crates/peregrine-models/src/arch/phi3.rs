@@ -12,8 +12,12 @@
 //!   sequence length it reaches, as transformers chooses (see `RopeScaling::LongRope`).
 //! - `sliding_window` (Phi-3-mini-4k: 2047): every layer, as Mistral.
 
-use crate::config::Fields;
-use crate::{ModelConfig, Result};
+use std::path::Path;
+
+use peregrine_tensor::RopeScaling;
+
+use crate::config::{Fields, longrope_attention_factor};
+use crate::{ModelConfig, ModelError, Result};
 
 /// Mistral's optional sliding window; only the SiLU activation that every Phi-3 uses.
 pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
@@ -24,4 +28,48 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
             "phi3 with `hidden_act` `{other}` is not supported (only `silu`)"
         ))),
     }
+}
+
+/// A `phi3` GGUF file (llama.cpp's converter): `rope_factors_short` / `rope_factors_long`
+/// tensors (`factors`) with `rope.scaling.original_context_length` and
+/// `rope.scaling.attn_factor` (`scaling`) make LongRoPE, picked by sequence length as for HF
+/// checkpoints (llama.cpp picks once, by the context size it was started with); a
+/// `sliding_window` of 0 (how the converter writes "none") is no window.
+pub fn configure_gguf(
+    config: &mut ModelConfig,
+    file: &Path,
+    factors: (Option<Vec<f32>>, Option<Vec<f32>>),
+    (original, attention_factor): (Option<usize>, Option<f64>),
+) -> Result<()> {
+    if config.sliding_window == Some(0) {
+        config.sliding_window = None;
+    }
+    let (short, long) = match factors {
+        (None, None) => return Ok(()),
+        (Some(short), Some(long)) => (short, long),
+        _ => {
+            return Err(ModelError::config(
+                file,
+                "LongRoPE needs both `rope_factors_short` and `rope_factors_long`",
+            ));
+        }
+    };
+    let original = original.ok_or_else(|| {
+        ModelError::config(
+            file,
+            "metadata `phi3.rope.scaling.original_context_length` is missing (LongRoPE factors \
+             are present)",
+        )
+    })?;
+    let factor = config.max_position_embeddings as f64 / original as f64;
+    let attention_factor =
+        attention_factor.unwrap_or_else(|| longrope_attention_factor(factor, original));
+    let widen = |v: Vec<f32>| v.into_iter().map(f64::from).collect();
+    config.rope_scaling = RopeScaling::LongRope {
+        short_factor: widen(short),
+        long_factor: widen(long),
+        original_max_position_embeddings: original,
+        attention_factor,
+    };
+    Ok(())
 }

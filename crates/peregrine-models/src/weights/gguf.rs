@@ -24,7 +24,9 @@ pub struct GgufFile {
 
 /// The GGUF name of an HF tensor name (llama.cpp's naming) in a file of architecture `arch`, or
 /// `None` if it has no counterpart. Gemma 2 and 3's sandwich norms differ: its `post_attention_layernorm`
-/// follows attention, and `pre_feedforward_layernorm` is llama's `ffn_norm`.
+/// follows attention, and `pre_feedforward_layernorm` is llama's `ffn_norm`. Phi-3 keeps HF's fused
+/// projections: `attn_qkv` is `qkv_proj` and its `ffn_up` is `gate_up_proj` (gate rows, then up
+/// rows; llama.cpp's SwiGLU halves), so it has no separate `gate_proj` / `up_proj`.
 pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
     let global = match hf {
         "model.embed_tokens.weight" => Some("token_embd.weight"),
@@ -42,6 +44,9 @@ pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
         ("post_attention_layernorm", "gemma2" | "gemma3") => "post_attention_norm",
         ("pre_feedforward_layernorm", "gemma2" | "gemma3") => "ffn_norm",
         ("post_feedforward_layernorm", "gemma2" | "gemma3") => "post_ffw_norm",
+        ("mlp.gate_up_proj", "phi3") => "ffn_up",
+        ("mlp.gate_proj" | "mlp.up_proj", "phi3") => return None,
+        ("self_attn.qkv_proj", _) => "attn_qkv",
         ("input_layernorm", _) => "attn_norm",
         ("post_attention_layernorm", _) => "ffn_norm",
         ("self_attn.q_proj", _) => "attn_q",
@@ -207,6 +212,22 @@ impl GgufFile {
         QTensor::new(storage, dims).map_err(err)
     }
 
+    /// The values of the tensor named `name` in the file (GGUF naming: tensors with no HF
+    /// counterpart, as Phi-3's `rope_factors_long.weight`), or `None` when it is absent.
+    pub fn f32_values(&self, name: &str) -> Result<Option<Vec<f32>>> {
+        if !self.content.tensor_infos.contains_key(name) {
+            return Ok(None);
+        }
+        let err = |e: peregrine_tensor::candle::Error| ModelError::Checkpoint {
+            file: self.path.clone(),
+            message: format!("tensor `{name}`: {}", peregrine_tensor::error_message(&e)),
+        };
+        let mut file = self.file.lock().unwrap_or_else(|e| e.into_inner());
+        let t = (self.content.tensor(&mut *file, name, &Device::Cpu))
+            .and_then(|q| q.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>());
+        t.map(Some).map_err(err)
+    }
+
     /// The tensor with HF name `hf` as a matrix for the CPU kernels (`[out, in]`). Formats that
     /// interleave are read as bytes and moved into that layout in place.
     pub fn matrix(&self, hf: &str, device: &Device) -> Result<GgufMatrix> {
@@ -332,6 +353,16 @@ fn read_blocks<T: GgmlType + Send + Sync + 'static>(
     let out = unsafe { std::slice::from_raw_parts_mut(blocks.as_mut_ptr().cast::<u8>(), bytes) };
     read(out)?;
     Ok(QStorage::Cpu(Box::new(blocks)))
+}
+
+/// The `partial_rotary_factor` whose `rotary_dim()` is exactly `rotary` of `head_dim` (the
+/// smallest such f64 at or above `rotary / head_dim`, since `rotary_dim` truncates).
+fn partial_rotary_factor(rotary: usize, head_dim: usize) -> f64 {
+    let mut f = rotary as f64 / head_dim as f64;
+    while ((head_dim as f64 * f) as usize) < rotary {
+        f = f64::from_bits(f.to_bits() + 1);
+    }
+    f
 }
 
 /// A typed view of GGUF metadata with errors naming the key.
@@ -483,6 +514,20 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
     }
     if arch == "gemma3" {
         crate::arch::gemma3::configure_gguf(&mut config, meta.opt_f64("rope.freq_base_swa")?);
+    }
+    if let Some(rotary) = meta.opt_usize("rope.dimension_count")? {
+        config.partial_rotary_factor = partial_rotary_factor(rotary, config.head_dim);
+    }
+    if arch == "phi3" {
+        let factors = (
+            file.f32_values("rope_factors_short.weight")?,
+            file.f32_values("rope_factors_long.weight")?,
+        );
+        let scaling = (
+            meta.opt_usize("rope.scaling.original_context_length")?,
+            meta.opt_f64("rope.scaling.attn_factor")?,
+        );
+        crate::arch::phi3::configure_gguf(&mut config, &file.path, factors, scaling)?;
     }
     if arch == "gemma2" {
         let caps = (
