@@ -144,6 +144,50 @@ pub fn load_quantized(
     device: &Device,
     regroup: bool,
 ) -> Result<Option<std::result::Result<GgufMatrix, MlxQuantized>>> {
+    let Some(QuantizedParts {
+        w_name,
+        scales,
+        biases,
+        params: p,
+    }) = quantized_parts(files, quant, prefix, None, (out_dim, in_dim), device)?
+    else {
+        return Ok(None);
+    };
+    let params = (p.bits, p.group_size);
+    if regroup && device.is_cpu() {
+        let mapped = files.with_bytes(&w_name, Dtype::U32, |packed, done| {
+            MlxQuantized::regroup_mapped(packed, &scales, &biases, params, done)
+        })??;
+        if let Some(blocks) = mapped {
+            return Ok(Some(Ok(blocks)));
+        }
+    }
+    let packed = files.load(&w_name, device)?;
+    let q = MlxQuantized::new(packed, scales, biases, p.bits, p.group_size)?;
+    Ok(Some(match regroup {
+        true => q.into_gguf_matrix()?,
+        false => Err(q),
+    }))
+}
+
+/// A quantized module's tensors, read and checked.
+struct QuantizedParts {
+    w_name: String,
+    scales: Tensor,
+    biases: Tensor,
+    params: MlxParams,
+}
+
+/// `{prefix}.scales` and `.biases` loaded and, with `{prefix}.weight`'s shape, checked against
+/// `[out, in]` (behind `[stacked]` experts), or `None` when the module is not quantized.
+fn quantized_parts(
+    files: &SafetensorsFiles,
+    quant: Option<&MlxQuantization>,
+    prefix: &str,
+    stacked: Option<usize>,
+    (out_dim, in_dim): (usize, usize),
+    device: &Device,
+) -> Result<Option<QuantizedParts>> {
     let scales_name = format!("{prefix}.scales");
     if !files.contains(&scales_name) {
         return Ok(None);
@@ -162,30 +206,22 @@ pub fn load_quantized(
         expected,
         got: got.to_vec(),
     };
-    let words = [out_dim, in_dim * p.bits / 32];
+    let lead: Vec<usize> = stacked.into_iter().collect();
+    let words = [&lead[..], &[out_dim, in_dim * p.bits / 32]].concat();
     if packed_dims != words || !(in_dim * p.bits).is_multiple_of(32) {
-        return Err(shape_err(&w_name, &packed_dims, words.to_vec()));
+        return Err(shape_err(&w_name, &packed_dims, words));
     }
-    let groups = [out_dim, in_dim / p.group_size];
+    let groups = [&lead[..], &[out_dim, in_dim / p.group_size]].concat();
     for (name, t) in [(&scales_name, &scales), (&biases_name, &biases)] {
         if t.dims() != groups || !in_dim.is_multiple_of(p.group_size) {
-            return Err(shape_err(name, t.dims(), groups.to_vec()));
+            return Err(shape_err(name, t.dims(), groups.clone()));
         }
     }
-    let params = (p.bits, p.group_size);
-    if regroup && device.is_cpu() {
-        let mapped = files.with_bytes(&w_name, Dtype::U32, |packed, done| {
-            MlxQuantized::regroup_mapped(packed, &scales, &biases, params, done)
-        })??;
-        if let Some(blocks) = mapped {
-            return Ok(Some(Ok(blocks)));
-        }
-    }
-    let packed = files.load(&w_name, device)?;
-    let q = MlxQuantized::new(packed, scales, biases, p.bits, p.group_size)?;
-    Ok(Some(match regroup {
-        true => q.into_gguf_matrix()?,
-        false => Err(q),
+    Ok(Some(QuantizedParts {
+        w_name,
+        scales,
+        biases,
+        params: p,
     }))
 }
 
@@ -211,38 +247,20 @@ pub fn load_quantized_stacked(
     device: &Device,
     regroup: bool,
 ) -> Result<Option<Vec<std::result::Result<GgufMatrix, MlxQuantized>>>> {
-    let scales_name = format!("{prefix}.scales");
-    if !files.contains(&scales_name) {
+    let Some(QuantizedParts {
+        w_name,
+        scales,
+        biases,
+        params: p,
+    }) = quantized_parts(files, quant, prefix, Some(n), (out_dim, in_dim), device)?
+    else {
         return Ok(None);
-    }
-    let (w_name, biases_name) = (format!("{prefix}.weight"), format!("{prefix}.biases"));
-    let packed_dims = files.dims(&w_name)?.to_vec();
-    let scales = files.load(&scales_name, device)?;
-    let biases = files.load(&biases_name, device)?;
-    let p = match quant.and_then(|q| q.params(prefix)) {
-        Some(p) => p,
-        None => inferred(&packed_dims, scales.dims(), in_dim),
     };
-    let shape_err = |tensor: &str, got: &[usize], expected: Vec<usize>| ModelError::Shape {
-        file: quant.map_or_else(|| files.path().to_path_buf(), |q| q.file.clone()),
-        tensor: format!("{tensor} (MLX {} bits, group {})", p.bits, p.group_size),
-        expected,
-        got: got.to_vec(),
-    };
-    let words = [n, out_dim, in_dim * p.bits / 32];
-    if packed_dims != words || !(in_dim * p.bits).is_multiple_of(32) {
-        return Err(shape_err(&w_name, &packed_dims, words.to_vec()));
-    }
-    let groups = [n, out_dim, in_dim / p.group_size];
-    for (name, t) in [(&scales_name, &scales), (&biases_name, &biases)] {
-        if t.dims() != groups || !in_dim.is_multiple_of(p.group_size) {
-            return Err(shape_err(name, t.dims(), groups.to_vec()));
-        }
-    }
+    let words_per_row = in_dim * p.bits / 32;
     let expert = |t: &Tensor, e: usize| -> Result<Tensor> { Ok(t.narrow(0, e, 1)?.squeeze(0)?) };
     let params = (p.bits, p.group_size);
     if regroup && device.is_cpu() {
-        let expert_bytes = out_dim * words[2] * 4;
+        let expert_bytes = out_dim * words_per_row * 4;
         let mapped = files.with_bytes(&w_name, Dtype::U32, |packed, done| {
             (0..n)
                 .map(|e| {
