@@ -68,3 +68,20 @@ pub fn tokens_by_expert(
     }
     groups
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_group_by_expert_in_position_order() {
+        // Three positions, two experts each, over four experts.
+        let ids = [2, 0, 0, 3, 2, 1];
+        let weights = [0.6, 0.4, 0.7, 0.3, 0.9, 0.1];
+        let groups = tokens_by_expert(4, 2, &ids, &weights);
+        assert_eq!(groups[0], (vec![0, 1], vec![0.4, 0.7]));
+        assert_eq!(groups[1], (vec![2], vec![0.1]));
+        assert_eq!(groups[2], (vec![0, 2], vec![0.6, 0.9]));
+        assert_eq!(groups[3], (vec![1], vec![0.3]));
+    }
+}
