@@ -144,16 +144,10 @@ fn long_rope_picks_factors_by_the_rotation_end_and_rotates_a_partial_head() {
     else {
         unreachable!()
     };
-    let rope = RotaryEmbedding::new_partial(
-        (head_dim, rotary),
-        1e4,
-        &scaling,
-        RopeStyle::Half,
-        100,
-        DType::F32,
-        &Device::Cpu,
-    )
-    .unwrap();
+    let build = |dims, style| {
+        RotaryEmbedding::new_partial(dims, 1e4, &scaling, style, 100, DType::F32, &Device::Cpu)
+    };
+    let rope = build((head_dim, rotary), RopeStyle::Half).unwrap();
     let (heads, seq) = (3, 5);
     let x = randn(&[1, heads, seq, head_dim], 21);
     let flat = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
@@ -199,16 +193,7 @@ fn long_rope_picks_factors_by_the_rotation_end_and_rotates_a_partial_head() {
         assert!(diff < 1e-4, "position {pos}: {diff} from the hand rotation");
     }
     // Interleaved pairs rotate only the first 12 dimensions too.
-    let gptj = RotaryEmbedding::new_partial(
-        (head_dim, rotary),
-        1e4,
-        &scaling,
-        RopeStyle::Interleaved,
-        100,
-        DType::F32,
-        &Device::Cpu,
-    )
-    .unwrap();
+    let gptj = build((head_dim, rotary), RopeStyle::Interleaved).unwrap();
     let a = gptj.apply(&x, 36).unwrap();
     assert!(max_diff(&a, &gptj.apply_ref(&x, 36).unwrap()) < TOL);
     let mut rows = one.flatten_all().unwrap().to_vec1::<f32>().unwrap();
@@ -217,16 +202,7 @@ fn long_rope_picks_factors_by_the_rotation_end_and_rotates_a_partial_head() {
     let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     assert!(rows.iter().zip(&want).all(|(a, b)| (a - b).abs() < TOL));
     // Factor lists must cover the rotated pairs.
-    let wrong = RotaryEmbedding::new_partial(
-        (head_dim, head_dim),
-        1e4,
-        &scaling,
-        RopeStyle::Half,
-        100,
-        DType::F32,
-        &Device::Cpu,
-    );
-    assert!(wrong.is_err());
+    assert!(build((head_dim, head_dim), RopeStyle::Half).is_err());
 }
 
 /// Tables grow as positions are first reached; the rows are the same whichever way they grew.

@@ -260,7 +260,7 @@ impl GgufFile {
             });
         };
         let parts: Vec<(usize, usize)> = (0..n).map(|e| (e * rows, rows)).collect();
-        self.row_ranges(&name, info, &parts, cols, device)
+        self.matrices_of_rows(&name, info, &parts, cols, device)
     }
 
     /// The matrix `hf` `[sum(parts), in]` split by output rows into consecutive matrices of
@@ -291,19 +291,12 @@ impl GgufFile {
                 got: vec![rows, cols],
             });
         }
-        let mut at = 0;
-        let parts: Vec<(usize, usize)> = (parts.iter())
-            .map(|&n| {
-                at += n;
-                (at - n, n)
-            })
-            .collect();
-        self.row_ranges(&name, info, &parts, cols, device)
+        self.matrices_of_rows(&name, info, &super::row_ranges(parts), cols, device)
     }
 
     /// Matrices of `cols` columns read from the rows `(first, count)` of tensor `name`, whose
     /// data is rows of `cols` values one after another.
-    fn row_ranges(
+    fn matrices_of_rows(
         &self,
         name: &str,
         info: &TensorInfo,

@@ -247,57 +247,12 @@ pub fn load_quantized_stacked(
     device: &Device,
     regroup: bool,
 ) -> Result<Option<Vec<std::result::Result<GgufMatrix, MlxQuantized>>>> {
-    let Some(QuantizedParts {
-        w_name,
-        scales,
-        biases,
-        params: p,
-    }) = quantized_parts(files, quant, prefix, Some(n), (out_dim, in_dim), device)?
+    let Some(module) = quantized_parts(files, quant, prefix, Some(n), (out_dim, in_dim), device)?
     else {
         return Ok(None);
     };
-    let words_per_row = in_dim * p.bits / 32;
-    let expert = |t: &Tensor, e: usize| -> Result<Tensor> { Ok(t.narrow(0, e, 1)?.squeeze(0)?) };
-    let params = (p.bits, p.group_size);
-    if regroup && device.is_cpu() {
-        let expert_bytes = out_dim * words_per_row * 4;
-        let mapped = files.with_bytes(&w_name, Dtype::U32, |packed, done| {
-            (0..n)
-                .map(|e| {
-                    let (s, b) = (expert(&scales, e)?, expert(&biases, e)?);
-                    let at = e * expert_bytes;
-                    let mut release = |r: std::ops::Range<usize>| done(at + r.start..at + r.end);
-                    let bytes = &packed[at..at + expert_bytes];
-                    Ok(MlxQuantized::regroup_mapped(
-                        bytes,
-                        &s,
-                        &b,
-                        params,
-                        &mut release,
-                    )?)
-                })
-                .collect::<Result<Option<Vec<GgufMatrix>>>>()
-        })??;
-        if let Some(blocks) = mapped {
-            return Ok(Some(blocks.into_iter().map(Ok).collect()));
-        }
-    }
-    let packed = files.load(&w_name, device)?;
-    (0..n)
-        .map(|e| {
-            let (w, s, b) = (
-                expert(&packed, e)?,
-                expert(&scales, e)?,
-                expert(&biases, e)?,
-            );
-            let q = MlxQuantized::new(w.contiguous()?, s, b, p.bits, p.group_size)?;
-            Ok(match regroup {
-                true => q.into_gguf_matrix()?,
-                false => Err(q),
-            })
-        })
-        .collect::<Result<Vec<_>>>()
-        .map(Some)
+    let experts: Vec<(usize, usize)> = (0..n).map(|e| (e * out_dim, out_dim)).collect();
+    row_parts(files, module, &experts, in_dim, device, regroup).map(Some)
 }
 
 /// The quantized matrix `{prefix}.weight` `[sum(parts), in]` split by output rows into
@@ -314,47 +269,46 @@ pub fn load_quantized_rows(
     device: &Device,
     regroup: bool,
 ) -> Result<Option<Vec<std::result::Result<GgufMatrix, MlxQuantized>>>> {
-    let scales_name = format!("{prefix}.scales");
-    if !files.contains(&scales_name) {
-        return Ok(None);
-    }
     let out_dim: usize = parts.iter().sum();
-    let (w_name, biases_name) = (format!("{prefix}.weight"), format!("{prefix}.biases"));
-    let packed_dims = files.dims(&w_name)?.to_vec();
-    let scales = files.load(&scales_name, device)?;
-    let biases = files.load(&biases_name, device)?;
-    let p = match quant.and_then(|q| q.params(prefix)) {
-        Some(p) => p,
-        None => inferred(&packed_dims, scales.dims(), in_dim),
+    let Some(module) = quantized_parts(files, quant, prefix, None, (out_dim, in_dim), device)?
+    else {
+        return Ok(None);
     };
-    let shape_err = |tensor: &str, got: &[usize], expected: Vec<usize>| ModelError::Shape {
-        file: quant.map_or_else(|| files.path().to_path_buf(), |q| q.file.clone()),
-        tensor: format!("{tensor} (MLX {} bits, group {})", p.bits, p.group_size),
-        expected,
-        got: got.to_vec(),
+    let ranges = super::row_ranges(parts);
+    row_parts(files, module, &ranges, in_dim, device, regroup).map(Some)
+}
+
+/// Row ranges `(first, rows)` of a quantized module (a stack's experts counted as consecutive
+/// rows) as matrices `[rows, in]`: each range's codes, scales and biases are the same rows of
+/// each. With `regroup`, regrouped straight from the mapped file when every range regroups (as
+/// [`load_quantized`] does for one matrix), else loaded and kept as stored.
+fn row_parts(
+    files: &SafetensorsFiles,
+    module: QuantizedParts,
+    ranges: &[(usize, usize)],
+    in_dim: usize,
+    device: &Device,
+    regroup: bool,
+) -> Result<Vec<std::result::Result<GgufMatrix, MlxQuantized>>> {
+    let QuantizedParts {
+        w_name,
+        scales,
+        biases,
+        params: p,
+    } = module;
+    let rows_of = |t: &Tensor| -> Result<Tensor> {
+        let last = t.dims().last().copied().unwrap_or(1);
+        Ok(t.reshape(((), last))?)
     };
-    let words = [out_dim, in_dim * p.bits / 32];
-    if packed_dims != words || !(in_dim * p.bits).is_multiple_of(32) {
-        return Err(shape_err(&w_name, &packed_dims, words.to_vec()));
-    }
-    let groups = [out_dim, in_dim / p.group_size];
-    for (name, t) in [(&scales_name, &scales), (&biases_name, &biases)] {
-        if t.dims() != groups || !in_dim.is_multiple_of(p.group_size) {
-            return Err(shape_err(name, t.dims(), groups.to_vec()));
-        }
-    }
-    // (first row, rows) of each part
-    let starts = parts.iter().scan(0, |at, &n| {
-        *at += n;
-        Some((*at - n, n))
-    });
-    let starts: Vec<(usize, usize)> = starts.collect();
-    let rows = |t: &Tensor, (at, n): (usize, usize)| -> Result<Tensor> { Ok(t.narrow(0, at, n)?) };
+    let (scales, biases) = (rows_of(&scales)?, rows_of(&biases)?);
+    let rows = |t: &Tensor, (at, n): (usize, usize)| -> Result<Tensor> {
+        Ok(t.narrow(0, at, n)?.contiguous()?)
+    };
     let params = (p.bits, p.group_size);
     if regroup && device.is_cpu() {
-        let row_bytes = words[1] * 4;
+        let row_bytes = in_dim * p.bits / 32 * 4;
         let mapped = files.with_bytes(&w_name, Dtype::U32, |packed, done| {
-            (starts.iter())
+            (ranges.iter())
                 .map(|&(at, n)| {
                     let (s, b) = (rows(&scales, (at, n))?, rows(&biases, (at, n))?);
                     let from = at * row_bytes;
@@ -372,16 +326,16 @@ pub fn load_quantized_rows(
                 .collect::<Result<Option<Vec<GgufMatrix>>>>()
         })??;
         if let Some(blocks) = mapped {
-            return Ok(Some(blocks.into_iter().map(Ok).collect()));
+            return Ok(blocks.into_iter().map(Ok).collect());
         }
     }
-    let packed = files.load(&w_name, device)?;
-    (starts.iter())
-        .map(|&part| {
+    let packed = rows_of(&files.load(&w_name, device)?)?;
+    (ranges.iter())
+        .map(|&range| {
             let (w, s, b) = (
-                rows(&packed, part)?.contiguous()?,
-                rows(&scales, part)?.contiguous()?,
-                rows(&biases, part)?.contiguous()?,
+                rows(&packed, range)?,
+                rows(&scales, range)?,
+                rows(&biases, range)?,
             );
             let q = MlxQuantized::new(w, s, b, p.bits, p.group_size)?;
             Ok(match regroup {
@@ -389,6 +343,5 @@ pub fn load_quantized_rows(
                 false => Err(q),
             })
         })
-        .collect::<Result<Vec<_>>>()
-        .map(Some)
+        .collect()
 }

@@ -15,6 +15,17 @@ use peregrine_tensor::{DType, Device, Embedding, GgufMatrix, MlxQuantized, QLine
 
 use crate::{ModelError, Result};
 
+/// `(first row, rows)` of consecutive parts of `parts[i]` rows each (a fused matrix's split).
+fn row_ranges(parts: &[usize]) -> Vec<(usize, usize)> {
+    let mut at = 0;
+    (parts.iter())
+        .map(|&n| {
+            at += n;
+            (at - n, n)
+        })
+        .collect()
+}
+
 /// Where the tensors come from.
 pub enum Source {
     /// One or more safetensors files (sharded checkpoints).
@@ -170,13 +181,7 @@ impl Weights {
             true => Some(self.tensor(&format!("{prefix}.bias"), &[out_dim])?),
             false => None,
         };
-        let mut at = 0;
-        let ranges: Vec<(usize, usize)> = (parts.iter())
-            .map(|&n| {
-                at += n;
-                (at - n, n)
-            })
-            .collect();
+        let ranges = row_ranges(parts);
         let bias_of = |(at, n): (usize, usize)| -> Result<Option<Tensor>> {
             match &b {
                 Some(b) => Ok(Some(b.narrow(0, at, n)?.contiguous()?)),
