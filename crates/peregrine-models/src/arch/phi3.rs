@@ -34,7 +34,9 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
 /// tensors (`factors`) with `rope.scaling.original_context_length` and
 /// `rope.scaling.attn_factor` (`scaling`) make LongRoPE, picked by sequence length as for HF
 /// checkpoints (llama.cpp picks once, by the context size it was started with); a
-/// `sliding_window` of 0 (how the converter writes "none") is no window.
+/// `sliding_window` of 0 (how the converter writes "none") is no window. A non-zero window
+/// (Phi-3-mini-4k: 2047) is applied, as transformers applies it; llama.cpp currently ignores
+/// Phi-3's window, so the two differ on sequences longer than it.
 pub fn configure_gguf(
     config: &mut ModelConfig,
     file: &Path,
