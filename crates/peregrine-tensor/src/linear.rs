@@ -222,6 +222,17 @@ fn add_bias(b: &Tensor, out: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
+/// Rows of the largest GGUF f32/f16 matrix multiplied by [`dense_rows_into`] (a router has
+/// one row per expert; DeepSeek-V3 has 256).
+const SMALL_DENSE_ROWS: usize = 1024;
+
+/// `out[r] = w[r] · x` for the rows of `w` (`[out.len(), x.len()]`).
+fn dense_rows_into(w: &[f32], x: &[f32], out: &mut [f32]) {
+    for (o, row) in out.iter_mut().zip(w.chunks_exact(x.len())) {
+        *o = row.iter().zip(x).map(|(a, b)| a * b).sum();
+    }
+}
+
 /// Buffers a [`QLinear::forward_group_into`] call reuses: the input's 8-bit blocks.
 #[derive(Debug, Default)]
 pub struct LinearScratch {
