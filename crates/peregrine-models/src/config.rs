@@ -73,6 +73,29 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
     /// Mixture-of-experts feed-forward layers, when the model has them.
     pub moe: Option<MoeConfig>,
+    /// Multi-head latent attention (DeepSeek-V3) in place of q/k/v projections.
+    pub mla: Option<MlaConfig>,
+}
+
+/// DeepSeek-V2/V3's multi-head latent attention: queries through an optional low-rank
+/// bottleneck, keys and values decompressed from one shared latent, a RoPE part shared by
+/// every head.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MlaConfig {
+    /// Rank of the query bottleneck (`q_a_proj` → `q_a_layernorm` → `q_b_proj`); `None`: a
+    /// plain `q_proj`.
+    pub q_lora_rank: Option<usize>,
+    /// Width of the compressed key/value latent.
+    pub kv_lora_rank: usize,
+    /// Per-head query/key dimensions without RoPE.
+    pub qk_nope_head_dim: usize,
+    /// Query/key dimensions with RoPE (the key's are shared by all heads).
+    pub qk_rope_head_dim: usize,
+    /// Per-head value width.
+    pub v_head_dim: usize,
+    /// Attention scores' scale: `(nope + rope)^-0.5`, times YaRN's `mscale²` when
+    /// `mscale_all_dim` is set (transformers' `yarn_apply_mscale`).
+    pub softmax_scale: f64,
 }
 
 /// A mixture-of-experts feed-forward block: a router picks `top_k` of `num_experts` gated MLPs
@@ -91,6 +114,19 @@ pub struct MoeConfig {
     pub sparse_layers: Vec<bool>,
     /// Where the checkpoint keeps the block's tensors.
     pub naming: ExpertNaming,
+    /// Sigmoid scores with a `gate.e_score_correction_bias` (DeepSeek-V3); `None`: softmax.
+    pub sigmoid: Option<SigmoidRouting>,
+    /// Width of the always-on shared experts' MLP (`mlp.shared_experts`), when there are any.
+    pub shared_intermediate_size: Option<usize>,
+}
+
+/// DeepSeek-V3's router beyond its sigmoid scores.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SigmoidRouting {
+    /// Group-limited choice: (`n_group`, `topk_group`).
+    pub groups: Option<(usize, usize)>,
+    /// `routed_scaling_factor`.
+    pub scale: f32,
 }
 
 /// How a family names its MoE block's tensors (HF names; GGUF and MLX map onto them).
@@ -140,6 +176,8 @@ impl MoeConfig {
                 .unwrap_or(normalize_default),
             sparse_layers,
             naming,
+            sigmoid: None,
+            shared_intermediate_size: None,
         })
     }
 }
@@ -355,6 +393,7 @@ impl ModelConfig {
             bos_token_id: fields.token_ids("bos_token_id")?.first().copied(),
             eos_token_ids: fields.token_ids("eos_token_id")?,
             moe: None,
+            mla: None,
         };
         config.validate(&fields.file)?;
         Ok(config)
@@ -478,6 +517,7 @@ fn rope_scaling_in(scaling: &Fields, config: Option<&Fields>) -> Result<RopeScal
         },
         // Phi-3's first 128K checkpoints call it `su`.
         "longrope" | "su" => long_rope(scaling, config)?,
+        "yarn" => yarn(scaling, config)?,
         other => return Err(scaling.err(format!("unsupported rope scaling type `{other}`"))),
     };
     Ok(scaling)
@@ -491,6 +531,57 @@ pub fn longrope_attention_factor(factor: f64, original: usize) -> f64 {
         true => 1.0,
         false => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
     }
+}
+
+/// YaRN's `get_mscale`: `0.1 · mscale · ln(factor) + 1` (1 when `factor <= 1`).
+pub fn yarn_get_mscale(factor: f64, mscale: f64) -> f64 {
+    if factor <= 1.0 {
+        return 1.0;
+    }
+    0.1 * mscale * factor.ln() + 1.0
+}
+
+/// YaRN as transformers' `_compute_yarn_parameters` reads it: `factor` (default
+/// `max_position_embeddings / original_max_position_embeddings`), `original_max_position_embeddings`
+/// (the top level's first, then the scaling object's, then `max_position_embeddings`),
+/// `beta_fast` 32, `beta_slow` 1, `truncate` true, and `attention_factor` (default
+/// `get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)` when both are set and
+/// non-zero, else `get_mscale(factor)`).
+fn yarn(scaling: &Fields, config: Option<&Fields>) -> Result<RopeScaling> {
+    let top = |key: &str| config.map_or(Ok(None), |c| c.opt_usize(key));
+    let original = match top("original_max_position_embeddings")? {
+        Some(n) => n,
+        None => match scaling.opt_usize("original_max_position_embeddings")? {
+            Some(n) => n,
+            None => top("max_position_embeddings")?.ok_or_else(|| {
+                scaling.err("yarn scaling needs `original_max_position_embeddings`".into())
+            })?,
+        },
+    };
+    let factor = match scaling.opt_f64("factor")? {
+        Some(f) => f,
+        None => match top("max_position_embeddings")? {
+            Some(max) => max as f64 / original as f64,
+            None => return Err(scaling.err("yarn scaling needs `factor`".into())),
+        },
+    };
+    let nonzero =
+        |key: &str| -> Result<Option<f64>> { Ok(scaling.opt_f64(key)?.filter(|v| *v != 0.0)) };
+    let attention_factor = match scaling.opt_f64("attention_factor")? {
+        Some(a) => a,
+        None => match (nonzero("mscale")?, nonzero("mscale_all_dim")?) {
+            (Some(m), Some(all)) => yarn_get_mscale(factor, m) / yarn_get_mscale(factor, all),
+            _ => yarn_get_mscale(factor, 1.0),
+        },
+    };
+    Ok(RopeScaling::Yarn {
+        factor,
+        original_max_position_embeddings: original,
+        beta_fast: nonzero("beta_fast")?.unwrap_or(32.0),
+        beta_slow: nonzero("beta_slow")?.unwrap_or(1.0),
+        attention_factor,
+        truncate: scaling.opt_bool("truncate")?.unwrap_or(true),
+    })
 }
 
 /// LongRoPE as transformers' `_compute_longrope_parameters` reads it: the factor lists;
@@ -663,6 +754,63 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("partial_rotary_factor"), "{err}");
+    }
+
+    /// YaRN as DeepSeek-V3 writes it (the fixture's values): transformers' inverse frequencies
+    /// (`_compute_yarn_parameters`, printed from transformers 5.24) and attention factor.
+    #[test]
+    fn yarn_parses_and_matches_transformers_frequencies() {
+        let c = parse(
+            r#"{"model_type": "deepseek_v3", "vocab_size": 10, "hidden_size": 64,
+            "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 4, "head_dim": 16,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+            "mscale": 1.0, "mscale_all_dim": 1.0}}"#,
+        )
+        .unwrap();
+        let RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            attention_factor,
+            truncate,
+            ..
+        } = c.rope_scaling
+        else {
+            panic!("{:?}", c.rope_scaling)
+        };
+        assert_eq!(
+            (factor, original_max_position_embeddings, truncate),
+            (4.0, 64, true)
+        );
+        assert_eq!(attention_factor, 1.0);
+        let want = [
+            1.0,
+            0.237_170_815,
+            0.049_999_997,
+            0.007_905_694_7,
+            0.002_499_999_9,
+            7.905_694_7e-4,
+            2.500_000_1e-4,
+            7.905_694_7e-5,
+        ];
+        let got = peregrine_tensor::rope::inv_freqs(16, 1e4, &c.rope_scaling);
+        for (g, w) in got.iter().zip(want) {
+            assert!((g - w).abs() / w < 1e-6, "{got:?}");
+        }
+        // Without mscale / mscale_all_dim: attention factor `0.1 ln(factor) + 1`.
+        let plain = parse(
+            r#"{"model_type": "qwen2", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 256,
+            "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}"#,
+        )
+        .unwrap();
+        let RopeScaling::Yarn {
+            attention_factor, ..
+        } = plain.rope_scaling
+        else {
+            panic!()
+        };
+        assert!((attention_factor - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-12);
     }
 
     #[test]

@@ -17,6 +17,15 @@ use crate::{CausalLm, ModelConfig, ModelError, Result, arch};
 type Configure = fn(&Fields, &mut ModelConfig) -> Result<()>;
 type Build = fn(ModelConfig, &Weights, usize) -> Result<Arc<dyn CausalLm>>;
 
+/// DeepSeek-V3's decoder (multi-head latent attention).
+fn deepseek_v3(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn CausalLm>> {
+    Ok(Arc::new(arch::deepseek_v3::DeepseekV3Lm::load(
+        c,
+        w,
+        max_context,
+    )?))
+}
+
 fn decoder(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn CausalLm>> {
     Ok(Arc::new(DecoderLm::load(c, w, max_context)?))
 }
@@ -29,6 +38,7 @@ fn gemma3(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn Cau
 /// Registered architectures: name (HF `model_type`, also GGUF `general.architecture`), its
 /// config adjustments and the model it builds (the llama-family decoder unless it differs).
 const ARCHITECTURES: &[(&str, Configure, Build)] = &[
+    ("deepseek_v3", arch::deepseek_v3::configure, deepseek_v3),
     ("gemma2", arch::gemma2::configure, gemma3),
     ("gemma3", arch::gemma3::configure, gemma3),
     ("llama", arch::llama::configure, decoder),

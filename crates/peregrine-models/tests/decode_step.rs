@@ -71,6 +71,7 @@ fn compare(path: &std::path::Path, ids: &[u32], kv: KvOptions) -> f32 {
 #[test]
 fn decode_matches_forward_on_every_architecture() {
     for arch in [
+        "deepseek_v3",
         "llama",
         "mistral",
         "qwen2",

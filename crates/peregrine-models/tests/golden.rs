@@ -112,7 +112,16 @@ macro_rules! golden {
 }
 
 golden!(
-    gemma2, gemma3, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe
+    deepseek_v3,
+    gemma2,
+    gemma3,
+    llama,
+    mistral,
+    mixtral,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_moe
 );
 
 /// One tensor of `tests/fixtures/phi3/hf/reference.safetensors` (see make_hf.py's PHI3_EXTRA).

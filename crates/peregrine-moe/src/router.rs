@@ -116,8 +116,9 @@ fn argmax(x: &[f32]) -> usize {
     best
 }
 
-/// Zeroes the choice scores outside the `keep` groups whose two best scores sum highest, as
-/// transformers' DeepSeek-V3 router does (`masked_fill(..., 0.0)`).
+/// Rules out the choice scores outside the `keep` groups whose two best scores sum highest, as
+/// transformers' DeepSeek-V3 router does (5.x: `masked_fill(..., -inf)`; earlier versions
+/// filled 0.0, which differs only when a kept score is negative).
 fn mask_groups(scores: &mut [f32], groups: usize, keep: usize) {
     assert!(groups <= MAX_GROUPS && scores.len().is_multiple_of(groups));
     let per = scores.len() / groups;
@@ -141,7 +142,7 @@ fn mask_groups(scores: &mut [f32], groups: usize, keep: usize) {
     }
     for (g, chunk) in scores.chunks_mut(per).enumerate() {
         if !kept[g] {
-            chunk.iter_mut().for_each(|s| *s = 0.0);
+            chunk.iter_mut().for_each(|s| *s = f32::NEG_INFINITY);
         }
     }
 }

@@ -46,6 +46,24 @@ pub enum RopeScaling {
         /// Scale of cos and sin (both regimes).
         attention_factor: f64,
     },
+    /// YaRN (DeepSeek-V3, Qwen long context), as transformers' `_compute_yarn_parameters`:
+    /// each pair's frequency blends its interpolated (`/ factor`) and original value by a linear
+    /// ramp over the pairs between the correction dimensions of `beta_fast` and `beta_slow`
+    /// rotations in `original_max_position_embeddings`; cos/sin times `attention_factor`.
+    Yarn {
+        /// Context extension factor.
+        factor: f64,
+        /// The context length the model was trained at.
+        original_max_position_embeddings: usize,
+        /// Rotations marking the extrapolated (high-frequency) end of the ramp.
+        beta_fast: f64,
+        /// Rotations marking the interpolated (low-frequency) end of the ramp.
+        beta_slow: f64,
+        /// Scale of cos and sin.
+        attention_factor: f64,
+        /// Round the correction range outward to whole dimensions (transformers' default).
+        truncate: bool,
+    },
 }
 
 /// Which dimensions are rotated together.
@@ -101,6 +119,37 @@ pub fn inv_freqs(rotary_dim: usize, theta: f64, scaling: &RopeScaling) -> Vec<f6
         RopeScaling::LongRope {
             ref short_factor, ..
         } => divided(&base, short_factor),
+        RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings: orig,
+            beta_fast,
+            beta_slow,
+            truncate,
+            ..
+        } => {
+            let (d, ln_theta) = (rotary_dim as f64, theta.ln());
+            let corr = |rot: f64| {
+                d * (orig as f64 / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * ln_theta)
+            };
+            let (mut low, mut high) = (corr(beta_fast), corr(beta_slow));
+            if truncate {
+                (low, high) = (low.floor(), high.ceil());
+            }
+            let (low, mut high) = (low.max(0.0), high.min(d - 1.0));
+            if low == high {
+                high += 0.001;
+            }
+            // transformers computes the ramp and the blend in f32.
+            base.iter()
+                .enumerate()
+                .map(|(i, &f)| {
+                    let ramp =
+                        ((i as f32 - low as f32) / (high as f32 - low as f32)).clamp(0.0, 1.0);
+                    let extrapolation = 1.0 - ramp as f64;
+                    (f / factor) * (1.0 - extrapolation) + f * extrapolation
+                })
+                .collect()
+        }
         RopeScaling::Llama3 {
             factor,
             low_freq_factor,
@@ -206,6 +255,12 @@ impl RotaryEmbedding {
             );
             let table = Table::new(freqs, first, scale, dtype, device)?;
             long = Some((*original_max_position_embeddings, table));
+        }
+        if let RopeScaling::Yarn {
+            attention_factor, ..
+        } = scaling
+        {
+            scale = *attention_factor;
         }
         let freqs = inv_freqs(rotary_dim, theta, scaling);
         Ok(Self {

@@ -1,5 +1,6 @@
 //! One file per HF `model_type`: what the architecture changes in the shared config and layers.
 
+pub mod deepseek_v3;
 pub mod gemma2;
 pub mod gemma3;
 pub mod llama;

@@ -2,6 +2,7 @@
 
 pub mod attention;
 pub mod decoder;
+pub mod mla;
 pub mod mlp;
 pub mod moe;
 pub mod step;

@@ -6,7 +6,7 @@
 //! (never a loop over tokens × experts); the decode step routes one token over buffers it
 //! reuses and allocates nothing.
 
-use peregrine_moe::{ExpertStore, ResidentExperts, Router, tokens_by_expert};
+use peregrine_moe::{ExpertStore, ResidentExperts, Router, Scoring, tokens_by_expert};
 use peregrine_tensor::{DType, QLinear, Tensor};
 
 use crate::config::{ExpertNaming, MoeConfig};
@@ -71,6 +71,8 @@ pub struct MoeBlock {
     gate: QLinear,
     router: Router,
     experts: Box<dyn ExpertStore<GatedMlp>>,
+    /// Always-on experts added to the routed output (DeepSeek-V3's `shared_experts`).
+    shared: Option<GatedMlp>,
 }
 
 /// HF names of one MoE layer's tensors: the block's prefix and the per-expert projection
@@ -112,10 +114,31 @@ impl MoeBlock {
             .map(|((g, u), d)| GatedMlp::new(g, u, d, c.activation))
             .collect();
         let bytes = experts.iter().map(GatedMlp::weight_bytes).sum();
+        let mut router = Router::softmax(moe.top_k, moe.normalize);
+        if let Some(sigmoid) = &moe.sigmoid {
+            let bias = w.tensor(&format!("{prefix}.gate.e_score_correction_bias"), &[n])?;
+            router.scoring = Scoring::Sigmoid;
+            router.groups = sigmoid.groups;
+            router.scale = sigmoid.scale;
+            router.choice_bias = Some(bias.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+        }
+        let shared = match moe.shared_intermediate_size {
+            Some(si) => {
+                let p = format!("{prefix}.shared_experts");
+                Some(GatedMlp::new(
+                    w.linear(&format!("{p}.gate_proj"), si, h, false)?,
+                    w.linear(&format!("{p}.up_proj"), si, h, false)?,
+                    w.linear(&format!("{p}.down_proj"), h, si, false)?,
+                    c.activation,
+                ))
+            }
+            None => None,
+        };
         Ok(Self {
             gate: w.linear(&format!("{prefix}.gate"), n, h, false)?,
-            router: Router::softmax(moe.top_k, moe.normalize),
+            router,
             experts: Box::new(ResidentExperts::new(experts, bytes)),
+            shared,
         })
     }
 
@@ -146,6 +169,9 @@ impl MoeBlock {
                 .to_dtype(y.dtype())?
                 .unsqueeze(1)?;
             out = out.index_add(&idx, &y.broadcast_mul(&w)?, 0)?;
+        }
+        if let Some(shared) = &self.shared {
+            out = (out + shared.forward(&flat)?)?;
         }
         Ok(out.reshape((b, n, h))?)
     }
@@ -178,12 +204,17 @@ impl MoeBlock {
                 .zip(&moe.out)
                 .for_each(|(o, y)| *o += weight * y);
         }
+        if let Some(shared) = &self.shared {
+            shared.row_into(normed, gate, up, &mut moe.out, linear)?;
+            out.iter_mut().zip(&moe.out).for_each(|(o, y)| *o += y);
+        }
         Ok(())
     }
 
     /// Bytes of weights: the router and every expert.
     pub fn weight_bytes(&self) -> usize {
-        self.gate.weight_bytes() + self.experts.weight_bytes()
+        let shared = self.shared.as_ref().map_or(0, GatedMlp::weight_bytes);
+        self.gate.weight_bytes() + self.experts.weight_bytes() + shared
     }
 }
 

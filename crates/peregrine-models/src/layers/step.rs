@@ -38,6 +38,39 @@ pub struct StepBuffers {
     pub attention: AttnScratch,
     /// An MoE block's routing and expert output (empty for dense models).
     pub moe: MoeBuffers,
+    /// Multi-head latent attention's intermediates (empty without MLA).
+    pub mla: MlaBuffers,
+}
+
+/// A decode step's multi-head latent attention buffers (DeepSeek-V3).
+#[derive(Default)]
+pub struct MlaBuffers {
+    /// The query bottleneck, `[q_lora_rank]`.
+    pub q_a: Vec<f32>,
+    /// The compressed latent and the shared RoPE key, `[kv_lora_rank + qk_rope_head_dim]`.
+    pub kv_a: Vec<f32>,
+    /// Queries as projected, `[heads · (nope + rope)]`.
+    pub q: Vec<f32>,
+    /// Decompressed keys (no RoPE) and values, `[heads · (nope + v)]`.
+    pub kv: Vec<f32>,
+    /// Attention's output heads at their value width, `[heads · v]`.
+    pub o: Vec<f32>,
+}
+
+impl MlaBuffers {
+    fn new(c: &ModelConfig) -> Self {
+        let Some(m) = &c.mla else {
+            return Self::default();
+        };
+        let heads = c.num_attention_heads;
+        Self {
+            q_a: vec![0.0; m.q_lora_rank.unwrap_or(0)],
+            kv_a: vec![0.0; m.kv_lora_rank + m.qk_rope_head_dim],
+            q: vec![0.0; heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)],
+            kv: vec![0.0; heads * (m.qk_nope_head_dim + m.v_head_dim)],
+            o: vec![0.0; heads * m.v_head_dim],
+        }
+    }
 }
 
 /// A decode step's MoE buffers.
@@ -78,9 +111,10 @@ impl StepBuffers {
             c.num_key_value_heads * c.head_dim,
         );
         // Dense layers and experts share the MLP's buffers.
-        let intermediate = c
-            .intermediate_size
-            .max(c.moe.as_ref().map_or(0, |m| m.intermediate_size));
+        let intermediate = c.intermediate_size.max(c.moe.as_ref().map_or(0, |m| {
+            m.intermediate_size
+                .max(m.shared_intermediate_size.unwrap_or(0))
+        }));
         Self {
             x: zeros(c.hidden_size),
             normed: zeros(c.hidden_size),
@@ -94,6 +128,7 @@ impl StepBuffers {
             linear: LinearScratch::default(),
             attention: AttnScratch::default(),
             moe: MoeBuffers::new(c),
+            mla: MlaBuffers::new(c),
         }
     }
 }

@@ -490,6 +490,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
             .into_iter()
             .collect(),
         moe: None,
+        mla: None,
     };
     if let Some(experts) = meta.opt_usize("expert_count")? {
         // llama.cpp makes every layer of these families sparse and renormalises the chosen
@@ -503,6 +504,8 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
             normalize: !matches!(meta.value("expert_weights_norm"), Some(Value::Bool(false))),
             sparse_layers: vec![true; config.num_hidden_layers],
             naming: crate::config::ExpertNaming::Qwen,
+            sigmoid: None,
+            shared_intermediate_size: None,
         });
     }
     if arch == "gemma3" {

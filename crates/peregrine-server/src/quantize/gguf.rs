@@ -246,6 +246,7 @@ fn model_metadata(c: &ModelConfig, file_type: u32) -> Result<Vec<(String, Value)
                 Value::F32(factor as f32),
             ));
         }
+        RopeScaling::Yarn { .. } => bail!("yarn rope scaling is not written to GGUF yet"),
         RopeScaling::LongRope { .. } => bail!(
             "longrope scaling is not written to GGUF yet (llama.cpp stores its factors as \
              `rope_factors_long` / `rope_factors_short` tensors)"
