@@ -7,7 +7,8 @@
 //!   `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`; scores scaled by
 //!   `(nope + rope)^-0.5 · mscale²` with `mscale = yarn_get_mscale(factor, mscale_all_dim)` when
 //!   the RoPE scaling has a non-zero `mscale_all_dim` (transformers' `yarn_apply_mscale`).
-//!   The cache holds decompressed per-head keys and values (see `layers/mla.rs`).
+//!   Attention runs in the absorbed form over a cache of the compressed latent (`layers/mla.rs`):
+//!   one key head of `qk_rope_head_dim + kv_lora_rank` per position.
 //! - RoPE covers `qk_rope_head_dim` only, YaRN-scaled (`RopeScaling::Yarn`); `rope_interleave`
 //!   (default true) rotates adjacent pairs.
 //! - Layers `< first_k_dense_replace` have a dense MLP of `intermediate_size`; the others are
@@ -30,8 +31,8 @@ use crate::layers::step::{StepBuffers, StepPool, add_into, norm_into, output_log
 use crate::weights::Weights;
 use crate::{CausalLm, Logits, ModelConfig, Result};
 
-/// Reads the MLA and MoE fields. `head_dim` becomes the cached head width (`nope + rope`) and
-/// the key/value heads the query heads (MLA has no grouped heads).
+/// Reads the MLA and MoE fields. `head_dim` becomes the cached head width (`rope + kv_lora_rank`)
+/// and there is one key/value head (the latent every query head attends).
 pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
     match fields.opt_str("hidden_act")? {
         None | Some("silu") => {}
@@ -44,34 +45,29 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
     let nope = fields.usize("qk_nope_head_dim")?;
     let rope = fields.usize("qk_rope_head_dim")?;
     let v = fields.usize("v_head_dim")?;
-    if v > nope + rope {
-        return Err(fields.err(format!(
-            "`v_head_dim` {v} wider than `qk_nope_head_dim + qk_rope_head_dim` {} is not supported",
-            nope + rope
-        )));
-    }
     let mut softmax_scale = ((nope + rope) as f64).powf(-0.5);
     let params = match fields.object("rope_parameters")? {
         Some(p) => Some(p),
         None => fields.object("rope_scaling")?,
     };
-    if let (Some(p), RopeScaling::Yarn { factor, .. }) = (&params, &config.rope_scaling) {
-        if let Some(all) = p.opt_f64("mscale_all_dim")?.filter(|m| *m != 0.0) {
-            let mscale = yarn_get_mscale(*factor, all);
-            softmax_scale *= mscale * mscale;
-        }
+    if let (Some(p), RopeScaling::Yarn { factor, .. }) = (&params, &config.rope_scaling)
+        && let Some(all) = p.opt_f64("mscale_all_dim")?.filter(|m| *m != 0.0)
+    {
+        let mscale = yarn_get_mscale(*factor, all);
+        softmax_scale *= mscale * mscale;
     }
-    config.mla = Some(MlaConfig {
+    let mla = MlaConfig {
         q_lora_rank: fields.opt_usize("q_lora_rank")?,
         kv_lora_rank: fields.usize("kv_lora_rank")?,
         qk_nope_head_dim: nope,
         qk_rope_head_dim: rope,
         v_head_dim: v,
         softmax_scale,
-    });
-    config.head_dim = nope + rope;
-    config.num_key_value_heads = config.num_attention_heads;
-    config.partial_rotary_factor = rope as f64 / (nope + rope) as f64;
+    };
+    config.head_dim = Mla::cache_head_dim(&mla);
+    config.num_key_value_heads = 1;
+    config.partial_rotary_factor = rope as f64 / config.head_dim as f64;
+    config.mla = Some(mla);
     // DeepSeek's checkpoints keep the RoPE dimensions in adjacent pairs (transformers' default).
     if fields.opt_bool("rope_interleave")?.unwrap_or(true) {
         config.rope_style = peregrine_tensor::RopeStyle::Interleaved;
@@ -163,8 +159,9 @@ impl DeepseekV3Lm {
             true => embed_tokens.as_linear()?,
             false => w.linear("lm_head", c.vocab_size, h, false)?,
         };
+        let mla = c.mla.as_ref().expect("an MLA config");
         let rope = RotaryEmbedding::new_partial(
-            (c.head_dim, c.rotary_dim()),
+            (c.head_dim, mla.qk_rope_head_dim),
             c.rope_theta,
             &c.rope_scaling,
             c.rope_style,

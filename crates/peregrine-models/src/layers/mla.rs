@@ -1,31 +1,35 @@
-//! Multi-head latent attention (DeepSeek-V2/V3), as transformers' `DeepseekV3Attention`.
+//! Multi-head latent attention (DeepSeek-V2/V3), as transformers' `DeepseekV3Attention`, in the
+//! absorbed form over a cache of the compressed latent.
 //!
 //! Queries come from `q_proj` or the bottleneck `q_a_proj` → `q_a_layernorm` → `q_b_proj`; keys
 //! and values from one latent: `kv_a_proj_with_mqa` gives the compressed `kv_lora_rank` latent
-//! (normed by `kv_a_layernorm`, decompressed by `kv_b_proj` into per-head `k_nope` and `v`) and
-//! a `qk_rope_head_dim` RoPE key shared by every head.
+//! `c` (normed by `kv_a_layernorm`) and a `qk_rope_head_dim` RoPE key shared by every head;
+//! transformers decompresses `c` by `kv_b_proj` into per-head `k_nope = W_uk·c` and `v = W_uv·c`.
 //!
-//! This version caches the *decompressed* per-head keys and values in the ordinary
-//! [`LayerCache`]: each head is laid out `[rope | nope]` (the dot product does not care about
-//! the order, and RoPE then rotates the first `qk_rope_head_dim` dimensions of each head, as a
-//! partial rotary embedding), values are zero-padded to the key width (zeros add nothing to the
-//! weighted sum) and cut back after attention. It does not yet cache the compressed latent nor
-//! use the absorbed (`kv_b_proj` folded into q and o) form, so the KV cache costs
-//! `2 · heads · (nope + rope)` per position, not `kv_lora_rank + rope`.
+//! Here `kv_b_proj` is never applied to the cache: `q_nope·(W_uk·c) = (W_ukᵀ·q_nope)·c`, so each
+//! head's query is absorbed into latent space once, and `Σ p·(W_uv·c) = W_uv·(Σ p·c)`, so the
+//! attended latent is expanded into the head's value after attention. Attention is then
+//! multi-query over one `[rope | latent]`-wide key head per position: the cache holds
+//! `kv_lora_rank + qk_rope_head_dim` per position for keys (and the latent again, zero-padded,
+//! as the value, since caches keep keys and values of one width), not `2 · heads · (nope + rope)`.
+//! RoPE rotates the first `qk_rope_head_dim` dimensions of each head (a partial rotary
+//! embedding over the `[rope | latent]` layout).
 //!
 //! `rope_interleave` (DeepSeek's checkpoints): transformers rotates adjacent pairs and writes the
 //! results de-interleaved; [`RopeStyle::Interleaved`] rotates the same pairs and keeps them in
 //! place, which changes the layout of q and k alike and so no score.
+//!
+//! [`RopeStyle::Interleaved`]: peregrine_tensor::RopeStyle::Interleaved
 
 use peregrine_kv::{AttnParams, LayerCache};
-use peregrine_tensor::ops::rms_norm;
+use peregrine_tensor::ops::{rms_norm, with_f32};
 use peregrine_tensor::{QLinear, RotaryEmbedding, Tensor};
 
 use crate::config::MlaConfig;
 use crate::layers::norm_weight;
 use crate::layers::step::{MlaBuffers, StepBuffers, norm_rows_in_place};
 use crate::weights::Weights;
-use crate::{ModelConfig, Result};
+use crate::{ModelConfig, ModelError, Result};
 
 /// Where the queries come from.
 enum QueryPath {
@@ -44,7 +48,9 @@ pub struct Mla {
     q: QueryPath,
     kv_a: QLinear,
     kv_a_norm: Tensor,
-    kv_b: QLinear,
+    /// `kv_b_proj`'s weight, dense, `[heads, nope + v, kv_lora_rank]`: per head the `nope` rows
+    /// of `W_uk` (absorbed into the query) then the `v` rows of `W_uv` (expanding the output).
+    kv_b: Tensor,
     o_proj: QLinear,
     heads: usize,
     m: MlaConfig,
@@ -66,7 +72,8 @@ impl Mla {
                 q_b: w.linear(&name("q_b_proj"), heads * qk, r, false)?,
             },
         };
-        let kvl = m.kv_lora_rank;
+        let (kvl, up) = (m.kv_lora_rank, m.qk_nope_head_dim + m.v_head_dim);
+        let kv_b = w.tensor(&name("kv_b_proj.weight"), &[heads * up, kvl])?;
         Ok(Self {
             q,
             kv_a: w.linear(
@@ -76,12 +83,7 @@ impl Mla {
                 bias,
             )?,
             kv_a_norm: norm_weight(c, w, &name("kv_a_layernorm.weight"), kvl)?,
-            kv_b: w.linear(
-                &name("kv_b_proj"),
-                heads * (m.qk_nope_head_dim + m.v_head_dim),
-                kvl,
-                false,
-            )?,
+            kv_b: kv_b.reshape((heads, up, kvl))?,
             o_proj: w.linear(&name("o_proj"), h, heads * m.v_head_dim, bias)?,
             heads,
             m,
@@ -89,17 +91,17 @@ impl Mla {
         })
     }
 
-    /// Width of a cached head: the key's `nope + rope` (values are padded to it).
-    pub fn cache_head_dim(&self) -> usize {
-        self.m.qk_nope_head_dim + self.m.qk_rope_head_dim
+    /// Width of the one cached key head: the shared RoPE key then the latent.
+    pub fn cache_head_dim(m: &MlaConfig) -> usize {
+        m.qk_rope_head_dim + m.kv_lora_rank
     }
 
     fn params(&self) -> AttnParams {
         AttnParams::scaled(self.m.softmax_scale)
     }
 
-    /// `x: [1, n, hidden]` at positions `start..start + n` → `[1, n, hidden]`. `rope` rotates
-    /// the first `qk_rope_head_dim` of each `nope + rope`-wide head.
+    /// `x: [b, n, hidden]` at positions `start..start + n` → `[b, n, hidden]`. `rope` rotates
+    /// the first `qk_rope_head_dim` of each `[rope | latent]`-wide head.
     pub fn forward(
         &self,
         x: &Tensor,
@@ -109,13 +111,12 @@ impl Mla {
     ) -> Result<Tensor> {
         let (b, n, _) = x.dims3()?;
         let m = &self.m;
-        let (nope, rd, vd, heads) = (
+        let (nope, rd, vd, kvl) = (
             m.qk_nope_head_dim,
             m.qk_rope_head_dim,
             m.v_head_dim,
-            self.heads,
+            m.kv_lora_rank,
         );
-        let width = nope + rd;
         let (q, kv_a) = match &self.q {
             QueryPath::Direct(q_proj) => {
                 let [q, kv_a]: [Tensor; 2] = QLinear::forward_group(&[q_proj, &self.kv_a], x)?
@@ -130,34 +131,29 @@ impl Mla {
                 (q_b.forward(&rms_norm(&q_a, norm, self.eps)?)?, kv_a)
             }
         };
-        let q = q.reshape((b, n, heads, width))?;
-        let q = Tensor::cat(&[q.narrow(3, nope, rd)?, q.narrow(3, 0, nope)?], 3)?;
-        let q = q.transpose(1, 2)?.contiguous()?; // [b, heads, n, rope + nope]
-        let latent = kv_a.narrow(2, 0, m.kv_lora_rank)?.contiguous()?;
+        let q = q.reshape((b, n, self.heads, nope + rd))?.transpose(1, 2)?; // [b, heads, n, ·]
+        let w_uk = self.kv_b.narrow(1, 0, nope)?; // [heads, nope, kvl]
+        let q_nope = q.narrow(3, 0, nope)?.contiguous()?;
+        let q_latent = q_nope.to_dtype(w_uk.dtype())?.broadcast_matmul(&w_uk)?;
+        let q_pe = q.narrow(3, nope, rd)?.to_dtype(q_latent.dtype())?;
+        let q = Tensor::cat(&[q_pe, q_latent], 3)?
+            .to_dtype(x.dtype())?
+            .contiguous()?;
+        let latent = kv_a.narrow(2, 0, kvl)?.contiguous()?;
         let latent = rms_norm(&latent, &self.kv_a_norm, self.eps)?;
-        let k_pe = kv_a.narrow(2, m.kv_lora_rank, rd)?.unsqueeze(2)?; // [b, n, 1, rope]
-        let kv = self
-            .kv_b
-            .forward(&latent)?
-            .reshape((b, n, heads, nope + vd))?;
-        let k_pe = k_pe.broadcast_as((b, n, heads, rd))?;
-        let k = Tensor::cat(&[k_pe, kv.narrow(3, 0, nope)?], 3)?;
-        let k = k.transpose(1, 2)?.contiguous()?;
-        let v = kv.narrow(3, nope, vd)?;
-        let v = match width > vd {
-            true => {
-                let pad = Tensor::zeros((b, n, heads, width - vd), v.dtype(), v.device())?;
-                Tensor::cat(&[v, pad], 3)?
-            }
-            false => v,
-        };
-        let v = v.transpose(1, 2)?.contiguous()?;
+        let k_pe = kv_a.narrow(2, kvl, rd)?;
+        let k = Tensor::cat(&[&k_pe, &latent], 2)?.unsqueeze(1)?; // [b, 1, n, rope + kvl]
+        let pad = Tensor::zeros((b, n, rd), latent.dtype(), latent.device())?;
+        let v = Tensor::cat(&[&latent, &pad], 2)?.unsqueeze(1)?;
         let q = rope.apply(&q, start)?;
-        let k = rope.apply(&k, start)?;
+        let k = rope.apply(&k.contiguous()?, start)?;
         cache.append(&k, &v)?;
-        let y = cache.attend(&q, &self.params())?; // [b, heads, n, width]
-        let y = y.narrow(3, 0, vd)?.transpose(1, 2)?.contiguous()?;
-        Ok(self.o_proj.forward(&y.reshape((b, n, heads * vd))?)?)
+        let y = cache.attend(&q, &self.params())?; // [b, heads, n, rope + kvl]
+        let w_uv = self.kv_b.narrow(1, nope, vd)?.transpose(1, 2)?; // [heads, kvl, v]
+        let y = y.narrow(3, 0, kvl)?.to_dtype(w_uv.dtype())?.contiguous()?;
+        let y = y.broadcast_matmul(&w_uv)?.to_dtype(x.dtype())?; // [b, heads, n, v]
+        let y = y.transpose(1, 2)?.contiguous()?;
+        Ok(self.o_proj.forward(&y.reshape((b, n, self.heads * vd))?)?)
     }
 
     /// [`forward`](Self::forward) for one token at `pos` over a decode step's buffers: reads
@@ -185,7 +181,6 @@ impl Mla {
             q_a,
             kv_a,
             q: q_full,
-            kv,
             o,
         } = mla;
         let m = &self.m;
@@ -195,7 +190,7 @@ impl Mla {
             m.v_head_dim,
             m.kv_lora_rank,
         );
-        let width = nope + rd;
+        let width = Self::cache_head_dim(m);
         match &self.q {
             QueryPath::Direct(q_proj) => {
                 let layers = [q_proj, &self.kv_a];
@@ -209,33 +204,48 @@ impl Mla {
             }
         }
         norm_rows_in_place(&mut kv_a[..kvl], &self.kv_a_norm, self.eps)?;
-        QLinear::forward_group_into(&[&self.kv_b], &kv_a[..kvl], &mut [&mut kv[..]], linear)?;
         let heads = self.heads;
-        let (q, k, v) = (
+        let (q, k, v, attn) = (
             &mut q[..heads * width],
-            &mut k[..heads * width],
-            &mut v[..heads * width],
+            &mut k[..width],
+            &mut v[..width],
+            &mut attn[..heads * width],
         );
-        for h in 0..heads {
-            let (qh, src) = (&mut q[h * width..][..width], &q_full[h * width..][..width]);
-            qh[..rd].copy_from_slice(&src[nope..]);
-            qh[rd..].copy_from_slice(&src[..nope]);
-            let kh = &mut k[h * width..][..width];
-            let kvh = &kv[h * (nope + vd)..][..nope + vd];
-            kh[..rd].copy_from_slice(&kv_a[kvl..kvl + rd]);
-            kh[rd..].copy_from_slice(&kvh[..nope]);
-            let vh = &mut v[h * width..][..width];
-            vh[..vd].copy_from_slice(&kvh[nope..]);
-            vh[vd..].fill(0.0);
-        }
+        let (latent, k_pe) = kv_a.split_at(kvl);
+        k[..rd].copy_from_slice(k_pe);
+        k[rd..].copy_from_slice(latent);
+        v[..kvl].copy_from_slice(latent);
+        v[kvl..].fill(0.0);
+        let up = nope + vd;
+        with_f32(&self.kv_b, |w| {
+            for h in 0..heads {
+                let (qh, src) = (&mut q[h * width..][..width], &q_full[h * (nope + rd)..]);
+                qh[..rd].copy_from_slice(&src[nope..nope + rd]);
+                // The head's query in latent space: Σ_i q_nope[i] · W_uk[i, :].
+                let q_latent = &mut qh[rd..];
+                q_latent.fill(0.0);
+                for (i, &qi) in src[..nope].iter().enumerate() {
+                    let row = &w[(h * up + i) * kvl..][..kvl];
+                    q_latent.iter_mut().zip(row).for_each(|(y, w)| *y += qi * w);
+                }
+            }
+        })?
+        .ok_or_else(not_f32)?;
         rope.apply_rows_in_place(q, pos)?;
         rope.apply_rows_in_place(k, pos)?;
         cache.append_row(k, v, width)?;
-        let attn = &mut attn[..heads * width];
         cache.attend_row(q, width, &self.params(), attn, attention)?;
-        for h in 0..heads {
-            o[h * vd..][..vd].copy_from_slice(&attn[h * width..][..vd]);
-        }
+        with_f32(&self.kv_b, |w| {
+            for h in 0..heads {
+                // The head's value: W_uv · (the attended latent).
+                let attended = &attn[h * width..][..kvl];
+                for (d, y) in o[h * vd..][..vd].iter_mut().enumerate() {
+                    let row = &w[(h * up + nope + d) * kvl..][..kvl];
+                    *y = row.iter().zip(attended).map(|(w, a)| w * a).sum();
+                }
+            }
+        })?
+        .ok_or_else(not_f32)?;
         QLinear::forward_group_into(&[&self.o_proj], o, &mut [out], linear)?;
         Ok(())
     }
@@ -246,9 +256,17 @@ impl Mla {
             QueryPath::Direct(q) => q.weight_bytes(),
             QueryPath::LowRank { q_a, q_b, .. } => q_a.weight_bytes() + q_b.weight_bytes(),
         };
-        q + [&self.kv_a, &self.kv_b, &self.o_proj]
-            .iter()
-            .map(|l| l.weight_bytes())
-            .sum::<usize>()
+        let kv_b = self.kv_b.elem_count() * self.kv_b.dtype().size_in_bytes();
+        q + kv_b
+            + [&self.kv_a, &self.o_proj]
+                .iter()
+                .map(|l| l.weight_bytes())
+                .sum::<usize>()
     }
+}
+
+fn not_f32() -> ModelError {
+    ModelError::Tensor(peregrine_tensor::candle::Error::Msg(
+        "decode step: MLA's kv_b_proj must be f32 on the CPU".into(),
+    ))
 }

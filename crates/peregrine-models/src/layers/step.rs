@@ -51,8 +51,6 @@ pub struct MlaBuffers {
     pub kv_a: Vec<f32>,
     /// Queries as projected, `[heads · (nope + rope)]`.
     pub q: Vec<f32>,
-    /// Decompressed keys (no RoPE) and values, `[heads · (nope + v)]`.
-    pub kv: Vec<f32>,
     /// Attention's output heads at their value width, `[heads · v]`.
     pub o: Vec<f32>,
 }
@@ -67,7 +65,6 @@ impl MlaBuffers {
             q_a: vec![0.0; m.q_lora_rank.unwrap_or(0)],
             kv_a: vec![0.0; m.kv_lora_rank + m.qk_rope_head_dim],
             q: vec![0.0; heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)],
-            kv: vec![0.0; heads * (m.qk_nope_head_dim + m.v_head_dim)],
             o: vec![0.0; heads * m.v_head_dim],
         }
     }
