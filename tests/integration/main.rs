@@ -2,4 +2,5 @@
 
 mod common;
 mod engine_state;
+mod numerics;
 mod real_models;

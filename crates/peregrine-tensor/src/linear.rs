@@ -6,7 +6,7 @@ use candle_core::quantized::QTensor;
 use candle_core::{D, DType, Device, Result, Tensor};
 
 use crate::mlx::MlxQuantized;
-use crate::quant::{GgufMatrix, Kernel, MAX_GROUP, Q8Block};
+use crate::quant::{GgufMatrix, Kernel, MAX_GROUP, Q8Input};
 
 /// A linear layer `y = x Wᵀ + b`; the only place where weight formats meet matmul.
 /// Adding a format adds a variant here and a mapping in the loader, nothing in model code.
@@ -236,7 +236,7 @@ fn dense_rows_into(w: &[f32], x: &[f32], out: &mut [f32]) {
 /// Buffers a [`QLinear::forward_group_into`] call reuses: the input's 8-bit blocks.
 #[derive(Debug, Default)]
 pub struct LinearScratch {
-    xq: Vec<Q8Block>,
+    xq: Q8Input,
 }
 
 pub(crate) fn dense_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {

@@ -1,34 +1,67 @@
 //! x86 kernels for [`Interleaved`](super::interleaved::Interleaved) Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K weights:
-//! one group of 8 rows against `T` input rows. Per block the 8 rows' codes are unpacked once into 8
+//! a run of groups of 8 rows against `T` input rows, each group's outputs stored in place (one
+//! call per run, not per group: a decode step makes ~25,000 groups' worth of calls per token on
+//! SmolLM2, and their overhead was a sixth of the kernels' instructions). Per block the 8 rows' codes are unpacked once into 8
 //! vectors (values `4k..4k + 4` of every row in each), and each input's 4 codes at `4k`,
 //! broadcast, multiply vector `k`: 8 integer products per lane give each row's block sum
 //! directly in its lane, with no horizontal sums. The rows' scales (and minimums) load as one
 //! vector, so the float work is two FMAs per block for 8 outputs. Same integer sums and the
-//! same per-block algebra as [`super::scalar`]; only the float summation order differs.
+//! same per-block algebra as [`super::scalar`]; only the float summation order differs. The
+//! 32-value formats add each input's refinements ([`Refinement`]) after its blocks, into the
+//! same accumulators: one more block each.
 
 use std::arch::x86_64::*;
 
-use super::act::Q8Block;
+use super::act::{Q8Block, Refinement};
 use super::avx2::{Avx2, Isa, Vnni};
 use super::format::Format;
 use super::interleaved::ROWS;
 
-/// `Σ w·x` of 8 interleaved rows (`w`: one group) for each of `T` inputs: `[input][row]`.
+/// A run of groups of one interleaved matrix against `T` inputs.
+pub struct Run<'a, const T: usize> {
+    /// The matrix's groups, one after another, `group_bytes` each.
+    pub w: &'a [u8],
+    /// Bytes per group.
+    pub group_bytes: usize,
+    /// The groups to multiply.
+    pub groups: std::ops::Range<usize>,
+    /// Each input's blocks (the matrix's width).
+    pub x: [&'a [Q8Block]; T],
+    /// Each input's refinements, added where the format takes them ([`Format::refines`];
+    /// others ignore them).
+    pub refined: [&'a [Refinement]; T],
+    /// Each input's output row: group `g`'s 8 outputs are written at `out[t] + 8g`.
+    pub out: [*mut f32; T],
+}
+
+/// `Σ w·x` of the 8 rows of each group of `run` for each of its inputs, into their outputs.
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C; `format` is one [`Interleaved`] takes and each
-/// input holds the group's blocks.
+/// The CPU must support AVX2, FMA and F16C; `format` is one [`Interleaved`] takes; `run.w`
+/// holds its groups, each input the groups' blocks, each refinement names one of them, and
+/// each output row is writable at `8g..8g + 8` for every group `g` of the run.
 ///
 /// [`Interleaved`]: super::interleaved::Interleaved
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn group<const T: usize>(
-    format: Format,
-    shared: usize,
-    w: &[u8],
-    x: [&[Q8Block]; T],
-) -> [[f32; ROWS]; T] {
+pub unsafe fn groups<const T: usize>(format: Format, shared: usize, run: &Run<T>) {
     // SAFETY: this function's features are `Avx2`'s.
-    unsafe { dispatch::<Avx2, T>(format, shared, w, x) }
+    unsafe { dispatch::<Avx2, T>(format, shared, run) }
+}
+
+/// For each group of `$run`, `$kernel` (with `$gw` the group's bytes) gives each input's 8
+/// outputs, stored at their place. A macro, not a closure: its body stays inside the
+/// `target_feature` function.
+macro_rules! each_group {
+    ($run:expr, $gw:ident => $kernel:expr) => {{
+        let run = $run;
+        for g in run.groups.clone() {
+            let $gw = &run.w[g * run.group_bytes..][..run.group_bytes];
+            let y = $kernel;
+            for (t, y) in y.iter().enumerate() {
+                _mm256_storeu_ps(run.out[t].add(ROWS * g), *y);
+            }
+        }
+    }};
 }
 
 /// Runs `$body` with the consts `$min` and `$fifth` set for `$format` (so each format compiles
@@ -60,40 +93,36 @@ macro_rules! with_fields {
     };
 }
 
-/// [`group`] with VNNI's `vpdpbusd`.
+/// [`groups`] with VNNI's `vpdpbusd`.
 ///
 /// # Safety
-/// As [`group`], and the CPU must support AVX-512 F/BW/VL and VNNI.
+/// As [`groups`], and the CPU must support AVX-512 F/BW/VL and VNNI.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub unsafe fn group_vnni<const T: usize>(
-    format: Format,
-    shared: usize,
-    w: &[u8],
-    x: [&[Q8Block]; T],
-) -> [[f32; ROWS]; T] {
+pub unsafe fn groups_vnni<const T: usize>(format: Format, shared: usize, run: &Run<T>) {
     // SAFETY: this function's features are `Vnni`'s.
-    unsafe { dispatch::<Vnni, T>(format, shared, w, x) }
+    unsafe { dispatch::<Vnni, T>(format, shared, run) }
 }
 
-/// The kernel of `format`, inlined into the `target_feature` entry point that calls it.
+/// The kernel of `format` over the groups of `run`, inlined into the `target_feature` entry
+/// point that calls it.
 ///
 /// # Safety
 /// The CPU must support `I`'s features; the caller is compiled with them.
 #[inline(always)]
-unsafe fn dispatch<I: Isa, const T: usize>(
-    format: Format,
-    shared: usize,
-    w: &[u8],
-    x: [&[Q8Block]; T],
-) -> [[f32; ROWS]; T] {
+unsafe fn dispatch<I: Isa, const T: usize>(format: Format, shared: usize, run: &Run<T>) {
+    let (x, refined) = (run.x, run.refined);
     // SAFETY: per this function's contract.
     unsafe {
         match format {
-            Format::Q4K => rows_q4k::<I, T>(w, x),
-            Format::Q6K => rows_q6k::<I, T>(w, x),
-            Format::Q8_0 => rows_q8_0::<I, T>(w, x),
-            Format::Q4_1 if shared == 2 => rows::<I, true, false, 2, T>(w, x),
-            _ => with_fields!(format, MIN, FIFTH => rows::<I, MIN, FIFTH, 1, T>(w, x)),
+            Format::Q4K => each_group!(run, gw => rows_q4k::<I, T>(gw, x)),
+            Format::Q6K => each_group!(run, gw => rows_q6k::<I, T>(gw, x)),
+            Format::Q8_0 => each_group!(run, gw => rows_q8_0::<I, T>(gw, x, refined)),
+            Format::Q4_1 if shared == 2 => {
+                each_group!(run, gw => rows::<I, true, false, 2, T>(gw, x, refined))
+            }
+            _ => with_fields!(format, MIN, FIFTH => each_group!(
+                run, gw => rows::<I, MIN, FIFTH, 1, T>(gw, x, refined)
+            )),
         }
     }
 }
@@ -104,7 +133,8 @@ unsafe fn dispatch<I: Isa, const T: usize>(
 unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, const T: usize>(
     w: &[u8],
     x: [&[Q8Block]; T],
-) -> [[f32; ROWS]; T] {
+    refined: [&[Refinement]; T],
+) -> [__m256; T] {
     // Scales, minimums (Q4_1, Q5_1), fifth-bit masks (Q5_0, Q5_1), then 128 bytes of codes for
     // each of the `SHARED` blocks that use those scales (Q4_1 from MLX groups of 64: two).
     let masks_at = if MIN { 32 } else { 16 };
@@ -114,55 +144,118 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, 
     let offset = if FIFTH { 16.0 } else { 8.0 };
     // SAFETY: per this function's contract; every load below stays inside block `b`.
     unsafe {
-        let mask = _mm256_set1_epi8(0xF);
         // Two accumulator chains per input: one would wait on the FMA latency every block.
         let mut acc = [[_mm256_setzero_ps(); T]; 2];
         let mut mins = [[_mm256_setzero_ps(); T]; 2];
         for (u, b) in w.chunks_exact(unit_bytes).enumerate() {
             let p = b.as_ptr();
-            let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
-            // What multiplies each input's sum: the minimums, or the scales (times the offset).
-            let mw = match MIN {
-                true => _mm256_cvtph_ps(_mm_loadu_si128(p.add(16).cast())),
-                false => dw,
-            };
+            let (dw, mw) = heads::<MIN>(p);
             for s in 0..SHARED {
-                let (i, codes_at) = (u * SHARED + s, head + 128 * s);
-                // Loops, not `array::from_fn`, here and below: a closure's body may stay out of
-                // line, outside this `target_feature` function (Q6_K's did: 10× slower).
-                let mut codes = [_mm256_setzero_si256(); 8];
-                for (k, code) in codes.iter_mut().enumerate() {
-                    let q = _mm256_loadu_si256(p.add(codes_at + 32 * (k % 4)).cast());
-                    let q = if k < 4 { q } else { _mm256_srli_epi16(q, 4) };
-                    let q = _mm256_and_si256(q, mask);
-                    *code = if FIFTH {
-                        let bits = p.add(masks_at + 4 * k).cast::<u32>().read_unaligned();
-                        _mm256_or_si256(q, I::sixteens(bits))
-                    } else {
-                        q
-                    };
-                }
+                let i = u * SHARED + s;
+                let codes = unpack::<I, FIFTH>(p, masks_at, head + 128 * s);
                 let (chain, min_chain) = (&mut acc[i % 2], &mut mins[i % 2]);
                 for t in 0..T {
-                    let xb = &x[t][i];
-                    let (s0, s1) = halves::<I>(&codes, xb);
-                    let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
-                    // The minimum or offset terms add up apart and join at the end, as
-                    // llama.cpp and the row kernels sum them.
-                    let m = if MIN { xb.ds } else { -offset * xb.dsum };
-                    min_chain[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(m), min_chain[t]);
-                    let scale = _mm256_mul_ps(dw, _mm256_set1_ps(xb.d));
-                    chain[t] = _mm256_fmadd_ps(scale, sum, chain[t]);
+                    let (c, m) = (&mut chain[t], &mut min_chain[t]);
+                    terms::<I, MIN, FIFTH>(&codes, &x[t][i], dw, mw, offset, c, m);
                 }
             }
         }
-        std::array::from_fn(|t| {
-            let mut out = [0f32; ROWS];
+        for t in 0..T {
+            for r in refined[t] {
+                let p = w.as_ptr().add(r.at / SHARED * unit_bytes);
+                let (dw, mw) = heads::<MIN>(p);
+                let codes = unpack::<I, FIFTH>(p, masks_at, head + 128 * (r.at % SHARED));
+                let (c, m) = (&mut acc[0][t], &mut mins[0][t]);
+                terms::<I, MIN, FIFTH>(&codes, &r.residual, dw, mw, offset, c, m);
+            }
+        }
+        let mut y = [_mm256_setzero_ps(); T];
+        for (t, y) in y.iter_mut().enumerate() {
             let sum = _mm256_add_ps(acc[0][t], acc[1][t]);
-            let sum = _mm256_add_ps(sum, _mm256_add_ps(mins[0][t], mins[1][t]));
-            _mm256_storeu_ps(out.as_mut_ptr(), sum);
-            out
-        })
+            *y = _mm256_add_ps(sum, _mm256_add_ps(mins[0][t], mins[1][t]));
+        }
+        y
+    }
+}
+
+/// The 8 code vectors of a 4/5-bit unit at `p` whose block's codes start at `codes_at`
+/// (fifth-bit masks at `masks_at`).
+///
+/// # Safety
+/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
+#[inline(always)]
+unsafe fn unpack<I: Isa, const FIFTH: bool>(
+    p: *const u8,
+    masks_at: usize,
+    codes_at: usize,
+) -> [__m256i; 8] {
+    // SAFETY: per this function's contract; the unit holds the codes and masks.
+    unsafe {
+        let mask = _mm256_set1_epi8(0xF);
+        // Loops, not `array::from_fn`, here and below: a closure's body may stay out of line,
+        // outside the `target_feature` function (Q6_K's did: 10× slower).
+        let mut codes = [_mm256_setzero_si256(); 8];
+        for (k, code) in codes.iter_mut().enumerate() {
+            let q = _mm256_loadu_si256(p.add(codes_at + 32 * (k % 4)).cast());
+            let q = if k < 4 { q } else { _mm256_srli_epi16(q, 4) };
+            let q = _mm256_and_si256(q, mask);
+            *code = if FIFTH {
+                let bits = p.add(masks_at + 4 * k).cast::<u32>().read_unaligned();
+                _mm256_or_si256(q, I::sixteens(bits))
+            } else {
+                q
+            };
+        }
+        codes
+    }
+}
+
+/// A unit's 8 scales, and what multiplies each input's sum: the minimums, or the scales (times
+/// the offset).
+///
+/// # Safety
+/// The CPU must support AVX2 and F16C; the caller is compiled with them.
+#[inline(always)]
+unsafe fn heads<const MIN: bool>(p: *const u8) -> (__m256, __m256) {
+    // SAFETY: per this function's contract; the unit starts with its scales and minimums.
+    unsafe {
+        let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
+        let mw = match MIN {
+            true => _mm256_cvtph_ps(_mm_loadu_si128(p.add(16).cast())),
+            false => dw,
+        };
+        (dw, mw)
+    }
+}
+
+/// One block's terms for one input into its chains: the codes' sum times both scales, and the
+/// minimum or offset term (added up apart and joined at the end, as llama.cpp and the row
+/// kernels sum them).
+///
+/// # Safety
+/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn terms<I: Isa, const MIN: bool, const FIFTH: bool>(
+    codes: &[__m256i; 8],
+    xb: &Q8Block,
+    dw: __m256,
+    mw: __m256,
+    offset: f32,
+    chain: &mut __m256,
+    min_chain: &mut __m256,
+) {
+    // SAFETY: per this function's contract.
+    unsafe {
+        let sum = _mm256_cvtepi32_ps(if FIFTH {
+            sum::<I, 5>(codes, xb)
+        } else {
+            sum::<I, 4>(codes, xb)
+        });
+        let m = if MIN { xb.ds } else { -offset * xb.dsum };
+        *min_chain = _mm256_fmadd_ps(mw, _mm256_set1_ps(m), *min_chain);
+        let scale = _mm256_mul_ps(dw, _mm256_set1_ps(xb.d));
+        *chain = _mm256_fmadd_ps(scale, sum, *chain);
     }
 }
 
@@ -173,7 +266,11 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, 
 /// # Safety
 /// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
 #[inline(always)]
-unsafe fn rows_q8_0<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; T]) -> [[f32; ROWS]; T] {
+unsafe fn rows_q8_0<I: Isa, const T: usize>(
+    w: &[u8],
+    x: [&[Q8Block]; T],
+    refined: [&[Refinement]; T],
+) -> [__m256; T] {
     let block_bytes = super::interleaved::group_block_bytes(Format::Q8_0);
     // SAFETY: per this function's contract; every load below stays inside block `b`.
     unsafe {
@@ -181,56 +278,138 @@ unsafe fn rows_q8_0<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; T]) -> [[f
         for (b, gb) in w.chunks_exact(block_bytes).enumerate() {
             let p = gb.as_ptr();
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
-            let mut codes = [_mm256_setzero_si256(); 8];
-            for (k, code) in codes.iter_mut().enumerate() {
-                *code = _mm256_loadu_si256(p.add(16 + 32 * k).cast());
-            }
-            let mut magnitudes = [_mm256_setzero_si256(); 8];
-            for (m, code) in magnitudes.iter_mut().zip(&codes) {
-                *m = _mm256_abs_epi8(*code);
-            }
+            let (codes, magnitudes) = unpack_q8_0(p);
             let chain = &mut acc[b % 2];
             for t in 0..T {
-                let xb = &x[t][b];
-                let xq = xb.qs.as_ptr().cast::<i32>();
-                let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                for k in 0..4 {
-                    let quad = |k: usize| _mm256_set1_epi32(xq.add(k).read_unaligned());
-                    let signed = |k: usize| _mm256_sign_epi8(quad(k), codes[k]);
-                    s0 = I::dot4(s0, magnitudes[k], signed(k));
-                    s1 = I::dot4(s1, magnitudes[k + 4], signed(k + 4));
-                }
-                let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
-                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(xb.d));
-                chain[t] = _mm256_fmadd_ps(scale, sum, chain[t]);
+                chain[t] = term_q8_0::<I>(&codes, &magnitudes, &x[t][b], dw, chain[t]);
             }
         }
-        std::array::from_fn(|t| {
-            let mut out = [0f32; ROWS];
-            _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(acc[0][t], acc[1][t]));
-            out
-        })
+        for t in 0..T {
+            for r in refined[t] {
+                let p = w.as_ptr().add(r.at * block_bytes);
+                let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
+                let (codes, magnitudes) = unpack_q8_0(p);
+                acc[0][t] = term_q8_0::<I>(&codes, &magnitudes, &r.residual, dw, acc[0][t]);
+            }
+        }
+        let mut y = [_mm256_setzero_ps(); T];
+        for (t, y) in y.iter_mut().enumerate() {
+            *y = _mm256_add_ps(acc[0][t], acc[1][t]);
+        }
+        y
+    }
+}
+
+/// A Q8_0 group block's 8 code vectors at `p`, and their magnitudes.
+///
+/// # Safety
+/// The CPU must support AVX2; the caller is compiled with it, so all inlines.
+#[inline(always)]
+unsafe fn unpack_q8_0(p: *const u8) -> ([__m256i; 8], [__m256i; 8]) {
+    // SAFETY: per this function's contract; the block holds 16 bytes of scales and 256 of codes.
+    unsafe {
+        let mut codes = [_mm256_setzero_si256(); 8];
+        for (k, code) in codes.iter_mut().enumerate() {
+            *code = _mm256_loadu_si256(p.add(16 + 32 * k).cast());
+        }
+        let mut magnitudes = [_mm256_setzero_si256(); 8];
+        for (m, code) in magnitudes.iter_mut().zip(&codes) {
+            *m = _mm256_abs_epi8(*code);
+        }
+        (codes, magnitudes)
+    }
+}
+
+/// `chain` plus one Q8_0 block's sums against `xb`, times the rows' scales `dw` and `xb.d`.
+///
+/// # Safety
+/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
+#[inline(always)]
+unsafe fn term_q8_0<I: Isa>(
+    codes: &[__m256i; 8],
+    magnitudes: &[__m256i; 8],
+    xb: &Q8Block,
+    dw: __m256,
+    chain: __m256,
+) -> __m256 {
+    let xq = xb.qs.as_ptr().cast::<i32>();
+    // SAFETY: `qs` holds 8 quads; per this function's contract for the intrinsics.
+    unsafe {
+        let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+        for k in 0..4 {
+            let quad = |k: usize| _mm256_set1_epi32(xq.add(k).read_unaligned());
+            let signed = |k: usize| _mm256_sign_epi8(quad(k), codes[k]);
+            s0 = I::dot4(s0, magnitudes[k], signed(k));
+            s1 = I::dot4(s1, magnitudes[k + 4], signed(k + 4));
+        }
+        let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+        let scale = _mm256_mul_ps(dw, _mm256_set1_ps(xb.d));
+        _mm256_fmadd_ps(scale, sum, chain)
     }
 }
 
 /// The 8 rows' integer sums against one activation block, per half: code vector `k` (values
 /// `4k..4k + 4` of each row, as [`super::interleaved`] lays them out) times the block's quad `k`
-/// broadcast, vectors 0-3 into the first sum and 4-7 into the second.
+/// broadcast, vectors 0-3 into the first sum and 4-7 into the second. Codes are below
+/// `2^BITS`. With AVX2's `maddubs` (u8 × i8 pairs into i16), as many pair sums as cannot
+/// overflow an i16 (`|pair| ≤ 2·(2^BITS - 1)·127`: 8 of them for 4 bits, 4 for 5, 2 for 6) add up
+/// in 16 bits before one `madd` widens them, exactly, instead of a widening per vector.
 ///
 /// # Safety
 /// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
 #[inline(always)]
-unsafe fn halves<I: Isa>(codes: &[__m256i; 8], xb: &Q8Block) -> (__m256i, __m256i) {
+unsafe fn halves<I: Isa, const BITS: u32>(
+    codes: &[__m256i; 8],
+    xb: &Q8Block,
+) -> (__m256i, __m256i) {
     let xq = xb.qs.as_ptr().cast::<i32>();
     // SAFETY: `qs` holds 8 quads; per this function's contract for the intrinsics.
     unsafe {
         let quad = |k: usize| _mm256_set1_epi32(xq.add(k).read_unaligned());
-        let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-        for k in 0..4 {
-            s0 = I::dot4(s0, codes[k], quad(k));
-            s1 = I::dot4(s1, codes[k + 4], quad(k + 4));
+        if I::WIDE {
+            let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+            for k in 0..4 {
+                s0 = I::dot4(s0, codes[k], quad(k));
+                s1 = I::dot4(s1, codes[k + 4], quad(k + 4));
+            }
+            return (s0, s1);
         }
-        (s0, s1)
+        // Vectors per 16-bit run: 4 for 4 and 5 bits (a half each), 2 for 6.
+        let run = if BITS <= 5 { 4 } else { 2 };
+        let ones = _mm256_set1_epi16(1);
+        let mut halves = [_mm256_setzero_si256(); 2];
+        for (h, half) in halves.iter_mut().enumerate() {
+            for r in (0..4).step_by(run) {
+                let mut pairs = _mm256_maddubs_epi16(codes[4 * h + r], quad(4 * h + r));
+                for (k, &code) in codes.iter().enumerate().skip(4 * h + r + 1).take(run - 1) {
+                    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(code, quad(k)));
+                }
+                *half = _mm256_add_epi32(*half, _mm256_madd_epi16(pairs, ones));
+            }
+        }
+        (halves[0], halves[1])
+    }
+}
+
+/// Both [`halves`] together: with AVX2 and 4-bit codes all 8 pair sums add up in 16 bits.
+///
+/// # Safety
+/// As [`halves`].
+#[inline(always)]
+unsafe fn sum<I: Isa, const BITS: u32>(codes: &[__m256i; 8], xb: &Q8Block) -> __m256i {
+    // SAFETY: per this function's contract.
+    unsafe {
+        if !I::WIDE && BITS <= 4 {
+            let xq = xb.qs.as_ptr().cast::<i32>();
+            let quad = |k: usize| _mm256_set1_epi32(xq.add(k).read_unaligned());
+            let mut pairs = _mm256_maddubs_epi16(codes[0], quad(0));
+            for (k, &code) in codes.iter().enumerate().skip(1) {
+                pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(code, quad(k)));
+            }
+            return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+        }
+        let (s0, s1) = halves::<I, BITS>(codes, xb);
+        _mm256_add_epi32(s0, s1)
     }
 }
 
@@ -241,7 +420,7 @@ unsafe fn halves<I: Isa>(codes: &[__m256i; 8], xb: &Q8Block) -> (__m256i, __m256
 /// # Safety
 /// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
 #[inline(always)]
-unsafe fn rows_q4k<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; T]) -> [[f32; ROWS]; T] {
+unsafe fn rows_q4k<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; T]) -> [__m256; T] {
     use super::interleaved::q4k::{CODES, DMIN, MINS, SCALES};
     let block_bytes = super::interleaved::group_block_bytes(Format::Q4K);
     // SAFETY: per this function's contract; every load below stays inside super-block `b`.
@@ -271,19 +450,18 @@ unsafe fn rows_q4k<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; T]) -> [[f3
                 }
                 for t in 0..T {
                     let xb = &x[t][8 * i + j];
-                    let (s0, s1) = halves::<I>(&codes, xb);
-                    let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+                    let sum = _mm256_cvtepi32_ps(sum::<I, 4>(&codes, xb));
                     let scaled = _mm256_mul_ps(scale, _mm256_set1_ps(xb.d));
                     acc[t] = _mm256_fmadd_ps(scaled, sum, acc[t]);
                     mins[t] = _mm256_fmadd_ps(min, _mm256_set1_ps(xb.dsum), mins[t]);
                 }
             }
         }
-        std::array::from_fn(|t| {
-            let mut out = [0f32; ROWS];
-            _mm256_storeu_ps(out.as_mut_ptr(), _mm256_sub_ps(acc[t], mins[t]));
-            out
-        })
+        let mut y = [_mm256_setzero_ps(); T];
+        for (t, y) in y.iter_mut().enumerate() {
+            *y = _mm256_sub_ps(acc[t], mins[t]);
+        }
+        y
     }
 }
 
@@ -294,7 +472,7 @@ unsafe fn rows_q4k<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; T]) -> [[f3
 /// # Safety
 /// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
 #[inline(always)]
-unsafe fn rows_q6k<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; T]) -> [[f32; ROWS]; T] {
+unsafe fn rows_q6k<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; T]) -> [__m256; T] {
     use super::interleaved::q6k::{QH, QL, SCALES};
     let block_bytes = super::interleaved::group_block_bytes(Format::Q6K);
     // SAFETY: per this function's contract; every load below stays inside super-block `b`.
@@ -331,7 +509,7 @@ unsafe fn rows_q6k<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; T]) -> [[f3
                 }
                 for tt in 0..T {
                     let xb = &x[tt][8 * i + j];
-                    let (s0, s1) = halves::<I>(&codes, xb);
+                    let (s0, s1) = halves::<I, 6>(&codes, xb);
                     let sum = _mm256_add_epi32(
                         _mm256_mullo_epi32(s0, sc_lo),
                         _mm256_mullo_epi32(s1, sc_hi),
@@ -347,10 +525,10 @@ unsafe fn rows_q6k<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; T]) -> [[f3
                 }
             }
         }
-        std::array::from_fn(|t| {
-            let mut out = [0f32; ROWS];
-            _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(acc[t], offsets[t]));
-            out
-        })
+        let mut y = [_mm256_setzero_ps(); T];
+        for (t, y) in y.iter_mut().enumerate() {
+            *y = _mm256_add_ps(acc[t], offsets[t]);
+        }
+        y
     }
 }

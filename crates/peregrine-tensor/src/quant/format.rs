@@ -62,6 +62,16 @@ impl Format {
         })
     }
 
+    /// Whether kernels add the input's refinements ([`super::act::Refinement`]): the GGUF
+    /// formats of 32-value blocks, where a refinement costs one block. (The K-quants would pay
+    /// a whole 256-value block for one sub-block.)
+    pub fn refines(self) -> bool {
+        matches!(
+            self,
+            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0
+        )
+    }
+
     /// Values per block.
     pub fn block_len(self) -> usize {
         match self {

@@ -1,9 +1,10 @@
 //! GGUF block-quantized matrices multiplied by Peregrine's own CPU kernels: activations are
-//! quantized once per call to 8-bit blocks ([`Q8Block`]), each output is an integer dot product
-//! per block straight from the packed weights (never dequantized), and output rows are split
-//! over rayon's pool. Batches (prefill) walk the weights tile by tile, so each weight row is read
-//! from memory once per call and reused from cache for every input row. Other devices, and
-//! formats without a kernel, use candle's `QMatMul`.
+//! quantized once per call to 8-bit blocks ([`Q8Block`]; a row's dominant blocks refined by a
+//! residual block, [`Q8Input`]), each output is an integer dot product per block straight from
+//! the packed weights (never dequantized), and output rows are split over rayon's pool.
+//! Batches (prefill) walk the weights tile by tile, so each weight row is read from memory once
+//! per call and reused from cache for every input row. Other devices, and formats without a
+//! kernel, use candle's `QMatMul`.
 
 mod act;
 #[cfg(target_arch = "x86_64")]
@@ -28,10 +29,10 @@ use candle_core::{DType, Device, Module, Result, Storage, Tensor, bail};
 use rayon::prelude::*;
 
 pub use crate::cpu::Kernel;
-pub use act::{Q8Block, QK, quantize_row};
+pub use act::{Q8Block, Q8Input, QK, REFINED, Refinement, quantize_row};
 pub use format::Format;
 use interleaved::Interleaved;
-use tasks::{Columns, Part, PartBytes, interleaved_task, rows_task};
+use tasks::{Columns, Part, PartBytes, interleaved_task, refine_task, rows_task};
 #[cfg(target_arch = "x86_64")]
 use tasks::{PANEL_MIN_ROWS, panel_gemm, panels};
 
@@ -279,7 +280,7 @@ impl GgufMatrix {
         kernel: Kernel,
     ) -> Result<Vec<Vec<f32>>> {
         let mut ys: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; m * w.dims().0]).collect();
-        let mut xq = Vec::new();
+        let mut xq = Q8Input::default();
         for (mats, ys) in mats.chunks(MAX_GROUP).zip(ys.chunks_mut(MAX_GROUP)) {
             let mut outs: [&mut [f32]; MAX_GROUP] = Default::default();
             for (o, y) in outs.iter_mut().zip(ys) {
@@ -298,7 +299,7 @@ impl GgufMatrix {
         x: &[f32],
         m: usize,
         kernel: Kernel,
-        xq: &mut Vec<Q8Block>,
+        xq: &mut Q8Input,
         outs: &mut [&mut [f32]],
     ) -> Result<()> {
         if !kernel.runs_here() {
@@ -343,12 +344,10 @@ impl GgufMatrix {
         }
         let parts = &parts[..mats.len()];
         let blocks = k / QK;
-        xq.clear();
-        xq.resize(m * blocks, Q8Block::default());
-        xq.par_chunks_mut(blocks)
-            .zip(x.par_chunks(k))
-            .for_each(|(q, x)| quantize_row(x, q));
-        let xq = &xq[..];
+        let refine = mats.iter().any(|w| w.format.is_some_and(Format::refines));
+        xq.quantize(x, m, refine);
+        let input = &*xq;
+        let xq = &input.blocks[..];
 
         let rows = |p: &Option<Part>| p.as_ref().map_or(0, |p| p.rows);
         let total_rows: usize = parts.iter().map(rows).sum();
@@ -378,21 +377,30 @@ impl GgufMatrix {
             };
             let (r0, r1) = (t * rows_per_task, ((t + 1) * rows_per_task).min(part.rows));
             // SAFETY (every call below): the task owns output columns r0..r1, for all m rows.
-            let (format, data) = match &part.bytes {
-                PartBytes::Interleaved(iw) => {
-                    unsafe { interleaved_task(kernel, iw, xq, m, out, r0, r1) };
-                    return;
+            match &part.bytes {
+                PartBytes::Interleaved(iw) => unsafe {
+                    interleaved_task(kernel, iw, input, m, out, r0, r1)
+                },
+                PartBytes::Rows(format, data) => {
+                    let format = *format;
+                    let row_bytes = k / format.block_len() * format.block_bytes();
+                    #[cfg(target_arch = "x86_64")]
+                    if use_panels {
+                        let rows = &data[r0 * row_bytes..r1 * row_bytes];
+                        unsafe {
+                            panel_gemm(kernel, format, rows, row_bytes, &xp, blocks, m, out, r0)
+                        };
+                    } else {
+                        unsafe { rows_task(kernel, format, data, row_bytes, xq, m, out, r0, r1) };
+                    }
+                    #[cfg(not(target_arch = "x86_64"))]
+                    unsafe {
+                        rows_task(kernel, format, data, row_bytes, xq, m, out, r0, r1)
+                    };
                 }
-                PartBytes::Rows(format, data) => (*format, data),
-            };
-            let row_bytes = k / format.block_len() * format.block_bytes();
-            #[cfg(target_arch = "x86_64")]
-            if use_panels {
-                let rows = &data[r0 * row_bytes..r1 * row_bytes];
-                unsafe { panel_gemm(kernel, format, rows, row_bytes, &xp, blocks, m, out, r0) };
-                return;
             }
-            unsafe { rows_task(kernel, format, data, row_bytes, xq, m, out, r0, r1) };
+            // The refined blocks' residuals, added to what the blocks gave.
+            unsafe { refine_task(kernel, &part.bytes, k, input, m, out, r0, r1) };
         });
         Ok(())
     }

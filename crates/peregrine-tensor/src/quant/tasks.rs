@@ -2,7 +2,9 @@
 //! each rayon task owns some output columns (weight rows) of one matrix and multiplies them
 //! against every input with the kernel its layout and the batch size call for.
 
-use super::act::Q8Block;
+use super::act::{Q8Block, Q8Input, QK};
+#[cfg(target_arch = "x86_64")]
+use super::avx2_interleaved::Run;
 use super::format::Format;
 use super::interleaved::{self, Interleaved};
 use super::{Kernel, scalar};
@@ -101,22 +103,23 @@ pub(super) unsafe fn rows_task(
 }
 
 /// Interleaved rows `r0..r1` (whole groups of 8) against every input: the x86 kernels take a
-/// group and up to 4 inputs per call; the portable path multiplies each row as GGUF lays it out.
+/// group and up to 4 inputs per call, with the inputs' refinements; the portable path
+/// multiplies each row as GGUF lays it out (and [`refine_task`] adds the refinements).
 ///
 /// # Safety
 /// No other thread writes `out`'s columns `r0..r1`; `kernel` runs on this CPU.
 pub(super) unsafe fn interleaved_task(
     kernel: Kernel,
     w: &Interleaved,
-    xq: &[Q8Block],
+    xq: &Q8Input,
     m: usize,
     out: &Columns,
     r0: usize,
     r1: usize,
 ) {
     // Activation blocks per input (32 values each; a Q4_K weight block spans 8).
-    let (format, blocks) = (w.format, xq.len() / m.max(1));
-    let input = |i: usize| &xq[i * blocks..][..blocks];
+    let (format, blocks) = (w.format, xq.blocks.len() / m.max(1));
+    let input = |i: usize| &xq.blocks[i * blocks..][..blocks];
     if !kernel.has_avx2() {
         for r in r0..r1 {
             let row = w.row(r);
@@ -128,47 +131,121 @@ pub(super) unsafe fn interleaved_task(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    for i0 in (0..m).step_by(INPUT_TILE) {
-        let i1 = (i0 + INPUT_TILE).min(m);
-        for g in r0 / interleaved::ROWS..r1.div_ceil(interleaved::ROWS) {
-            let (gw, c0) = (w.group(g), g * interleaved::ROWS);
-            let mut i = i0;
-            // SAFETY: the kernel runs here (contract) and has AVX2; the group and inputs hold
-            // `blocks` blocks; outputs (i, c0..c0 + 8) are this task's.
-            unsafe {
-                while i + 4 <= i1 {
-                    let x: [_; 4] = std::array::from_fn(|t| input(i + t));
-                    for (t, y) in group_kernel(kernel, w, gw, x).iter().enumerate() {
-                        out.set_run(i + t, c0, y);
+    {
+        let refined = |i: usize| xq.refined(i);
+        let (g0, g1) = (r0 / interleaved::ROWS, r1.div_ceil(interleaved::ROWS));
+        let group_bytes = w.group_bytes();
+        for i0 in (0..m).step_by(INPUT_TILE) {
+            let i1 = (i0 + INPUT_TILE).min(m);
+            let quads = (i1 - i0) / 4;
+            // Four inputs at a time, group by group (each group's weights stay in L1 for all
+            // the tile's inputs)...
+            if quads > 0 {
+                for g in g0..g1 {
+                    for q in 0..quads {
+                        let i = i0 + 4 * q;
+                        let run: Run<4> = Run {
+                            w: &w.bytes,
+                            group_bytes,
+                            groups: g..g + 1,
+                            x: std::array::from_fn(|t| input(i + t)),
+                            refined: std::array::from_fn(|t| refined(i + t)),
+                            // SAFETY: row i + t < m of the output.
+                            out: std::array::from_fn(|t| unsafe { out.row(i + t) }),
+                        };
+                        // SAFETY: the kernel runs here (contract) and has AVX2; the groups and
+                        // inputs hold `blocks` blocks, refinements name them; outputs
+                        // (i + t, 8g..8g + 8) are this task's.
+                        unsafe { group_kernel(kernel, w, &run) };
                     }
-                    i += 4;
                 }
-                for i in i..i1 {
-                    let [y] = group_kernel(kernel, w, gw, [input(i)]);
-                    out.set_run(i, c0, &y);
+            }
+            // ...then each remaining input over all the task's groups in one call (the decode
+            // step's single input).
+            for i in i0 + 4 * quads..i1 {
+                let run = Run {
+                    w: &w.bytes,
+                    group_bytes,
+                    groups: g0..g1,
+                    x: [input(i)],
+                    refined: [refined(i)],
+                    // SAFETY: row i < m of the output.
+                    out: [unsafe { out.row(i) }],
+                };
+                // SAFETY: as above, for columns 8·g0..8·g1.
+                unsafe { group_kernel(kernel, w, &run) };
+            }
+        }
+    }
+}
+
+/// Adds the refinements of `xq` ([`Q8Input::refined`]) to outputs `r0..r1` of every input, for
+/// formats that take them ([`Format::refines`]): each is one block, `at`, of every weight row
+/// against the residual, through the same kernels as the row's blocks.
+///
+/// # Safety
+/// No other thread writes `out`'s columns `r0..r1`; `kernel` runs on this CPU; `k` is the
+/// weights' input width and `xq` holds `m` rows of it.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn refine_task(
+    kernel: Kernel,
+    bytes: &PartBytes,
+    k: usize,
+    xq: &Q8Input,
+    m: usize,
+    out: &Columns,
+    r0: usize,
+    r1: usize,
+) {
+    let format = match bytes {
+        PartBytes::Rows(format, _) => *format,
+        PartBytes::Interleaved(w) => w.format,
+    };
+    // The interleaved x86 kernels add them within their own call ([`interleaved_task`]).
+    let added = matches!(bytes, PartBytes::Interleaved(_)) && kernel.has_avx2();
+    if !format.refines() || added || !xq.any_refined() {
+        return;
+    }
+    let bb = format.block_bytes();
+    for i in 0..m {
+        for r in xq.refined(i) {
+            let x: &[Q8Block] = std::slice::from_ref(&r.residual);
+            match bytes {
+                PartBytes::Rows(_, data) => {
+                    let row_bytes = k / QK * bb;
+                    for row in r0..r1 {
+                        let block = &data[row * row_bytes + r.at * bb..][..bb];
+                        let [y] = dot_rows(kernel, format, block, [x]);
+                        // SAFETY: (i, row) is this task's.
+                        unsafe { out.add(i, row, y) };
+                    }
+                }
+                PartBytes::Interleaved(w) => {
+                    let mut block = [0u8; 34];
+                    for row in r0..r1 {
+                        w.row_block(row, r.at, &mut block[..bb]);
+                        let y = scalar::dot_row(format, &block[..bb], x);
+                        // SAFETY: (i, row) is this task's.
+                        unsafe { out.add(i, row, y) };
+                    }
                 }
             }
         }
     }
 }
 
-/// One interleaved group `gw` of `w` against `T` inputs with `kernel`'s build.
+/// A run of groups of `w` against `T` inputs with `kernel`'s build.
 ///
 /// # Safety
-/// `kernel` runs on this CPU and has AVX2; `gw` and each input hold the group's blocks.
+/// `kernel` runs on this CPU and has AVX2; as [`avx2_interleaved::groups`] for the run.
 #[cfg(target_arch = "x86_64")]
 #[inline]
-unsafe fn group_kernel<const T: usize>(
-    kernel: Kernel,
-    w: &Interleaved,
-    gw: &[u8],
-    x: [&[Q8Block]; T],
-) -> [[f32; interleaved::ROWS]; T] {
+unsafe fn group_kernel<const T: usize>(kernel: Kernel, w: &Interleaved, run: &Run<T>) {
     // SAFETY: per this function's contract.
     unsafe {
         match kernel {
-            Kernel::Avx512Vnni => avx2_interleaved::group_vnni(w.format, w.shared, gw, x),
-            _ => avx2_interleaved::group(w.format, w.shared, gw, x),
+            Kernel::Avx512Vnni => avx2_interleaved::groups_vnni(w.format, w.shared, run),
+            _ => avx2_interleaved::groups(w.format, w.shared, run),
         }
     }
 }
@@ -279,6 +356,23 @@ impl Columns {
     unsafe fn set(&self, i: usize, r: usize, v: f32) {
         debug_assert!(r < self.1);
         unsafe { *self.0.add(i * self.1 + r) = v };
+    }
+
+    /// Row `i`'s first element.
+    ///
+    /// # Safety
+    /// `i` must be a row of the output; writes through it follow [`Columns::set`]'s rule.
+    unsafe fn row(&self, i: usize) -> *mut f32 {
+        unsafe { self.0.add(i * self.1) }
+    }
+
+    /// Adds `v` to element `(i, r)`.
+    ///
+    /// # Safety
+    /// As [`Columns::set`].
+    unsafe fn add(&self, i: usize, r: usize, v: f32) {
+        debug_assert!(r < self.1);
+        unsafe { *self.0.add(i * self.1 + r) += v };
     }
 
     /// Row `i`, columns `r..r + vs.len()`.
