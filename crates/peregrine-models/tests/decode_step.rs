@@ -78,6 +78,8 @@ fn decode_matches_forward_on_every_architecture() {
         "qwen3",
         "gemma2",
         "gemma3",
+        "gemma4_text",
+        "gemma4_text_moe",
         "mixtral",
         "phi3",
         "qwen3_moe",

@@ -55,11 +55,11 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
         Some(p) => Some(p),
         None => fields.object("rope_scaling")?,
     };
-    if let (Some(p), RopeScaling::Yarn { factor, .. }) = (&params, &config.rope_scaling) {
-        if let Some(all) = p.opt_f64("mscale_all_dim")?.filter(|m| *m != 0.0) {
-            let mscale = yarn_get_mscale(*factor, all);
-            softmax_scale *= mscale * mscale;
-        }
+    if let (Some(p), RopeScaling::Yarn { factor, .. }) = (&params, &config.rope_scaling)
+        && let Some(all) = p.opt_f64("mscale_all_dim")?.filter(|m| *m != 0.0)
+    {
+        let mscale = yarn_get_mscale(*factor, all);
+        softmax_scale *= mscale * mscale;
     }
     config.mla = Some(MlaConfig {
         q_lora_rank: fields.opt_usize("q_lora_rank")?,
