@@ -120,6 +120,11 @@ fn decode_matches_forward_on_mlx_checkpoints() {
             decode_vs_forward(&format!("{arch}/{format}"), KvOptions::default());
         }
     }
+    for arch in ["gemma4_text", "gemma4_text_moe"] {
+        for format in ["mlx-q4-g64", "mlx-q8-g64", "mlx-q4-g32"] {
+            decode_vs_forward(&format!("{arch}/{format}"), KvOptions::default());
+        }
+    }
 }
 
 /// Q8_0 experts and the f32 router llama.cpp keeps: both paths multiply the router row by row
