@@ -110,6 +110,7 @@ fn check_logits(arch: &str, variant: &str) {
         );
         for (what, want) in [("transformers", &r.logits), ("mlx-lm", &r.logits_mlx)] {
             let diff = max_abs_diff(&ours, want);
+            eprintln!("{arch}/{variant} (chunk {chunk}) vs {what}: max abs diff {diff:.1e}");
             assert!(
                 diff < TOLERANCE,
                 "{arch}/{variant} (chunk {chunk}) vs {what}: max abs diff {diff} ≥ {TOLERANCE}"
