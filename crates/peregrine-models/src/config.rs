@@ -75,6 +75,42 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
     /// Multi-head latent attention (DeepSeek-V3) in place of q/k/v projections.
     pub mla: Option<MlaConfig>,
+    /// Values RMS-normed per head without a weight (Gemma 4's `v_norm`).
+    pub v_norm: bool,
+    /// Per-layer input embeddings (Gemma 4's `hidden_size_per_layer_input`), when the model
+    /// has them.
+    pub per_layer_input: Option<PerLayerInput>,
+    /// How each layer departs from the fields above (Gemma 4: wider global heads, KV shared
+    /// with an earlier layer, wider MLPs); empty: every layer is as the fields say.
+    pub layer_specs: Vec<LayerSpec>,
+}
+
+/// Gemma 4's per-layer input embeddings: a second embedding table of `vocab` rows holding
+/// `hidden` values for every layer, plus a projection of the main embedding, fed to each layer
+/// through a small gated block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PerLayerInput {
+    /// Width of one layer's input (`hidden_size_per_layer_input`).
+    pub hidden: usize,
+    /// Rows of the per-layer table (`vocab_size_per_layer_input`).
+    pub vocab: usize,
+}
+
+/// One layer's shape where it differs from the model-wide fields (transformers'
+/// `per_layer_config` and KV sharing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerSpec {
+    /// Width of this layer's heads.
+    pub head_dim: usize,
+    /// This layer's key/value heads.
+    pub num_key_value_heads: usize,
+    /// Width of this layer's MLP.
+    pub intermediate_size: usize,
+    /// The earlier layer whose keys and values this one attends to instead of projecting its
+    /// own (`num_kv_shared_layers`); `None`: its own.
+    pub kv_source: Option<usize>,
+    /// Values are the keys' projection before the key norm and RoPE (`attention_k_eq_v`).
+    pub values_from_keys: bool,
 }
 
 /// DeepSeek-V2/V3's multi-head latent attention: queries through an optional low-rank
@@ -134,6 +170,9 @@ pub struct SigmoidRouting {
 pub enum ExpertNaming {
     /// `mlp.gate` (router) and `mlp.experts.N.{gate,up,down}_proj` (Qwen-MoE).
     Qwen,
+    /// `router.{proj,scale,per_expert_scale}` and stacked `experts.{gate_up_proj,down_proj}`
+    /// (MLX: `experts.switch_glu.*`), beside the layer's dense MLP (Gemma 4).
+    Gemma4,
     /// `block_sparse_moe.gate` and `block_sparse_moe.experts.N.{w1,w3,w2}` (Mixtral).
     Mixtral,
 }
@@ -216,6 +255,11 @@ impl<'a> Fields<'a> {
     /// default is on, as Gemma 2's soft caps).
     pub fn contains(&self, key: &str) -> bool {
         self.map.contains_key(key)
+    }
+
+    /// The keys present (JSON `null` ones too).
+    pub fn keys(&self) -> impl Iterator<Item = &'a String> + use<'a> {
+        self.map.keys()
     }
 
     /// The raw value of `key`, treating JSON `null` as absent.
@@ -394,9 +438,25 @@ impl ModelConfig {
             eos_token_ids: fields.token_ids("eos_token_id")?,
             moe: None,
             mla: None,
+            v_norm: false,
+            per_layer_input: None,
+            layer_specs: vec![],
         };
         config.validate(&fields.file)?;
         Ok(config)
+    }
+
+    /// Layer `i`'s own config: the model-wide one with the layer's head width, KV heads and
+    /// MLP width from [`layer_specs`](Self::layer_specs), so that the shared layers load it
+    /// unchanged.
+    pub fn for_layer(&self, i: usize) -> ModelConfig {
+        let mut c = self.clone();
+        if let Some(spec) = self.layer_specs.get(i) {
+            c.head_dim = spec.head_dim;
+            c.num_key_value_heads = spec.num_key_value_heads;
+            c.intermediate_size = spec.intermediate_size;
+        }
+        c
     }
 
     /// The dimensions of each head that RoPE rotates: `int(head_dim · partial_rotary_factor)`,
@@ -486,7 +546,13 @@ fn rope_from_hf(fields: &Fields) -> Result<(f64, RopeScaling, f64)> {
     let Some(scaling) = params.or(legacy) else {
         return Ok((theta, RopeScaling::None, partial));
     };
-    Ok((theta, rope_scaling_in(&scaling, Some(fields))?, partial))
+    let scaling = rope_scaling_in(&scaling, Some(fields))?;
+    // Proportional RoPE carries its own rotated fraction over the whole head.
+    let partial = match scaling {
+        RopeScaling::Proportional { .. } => 1.0,
+        _ => partial,
+    };
+    Ok((theta, scaling, partial))
 }
 
 /// The scaling named by a `rope_parameters` / `rope_scaling` object (`rope_type` or `type`).
@@ -518,6 +584,10 @@ fn rope_scaling_in(scaling: &Fields, config: Option<&Fields>) -> Result<RopeScal
         // Phi-3's first 128K checkpoints call it `su`.
         "longrope" | "su" => long_rope(scaling, config)?,
         "yarn" => yarn(scaling, config)?,
+        "proportional" => RopeScaling::Proportional {
+            factor: scaling.opt_f64("factor")?.unwrap_or(1.0),
+            partial_rotary_factor: scaling.opt_f64("partial_rotary_factor")?.unwrap_or(1.0),
+        },
         other => return Err(scaling.err(format!("unsupported rope scaling type `{other}`"))),
     };
     Ok(scaling)

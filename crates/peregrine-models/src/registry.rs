@@ -30,6 +30,15 @@ fn decoder(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn Ca
     Ok(Arc::new(DecoderLm::load(c, w, max_context)?))
 }
 
+/// Gemma 4's decoder.
+fn gemma4(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn CausalLm>> {
+    Ok(Arc::new(arch::gemma4::model::Gemma4Lm::load(
+        c,
+        w,
+        max_context,
+    )?))
+}
+
 /// Gemma 3's decoder, which also runs Gemma 2.
 fn gemma3(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn CausalLm>> {
     Ok(Arc::new(Gemma3Lm::load(c, w, max_context)?))
@@ -41,6 +50,7 @@ const ARCHITECTURES: &[(&str, Configure, Build)] = &[
     ("deepseek_v3", arch::deepseek_v3::configure, deepseek_v3),
     ("gemma2", arch::gemma2::configure, gemma3),
     ("gemma3", arch::gemma3::configure, gemma3),
+    ("gemma4_text", arch::gemma4::configure, gemma4),
     ("llama", arch::llama::configure, decoder),
     ("mistral", arch::mistral::configure, decoder),
     ("mixtral", arch::mixtral::configure, decoder),
@@ -51,8 +61,25 @@ const ARCHITECTURES: &[(&str, Configure, Build)] = &[
 ];
 
 /// Names registered under another one: Gemma 3's text-only HF checkpoints are `gemma3_text`
-/// (its GGUF architecture is `gemma3`); llama.cpp calls Qwen3-MoE `qwen3moe`.
-const ALIASES: &[(&str, &str)] = &[("gemma3_text", "gemma3"), ("qwen3moe", "qwen3_moe")];
+/// (its GGUF architecture is `gemma3`); llama.cpp calls Qwen3-MoE `qwen3moe`; a multimodal
+/// `gemma4` checkpoint loads its text model ([`TEXT_MODELS`]).
+const ALIASES: &[(&str, &str)] = &[
+    ("gemma3_text", "gemma3"),
+    ("gemma4", "gemma4_text"),
+    ("qwen3moe", "qwen3_moe"),
+];
+
+/// Multimodal checkpoints whose text model loads on its own: the `text_config` is read and the
+/// language model's tensors are found under these prefixes (HF's, then MLX's) as `model.…`;
+/// the vision and audio towers are skipped.
+const TEXT_MODELS: &[(&str, &[(&str, &str)])] = &[(
+    "gemma4",
+    &[
+        ("model.language_model.", "model."),
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+    ],
+)];
 
 /// The architecture names this build can load (GGUF `general.architecture`, HF `model_type`;
 /// HF `gemma3_text` loads as `gemma3`).
@@ -189,6 +216,21 @@ pub fn open_model(path: &Path, opts: &LoadOptions) -> Result<OpenModel> {
         })?;
         let (_, configure, build) =
             find_architecture(model_type).ok_or_else(|| unsupported(&config_path, model_type))?;
+        let text_model = TEXT_MODELS.iter().find(|(name, _)| *name == model_type);
+        let text = match text_model {
+            Some(_) => fields.object("text_config")?,
+            None => None,
+        };
+        let (fields, prefixes) = match (text, text_model) {
+            (Some(text), Some((_, prefixes))) => {
+                tracing::info!(
+                    "{model_type}: loading the text model from `text_config`; the vision and \
+                     audio towers are skipped"
+                );
+                (text, *prefixes)
+            }
+            _ => (fields, &[][..]),
+        };
         if fields.get("text_config").is_some() {
             return Err(ModelError::config(
                 &config_path,
@@ -200,7 +242,10 @@ pub fn open_model(path: &Path, opts: &LoadOptions) -> Result<OpenModel> {
         }
         let mut config = ModelConfig::from_hf(&fields)?;
         configure(&fields, &mut config)?;
-        let files = SafetensorsFiles::open_dir(path)?;
+        let mut files = SafetensorsFiles::open_dir(path)?;
+        for (from, to) in prefixes {
+            files.alias_prefix(from, to);
+        }
         // MLX checkpoints: quantized modules are found per tensor by their `.scales`.
         let mlx = MlxQuantization::from_config(&config_path, &map)?;
         let weights = Weights::new(Source::Safetensors(files), opts.device.clone(), dtype);

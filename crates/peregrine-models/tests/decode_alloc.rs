@@ -94,6 +94,10 @@ fn decode_steps_allocate_nothing() {
         (fixture("llama/mlx-q8-g64"), KvOptions::default()),
         (fixture("qwen3_moe/mlx-q4-g64"), KvOptions::default()),
         (fixture("mixtral/mlx-q8-g64"), f16),
+        // Per-layer inputs, KV-shared layers, MoE beside the dense MLP (g32: the 32-wide per-layer
+        // projection stays unquantized at g64, and dense matrices go through candle).
+        (fixture("gemma4_text/mlx-q4-g32"), KvOptions::default()),
+        (fixture("gemma4_text_moe/mlx-q4-g32"), f16),
         // Q8_0 experts on the interleaved kernels, the router in f32 as llama.cpp keeps it.
         (
             fixture("qwen3_moe/gguf/model-q8_0.gguf"),

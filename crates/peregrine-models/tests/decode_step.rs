@@ -78,6 +78,8 @@ fn decode_matches_forward_on_every_architecture() {
         "qwen3",
         "gemma2",
         "gemma3",
+        "gemma4_text",
+        "gemma4_text_moe",
         "mixtral",
         "phi3",
         "qwen3_moe",
@@ -115,6 +117,11 @@ fn decode_matches_forward_on_mlx_checkpoints() {
             "mlx-q3-g32",
             "mlx-q6-g128",
         ] {
+            decode_vs_forward(&format!("{arch}/{format}"), KvOptions::default());
+        }
+    }
+    for arch in ["gemma4_text", "gemma4_text_moe"] {
+        for format in ["mlx-q4-g64", "mlx-q8-g64", "mlx-q4-g32"] {
             decode_vs_forward(&format!("{arch}/{format}"), KvOptions::default());
         }
     }

@@ -110,6 +110,7 @@ fn check_logits(arch: &str, variant: &str) {
         );
         for (what, want) in [("transformers", &r.logits), ("mlx-lm", &r.logits_mlx)] {
             let diff = max_abs_diff(&ours, want);
+            eprintln!("{arch}/{variant} (chunk {chunk}) vs {what}: max abs diff {diff:.1e}");
             assert!(
                 diff < TOLERANCE,
                 "{arch}/{variant} (chunk {chunk}) vs {what}: max abs diff {diff} ≥ {TOLERANCE}"
@@ -208,6 +209,8 @@ golden_mlx! {
     qwen3_moe: bf16 = "mlx-bf16", q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64",
         q4_g32 = "mlx-q4-g32", q3_g32 = "mlx-q3-g32", q6_g128 = "mlx-q6-g128";
     mixtral: q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64";
+    gemma4_text: q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64", q4_g32 = "mlx-q4-g32";
+    gemma4_text_moe: q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64", q4_g32 = "mlx-q4-g32";
 }
 
 /// Phi-3 in MLX form (fused `qkv_proj` / `gate_up_proj` quantized as one matrix each, split by

@@ -28,6 +28,9 @@ pub struct Router {
     pub choice_bias: Option<Vec<f32>>,
     /// Multiplies the final weights (`routed_scaling_factor`).
     pub scale: f32,
+    /// Multiplies each chosen expert's final weight by its own factor (Gemma 4's
+    /// `router.per_expert_scale`), `[experts]`.
+    pub expert_scale: Option<Vec<f32>>,
 }
 
 impl Router {
@@ -40,6 +43,7 @@ impl Router {
             groups: None,
             choice_bias: None,
             scale: 1.0,
+            expert_scale: None,
         }
     }
 
@@ -91,6 +95,9 @@ impl Router {
         }
         if self.scale != 1.0 {
             weights.iter_mut().for_each(|w| *w *= self.scale);
+        }
+        if let Some(scale) = &self.expert_scale {
+            (weights.iter_mut().zip(ids.iter())).for_each(|(w, &e)| *w *= scale[e]);
         }
     }
 }
@@ -171,6 +178,19 @@ mod tests {
         assert!((w[0] - e / (e + 1.0)).abs() < 1e-6, "{w:?}");
     }
 
+    /// Gemma 4: the renormalised weights, then each times its expert's own scale.
+    #[test]
+    fn per_expert_scales_follow_the_chosen_experts() {
+        let logits = [0.0, 2.0, 1.0, -1.0];
+        let mut r = Router::softmax(2, true);
+        r.expert_scale = Some(vec![1.0, 3.0, 0.5, 1.0]);
+        let (ids, w) = route(&r, &logits);
+        assert_eq!(ids, [1, 2]);
+        let e = 1f32.exp();
+        assert!((w[0] - 3.0 * e / (e + 1.0)).abs() < 1e-6, "{w:?}");
+        assert!((w[1] - 0.5 / (e + 1.0)).abs() < 1e-6, "{w:?}");
+    }
+
     #[test]
     fn group_limited_sigmoid_routing_follows_the_bias_and_the_groups() {
         // Two groups of four; the bias makes group 1 win although expert 0 scores highest.
@@ -181,6 +201,7 @@ mod tests {
             groups: Some((2, 1)),
             choice_bias: Some(vec![0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.0, 0.0]),
             scale: 2.5,
+            expert_scale: None,
         };
         let logits = [3.0, 0.0, 0.0, 0.0, 1.0, 0.5, 0.0, 0.0];
         let (ids, w) = route(&r, &logits);

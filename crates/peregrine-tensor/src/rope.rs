@@ -64,6 +64,17 @@ pub enum RopeScaling {
         /// Round the correction range outward to whole dimensions (transformers' default).
         truncate: bool,
     },
+    /// Gemma 4's `proportional` RoPE (its global layers): the whole head is the rotary width,
+    /// but only the first `floor(partial_rotary_factor · head_dim / 2)` pairs turn, at
+    /// `theta^(-2i/head_dim) / factor`; the other pairs get frequency 0 and pass through.
+    /// Unlike `partial_rotary_factor` elsewhere, the frequencies span the whole head and the
+    /// rotated dimensions are the first of each half (`i` and `i + head_dim/2`).
+    Proportional {
+        /// Divides every frequency.
+        factor: f64,
+        /// Fraction of each head whose pairs rotate.
+        partial_rotary_factor: f64,
+    },
 }
 
 /// Which dimensions are rotated together.
@@ -116,6 +127,16 @@ pub fn inv_freqs(rotary_dim: usize, theta: f64, scaling: &RopeScaling) -> Vec<f6
     match *scaling {
         RopeScaling::None => base,
         RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
+        RopeScaling::Proportional {
+            factor,
+            partial_rotary_factor,
+        } => {
+            // transformers: `int(partial_rotary_factor * head_dim // 2)` rotated pairs.
+            let rotated = (partial_rotary_factor * rotary_dim as f64 / 2.0).floor() as usize;
+            (base.iter().enumerate())
+                .map(|(i, f)| if i < rotated { f / factor } else { 0.0 })
+                .collect()
+        }
         RopeScaling::LongRope {
             ref short_factor, ..
         } => divided(&base, short_factor),

@@ -89,7 +89,7 @@ pub(crate) fn layer_types(fields: &Fields, layers: usize) -> Result<Option<Vec<b
 
 /// The sliding layers' RoPE base: `rope_parameters.sliding_attention` (which must not scale),
 /// else `rope_local_base_freq` (10000).
-fn local_rope_theta(fields: &Fields) -> Result<f64> {
+pub(crate) fn local_rope_theta(fields: &Fields) -> Result<f64> {
     let local = match fields.object("rope_parameters")? {
         Some(p) => p.object("sliding_attention")?,
         None => None,

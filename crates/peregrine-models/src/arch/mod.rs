@@ -3,6 +3,7 @@
 pub mod deepseek_v3;
 pub mod gemma2;
 pub mod gemma3;
+pub mod gemma4;
 pub mod llama;
 pub mod mistral;
 pub mod mixtral;

@@ -1,5 +1,7 @@
 //! Multi-head attention with grouped-query heads, optional q/k/v biases and q/k RMSNorm, and
-//! optionally soft-capped scores (Gemma 2).
+//! optionally soft-capped scores (Gemma 2). Gemma 4 adds unweighted value norms, values taken
+//! from the keys' projection, and layers that attend to an earlier layer's keys and values
+//! (KV sharing: no k/v projections; the caller hands them that layer's cache).
 
 use peregrine_kv::{AttnParams, LayerCache};
 use peregrine_tensor::ops::rms_norm;
@@ -10,14 +12,31 @@ use crate::layers::step::{StepBuffers, norm_rows_in_place};
 use crate::weights::Weights;
 use crate::{ModelConfig, Result};
 
+/// Where a layer's keys and values come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvProjections {
+    /// `k_proj` and `v_proj`.
+    Own,
+    /// `k_proj` only: values are its output before the key norm and RoPE (Gemma 4's
+    /// `attention_k_eq_v`).
+    ValuesFromKeys,
+    /// None: the layer attends to the keys and values another layer appended to the cache it
+    /// is given (KV sharing).
+    Shared,
+}
+
 /// Self-attention of one decoder layer.
 pub struct Attention {
     q_proj: QLinear,
-    k_proj: QLinear,
-    v_proj: QLinear,
+    /// `None` for a KV-shared layer.
+    k_proj: Option<QLinear>,
+    /// `None` for a KV-shared layer, or when values are the keys' projection.
+    v_proj: Option<QLinear>,
     o_proj: QLinear,
     q_norm: Option<Tensor>,
     k_norm: Option<Tensor>,
+    /// Ones `[head_dim]`: values RMS-normed without a weight (Gemma 4).
+    v_norm: Option<Tensor>,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -29,15 +48,27 @@ pub struct Attention {
 impl Attention {
     /// Loads `{prefix}.{q,k,v,o}_proj` (and `{q,k}_norm` when the config asks for them).
     pub fn load(c: &ModelConfig, w: &Weights, prefix: &str) -> Result<Self> {
+        Self::load_kv(c, w, prefix, KvProjections::Own)
+    }
+
+    /// [`load`](Self::load) with the key/value projections `kv` says the layer has.
+    pub fn load_kv(c: &ModelConfig, w: &Weights, prefix: &str, kv: KvProjections) -> Result<Self> {
         let (h, hd) = (c.hidden_size, c.head_dim);
         let (q_dim, kv_dim) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
         let bias = c.attention_bias;
-        let qkv = [
-            w.linear(&format!("{prefix}.q_proj"), q_dim, h, bias)?,
-            w.linear(&format!("{prefix}.k_proj"), kv_dim, h, bias)?,
-            w.linear(&format!("{prefix}.v_proj"), kv_dim, h, bias)?,
-        ];
-        Self::from_projections(c, w, prefix, qkv)
+        let linear = |name: &str, out: usize| w.linear(&format!("{prefix}.{name}"), out, h, bias);
+        let q = linear("q_proj", q_dim)?;
+        let (k, v) = match kv {
+            KvProjections::Own => (
+                Some(linear("k_proj", kv_dim)?),
+                Some(linear("v_proj", kv_dim)?),
+            ),
+            KvProjections::ValuesFromKeys => (Some(linear("k_proj", kv_dim)?), None),
+            KvProjections::Shared => (None, None),
+        };
+        let mut attn = Self::from_parts(c, w, prefix, q, k.is_some())?;
+        (attn.k_proj, attn.v_proj) = (k, v);
+        Ok(attn)
     }
 
     /// [`load`](Self::load) for checkpoints that fuse q, k and v into one `{prefix}.qkv_proj`
@@ -61,20 +92,36 @@ impl Attention {
         prefix: &str,
         [q_proj, k_proj, v_proj]: [QLinear; 3],
     ) -> Result<Self> {
+        let mut attn = Self::from_parts(c, w, prefix, q_proj, true)?;
+        (attn.k_proj, attn.v_proj) = (Some(k_proj), Some(v_proj));
+        Ok(attn)
+    }
+
+    /// The layer without k/v projections; `o_proj` and the norms loaded (the key and value
+    /// norms only when the layer projects its own keys, `own_kv`).
+    fn from_parts(
+        c: &ModelConfig,
+        w: &Weights,
+        prefix: &str,
+        q_proj: QLinear,
+        own_kv: bool,
+    ) -> Result<Self> {
         let (h, hd) = (c.hidden_size, c.head_dim);
         let q_dim = c.num_attention_heads * hd;
-        let norm = |name: &str| -> Result<Option<Tensor>> {
-            c.qk_norm
+        let norm = |name: &str, on: bool| -> Result<Option<Tensor>> {
+            (c.qk_norm && on)
                 .then(|| norm_weight(c, w, &format!("{prefix}.{name}.weight"), hd))
                 .transpose()
         };
+        let ones = || Tensor::ones(hd, w.dtype(), w.device());
         Ok(Self {
             q_proj,
-            k_proj,
-            v_proj,
+            k_proj: None,
+            v_proj: None,
             o_proj: w.linear(&format!("{prefix}.o_proj"), h, q_dim, false)?,
-            q_norm: norm("q_norm")?,
-            k_norm: norm("k_norm")?,
+            q_norm: norm("q_norm", true)?,
+            k_norm: norm("k_norm", own_kv)?,
+            v_norm: (c.v_norm && own_kv).then(ones).transpose()?,
             heads: c.num_attention_heads,
             kv_heads: c.num_key_value_heads,
             head_dim: hd,
@@ -102,14 +149,15 @@ impl Attention {
             };
             Ok(t.transpose(1, 2)?)
         };
-        let qkv = QLinear::forward_group(&[&self.q_proj, &self.k_proj, &self.v_proj], x)?;
-        let [q, k, v]: [Tensor; 3] = qkv.try_into().expect("three layers in, three out");
-        let q = split(q, self.heads, &self.q_norm)?;
-        let k = split(k, self.kv_heads, &self.k_norm)?;
-        let v = split(v, self.kv_heads, &None)?;
+        let (projections, n_proj) = self.projections();
+        let mut qkv = QLinear::forward_group(&projections[..n_proj], x)?.into_iter();
+        let q = split(qkv.next().expect("q_proj"), self.heads, &self.q_norm)?;
         let q = rope.apply(&q, start)?;
-        let k = rope.apply(&k, start)?;
-        cache.append(&k, &v)?;
+        if let Some(k) = qkv.next() {
+            let v = qkv.next().unwrap_or_else(|| k.clone());
+            let k = rope.apply(&split(k, self.kv_heads, &self.k_norm)?, start)?;
+            cache.append(&k, &split(v, self.kv_heads, &self.v_norm)?)?;
+        }
         let params = self.params();
         let y = cache.attend(&q, &params)?; // [b, heads, n, hd]
         let y = y
@@ -138,21 +186,49 @@ impl Attention {
             attention,
             ..
         } = b;
-        let qkv = [&self.q_proj, &self.k_proj, &self.v_proj];
-        QLinear::forward_group_into(&qkv, normed, &mut [q, k, v], linear)?;
+        // Buffers are sized for the widest layer; this one uses their front.
+        let (q_dim, kv_dim) = (self.heads * self.head_dim, self.kv_heads * self.head_dim);
+        let (q, attn) = (&mut q[..q_dim], &mut attn[..q_dim]);
+        let (k, v) = (&mut k[..kv_dim], &mut v[..kv_dim]);
+        let (projections, n) = self.projections();
+        let mut outs: [&mut [f32]; 3] = [q, k, v];
+        QLinear::forward_group_into(&projections[..n], normed, &mut outs[..n], linear)?;
+        let [q, k, v] = outs;
         if let Some(w) = &self.q_norm {
             norm_rows_in_place(q, w, self.eps)?;
         }
-        if let Some(w) = &self.k_norm {
-            norm_rows_in_place(k, w, self.eps)?;
-        }
         rope.apply_rows_in_place(q, pos)?;
-        rope.apply_rows_in_place(k, pos)?;
-        cache.append_row(k, v, self.head_dim)?;
+        if self.k_proj.is_some() {
+            if self.v_proj.is_none() {
+                v.copy_from_slice(k);
+            }
+            if let Some(w) = &self.k_norm {
+                norm_rows_in_place(k, w, self.eps)?;
+            }
+            if let Some(w) = &self.v_norm {
+                norm_rows_in_place(v, w, self.eps)?;
+            }
+            rope.apply_rows_in_place(k, pos)?;
+            cache.append_row(k, v, self.head_dim)?;
+        }
         let params = self.params();
         cache.attend_row(q, self.head_dim, &params, attn, attention)?;
         QLinear::forward_group_into(&[&self.o_proj], attn, &mut [out], linear)?;
         Ok(())
+    }
+
+    /// The projections this layer runs, q then k and v where it has them, and how many
+    /// (an array: the decode step allocates nothing).
+    fn projections(&self) -> ([&QLinear; 3], usize) {
+        let (mut all, mut n) = ([&self.q_proj; 3], 1);
+        for l in [self.k_proj.as_ref(), self.v_proj.as_ref()]
+            .into_iter()
+            .flatten()
+        {
+            all[n] = l;
+            n += 1;
+        }
+        (all, n)
     }
 
     fn params(&self) -> AttnParams {
@@ -164,9 +240,12 @@ impl Attention {
 
     /// Bytes of weights.
     pub fn weight_bytes(&self) -> usize {
-        [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
+        let o = self.o_proj.weight_bytes();
+        let (projections, n) = self.projections();
+        projections[..n]
             .iter()
             .map(|l| l.weight_bytes())
-            .sum()
+            .sum::<usize>()
+            + o
     }
 }

@@ -66,10 +66,7 @@ impl DecoderLm {
             })
             .collect::<Result<Vec<_>>>()?;
         let embed_tokens = w.embedding("model.embed_tokens.weight", c.vocab_size, h)?;
-        let lm_head = match c.tie_word_embeddings && !w.contains("lm_head.weight") {
-            true => embed_tokens.as_linear()?,
-            false => w.linear("lm_head", c.vocab_size, h, false)?,
-        };
+        let lm_head = super::lm_head(c, w, &embed_tokens)?;
         let rope = RotaryEmbedding::new_partial(
             (c.head_dim, c.rotary_dim()),
             c.rope_theta,

@@ -40,6 +40,29 @@ pub fn output_logits(
     Ok(logits.squeeze(0)?.to_dtype(DType::F32)?)
 }
 
+/// `x + rms_norm(y) · w`: a block's output joining the residual through its post-norm
+/// (Gemma's "sandwich" norms).
+pub fn add_normed(x: &Tensor, y: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
+    Ok((x + rms_norm(y, w, eps)?)?)
+}
+
+/// `logits` soft-capped at `cap` (`cap · tanh(l / cap)`, Gemma's `final_logit_softcapping`).
+pub fn softcapped(logits: Tensor, cap: Option<f64>) -> Result<Tensor> {
+    match cap {
+        Some(cap) => Ok(peregrine_tensor::attention::softcap(&logits, cap as f32)?),
+        None => Ok(logits),
+    }
+}
+
+/// The output head: `lm_head`, or the embedding table when the config ties them and the
+/// checkpoint has no `lm_head.weight`.
+pub fn lm_head(c: &ModelConfig, w: &Weights, embed: &Embedding) -> Result<QLinear> {
+    match c.tie_word_embeddings && !w.contains("lm_head.weight") {
+        true => Ok(embed.as_linear()?),
+        false => w.linear("lm_head", c.vocab_size, c.hidden_size, false),
+    }
+}
+
 /// Fails unless `n` tokens (at least one) fit at position `start` of a context of `max`.
 pub fn check_room(n: usize, start: usize, max: usize) -> Result<()> {
     if n == 0 || start + n > max {

@@ -7,11 +7,13 @@
 //! reuses and allocates nothing.
 
 use peregrine_moe::{ExpertStore, ResidentExperts, Router, Scoring, tokens_by_expert};
+use peregrine_tensor::ops::rms_norm;
 use peregrine_tensor::{DType, QLinear, Tensor};
 
 use crate::config::{ExpertNaming, MoeConfig};
 use crate::layers::mlp::GatedMlp;
-use crate::layers::step::StepBuffers;
+use crate::layers::norm_weight;
+use crate::layers::step::{MoeBuffers, StepBuffers, norm_into};
 use crate::weights::Weights;
 use crate::{ModelConfig, ModelError, Result};
 
@@ -73,6 +75,12 @@ pub struct MoeBlock {
     experts: Box<dyn ExpertStore<GatedMlp>>,
     /// Always-on experts added to the routed output (DeepSeek-V3's `shared_experts`).
     shared: Option<GatedMlp>,
+    /// RMSNorm weight of the router's input, when the router sees a normed copy of the
+    /// block's input (Gemma 4: `router.scale · hidden^-0.5`, folded at load).
+    router_norm: Option<Tensor>,
+    /// RMSNorm weight of the experts' input (Gemma 4's `pre_feedforward_layernorm_2`).
+    input_norm: Option<Tensor>,
+    eps: f32,
 }
 
 /// HF names of one MoE layer's tensors: the block's prefix and the per-expert projection
@@ -87,13 +95,60 @@ fn names(layer: usize, naming: ExpertNaming) -> (String, [&'static str; 3]) {
             format!("model.layers.{layer}.block_sparse_moe"),
             ["w1", "w3", "w2"],
         ),
+        ExpertNaming::Gemma4 => (
+            format!("model.layers.{layer}.experts"),
+            ["gate_proj", "up_proj", "down_proj"],
+        ),
     }
+}
+
+/// Gemma 4's experts: HF stacks them as `{prefix}.gate_up_proj` `[n, 2i, hidden]` (rows
+/// `[gate; up]`) and `{prefix}.down_proj` `[n, hidden, i]`, split per expert at load; MLX
+/// splits them into `{prefix}.switch_glu.{gate,up,down}_proj`.
+fn gemma4_experts(
+    c: &ModelConfig,
+    w: &Weights,
+    prefix: &str,
+    moe: &MoeConfig,
+) -> Result<Vec<GatedMlp>> {
+    let (h, i, n) = (c.hidden_size, moe.intermediate_size, moe.num_experts);
+    let fused = format!("{prefix}.gate_up_proj");
+    let dense = |t: &Tensor, e: usize, rows: (usize, usize)| -> Result<QLinear> {
+        let t = t.narrow(0, e, 1)?.squeeze(0)?.narrow(0, rows.0, rows.1)?;
+        Ok(QLinear::Dense {
+            w: t.contiguous()?,
+            b: None,
+        })
+    };
+    if w.contains(&fused) {
+        let gate_up = w.tensor(&fused, &[n, 2 * i, h])?;
+        let down = w.tensor(&format!("{prefix}.down_proj"), &[n, h, i])?;
+        return (0..n)
+            .map(|e| {
+                let (g, u) = (dense(&gate_up, e, (0, i))?, dense(&gate_up, e, (i, i))?);
+                Ok(GatedMlp::new(g, u, dense(&down, e, (0, h))?, c.activation))
+            })
+            .collect();
+    }
+    let load = |name: &str, out: usize, inp: usize| {
+        let each = |e: usize| format!("{prefix}.{e}.{name}");
+        w.expert_linears(&format!("{prefix}.switch_glu.{name}"), &each, n, out, inp)
+    };
+    let (gates, ups) = (load("gate_proj", i, h)?, load("up_proj", i, h)?);
+    let downs = load("down_proj", h, i)?;
+    let experts = gates.into_iter().zip(ups).zip(downs);
+    Ok(experts
+        .map(|((g, u), d)| GatedMlp::new(g, u, d, c.activation))
+        .collect())
 }
 
 impl MoeBlock {
     /// Loads layer `layer`'s router and experts (per-expert HF tensors, or the stacked
     /// `switch_mlp` of MLX and `ffn_*_exps` of GGUF files).
     pub fn load(c: &ModelConfig, w: &Weights, layer: usize, moe: &MoeConfig) -> Result<Self> {
+        if moe.naming == ExpertNaming::Gemma4 {
+            return Self::load_gemma4(c, w, layer, moe);
+        }
         let (prefix, per_expert) = names(layer, moe.naming);
         let (h, i, n) = (c.hidden_size, moe.intermediate_size, moe.num_experts);
         let projections = [("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)];
@@ -139,6 +194,33 @@ impl MoeBlock {
             router,
             experts: Box::new(ResidentExperts::new(experts, bytes)),
             shared,
+            router_norm: None,
+            input_norm: None,
+            eps: c.rms_norm_eps as f32,
+        })
+    }
+
+    /// Gemma 4's block: the router sees the layer's residual RMS-normed and scaled by
+    /// `router.scale · hidden^-0.5`, softmax over all experts, the top k renormalised, then
+    /// times `router.per_expert_scale`; the experts see it through `pre_feedforward_layernorm_2`.
+    fn load_gemma4(c: &ModelConfig, w: &Weights, layer: usize, moe: &MoeConfig) -> Result<Self> {
+        let (h, n) = (c.hidden_size, moe.num_experts);
+        let p = format!("model.layers.{layer}");
+        let experts = gemma4_experts(c, w, &format!("{p}.experts"), moe)?;
+        let bytes = experts.iter().map(GatedMlp::weight_bytes).sum();
+        let mut router = Router::softmax(moe.top_k, true);
+        let scale = w.tensor(&format!("{p}.router.per_expert_scale"), &[n])?;
+        router.expert_scale = Some(scale.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+        let router_norm = w.tensor(&format!("{p}.router.scale"), &[h])?;
+        let input_norm = format!("{p}.pre_feedforward_layernorm_2.weight");
+        Ok(Self {
+            gate: w.linear(&format!("{p}.router.proj"), n, h, false)?,
+            router,
+            experts: Box::new(ResidentExperts::new(experts, bytes)),
+            shared: None,
+            router_norm: Some((router_norm * (h as f64).powf(-0.5))?),
+            input_norm: Some(norm_weight(c, w, &input_norm, h)?),
+            eps: c.rms_norm_eps as f32,
         })
     }
 
@@ -147,7 +229,15 @@ impl MoeBlock {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (b, n, h) = x.dims3()?;
         let flat = x.reshape((b * n, h))?;
-        let logits = self.gate.forward(&flat)?.to_dtype(DType::F32)?; // [n, experts]
+        let normed = |w: &Option<Tensor>| -> Result<Tensor> {
+            match w {
+                Some(w) => Ok(rms_norm(&flat, w, self.eps)?),
+                None => Ok(flat.clone()),
+            }
+        };
+        let logits = self.gate.forward(&normed(&self.router_norm)?)?; // [n, experts]
+        let logits = logits.to_dtype(DType::F32)?;
+        let flat = normed(&self.input_norm)?;
         let mut logits = logits.flatten_all()?.to_vec1::<f32>()?;
         let (experts, k) = (self.experts.len(), self.router.top_k);
         let mut scratch = vec![0f32; experts];
@@ -188,25 +278,45 @@ impl MoeBlock {
             moe,
             ..
         } = b;
-        QLinear::forward_group_into(&[&self.gate], normed, &mut [&mut moe.logits], linear)?;
-        (self.router).route(
-            &mut moe.logits,
-            &mut moe.scratch,
-            &mut moe.ids,
-            &mut moe.weights,
-        );
-        self.experts.prefetch(&moe.ids);
+        let MoeBuffers {
+            logits,
+            scratch,
+            ids,
+            weights,
+            out: expert_out,
+            input,
+        } = moe;
+        let eps = self.eps;
+        let routed: &[f32] = match &self.router_norm {
+            Some(w) => {
+                norm_into(normed, w, eps, input)?;
+                input
+            }
+            None => normed,
+        };
+        QLinear::forward_group_into(&[&self.gate], routed, &mut [&mut logits[..]], linear)?;
+        self.router.route(logits, scratch, ids, weights);
+        let x: &[f32] = match &self.input_norm {
+            Some(w) => {
+                norm_into(normed, w, eps, input)?;
+                input
+            }
+            None => normed,
+        };
+        self.experts.prefetch(ids);
         out.fill(0.0);
-        for (&e, &weight) in moe.ids.iter().zip(&moe.weights) {
+        for (&e, &weight) in ids.iter().zip(weights.iter()) {
             let expert = self.experts.expert(e).map_err(expert_err(e))?;
-            expert.row_into(normed, gate, up, &mut moe.out, linear)?;
+            expert.row_into(x, gate, up, expert_out, linear)?;
             out.iter_mut()
-                .zip(&moe.out)
+                .zip(expert_out.iter())
                 .for_each(|(o, y)| *o += weight * y);
         }
         if let Some(shared) = &self.shared {
-            shared.row_into(normed, gate, up, &mut moe.out, linear)?;
-            out.iter_mut().zip(&moe.out).for_each(|(o, y)| *o += y);
+            shared.row_into(x, gate, up, expert_out, linear)?;
+            out.iter_mut()
+                .zip(expert_out.iter())
+                .for_each(|(o, y)| *o += y);
         }
         Ok(())
     }

@@ -40,6 +40,22 @@ pub struct StepBuffers {
     pub moe: MoeBuffers,
     /// Multi-head latent attention's intermediates (empty without MLA).
     pub mla: MlaBuffers,
+    /// A block's output held while another block runs (Gemma 4's dense MLP beside its
+    /// experts), `[hidden]`.
+    pub side: Vec<f32>,
+    /// Per-layer input embeddings (empty without them).
+    pub per_layer: PerLayerBuffers,
+}
+
+/// A decode step's per-layer input buffers (Gemma 4).
+#[derive(Default)]
+pub struct PerLayerBuffers {
+    /// Every layer's input, `[layers · width]`.
+    pub inputs: Vec<f32>,
+    /// The token's row of the per-layer table, `[layers · width]`.
+    pub token: Vec<f32>,
+    /// One layer's gate, `[width]`.
+    pub gate: Vec<f32>,
 }
 
 /// A decode step's multi-head latent attention buffers (DeepSeek-V3).
@@ -83,6 +99,8 @@ pub struct MoeBuffers {
     pub weights: Vec<f32>,
     /// One expert's output, `[hidden]`.
     pub out: Vec<f32>,
+    /// The block's input normed for the router or the experts (Gemma 4), `[hidden]`.
+    pub input: Vec<f32>,
 }
 
 impl MoeBuffers {
@@ -96,6 +114,7 @@ impl MoeBuffers {
             ids: vec![0; moe.top_k],
             weights: vec![0.0; moe.top_k],
             out: vec![0.0; c.hidden_size],
+            input: vec![0.0; c.hidden_size],
         }
     }
 }
@@ -103,15 +122,27 @@ impl MoeBuffers {
 impl StepBuffers {
     fn new(c: &ModelConfig) -> Self {
         let zeros = |n: usize| vec![0f32; n];
-        let (q_dim, kv_dim) = (
-            c.num_attention_heads * c.head_dim,
-            c.num_key_value_heads * c.head_dim,
-        );
+        // Sized for the widest layer; each layer uses the front of a buffer.
+        let layers = (0..c.num_hidden_layers.max(1)).map(|i| c.for_layer(i));
+        let (mut q_dim, mut kv_dim, mut intermediate) = (0, 0, 0);
+        for l in layers {
+            q_dim = q_dim.max(l.num_attention_heads * l.head_dim);
+            kv_dim = kv_dim.max(l.num_key_value_heads * l.head_dim);
+            intermediate = intermediate.max(l.intermediate_size);
+        }
         // Dense layers and experts share the MLP's buffers.
-        let intermediate = c.intermediate_size.max(c.moe.as_ref().map_or(0, |m| {
+        let intermediate = intermediate.max(c.moe.as_ref().map_or(0, |m| {
             m.intermediate_size
                 .max(m.shared_intermediate_size.unwrap_or(0))
         }));
+        let per_layer = match c.per_layer_input {
+            Some(p) => PerLayerBuffers {
+                inputs: zeros(c.num_hidden_layers * p.hidden),
+                token: zeros(c.num_hidden_layers * p.hidden),
+                gate: zeros(p.hidden),
+            },
+            None => PerLayerBuffers::default(),
+        };
         Self {
             x: zeros(c.hidden_size),
             normed: zeros(c.hidden_size),
@@ -126,6 +157,8 @@ impl StepBuffers {
             attention: AttnScratch::default(),
             moe: MoeBuffers::new(c),
             mla: MlaBuffers::new(c),
+            side: zeros(c.hidden_size),
+            per_layer,
         }
     }
 }
@@ -168,6 +201,28 @@ fn not_f32() -> ModelError {
 /// `x += y`.
 pub fn add_into(x: &mut [f32], y: &[f32]) {
     x.iter_mut().zip(y).for_each(|(x, y)| *x += y);
+}
+
+/// `x += rms_norm(y) · w` for one row, `scratch` (`[hidden]`) holding the normed `y`:
+/// [`add_normed`](super::add_normed) in the step.
+pub fn add_normed_into(
+    x: &mut [f32],
+    y: &[f32],
+    w: &Tensor,
+    eps: f32,
+    scratch: &mut [f32],
+) -> Result<()> {
+    norm_into(y, w, eps, scratch)?;
+    add_into(x, scratch);
+    Ok(())
+}
+
+/// [`softcap`](peregrine_tensor::attention::softcap) on a row of f32 logits, in the same
+/// operations (candle divides by multiplying with the reciprocal), so that decode and
+/// `forward` agree bit for bit.
+pub fn softcap_in_place(logits: &mut [f32], cap: f32) {
+    let inv = (1.0 / cap as f64) as f32;
+    logits.iter_mut().for_each(|l| *l = (*l * inv).tanh() * cap);
 }
 
 /// The output head for one token: final norm of `b.x`, then `lm_head` into `logits`.

@@ -491,6 +491,9 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
             .collect(),
         moe: None,
         mla: None,
+        v_norm: false,
+        per_layer_input: None,
+        layer_specs: vec![],
     };
     if let Some(experts) = meta.opt_usize("expert_count")? {
         // llama.cpp makes every layer of these families sparse and renormalises the chosen

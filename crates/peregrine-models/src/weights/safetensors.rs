@@ -28,6 +28,8 @@ pub struct SafetensorsFiles {
     files: Vec<Mapped>,
     /// Tensor name → index in `files` (the last file naming a tensor wins).
     routing: HashMap<String, usize>,
+    /// Another name → the name stored ([`alias_prefix`](Self::alias_prefix)).
+    aliases: HashMap<String, String>,
 }
 
 impl SafetensorsFiles {
@@ -63,7 +65,23 @@ impl SafetensorsFiles {
             root: dir.to_path_buf(),
             files,
             routing,
+            aliases: HashMap::new(),
         })
+    }
+
+    /// Makes every tensor stored as `{from}…` also found as `{to}…`: a multimodal checkpoint's
+    /// language model read under the text model's names.
+    pub fn alias_prefix(&mut self, from: &str, to: &str) {
+        let aliased: Vec<(String, usize, String)> = (self.routing.iter())
+            .filter_map(|(name, &i)| {
+                let rest = name.strip_prefix(from)?;
+                Some((format!("{to}{rest}"), i, name.clone()))
+            })
+            .collect();
+        for (alias, i, stored) in aliased {
+            self.routing.insert(alias.clone(), i);
+            self.aliases.insert(alias, stored);
+        }
     }
 
     /// The checkpoint folder.
@@ -114,7 +132,8 @@ impl SafetensorsFiles {
             });
         };
         let file = &self.files[index];
-        Ok((file, &file.tensors[name]))
+        let stored = self.aliases.get(name).map_or(name, String::as_str);
+        Ok((file, &file.tensors[stored]))
     }
 
     /// Loads `name` as stored (dtype unchanged), then releases the file's pages under it.

@@ -251,6 +251,9 @@ fn model_metadata(c: &ModelConfig, file_type: u32) -> Result<Vec<(String, Value)
             "longrope scaling is not written to GGUF yet (llama.cpp stores its factors as \
              `rope_factors_long` / `rope_factors_short` tensors)"
         ),
+        RopeScaling::Proportional { .. } => {
+            bail!("proportional rope (Gemma 4) is not written to GGUF yet")
+        }
         RopeScaling::Llama3 { .. } => bail!(
             "llama3 rope scaling cannot be written as GGUF metadata that Peregrine's GGUF loader \
              reads (llama.cpp stores it as a `rope_freqs` tensor, which the loader refuses)"

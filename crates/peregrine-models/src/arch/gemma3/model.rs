@@ -4,14 +4,15 @@
 //! is the same decoder without q/k norms, with one RoPE base and both caps.
 
 use peregrine_kv::{LayerCache, LayerKind, SequenceCache};
-use peregrine_tensor::attention::softcap;
 use peregrine_tensor::ops::rms_norm;
 use peregrine_tensor::{DType, Device, Embedding, QLinear, RopeScaling, RotaryEmbedding, Tensor};
 
 use crate::layers::attention::Attention;
 use crate::layers::mlp::GatedMlp;
-use crate::layers::norm_weight;
-use crate::layers::step::{StepBuffers, StepPool, add_into, norm_into, output_logits_into};
+use crate::layers::step::{
+    StepBuffers, StepPool, add_normed_into, norm_into, output_logits_into, softcap_in_place,
+};
+use crate::layers::{add_normed, norm_weight, softcapped};
 use crate::weights::Weights;
 use crate::{CausalLm, Logits, ModelConfig, Result};
 
@@ -67,10 +68,7 @@ impl Gemma3Lm {
             })
             .collect::<Result<Vec<_>>>()?;
         let embed_tokens = w.embedding("model.embed_tokens.weight", c.vocab_size, h)?;
-        let lm_head = match c.tie_word_embeddings && !w.contains("lm_head.weight") {
-            true => embed_tokens.as_linear()?,
-            false => w.linear("lm_head", c.vocab_size, h, false)?,
-        };
+        let lm_head = crate::layers::lm_head(c, w, &embed_tokens)?;
         let rope = |theta: f64, scaling: &RopeScaling| {
             RotaryEmbedding::new(
                 c.head_dim,
@@ -119,11 +117,11 @@ impl Layer {
             cache,
             start,
         )?;
-        let x = (x + rms_norm(&attn, &self.post_attention_layernorm, eps)?)?;
+        let x = add_normed(x, &attn, &self.post_attention_layernorm, eps)?;
         let mlp = self
             .mlp
             .forward(&rms_norm(&x, &self.pre_feedforward_layernorm, eps)?)?;
-        Ok((&x + rms_norm(&mlp, &self.post_feedforward_layernorm, eps)?)?)
+        add_normed(&x, &mlp, &self.post_feedforward_layernorm, eps)
     }
 
     /// [`forward`](Self::forward) for one token over a decode step's buffers (`b.x`).
@@ -137,13 +135,22 @@ impl Layer {
     ) -> Result<()> {
         norm_into(&b.x, &self.input_layernorm, eps, &mut b.normed)?;
         self.self_attn.step(b, rope, cache, pos)?;
-        norm_into(&b.out, &self.post_attention_layernorm, eps, &mut b.normed)?;
-        add_into(&mut b.x, &b.normed);
+        add_normed_into(
+            &mut b.x,
+            &b.out,
+            &self.post_attention_layernorm,
+            eps,
+            &mut b.normed,
+        )?;
         norm_into(&b.x, &self.pre_feedforward_layernorm, eps, &mut b.normed)?;
         self.mlp.step(b)?;
-        norm_into(&b.out, &self.post_feedforward_layernorm, eps, &mut b.normed)?;
-        add_into(&mut b.x, &b.normed);
-        Ok(())
+        add_normed_into(
+            &mut b.x,
+            &b.out,
+            &self.post_feedforward_layernorm,
+            eps,
+            &mut b.normed,
+        )
     }
 }
 
@@ -186,10 +193,7 @@ impl CausalLm for Gemma3Lm {
             x = layer.forward(&x, eps, self.rope(layer), cache.layer(i), start)?;
         }
         let logits = crate::layers::output_logits(&x, want, &self.norm, eps, &self.lm_head)?;
-        match self.config.final_logit_softcapping {
-            Some(cap) => Ok(softcap(&logits, cap as f32)?),
-            None => Ok(logits),
-        }
+        softcapped(logits, self.config.final_logit_softcapping)
     }
 
     fn decode(&self, token: u32, cache: &mut SequenceCache, logits: &mut Vec<f32>) -> Result<()> {
@@ -232,11 +236,4 @@ impl CausalLm for Gemma3Lm {
             &self.lm_head,
         )
     }
-}
-
-/// [`softcap`] on a row of f32 logits, in the same operations (candle divides by multiplying
-/// with the reciprocal), so that decode and `forward` agree bit for bit.
-fn softcap_in_place(logits: &mut [f32], cap: f32) {
-    let inv = (1.0 / cap as f64) as f32;
-    logits.iter_mut().for_each(|l| *l = (*l * inv).tanh() * cap);
 }
