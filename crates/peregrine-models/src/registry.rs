@@ -8,7 +8,9 @@ use peregrine_tensor::device::compute_dtype;
 
 use crate::arch::gemma3::model::Gemma3Lm;
 use crate::config::{Fields, read_json_object};
+use crate::layers::attention::Attention;
 use crate::layers::decoder::DecoderLm;
+use crate::layers::mla::Mla;
 use crate::weights::{
     GgufFile, MlxActivations, MlxQuantization, SafetensorsFiles, Source, Weights, config_from_gguf,
 };
@@ -17,17 +19,13 @@ use crate::{CausalLm, ModelConfig, ModelError, Result, arch};
 type Configure = fn(&Fields, &mut ModelConfig) -> Result<()>;
 type Build = fn(ModelConfig, &Weights, usize) -> Result<Arc<dyn CausalLm>>;
 
-/// DeepSeek-V3's decoder (multi-head latent attention).
+/// The llama-family decoder with multi-head latent attention (DeepSeek-V3).
 fn deepseek_v3(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn CausalLm>> {
-    Ok(Arc::new(arch::deepseek_v3::DeepseekV3Lm::load(
-        c,
-        w,
-        max_context,
-    )?))
+    Ok(Arc::new(DecoderLm::<Mla>::load(c, w, max_context)?))
 }
 
 fn decoder(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn CausalLm>> {
-    Ok(Arc::new(DecoderLm::load(c, w, max_context)?))
+    Ok(Arc::new(DecoderLm::<Attention>::load(c, w, max_context)?))
 }
 
 /// Gemma 4's decoder.

@@ -18,18 +18,14 @@
 //! - Real checkpoints carry `num_nextn_predict_layers` multi-token-prediction layers after the
 //!   last one (`model.layers.61.*` in DeepSeek-V3); only layers `< num_hidden_layers` are read,
 //!   so they are ignored.
+//!
+//! Everything else is the llama-family decoder: the model is `DecoderLm<Mla>`.
 
-use peregrine_kv::{LayerCache, LayerKind, SequenceCache};
-use peregrine_tensor::ops::rms_norm;
-use peregrine_tensor::{DType, Device, Embedding, QLinear, RopeScaling, RotaryEmbedding, Tensor};
+use peregrine_tensor::RopeScaling;
 
 use crate::config::{ExpertNaming, Fields, MlaConfig, MoeConfig, SigmoidRouting, yarn_get_mscale};
 use crate::layers::mla::Mla;
-use crate::layers::moe::Ffn;
-use crate::layers::norm_weight;
-use crate::layers::step::{StepBuffers, StepPool, add_into, norm_into, output_logits_into};
-use crate::weights::Weights;
-use crate::{CausalLm, Logits, ModelConfig, Result};
+use crate::{ModelConfig, Result};
 
 /// Reads the MLA and MoE fields. `head_dim` becomes the cached head width (`rope + kv_lora_rank`)
 /// and there is one key/value head (the latent every query head attends).
@@ -111,164 +107,4 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
             .map(|n| n * moe_intermediate),
     });
     Ok(())
-}
-
-struct Layer {
-    input_layernorm: Tensor,
-    self_attn: Mla,
-    post_attention_layernorm: Tensor,
-    mlp: Ffn,
-}
-
-/// DeepSeek-V3's decoder.
-pub struct DeepseekV3Lm {
-    config: ModelConfig,
-    embed_tokens: Embedding,
-    layers: Vec<Layer>,
-    norm: Tensor,
-    lm_head: QLinear,
-    rope: RotaryEmbedding,
-    device: Device,
-    dtype: DType,
-    steps: StepPool,
-}
-
-impl DeepseekV3Lm {
-    /// Loads layers `0..num_hidden_layers` (any MTP layers after them are not read).
-    pub fn load(config: ModelConfig, w: &Weights, max_context: usize) -> Result<Self> {
-        let c = &config;
-        let h = c.hidden_size;
-        let layers = (0..c.num_hidden_layers)
-            .map(|i| {
-                let p = format!("model.layers.{i}");
-                Ok(Layer {
-                    input_layernorm: norm_weight(c, w, &format!("{p}.input_layernorm.weight"), h)?,
-                    self_attn: Mla::load(c, w, &format!("{p}.self_attn"))?,
-                    post_attention_layernorm: norm_weight(
-                        c,
-                        w,
-                        &format!("{p}.post_attention_layernorm.weight"),
-                        h,
-                    )?,
-                    mlp: Ffn::load(c, w, i)?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let embed_tokens = w.embedding("model.embed_tokens.weight", c.vocab_size, h)?;
-        let lm_head = match c.tie_word_embeddings && !w.contains("lm_head.weight") {
-            true => embed_tokens.as_linear()?,
-            false => w.linear("lm_head", c.vocab_size, h, false)?,
-        };
-        let mla = c.mla.as_ref().expect("an MLA config");
-        let rope = RotaryEmbedding::new_partial(
-            (c.head_dim, mla.qk_rope_head_dim),
-            c.rope_theta,
-            &c.rope_scaling,
-            c.rope_style,
-            max_context,
-            DType::F32,
-            w.device(),
-        )?;
-        Ok(Self {
-            norm: norm_weight(c, w, "model.norm.weight", h)?,
-            embed_tokens,
-            layers,
-            lm_head,
-            rope,
-            device: w.device().clone(),
-            dtype: w.dtype(),
-            config,
-            steps: StepPool::default(),
-        })
-    }
-}
-
-impl Layer {
-    fn forward(
-        &self,
-        x: &Tensor,
-        eps: f32,
-        rope: &RotaryEmbedding,
-        cache: &mut dyn LayerCache,
-        start: usize,
-    ) -> Result<Tensor> {
-        let normed = rms_norm(x, &self.input_layernorm, eps)?;
-        let x = (x + self.self_attn.forward(&normed, rope, cache, start)?)?;
-        let mlp = (self.mlp).forward(&rms_norm(&x, &self.post_attention_layernorm, eps)?)?;
-        Ok((x + mlp)?)
-    }
-
-    fn step(
-        &self,
-        b: &mut StepBuffers,
-        eps: f32,
-        rope: &RotaryEmbedding,
-        cache: &mut dyn LayerCache,
-        pos: usize,
-    ) -> Result<()> {
-        norm_into(&b.x, &self.input_layernorm, eps, &mut b.normed)?;
-        self.self_attn.step(b, rope, cache, pos)?;
-        add_into(&mut b.x, &b.out);
-        norm_into(&b.x, &self.post_attention_layernorm, eps, &mut b.normed)?;
-        self.mlp.step(b)?;
-        add_into(&mut b.x, &b.out);
-        Ok(())
-    }
-}
-
-impl CausalLm for DeepseekV3Lm {
-    fn config(&self) -> &ModelConfig {
-        &self.config
-    }
-
-    fn cache_spec(&self) -> Vec<LayerKind> {
-        vec![LayerKind::Full; self.layers.len()]
-    }
-
-    fn forward(&self, tokens: &[u32], cache: &mut SequenceCache, want: Logits) -> Result<Tensor> {
-        let n = tokens.len();
-        let start = cache.len();
-        crate::layers::check_room(n, start, self.rope.max_positions())?;
-        let eps = self.config.rms_norm_eps as f32;
-        let ids = Tensor::new(tokens, &self.device)?.unsqueeze(0)?;
-        let mut x = self.embed_tokens.forward(&ids, self.dtype)?;
-        for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(&x, eps, &self.rope, cache.layer(i), start)?;
-        }
-        crate::layers::output_logits(&x, want, &self.norm, eps, &self.lm_head)
-    }
-
-    fn decode(&self, token: u32, cache: &mut SequenceCache, logits: &mut Vec<f32>) -> Result<()> {
-        if !self.device.is_cpu() {
-            return crate::decode_with_forward(self, token, cache, logits);
-        }
-        let pos = cache.len();
-        crate::layers::check_room(1, pos, self.rope.max_positions())?;
-        let eps = self.config.rms_norm_eps as f32;
-        self.steps.run(&self.config, |b| {
-            self.embed_tokens.row_into(token, &mut b.x)?;
-            for (i, layer) in self.layers.iter().enumerate() {
-                layer.step(b, eps, &self.rope, cache.layer(i), pos)?;
-            }
-            let vocab = self.config.vocab_size;
-            output_logits_into(b, &self.norm, eps, &self.lm_head, vocab, logits)
-        })
-    }
-
-    fn device(&self) -> &Device {
-        &self.device
-    }
-
-    fn weight_bytes(&self) -> usize {
-        let layers = self.layers.iter();
-        let layer_bytes = layers.map(|l| l.self_attn.weight_bytes() + l.mlp.weight_bytes());
-        crate::layers::decoder_weight_bytes(
-            &self.config,
-            self.dtype,
-            2,
-            layer_bytes.sum(),
-            &self.embed_tokens,
-            &self.lm_head,
-        )
-    }
 }

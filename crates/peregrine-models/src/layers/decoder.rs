@@ -1,13 +1,15 @@
 //! The llama-family decoder (pre-norm attention + gated MLP), parameterised by config flags:
 //! q/k/v bias (Qwen2), q/k norm (Qwen3), sliding window (Mistral), routed experts in place of
-//! the MLP (Mixtral, Qwen3-MoE). Architectures that differ only in such flags reuse it rather
-//! than copying it.
+//! the MLP (Mixtral, Qwen3-MoE), and by its attention ([`SelfAttention`]: grouped-query
+//! [`Attention`], or DeepSeek's latent [`Mla`]). Architectures that differ only in such flags
+//! reuse it rather than copying it.
 
 use peregrine_kv::{LayerCache, LayerKind, SequenceCache};
 use peregrine_tensor::ops::rms_norm;
 use peregrine_tensor::{DType, Device, Embedding, QLinear, RotaryEmbedding, Tensor};
 
 use crate::layers::attention::Attention;
+use crate::layers::mla::Mla;
 use crate::layers::mlp::GatedMlp;
 use crate::layers::moe::Ffn;
 use crate::layers::norm_weight;
@@ -15,18 +17,108 @@ use crate::layers::step::{StepBuffers, StepPool, add_into, norm_into, output_log
 use crate::weights::Weights;
 use crate::{CausalLm, Logits, ModelConfig, Result};
 
-struct DecoderLayer {
+/// A decoder layer's attention: what [`DecoderLm`] needs of it.
+pub trait SelfAttention: Sized + Send + Sync {
+    /// Loads `{prefix}.*` (`model.layers.{i}.self_attn`).
+    fn load(c: &ModelConfig, w: &Weights, prefix: &str) -> Result<Self>;
+    /// The dimensions of each cached head that RoPE rotates.
+    fn rotary_dim(c: &ModelConfig) -> usize {
+        c.rotary_dim()
+    }
+    /// `x: [1, n, hidden]` (normed) at positions `start..` → `[1, n, hidden]`.
+    fn forward(
+        &self,
+        x: &Tensor,
+        rope: &RotaryEmbedding,
+        cache: &mut dyn LayerCache,
+        start: usize,
+    ) -> Result<Tensor>;
+    /// One token at `pos` from `b.normed` into `b.out`, allocating nothing.
+    fn step(
+        &self,
+        b: &mut StepBuffers,
+        rope: &RotaryEmbedding,
+        cache: &mut dyn LayerCache,
+        pos: usize,
+    ) -> Result<()>;
+    /// Bytes of weights.
+    fn weight_bytes(&self) -> usize;
+}
+
+impl SelfAttention for Attention {
+    /// Phi-3 fuses q/k/v: split at load, the layer stays the same.
+    fn load(c: &ModelConfig, w: &Weights, prefix: &str) -> Result<Self> {
+        match w.contains(&format!("{prefix}.qkv_proj.weight")) {
+            true => Attention::load_fused(c, w, prefix),
+            false => Attention::load(c, w, prefix),
+        }
+    }
+    fn forward(
+        &self,
+        x: &Tensor,
+        rope: &RotaryEmbedding,
+        cache: &mut dyn LayerCache,
+        start: usize,
+    ) -> Result<Tensor> {
+        Attention::forward(self, x, rope, cache, start)
+    }
+    fn step(
+        &self,
+        b: &mut StepBuffers,
+        rope: &RotaryEmbedding,
+        cache: &mut dyn LayerCache,
+        pos: usize,
+    ) -> Result<()> {
+        Attention::step(self, b, rope, cache, pos)
+    }
+    fn weight_bytes(&self) -> usize {
+        Attention::weight_bytes(self)
+    }
+}
+
+impl SelfAttention for Mla {
+    fn load(c: &ModelConfig, w: &Weights, prefix: &str) -> Result<Self> {
+        Mla::load(c, w, prefix)
+    }
+    /// The shared RoPE key's width (the rest of a cached head is the latent).
+    fn rotary_dim(c: &ModelConfig) -> usize {
+        c.mla.as_ref().map_or(0, |m| m.qk_rope_head_dim)
+    }
+    fn forward(
+        &self,
+        x: &Tensor,
+        rope: &RotaryEmbedding,
+        cache: &mut dyn LayerCache,
+        start: usize,
+    ) -> Result<Tensor> {
+        Mla::forward(self, x, rope, cache, start)
+    }
+    fn step(
+        &self,
+        b: &mut StepBuffers,
+        rope: &RotaryEmbedding,
+        cache: &mut dyn LayerCache,
+        pos: usize,
+    ) -> Result<()> {
+        Mla::step(self, b, rope, cache, pos)
+    }
+    fn weight_bytes(&self) -> usize {
+        Mla::weight_bytes(self)
+    }
+}
+
+struct DecoderLayer<A> {
     input_layernorm: Tensor,
-    self_attn: Attention,
+    self_attn: A,
     post_attention_layernorm: Tensor,
     mlp: Ffn,
 }
 
-/// A decoder-only transformer of the llama family.
-pub struct DecoderLm {
+/// A decoder-only transformer of the llama family, with attention `A`.
+pub struct DecoderLm<A = Attention> {
     config: ModelConfig,
     embed_tokens: Embedding,
-    layers: Vec<DecoderLayer>,
+    layers: Vec<DecoderLayer<A>>,
     norm: Tensor,
     lm_head: QLinear,
     rope: RotaryEmbedding,
@@ -35,30 +127,27 @@ pub struct DecoderLm {
     steps: StepPool,
 }
 
-impl DecoderLm {
-    /// Loads the weights for `config`; RoPE tables cover `max_context` positions.
+impl<A: SelfAttention> DecoderLm<A> {
+    /// Loads the weights for `config`; RoPE tables cover `max_context` positions. Layers past
+    /// `num_hidden_layers` (DeepSeek's multi-token-prediction layers) are not read.
     pub fn load(config: ModelConfig, w: &Weights, max_context: usize) -> Result<Self> {
         let c = &config;
         let h = c.hidden_size;
         let layers = (0..c.num_hidden_layers)
             .map(|i| {
                 let p = format!("model.layers.{i}");
-                // Phi-3 fuses q/k/v and gate/up: split at load, the layers stay the same.
-                let fused = |name: &str| w.contains(&format!("{p}.{name}.weight"));
-                let (attn, mlp) = (format!("{p}.self_attn"), format!("{p}.mlp"));
+                // Phi-3 fuses gate/up: split at load, the layer stays the same.
+                let mlp = format!("{p}.mlp");
                 Ok(DecoderLayer {
                     input_layernorm: norm_weight(c, w, &format!("{p}.input_layernorm.weight"), h)?,
-                    self_attn: match fused("self_attn.qkv_proj") {
-                        true => Attention::load_fused(c, w, &attn)?,
-                        false => Attention::load(c, w, &attn)?,
-                    },
+                    self_attn: A::load(c, w, &format!("{p}.self_attn"))?,
                     post_attention_layernorm: norm_weight(
                         c,
                         w,
                         &format!("{p}.post_attention_layernorm.weight"),
                         h,
                     )?,
-                    mlp: match fused("mlp.gate_up_proj") {
+                    mlp: match w.contains(&format!("{mlp}.gate_up_proj.weight")) {
                         true => Ffn::Dense(GatedMlp::load_fused(c, w, &mlp)?),
                         false => Ffn::load(c, w, i)?,
                     },
@@ -68,7 +157,7 @@ impl DecoderLm {
         let embed_tokens = w.embedding("model.embed_tokens.weight", c.vocab_size, h)?;
         let lm_head = super::lm_head(c, w, &embed_tokens)?;
         let rope = RotaryEmbedding::new_partial(
-            (c.head_dim, c.rotary_dim()),
+            (c.head_dim, A::rotary_dim(c)),
             c.rope_theta,
             &c.rope_scaling,
             c.rope_style,
@@ -90,7 +179,7 @@ impl DecoderLm {
     }
 }
 
-impl DecoderLayer {
+impl<A: SelfAttention> DecoderLayer<A> {
     fn forward(
         &self,
         x: &Tensor,
@@ -131,7 +220,7 @@ impl DecoderLayer {
     }
 }
 
-impl CausalLm for DecoderLm {
+impl<A: SelfAttention + 'static> CausalLm for DecoderLm<A> {
     fn config(&self) -> &ModelConfig {
         &self.config
     }
