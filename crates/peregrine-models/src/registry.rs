@@ -6,7 +6,7 @@ use std::sync::Arc;
 use peregrine_tensor::Device;
 use peregrine_tensor::device::compute_dtype;
 
-use crate::arch::gemma3::model::Gemma3Lm;
+use crate::arch::gemma4::model::GemmaLm;
 use crate::config::{Fields, read_json_object};
 use crate::layers::attention::Attention;
 use crate::layers::decoder::DecoderLm;
@@ -28,27 +28,18 @@ fn decoder(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn Ca
     Ok(Arc::new(DecoderLm::<Attention>::load(c, w, max_context)?))
 }
 
-/// Gemma 4's decoder.
-fn gemma4(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn CausalLm>> {
-    Ok(Arc::new(arch::gemma4::model::Gemma4Lm::load(
-        c,
-        w,
-        max_context,
-    )?))
-}
-
-/// Gemma 3's decoder, which also runs Gemma 2.
-fn gemma3(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn CausalLm>> {
-    Ok(Arc::new(Gemma3Lm::load(c, w, max_context)?))
+/// The Gemma decoder (Gemma 2, 3 and 4).
+fn gemma(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn CausalLm>> {
+    Ok(Arc::new(GemmaLm::load(c, w, max_context)?))
 }
 
 /// Registered architectures: name (HF `model_type`, also GGUF `general.architecture`), its
 /// config adjustments and the model it builds (the llama-family decoder unless it differs).
 const ARCHITECTURES: &[(&str, Configure, Build)] = &[
     ("deepseek_v3", arch::deepseek_v3::configure, deepseek_v3),
-    ("gemma2", arch::gemma2::configure, gemma3),
-    ("gemma3", arch::gemma3::configure, gemma3),
-    ("gemma4_text", arch::gemma4::configure, gemma4),
+    ("gemma2", arch::gemma2::configure, gemma),
+    ("gemma3", arch::gemma3::configure, gemma),
+    ("gemma4_text", arch::gemma4::configure, gemma),
     ("llama", arch::llama::configure, decoder),
     ("mistral", arch::mistral::configure, decoder),
     ("mixtral", arch::mixtral::configure, decoder),

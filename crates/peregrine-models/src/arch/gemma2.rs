@@ -1,7 +1,7 @@
 //! Gemma 2 (`gemma2`, GGUF `gemma2`):
 //! <https://github.com/huggingface/transformers/blob/main/src/transformers/models/gemma2/modeling_gemma2.py>
 //!
-//! Gemma 3's decoder ([`super::gemma3::model`]) without the q/k norms and with one RoPE base:
+//! The Gemma decoder ([`super::gemma4::model`]) without q/k norms and with one RoPE base:
 //! embeddings scaled by `sqrt(hidden_size)`, `1 + w` RMSNorms, four norms per layer, GELU-tanh
 //! MLP, attention scale `query_pre_attn_scalar^-0.5`; sliding and full layers alternate (layer 0
 //! slides); attention scores are soft-capped (`attn_logit_softcapping`, 50 by default:

@@ -6,10 +6,8 @@
 //! head; GELU-tanh gated MLP; attention scale `query_pre_attn_scalar^-0.5`; sliding-window
 //! layers (usually five of every six) with their own unscaled RoPE base `rope_local_base_freq`,
 //! the full layers with `rope_theta` and `rope_scaling`; tied `lm_head`; soft-capped scores and
-//! logits when the config asks (Gemma 2's caps). The decoder is in [`model`]; Gemma 2
-//! ([`super::gemma2`]) runs on it too.
-
-pub mod model;
+//! logits when the config asks (Gemma 2's caps). The decoder is the Gemma one
+//! ([`super::gemma4::model`]), which Gemma 2 ([`super::gemma2`]) runs on too.
 
 use crate::config::{Activation, Fields, rope_scaling_from};
 use crate::{ModelConfig, Result};

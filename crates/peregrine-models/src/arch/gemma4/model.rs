@@ -1,7 +1,10 @@
-//! The Gemma 4 decoder: Gemma's four norms per layer around the shared attention (q/k/v norms,
-//! unscaled scores, KV-shared layers reading an earlier layer's cache slot) and gated MLP, with
-//! an MoE block beside the MLP, a per-layer input block after it and a scalar on each layer's
-//! output; see the [module above](super) for the list.
+//! The Gemma decoder (Gemma 2, 3 and 4): four norms per layer around the shared attention and
+//! the gated MLP (GELU-tanh), one RoPE table per layer kind, output logits soft-capped when the
+//! config says so. Gemma 2 and 3 are the plain form (their own q/k norms, score scaling and
+//! caps come from the config); Gemma 4 adds v-norms, KV-shared layers reading an earlier
+//! layer's cache slot, an MoE block beside the MLP, a per-layer input block after it and a
+//! scalar on each layer's output (see the [module above](super)), each `None` or 1 when the
+//! config or checkpoint has none.
 
 use peregrine_kv::{LayerCache, LayerKind, SequenceCache};
 use peregrine_tensor::ops::{Gate, gelu_mul, rms_norm};
@@ -68,8 +71,8 @@ struct Layer {
     slot: usize,
 }
 
-/// Gemma 4 (text): see the [module above](super).
-pub struct Gemma4Lm {
+/// Gemma 2, 3 and 4 (text): see the [module above](super).
+pub struct GemmaLm {
     config: ModelConfig,
     embed_tokens: Embedding,
     /// `sqrt(hidden_size)` in the compute dtype.
@@ -87,12 +90,19 @@ pub struct Gemma4Lm {
     steps: StepPool,
 }
 
-impl Gemma4Lm {
+impl GemmaLm {
     /// Loads the weights for `config`; RoPE tables cover `max_context` positions.
     pub fn load(config: ModelConfig, w: &Weights, max_context: usize) -> Result<Self> {
         let c = &config;
         let h = c.hidden_size;
-        let sliding = c.sliding_layers.clone().unwrap_or_default();
+        // Without a pattern every layer slides when the config has a window (Mistral-style).
+        let sliding: Vec<bool> = (0..c.num_hidden_layers)
+            .map(|i| match (&c.sliding_layers, c.sliding_window) {
+                (Some(s), Some(_)) => s[i],
+                (None, Some(_)) => true,
+                (_, None) => false,
+            })
+            .collect();
         let window = c.sliding_window.unwrap_or(usize::MAX);
         let (mut layers, mut slots) = (Vec::new(), Vec::new());
         for (i, &slides) in sliding.iter().enumerate() {
@@ -130,7 +140,10 @@ impl Gemma4Lm {
                 }),
                 None => None,
             };
-            let scalar = w.tensor(&format!("{p}.layer_scalar"), &[1])?;
+            let scalar = match w.contains(&format!("{p}.layer_scalar")) {
+                true => w.tensor(&format!("{p}.layer_scalar"), &[1])?,
+                false => Tensor::new(&[1f32], w.device())?,
+            };
             layers.push(Layer {
                 input_layernorm: norm("input_layernorm")?,
                 self_attn: Attention::load_kv(&lc, w, &format!("{p}.self_attn"), kv)?,
@@ -178,11 +191,16 @@ impl Gemma4Lm {
                 w.device(),
             )
         };
-        let local_theta = c.rope_local_theta.unwrap_or(c.rope_theta);
+        let rope_global = rope(false, c.rope_theta, &c.rope_scaling)?;
+        // Gemma 2 has one RoPE base (and scaling) for both kinds.
+        let rope_local = match c.rope_local_theta {
+            Some(theta) => rope(true, theta, &RopeScaling::None)?,
+            None => rope_global.clone(),
+        };
         let embed_scale = Tensor::new(&[(h as f32).sqrt()], w.device())?.to_dtype(w.dtype())?;
         Ok(Self {
-            rope_global: rope(false, c.rope_theta, &c.rope_scaling)?,
-            rope_local: rope(true, local_theta, &RopeScaling::None)?,
+            rope_global,
+            rope_local,
             norm: norm_weight(c, w, "model.norm.weight", h)?,
             embed_tokens,
             embed_scale,
@@ -263,7 +281,10 @@ impl Layer {
             let gated = gelu_mul(&p.gate.forward(&x)?, &input)?;
             x = add_normed(&x, &p.projection.forward(&gated)?, &p.norm, eps)?;
         }
-        Ok(x.affine(self.scalar as f64, 0.0)?)
+        match self.scalar {
+            1.0 => Ok(x),
+            scalar => Ok(x.affine(scalar as f64, 0.0)?),
+        }
     }
 
     /// [`forward`](Self::forward) for one token over a decode step's buffers (`b.x`); layer
@@ -312,7 +333,9 @@ impl Layer {
             QLinear::forward_group_into(&[&p.projection], gate, &mut [&mut b.out], &mut b.linear)?;
             add_normed_into(&mut b.x, &b.out, &p.norm, eps, &mut b.normed)?;
         }
-        b.x.iter_mut().for_each(|x| *x *= self.scalar);
+        if self.scalar != 1.0 {
+            b.x.iter_mut().for_each(|x| *x *= self.scalar);
+        }
         Ok(())
     }
 
@@ -324,7 +347,7 @@ impl Layer {
     }
 }
 
-impl CausalLm for Gemma4Lm {
+impl CausalLm for GemmaLm {
     fn config(&self) -> &ModelConfig {
         &self.config
     }
