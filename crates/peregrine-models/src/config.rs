@@ -691,6 +691,18 @@ fn long_rope(scaling: &Fields, config: Option<&Fields>) -> Result<RopeScaling> {
     })
 }
 
+/// An HF config map parsed with an architecture's `configure` (the `arch/` unit tests).
+#[cfg(test)]
+pub(crate) fn parse_with(
+    map: &Map<String, Value>,
+    configure: fn(&Fields, &mut ModelConfig) -> Result<()>,
+) -> Result<ModelConfig> {
+    let fields = Fields::new(Path::new("config.json"), map);
+    let mut config = ModelConfig::from_hf(&fields)?;
+    configure(&fields, &mut config)?;
+    Ok(config)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -126,13 +126,9 @@ pub fn configure_gguf(config: &mut ModelConfig, freq_base_swa: Option<f64>) {
 mod tests {
     use super::*;
     use serde_json::{Map, Value, json};
-    use std::path::Path;
 
     fn parse(map: &Map<String, Value>) -> Result<ModelConfig> {
-        let fields = Fields::new(Path::new("config.json"), map);
-        let mut config = ModelConfig::from_hf(&fields)?;
-        configure(&fields, &mut config)?;
-        Ok(config)
+        crate::config::parse_with(map, configure)
     }
 
     fn base() -> Map<String, Value> {

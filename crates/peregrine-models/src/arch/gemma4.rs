@@ -218,13 +218,9 @@ fn layer_specs(fields: &Fields, c: &ModelConfig, sliding: &[bool]) -> Result<Vec
 mod tests {
     use super::*;
     use serde_json::{Map, json};
-    use std::path::Path;
 
     fn parse(map: &Map<String, Value>) -> Result<ModelConfig> {
-        let fields = Fields::new(Path::new("config.json"), map);
-        let mut config = ModelConfig::from_hf(&fields)?;
-        configure(&fields, &mut config)?;
-        Ok(config)
+        crate::config::parse_with(map, configure)
     }
 
     fn base() -> Map<String, Value> {

@@ -45,6 +45,33 @@ pub trait SelfAttention: Sized + Send + Sync {
     fn weight_bytes(&self) -> usize;
 }
 
+/// [`SelfAttention`]'s forward, step and weight bytes as `$t`'s own methods of those names.
+macro_rules! own_attention_methods {
+    ($t:ty) => {
+        fn forward(
+            &self,
+            x: &Tensor,
+            rope: &RotaryEmbedding,
+            cache: &mut dyn LayerCache,
+            start: usize,
+        ) -> Result<Tensor> {
+            <$t>::forward(self, x, rope, cache, start)
+        }
+        fn step(
+            &self,
+            b: &mut StepBuffers,
+            rope: &RotaryEmbedding,
+            cache: &mut dyn LayerCache,
+            pos: usize,
+        ) -> Result<()> {
+            <$t>::step(self, b, rope, cache, pos)
+        }
+        fn weight_bytes(&self) -> usize {
+            <$t>::weight_bytes(self)
+        }
+    };
+}
+
 impl SelfAttention for Attention {
     /// Phi-3 fuses q/k/v: split at load, the layer stays the same.
     fn load(c: &ModelConfig, w: &Weights, prefix: &str) -> Result<Self> {
@@ -53,27 +80,7 @@ impl SelfAttention for Attention {
             false => Attention::load(c, w, prefix),
         }
     }
-    fn forward(
-        &self,
-        x: &Tensor,
-        rope: &RotaryEmbedding,
-        cache: &mut dyn LayerCache,
-        start: usize,
-    ) -> Result<Tensor> {
-        Attention::forward(self, x, rope, cache, start)
-    }
-    fn step(
-        &self,
-        b: &mut StepBuffers,
-        rope: &RotaryEmbedding,
-        cache: &mut dyn LayerCache,
-        pos: usize,
-    ) -> Result<()> {
-        Attention::step(self, b, rope, cache, pos)
-    }
-    fn weight_bytes(&self) -> usize {
-        Attention::weight_bytes(self)
-    }
+    own_attention_methods!(Attention);
 }
 
 impl SelfAttention for Mla {
@@ -84,27 +91,7 @@ impl SelfAttention for Mla {
     fn rotary_dim(c: &ModelConfig) -> usize {
         c.mla.as_ref().map_or(0, |m| m.qk_rope_head_dim)
     }
-    fn forward(
-        &self,
-        x: &Tensor,
-        rope: &RotaryEmbedding,
-        cache: &mut dyn LayerCache,
-        start: usize,
-    ) -> Result<Tensor> {
-        Mla::forward(self, x, rope, cache, start)
-    }
-    fn step(
-        &self,
-        b: &mut StepBuffers,
-        rope: &RotaryEmbedding,
-        cache: &mut dyn LayerCache,
-        pos: usize,
-    ) -> Result<()> {
-        Mla::step(self, b, rope, cache, pos)
-    }
-    fn weight_bytes(&self) -> usize {
-        Mla::weight_bytes(self)
-    }
+    own_attention_methods!(Mla);
 }
 
 struct DecoderLayer<A> {
