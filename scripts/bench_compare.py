@@ -1,10 +1,13 @@
 """Compare `peregrine bench` with llama.cpp (llama-cpp-python) on the same GGUF file, in one run.
 
 usage: .venv-ref/bin/python scripts/bench_compare.py --model FILE --prompt-tokens N --gen-tokens M
-           --threads T --repeat R [--peregrine PATH] [--skip-peregrine] [--warmup W]
+           --threads T --repeat R [--cache-type f16|f32] [--peregrine PATH] [--skip-peregrine] [--warmup W]
+
+Both systems keep their KV cache in the same type, `--cache-type` (default f16, llama.cpp's own
+default; Peregrine's is f32).
 
 peregrine half: runs `PATH bench --model FILE --prompt-tokens N --gen-tokens M --repeat R --threads T
---json` and reads one JSON object from its stdout (prefill_tps, decode_tps, ttft_ms, peak_rss_bytes,
+--cache-type C --json` and reads one JSON object from its stdout (prefill_tps, decode_tps, ttft_ms, peak_rss_bytes,
 kv_bytes). PATH defaults to target/release/peregrine in this repo; the script stops with an error when
 the binary is missing (use --skip-peregrine to time llama.cpp alone).
 
@@ -30,7 +33,8 @@ def die(msg, code=2):
 
 def run_peregrine(binary, a):
     cmd = [str(binary), "bench", "--model", a.model, "--prompt-tokens", str(a.prompt_tokens),
-           "--gen-tokens", str(a.gen_tokens), "--repeat", str(a.repeat), "--threads", str(a.threads), "--json"]
+           "--gen-tokens", str(a.gen_tokens), "--repeat", str(a.repeat), "--threads", str(a.threads),
+           "--cache-type", a.cache_type, "--json"]
     print("bench_compare: running " + " ".join(cmd), file=sys.stderr)
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=sys.stderr, text=True)
     if p.returncode != 0:
@@ -64,8 +68,10 @@ def run_llama_cpp(a):
     # llama-cpp-python sizes its logits buffer by n_batch: make it hold every position (the
     # compute still runs in n_ubatch=512 micro-batches, llama.cpp's default).
     n_batch = max(512, n_ctx)
+    kv_type = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}[a.cache_type]
     llm = Llama(model_path=a.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=512, n_threads=a.threads,
-                n_threads_batch=a.threads, seed=0, logits_all=False, verbose=False)
+                n_threads_batch=a.threads, seed=0, logits_all=False, verbose=False,
+                type_k=kv_type, type_v=kv_type)
     load_s = time.perf_counter() - t0
     ids = synthetic_ids(llm, a.prompt_tokens)
     runs = []
@@ -104,6 +110,8 @@ def main():
     ap.add_argument("--threads", type=int, required=True)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--cache-type", choices=["f16", "f32"], default="f16",
+                    help="KV cache type of both systems (default f16, llama.cpp's default)")
     ap.add_argument("--peregrine", default=None, help="path to the peregrine binary (default target/release/peregrine)")
     ap.add_argument("--skip-peregrine", action="store_true", help="time llama.cpp only")
     a = ap.parse_args()
@@ -124,7 +132,8 @@ def main():
         if not per or not lcp.get(k) or per.get(k) is None:
             return None
         return per[k] / lcp[k]
-    out = {"model": os.path.basename(a.model), "threads": a.threads, "prompt_tokens": a.prompt_tokens,
+    out = {"model": os.path.basename(a.model), "threads": a.threads, "cache_type": a.cache_type,
+           "prompt_tokens": a.prompt_tokens,
            "gen_tokens": a.gen_tokens, "repeat": a.repeat, "peregrine": per, "llama_cpp": lcp,
            "ratio": {"prefill": ratio("prefill_tps"), "decode": ratio("decode_tps")}}
     print(json.dumps(out))

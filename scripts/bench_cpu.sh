@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU-speed comparison: Peregrine vs llama.cpp on the two real test models, 2 threads, prompt
-# lengths 40 and 512, 64 greedy tokens, medians of 3 (scripts/bench_compare.py does each pair in
-# one run). Prints one JSON line per model and prompt length, and the load average before each,
+# lengths 40 and 512, 64 greedy tokens, medians of 3, both KV caches in f16 (scripts/bench_compare.py
+# does each pair in one run). Prints one JSON line per model and prompt length, and the load average before each,
 # since both systems slow down several-fold when other work shares the cores.
 #
 # usage: scripts/bench_cpu.sh [THREADS]   (needs target/release/peregrine and .venv-ref)
