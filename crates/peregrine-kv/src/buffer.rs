@@ -26,21 +26,25 @@ pub(crate) struct KvBuffer {
     pub(crate) used: usize,
     /// Keep CPU data in tensors too, as on other devices (tests compare the two stores).
     tensors_on_cpu: bool,
+    /// Store no values: each position's value is its key (DeepSeek's latent, which a model
+    /// lays out so that the wanted value is the key's leading columns).
+    values_are_keys: bool,
 }
 
-/// Where the keys and values live: `[kv_heads, capacity, head_dim]` each.
+/// Where the keys and values live: `[kv_heads, capacity, head_dim]` each (no values when
+/// they are the keys).
 #[derive(Debug, Clone)]
 enum Store {
     /// On the CPU, in our own buffers.
     Cpu {
         k: Plane,
-        v: Plane,
+        v: Option<Plane>,
         heads: usize,
         capacity: usize,
         head_dim: usize,
     },
     /// As `[1, kv_heads, capacity, head_dim]` tensors written with `slice_set`.
-    Tensors(Tensor, Tensor),
+    Tensors(Tensor, Option<Tensor>),
 }
 
 /// Keys or values on the CPU, in the storage dtype.
@@ -57,6 +61,14 @@ impl KvBuffer {
         Self {
             dtype,
             ..Self::default()
+        }
+    }
+
+    /// [`new`](Self::new) storing keys only, each position's value being its key.
+    pub(crate) fn keys_as_values(dtype: Option<DType>) -> Self {
+        Self {
+            values_are_keys: true,
+            ..Self::new(dtype)
         }
     }
 
@@ -95,7 +107,8 @@ impl KvBuffer {
                 capacity,
                 ..
             } => {
-                for (plane, x) in [(pk, k), (pv, v)] {
+                for (plane, x) in [(Some(pk), k), (pv.as_mut(), v)] {
+                    let Some(plane) = plane else { continue };
                     let x = x.to_dtype(DType::F32)?.contiguous()?;
                     let write = |x: &[f32]| plane.write(x, n * head_dim, at, *capacity, head_dim);
                     if with_f32(&x, write)?.is_none() {
@@ -105,7 +118,9 @@ impl KvBuffer {
             }
             Store::Tensors(bk, bv) => {
                 bk.slice_set(&k.to_dtype(bk.dtype())?.contiguous()?, 2, at)?;
-                bv.slice_set(&v.to_dtype(bv.dtype())?.contiguous()?, 2, at)?;
+                if let Some(bv) = bv {
+                    bv.slice_set(&v.to_dtype(bv.dtype())?.contiguous()?, 2, at)?;
+                }
             }
         }
         self.used += n;
@@ -137,7 +152,9 @@ impl KvBuffer {
         }) = &mut self.store
         {
             pk.write(k, head_dim, at, *capacity, head_dim);
-            pv.write(v, head_dim, at, *capacity, head_dim);
+            if let Some(pv) = pv {
+                pv.write(v, head_dim, at, *capacity, head_dim);
+            }
             self.used += 1;
             return Ok(());
         }
@@ -168,12 +185,13 @@ impl KvBuffer {
         let capacity = want.div_ceil(GROW_STEP) * GROW_STEP;
         let from = self.used - kept;
         let moved = from..self.used;
+        let values = !self.values_are_keys;
         let store = match self.store.take() {
             None if device.is_cpu() && !self.tensors_on_cpu => {
                 let plane = || Plane::zeros(dtype, heads * capacity * head_dim);
                 Store::Cpu {
                     k: plane()?,
-                    v: plane()?,
+                    v: values.then(plane).transpose()?,
                     heads,
                     capacity,
                     head_dim,
@@ -181,7 +199,7 @@ impl KvBuffer {
             }
             None => {
                 let k = Tensor::zeros((1, heads, capacity, head_dim), dtype, device)?;
-                let v = k.zeros_like()?;
+                let v = values.then(|| k.zeros_like()).transpose()?;
                 Store::Tensors(k, v)
             }
             Some(Store::Cpu {
@@ -191,17 +209,18 @@ impl KvBuffer {
                 ..
             }) => Store::Cpu {
                 k: k.regrown(old, capacity, moved.clone(), head_dim),
-                v: v.regrown(old, capacity, moved, head_dim),
+                v: v.map(|v| v.regrown(old, capacity, moved, head_dim)),
                 heads,
                 capacity,
                 head_dim,
             },
             Some(Store::Tensors(k, v)) => {
-                let new_k = Tensor::zeros((1, heads, capacity, head_dim), k.dtype(), k.device())?;
-                let new_v = new_k.zeros_like()?;
-                new_k.slice_set(&k.narrow(2, from, kept)?.contiguous()?, 2, 0)?;
-                new_v.slice_set(&v.narrow(2, from, kept)?.contiguous()?, 2, 0)?;
-                Store::Tensors(new_k, new_v)
+                let regrown = |x: &Tensor| -> Result<Tensor> {
+                    let new = Tensor::zeros((1, heads, capacity, head_dim), x.dtype(), x.device())?;
+                    new.slice_set(&x.narrow(2, from, kept)?.contiguous()?, 2, 0)?;
+                    Ok(new)
+                };
+                Store::Tensors(regrown(&k)?, v.as_ref().map(regrown).transpose()?)
             }
         };
         self.store = Some(store);
@@ -240,10 +259,11 @@ impl KvBuffer {
                 attention_kv(q, &kv, slots, params.scale, params.softcap, &mask)
             }
             Some(Store::Tensors(k, v)) => {
-                let (k, v) = (
-                    k.narrow(2, slots.start, slots.len())?,
-                    v.narrow(2, slots.start, slots.len())?,
-                );
+                let k = k.narrow(2, slots.start, slots.len())?;
+                let v = match v {
+                    Some(v) => v.narrow(2, slots.start, slots.len())?,
+                    None => k.clone(),
+                };
                 attention(q, &k, &v, params.scale, params.softcap, &mask)
             }
         }
@@ -285,7 +305,10 @@ impl KvBuffer {
                 heads,
                 capacity,
                 head_dim,
-            }) => CpuKv::new(k.rows(), v.rows(), *heads, *capacity, *head_dim),
+            }) => {
+                let v = v.as_ref().unwrap_or(k);
+                CpuKv::new(k.rows(), v.rows(), *heads, *capacity, *head_dim)
+            }
             _ => bail("kv: not a CPU buffer"),
         }
     }
@@ -297,9 +320,10 @@ impl KvBuffer {
     pub(crate) fn bytes(&self) -> usize {
         match &self.store {
             None => 0,
-            Some(Store::Cpu { k, v, .. }) => k.bytes() + v.bytes(),
+            Some(Store::Cpu { k, v, .. }) => k.bytes() + v.as_ref().map_or(0, Plane::bytes),
             Some(Store::Tensors(k, v)) => {
-                (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes()
+                let v = v.as_ref().map_or(0, Tensor::elem_count);
+                (k.elem_count() + v) * k.dtype().size_in_bytes()
             }
         }
     }
@@ -307,7 +331,10 @@ impl KvBuffer {
     /// A deep copy: tensors are written in place, so sharing their storage would alias.
     pub(crate) fn deep_copy(&self) -> Result<Self> {
         let store = match &self.store {
-            Some(Store::Tensors(k, v)) => Some(Store::Tensors(k.copy()?, v.copy()?)),
+            Some(Store::Tensors(k, v)) => Some(Store::Tensors(
+                k.copy()?,
+                v.as_ref().map(Tensor::copy).transpose()?,
+            )),
             other => other.clone(),
         };
         Ok(Self {
@@ -405,6 +432,57 @@ mod tests {
         (0..2 * n * 8)
             .map(|i| ((from * 16 + i) as f32 * 0.37 + salt).sin())
             .collect()
+    }
+
+    /// A buffer whose values are its keys attends exactly as one given `v = k`, on both stores,
+    /// across growth and trims, and a snapshot keeps attending alike; it holds half the bytes.
+    #[test]
+    fn keys_as_values_attend_as_keys_given_as_values() {
+        let params = AttnParams::scaled(0.3);
+        for dtype in [None, Some(DType::F16)] {
+            let mut full = KvBuffer::new(dtype);
+            let mut shared = [
+                KvBuffer::keys_as_values(dtype),
+                KvBuffer {
+                    tensors_on_cpu: true,
+                    ..KvBuffer::keys_as_values(dtype)
+                },
+            ];
+            let mut end = 0;
+            for n in [5, 1, 300, 1] {
+                let k = rows(end, n, 0.0);
+                let junk = rows(end, n, 9.0);
+                if n == 1 {
+                    full.append_row(&k, &k, 8, None).unwrap();
+                    for b in &mut shared {
+                        b.append_row(&k, &junk, 8, None).unwrap();
+                    }
+                } else {
+                    let t = |x: &[f32]| Tensor::from_slice(x, (1, 2, n, 8), &Device::Cpu).unwrap();
+                    full.append(&t(&k), &t(&k), None).unwrap();
+                    for b in &mut shared {
+                        b.append(&t(&k), &t(&junk), None).unwrap();
+                    }
+                }
+                end += n;
+                if n == 300 {
+                    full.trim(7);
+                    shared.iter_mut().for_each(|b| b.trim(7));
+                    end -= 7;
+                }
+                let q = Tensor::from_vec(rows(end, 2, 2.0), (1, 4, 1, 8), &Device::Cpu).unwrap();
+                let want = full.attend(&q, &params, None).unwrap();
+                for b in &shared {
+                    let copy = b.deep_copy().unwrap();
+                    for b in [b, &copy] {
+                        let got = b.attend(&q, &params, None).unwrap();
+                        let diff = peregrine_tensor::ops::max_abs_diff(&want, &got).unwrap();
+                        assert!(diff < 1e-6, "{dtype:?} after {end}: {diff}");
+                    }
+                    assert_eq!(2 * b.bytes(), full.bytes(), "{dtype:?} after {end}");
+                }
+            }
+        }
     }
 
     /// The CPU store and the tensor store (other devices') take the same appends, tensor and

@@ -9,6 +9,9 @@ use crate::{LayerCache, RotatingCache, SimpleCache};
 pub enum LayerKind {
     /// Attention over every earlier position.
     Full,
+    /// [`Full`](Self::Full), storing keys only: each position's value is its key (DeepSeek's
+    /// latent attention, whose value is the leading columns of its `[latent | rope]` key).
+    FullKeysAsValues,
     /// Attention over the last `window` positions.
     Sliding {
         /// Window width (query `q` sees key `k` when `q - k < window`).
@@ -40,6 +43,9 @@ impl SequenceCache {
             .map(|kind| -> Box<dyn LayerCache> {
                 match *kind {
                     LayerKind::Full => Box::new(SimpleCache::new(options.dtype)),
+                    LayerKind::FullKeysAsValues => {
+                        Box::new(SimpleCache::keys_as_values(options.dtype))
+                    }
                     LayerKind::Sliding { window } => {
                         Box::new(RotatingCache::new(window, DEFAULT_ROLLBACK, options.dtype))
                     }

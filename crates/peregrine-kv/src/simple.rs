@@ -21,6 +21,16 @@ impl SimpleCache {
     }
 }
 
+impl SimpleCache {
+    /// [`new`](Self::new) storing keys only: `attend` reads each position's key as its value
+    /// (the `v` given to `append` is not stored).
+    pub fn keys_as_values(dtype: Option<DType>) -> Self {
+        Self {
+            buf: KvBuffer::keys_as_values(dtype),
+        }
+    }
+}
+
 impl LayerCache for SimpleCache {
     fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
         self.buf.append(k, v, None)

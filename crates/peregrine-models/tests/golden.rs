@@ -312,9 +312,9 @@ fn sliding_window_prefill_in_chunks_of_3_equals_one_shot() {
 }
 
 /// DeepSeek-V3's cache holds the compressed latent, not decompressed heads: after the golden
-/// prompt each layer's keys and values are one `qk_rope_head_dim + kv_lora_rank`-wide head
-/// (f32) per position of the buffer, where decompressed keys and values would take
-/// `heads · (qk_nope_head_dim + qk_rope_head_dim)` each (the fixture: 80 against 128 values).
+/// prompt each layer keeps one `kv_lora_rank + qk_rope_head_dim`-wide key (f32), which is also
+/// its value, per position of the buffer, where decompressed keys and values would take
+/// `2 · heads · (qk_nope_head_dim + qk_rope_head_dim)` (the fixture: 80 against 256 values).
 #[test]
 fn deepseek_v3_caches_the_latent() {
     let loaded = load_model(&fixture("deepseek_v3"), &LoadOptions::default()).unwrap();
@@ -325,7 +325,7 @@ fn deepseek_v3_caches_the_latent() {
     assert_eq!((c.head_dim, c.num_key_value_heads), (width, 1));
     let mut cache = SequenceCache::new(&model.cache_spec(), &KvOptions::default());
     model.forward(&r.ids, &mut cache, Logits::Last).unwrap();
-    let per_position = cache.num_layers() * 2 * width * 4;
+    let per_position = cache.num_layers() * width * 4;
     let bytes = cache.bytes();
     assert_eq!(bytes % per_position, 0, "{bytes} bytes");
     let positions = bytes / per_position;

@@ -21,9 +21,16 @@ use crate::{CausalLm, Logits, ModelConfig, Result};
 pub trait SelfAttention: Sized + Send + Sync {
     /// Loads `{prefix}.*` (`model.layers.{i}.self_attn`).
     fn load(c: &ModelConfig, w: &Weights, prefix: &str) -> Result<Self>;
-    /// The dimensions of each cached head that RoPE rotates.
-    fn rotary_dim(c: &ModelConfig) -> usize {
-        c.rotary_dim()
+    /// The RoPE table's `(head width, rotated dimensions)`.
+    fn rope_dims(c: &ModelConfig) -> (usize, usize) {
+        (c.head_dim, c.rotary_dim())
+    }
+    /// The cache each layer keeps.
+    fn cache_kind(c: &ModelConfig) -> LayerKind {
+        match c.sliding_window {
+            Some(window) => LayerKind::Sliding { window },
+            None => LayerKind::Full,
+        }
     }
     /// `x: [1, n, hidden]` (normed) at positions `start..` → `[1, n, hidden]`.
     fn forward(
@@ -87,9 +94,14 @@ impl SelfAttention for Mla {
     fn load(c: &ModelConfig, w: &Weights, prefix: &str) -> Result<Self> {
         Mla::load(c, w, prefix)
     }
-    /// The shared RoPE key's width (the rest of a cached head is the latent).
-    fn rotary_dim(c: &ModelConfig) -> usize {
-        c.mla.as_ref().map_or(0, |m| m.qk_rope_head_dim)
+    /// The query's and the shared key's RoPE parts, turned on their own.
+    fn rope_dims(c: &ModelConfig) -> (usize, usize) {
+        let rope = c.mla.as_ref().map_or(0, |m| m.qk_rope_head_dim);
+        (rope, rope)
+    }
+    /// One `[latent | rope]` key per position, which is its own value.
+    fn cache_kind(_: &ModelConfig) -> LayerKind {
+        LayerKind::FullKeysAsValues
     }
     own_attention_methods!(Mla);
 }
@@ -144,7 +156,7 @@ impl<A: SelfAttention> DecoderLm<A> {
         let embed_tokens = w.embedding("model.embed_tokens.weight", c.vocab_size, h)?;
         let lm_head = super::lm_head(c, w, &embed_tokens)?;
         let rope = RotaryEmbedding::new_partial(
-            (c.head_dim, A::rotary_dim(c)),
+            A::rope_dims(c),
             c.rope_theta,
             &c.rope_scaling,
             c.rope_style,
@@ -213,11 +225,7 @@ impl<A: SelfAttention + 'static> CausalLm for DecoderLm<A> {
     }
 
     fn cache_spec(&self) -> Vec<LayerKind> {
-        let kind = match self.config.sliding_window {
-            Some(window) => LayerKind::Sliding { window },
-            None => LayerKind::Full,
-        };
-        vec![kind; self.layers.len()]
+        vec![A::cache_kind(&self.config); self.layers.len()]
     }
 
     fn forward(&self, tokens: &[u32], cache: &mut SequenceCache, want: Logits) -> Result<Tensor> {

@@ -9,11 +9,14 @@
 //! Here `kv_b_proj` is never applied to the cache: `q_nope·(W_uk·c) = (W_ukᵀ·q_nope)·c`, so each
 //! head's query is absorbed into latent space once, and `Σ p·(W_uv·c) = W_uv·(Σ p·c)`, so the
 //! attended latent is expanded into the head's value after attention. Attention is then
-//! multi-query over one `[rope | latent]`-wide key head per position: the cache holds
-//! `kv_lora_rank + qk_rope_head_dim` per position for keys (and the latent again, zero-padded,
-//! as the value, since caches keep keys and values of one width), not `2 · heads · (nope + rope)`.
-//! RoPE rotates the first `qk_rope_head_dim` dimensions of each head (a partial rotary
-//! embedding over the `[rope | latent]` layout).
+//! multi-query over one `[latent | rope]`-wide key head per position, and the key is its own
+//! value: the attended key's leading `kv_lora_rank` columns are the attended latent (the rest
+//! is ignored). The cache stores only keys ([`LayerKind::FullKeysAsValues`]):
+//! `kv_lora_rank + qk_rope_head_dim` values per position, not `2 · heads · (nope + rope)`.
+//! RoPE turns the `qk_rope_head_dim` parts alone (the query's and the shared key's), before
+//! they join their head.
+//!
+//! [`LayerKind::FullKeysAsValues`]: peregrine_kv::LayerKind::FullKeysAsValues
 //!
 //! `rope_interleave` (DeepSeek's checkpoints): transformers rotates adjacent pairs and writes the
 //! results de-interleaved; [`RopeStyle::Interleaved`] rotates the same pairs and keeps them in
@@ -91,7 +94,7 @@ impl Mla {
         })
     }
 
-    /// Width of the one cached key head: the shared RoPE key then the latent.
+    /// Width of the one cached key head: the latent then the shared RoPE key.
     pub fn cache_head_dim(m: &MlaConfig) -> usize {
         m.qk_rope_head_dim + m.kv_lora_rank
     }
@@ -100,8 +103,8 @@ impl Mla {
         AttnParams::scaled(self.m.softmax_scale)
     }
 
-    /// `x: [b, n, hidden]` at positions `start..start + n` → `[b, n, hidden]`. `rope` rotates
-    /// the first `qk_rope_head_dim` of each `[rope | latent]`-wide head.
+    /// `x: [b, n, hidden]` at positions `start..start + n` → `[b, n, hidden]`. `rope` turns
+    /// `qk_rope_head_dim`-wide rows.
     pub fn forward(
         &self,
         x: &Tensor,
@@ -135,20 +138,14 @@ impl Mla {
         let w_uk = self.kv_b.narrow(1, 0, nope)?; // [heads, nope, kvl]
         let q_nope = q.narrow(3, 0, nope)?.contiguous()?;
         let q_latent = q_nope.to_dtype(w_uk.dtype())?.broadcast_matmul(&w_uk)?;
-        let q_pe = q.narrow(3, nope, rd)?.to_dtype(q_latent.dtype())?;
-        let q = Tensor::cat(&[q_pe, q_latent], 3)?
-            .to_dtype(x.dtype())?
-            .contiguous()?;
+        let q_pe = rope.apply(&q.narrow(3, nope, rd)?.contiguous()?, start)?;
+        let q = Tensor::cat(&[q_latent.to_dtype(x.dtype())?, q_pe], 3)?.contiguous()?;
         let latent = kv_a.narrow(2, 0, kvl)?.contiguous()?;
-        let latent = rms_norm(&latent, &self.kv_a_norm, self.eps)?;
-        let k_pe = kv_a.narrow(2, kvl, rd)?;
-        let k = Tensor::cat(&[&k_pe, &latent], 2)?.unsqueeze(1)?; // [b, 1, n, rope + kvl]
-        let pad = Tensor::zeros((b, n, rd), latent.dtype(), latent.device())?;
-        let v = Tensor::cat(&[&latent, &pad], 2)?.unsqueeze(1)?;
-        let q = rope.apply(&q, start)?;
-        let k = rope.apply(&k.contiguous()?, start)?;
-        cache.append(&k, &v)?;
-        let y = cache.attend(&q, &self.params())?; // [b, heads, n, rope + kvl]
+        let latent = rms_norm(&latent, &self.kv_a_norm, self.eps)?.unsqueeze(1)?;
+        let k_pe = rope.apply(&kv_a.narrow(2, kvl, rd)?.unsqueeze(1)?.contiguous()?, start)?;
+        let k = Tensor::cat(&[&latent, &k_pe], 3)?; // [b, 1, n, kvl + rope]
+        cache.append(&k, &k)?;
+        let y = cache.attend(&q, &self.params())?; // [b, heads, n, kvl + rope]
         let w_uv = self.kv_b.narrow(1, nope, vd)?.transpose(1, 2)?; // [heads, kvl, v]
         let y = y.narrow(3, 0, kvl)?.to_dtype(w_uv.dtype())?.contiguous()?;
         let y = y.broadcast_matmul(&w_uv)?.to_dtype(x.dtype())?; // [b, heads, n, v]
@@ -170,7 +167,6 @@ impl Mla {
             out,
             q,
             k,
-            v,
             attn,
             linear,
             attention,
@@ -181,6 +177,7 @@ impl Mla {
             q_a,
             kv_a,
             q: q_full,
+            q_pe,
             o,
         } = mla;
         let m = &self.m;
@@ -205,24 +202,24 @@ impl Mla {
         }
         norm_rows_in_place(&mut kv_a[..kvl], &self.kv_a_norm, self.eps)?;
         let heads = self.heads;
-        let (q, k, v, attn) = (
+        let (q, k, attn) = (
             &mut q[..heads * width],
             &mut k[..width],
-            &mut v[..width],
             &mut attn[..heads * width],
         );
-        let (latent, k_pe) = kv_a.split_at(kvl);
-        k[..rd].copy_from_slice(k_pe);
-        k[rd..].copy_from_slice(latent);
-        v[..kvl].copy_from_slice(latent);
-        v[kvl..].fill(0.0);
+        k.copy_from_slice(kv_a);
+        rope.apply_rows_in_place(&mut k[kvl..], pos)?;
+        for (h, pe) in q_pe.chunks_exact_mut(rd).enumerate() {
+            pe.copy_from_slice(&q_full[h * (nope + rd) + nope..][..rd]);
+        }
+        rope.apply_rows_in_place(q_pe, pos)?;
         let up = nope + vd;
         with_f32(&self.kv_b, |w| {
             for h in 0..heads {
                 let (qh, src) = (&mut q[h * width..][..width], &q_full[h * (nope + rd)..]);
-                qh[..rd].copy_from_slice(&src[nope..nope + rd]);
+                qh[kvl..].copy_from_slice(&q_pe[h * rd..][..rd]);
                 // The head's query in latent space: Σ_i q_nope[i] · W_uk[i, :].
-                let q_latent = &mut qh[rd..];
+                let q_latent = &mut qh[..kvl];
                 q_latent.fill(0.0);
                 for (i, &qi) in src[..nope].iter().enumerate() {
                     let row = &w[(h * up + i) * kvl..][..kvl];
@@ -231,9 +228,7 @@ impl Mla {
             }
         })?
         .ok_or_else(not_f32)?;
-        rope.apply_rows_in_place(q, pos)?;
-        rope.apply_rows_in_place(k, pos)?;
-        cache.append_row(k, v, width)?;
+        cache.append_row(k, k, width)?;
         cache.attend_row(q, width, &self.params(), attn, attention)?;
         with_f32(&self.kv_b, |w| {
             for h in 0..heads {

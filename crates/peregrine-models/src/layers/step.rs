@@ -67,6 +67,8 @@ pub struct MlaBuffers {
     pub kv_a: Vec<f32>,
     /// Queries as projected, `[heads · (nope + rope)]`.
     pub q: Vec<f32>,
+    /// The queries' RoPE parts, turned, `[heads · rope]`.
+    pub q_pe: Vec<f32>,
     /// Attention's output heads at their value width, `[heads · v]`.
     pub o: Vec<f32>,
 }
@@ -81,6 +83,7 @@ impl MlaBuffers {
             q_a: vec![0.0; m.q_lora_rank.unwrap_or(0)],
             kv_a: vec![0.0; m.kv_lora_rank + m.qk_rope_head_dim],
             q: vec![0.0; heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)],
+            q_pe: vec![0.0; heads * m.qk_rope_head_dim],
             o: vec![0.0; heads * m.v_head_dim],
         }
     }
