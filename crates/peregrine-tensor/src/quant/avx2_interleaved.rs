@@ -160,13 +160,26 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, 
                 }
             }
         }
+        // Each refined block once, for every input refining it (neighbouring tokens' outliers
+        // sit in the same block).
+        let mut done = [0u8; T];
         for t in 0..T {
-            for r in refined[t] {
+            for (j, r) in refined[t].iter().enumerate() {
+                if done[t] & (1 << j) != 0 {
+                    continue;
+                }
                 let p = w.as_ptr().add(r.at / SHARED * unit_bytes);
                 let (dw, mw) = heads::<MIN>(p);
                 let codes = unpack::<I, FIFTH>(p, masks_at, head + 128 * (r.at % SHARED));
-                let (c, m) = (&mut acc[0][t], &mut mins[0][t]);
-                terms::<I, MIN, FIFTH>(&codes, &r.residual, dw, mw, offset, c, m);
+                for t2 in t..T {
+                    for (j2, r2) in refined[t2].iter().enumerate() {
+                        if r2.at == r.at && done[t2] & (1 << j2) == 0 {
+                            done[t2] |= 1 << j2;
+                            let (c, m) = (&mut acc[0][t2], &mut mins[0][t2]);
+                            terms::<I, MIN, FIFTH>(&codes, &r2.residual, dw, mw, offset, c, m);
+                        }
+                    }
+                }
             }
         }
         let mut y = [_mm256_setzero_ps(); T];
@@ -284,12 +297,25 @@ unsafe fn rows_q8_0<I: Isa, const T: usize>(
                 chain[t] = term_q8_0::<I>(&codes, &magnitudes, &x[t][b], dw, chain[t]);
             }
         }
+        // As in `rows`: each refined block unpacked once for every input refining it.
+        let mut done = [0u8; T];
         for t in 0..T {
-            for r in refined[t] {
+            for (j, r) in refined[t].iter().enumerate() {
+                if done[t] & (1 << j) != 0 {
+                    continue;
+                }
                 let p = w.as_ptr().add(r.at * block_bytes);
                 let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
                 let (codes, magnitudes) = unpack_q8_0(p);
-                acc[0][t] = term_q8_0::<I>(&codes, &magnitudes, &r.residual, dw, acc[0][t]);
+                for t2 in t..T {
+                    for (j2, r2) in refined[t2].iter().enumerate() {
+                        if r2.at == r.at && done[t2] & (1 << j2) == 0 {
+                            done[t2] |= 1 << j2;
+                            let x = &r2.residual;
+                            acc[0][t2] = term_q8_0::<I>(&codes, &magnitudes, x, dw, acc[0][t2]);
+                        }
+                    }
+                }
             }
         }
         let mut y = [_mm256_setzero_ps(); T];
