@@ -59,8 +59,9 @@ for shape in "${SHAPES[@]}"; do
     [[ -d "$model" ]] && weights="$model/model.safetensors"
     wait_quiet
     load="$(load1)"
+    # KV in f16 on both sides (bench_compare.py's default for llama.cpp below).
     report="$("$PEREGRINE" --threads "$THREADS" bench --model "$model" \
-      --prompt-tokens 40 --gen-tokens 64 --repeat 3 --json)"
+      --prompt-tokens 40 --gen-tokens 64 --repeat 3 --cache-type f16 --json)"
     "$PY" -c 'import json, sys
 r = json.loads(sys.argv[1])
 r.update(shape=sys.argv[2], format=sys.argv[3], file_bytes=int(sys.argv[4]), load_1min=float(sys.argv[5]))
