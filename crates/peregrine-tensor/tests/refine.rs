@@ -4,6 +4,8 @@
 //! to within the other blocks' rounding, where plain 8-bit blocks would lose the outlier block's
 //! small values entirely; formats that take no refinements are unchanged.
 
+mod common;
+
 use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -11,16 +13,11 @@ use candle_core::{Device, Tensor};
 use peregrine_tensor::GgufMatrix;
 use peregrine_tensor::quant::{Format, Kernel, QK};
 
+use common::Rng;
+
 fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        })
-        .collect()
+    let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    (0..n).map(|_| rng.uniform()).collect()
 }
 
 /// Input rows of small values (|x| ≤ 0.05) with one outlier of 50 in block `row % blocks`.

@@ -7,6 +7,7 @@ use peregrine_kv::{AttnParams, LayerCache};
 use peregrine_tensor::ops::rms_norm;
 use peregrine_tensor::{QLinear, RotaryEmbedding, Tensor};
 
+use crate::layers::decoder::SelfAttention;
 use crate::layers::norm_weight;
 use crate::layers::step::{StepBuffers, norm_rows_in_place};
 use crate::weights::Weights;
@@ -131,8 +132,39 @@ impl Attention {
         })
     }
 
+    /// The projections this layer runs, q then k and v where it has them, and how many
+    /// (an array: the decode step allocates nothing).
+    fn projections(&self) -> ([&QLinear; 3], usize) {
+        let (mut all, mut n) = ([&self.q_proj; 3], 1);
+        for l in [self.k_proj.as_ref(), self.v_proj.as_ref()]
+            .into_iter()
+            .flatten()
+        {
+            all[n] = l;
+            n += 1;
+        }
+        (all, n)
+    }
+
+    fn params(&self) -> AttnParams {
+        AttnParams {
+            scale: self.scale,
+            softcap: self.softcap,
+        }
+    }
+}
+
+impl SelfAttention for Attention {
+    /// Phi-3 fuses q/k/v: split at load, the layer stays the same.
+    fn load(c: &ModelConfig, w: &Weights, prefix: &str) -> Result<Self> {
+        match w.contains(&format!("{prefix}.qkv_proj.weight")) {
+            true => Attention::load_fused(c, w, prefix),
+            false => Attention::load(c, w, prefix),
+        }
+    }
+
     /// `x: [1, n, hidden]` at positions `start..start + n` → `[1, n, hidden]`.
-    pub fn forward(
+    fn forward(
         &self,
         x: &Tensor,
         rope: &RotaryEmbedding,
@@ -168,7 +200,7 @@ impl Attention {
 
     /// [`forward`](Self::forward) for one token at `pos` over a decode step's buffers: reads
     /// `b.normed`, leaves the projected output in `b.out`.
-    pub fn step(
+    fn step(
         &self,
         b: &mut StepBuffers,
         rope: &RotaryEmbedding,
@@ -217,29 +249,8 @@ impl Attention {
         Ok(())
     }
 
-    /// The projections this layer runs, q then k and v where it has them, and how many
-    /// (an array: the decode step allocates nothing).
-    fn projections(&self) -> ([&QLinear; 3], usize) {
-        let (mut all, mut n) = ([&self.q_proj; 3], 1);
-        for l in [self.k_proj.as_ref(), self.v_proj.as_ref()]
-            .into_iter()
-            .flatten()
-        {
-            all[n] = l;
-            n += 1;
-        }
-        (all, n)
-    }
-
-    fn params(&self) -> AttnParams {
-        AttnParams {
-            scale: self.scale,
-            softcap: self.softcap,
-        }
-    }
-
     /// Bytes of weights.
-    pub fn weight_bytes(&self) -> usize {
+    fn weight_bytes(&self) -> usize {
         let o = self.o_proj.weight_bytes();
         let (projections, n) = self.projections();
         projections[..n]

@@ -9,7 +9,6 @@ use peregrine_tensor::ops::rms_norm;
 use peregrine_tensor::{DType, Device, Embedding, QLinear, RotaryEmbedding, Tensor};
 
 use crate::layers::attention::Attention;
-use crate::layers::mla::Mla;
 use crate::layers::mlp::GatedMlp;
 use crate::layers::moe::Ffn;
 use crate::layers::norm_weight;
@@ -50,60 +49,6 @@ pub trait SelfAttention: Sized + Send + Sync {
     ) -> Result<()>;
     /// Bytes of weights.
     fn weight_bytes(&self) -> usize;
-}
-
-/// [`SelfAttention`]'s forward, step and weight bytes as `$t`'s own methods of those names.
-macro_rules! own_attention_methods {
-    ($t:ty) => {
-        fn forward(
-            &self,
-            x: &Tensor,
-            rope: &RotaryEmbedding,
-            cache: &mut dyn LayerCache,
-            start: usize,
-        ) -> Result<Tensor> {
-            <$t>::forward(self, x, rope, cache, start)
-        }
-        fn step(
-            &self,
-            b: &mut StepBuffers,
-            rope: &RotaryEmbedding,
-            cache: &mut dyn LayerCache,
-            pos: usize,
-        ) -> Result<()> {
-            <$t>::step(self, b, rope, cache, pos)
-        }
-        fn weight_bytes(&self) -> usize {
-            <$t>::weight_bytes(self)
-        }
-    };
-}
-
-impl SelfAttention for Attention {
-    /// Phi-3 fuses q/k/v: split at load, the layer stays the same.
-    fn load(c: &ModelConfig, w: &Weights, prefix: &str) -> Result<Self> {
-        match w.contains(&format!("{prefix}.qkv_proj.weight")) {
-            true => Attention::load_fused(c, w, prefix),
-            false => Attention::load(c, w, prefix),
-        }
-    }
-    own_attention_methods!(Attention);
-}
-
-impl SelfAttention for Mla {
-    fn load(c: &ModelConfig, w: &Weights, prefix: &str) -> Result<Self> {
-        Mla::load(c, w, prefix)
-    }
-    /// The query's and the shared key's RoPE parts, turned on their own.
-    fn rope_dims(c: &ModelConfig) -> (usize, usize) {
-        let rope = c.mla.as_ref().map_or(0, |m| m.qk_rope_head_dim);
-        (rope, rope)
-    }
-    /// One `[latent | rope]` key per position, which is its own value.
-    fn cache_kind(_: &ModelConfig) -> LayerKind {
-        LayerKind::FullKeysAsValues
-    }
-    own_attention_methods!(Mla);
 }
 
 struct DecoderLayer<A> {

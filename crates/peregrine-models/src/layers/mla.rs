@@ -24,11 +24,12 @@
 //!
 //! [`RopeStyle::Interleaved`]: peregrine_tensor::RopeStyle::Interleaved
 
-use peregrine_kv::{AttnParams, LayerCache};
+use peregrine_kv::{AttnParams, LayerCache, LayerKind};
 use peregrine_tensor::ops::{rms_norm, with_f32};
 use peregrine_tensor::{QLinear, RotaryEmbedding, Tensor};
 
 use crate::config::MlaConfig;
+use crate::layers::decoder::SelfAttention;
 use crate::layers::norm_weight;
 use crate::layers::step::{MlaBuffers, StepBuffers, norm_rows_in_place};
 use crate::weights::Weights;
@@ -61,8 +62,19 @@ pub struct Mla {
 }
 
 impl Mla {
+    /// Width of the one cached key head: the latent then the shared RoPE key.
+    pub fn cache_head_dim(m: &MlaConfig) -> usize {
+        m.qk_rope_head_dim + m.kv_lora_rank
+    }
+
+    fn params(&self) -> AttnParams {
+        AttnParams::scaled(self.m.softmax_scale)
+    }
+}
+
+impl SelfAttention for Mla {
     /// Loads `{prefix}.*` for the config's MLA shapes.
-    pub fn load(c: &ModelConfig, w: &Weights, prefix: &str) -> Result<Self> {
+    fn load(c: &ModelConfig, w: &Weights, prefix: &str) -> Result<Self> {
         let m = c.mla.clone().expect("an MLA config");
         let (h, heads, bias) = (c.hidden_size, c.num_attention_heads, c.attention_bias);
         let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
@@ -94,18 +106,20 @@ impl Mla {
         })
     }
 
-    /// Width of the one cached key head: the latent then the shared RoPE key.
-    pub fn cache_head_dim(m: &MlaConfig) -> usize {
-        m.qk_rope_head_dim + m.kv_lora_rank
+    /// The query's and the shared key's RoPE parts, turned on their own.
+    fn rope_dims(c: &ModelConfig) -> (usize, usize) {
+        let rope = c.mla.as_ref().map_or(0, |m| m.qk_rope_head_dim);
+        (rope, rope)
     }
 
-    fn params(&self) -> AttnParams {
-        AttnParams::scaled(self.m.softmax_scale)
+    /// One `[latent | rope]` key per position, which is its own value.
+    fn cache_kind(_: &ModelConfig) -> LayerKind {
+        LayerKind::FullKeysAsValues
     }
 
     /// `x: [b, n, hidden]` at positions `start..start + n` → `[b, n, hidden]`. `rope` turns
     /// `qk_rope_head_dim`-wide rows.
-    pub fn forward(
+    fn forward(
         &self,
         x: &Tensor,
         rope: &RotaryEmbedding,
@@ -155,7 +169,7 @@ impl Mla {
 
     /// [`forward`](Self::forward) for one token at `pos` over a decode step's buffers: reads
     /// `b.normed`, leaves the projected output in `b.out`. Allocates nothing.
-    pub fn step(
+    fn step(
         &self,
         b: &mut StepBuffers,
         rope: &RotaryEmbedding,
@@ -246,7 +260,7 @@ impl Mla {
     }
 
     /// Bytes of weights (norms excluded).
-    pub fn weight_bytes(&self) -> usize {
+    fn weight_bytes(&self) -> usize {
         let q = match &self.q {
             QueryPath::Direct(q) => q.weight_bytes(),
             QueryPath::LowRank { q_a, q_b, .. } => q_a.weight_bytes() + q_b.weight_bytes(),

@@ -13,7 +13,7 @@ use peregrine_tensor::{DType, QLinear, Tensor};
 use crate::config::{ExpertNaming, MoeConfig};
 use crate::layers::mlp::GatedMlp;
 use crate::layers::norm_weight;
-use crate::layers::step::{MoeBuffers, StepBuffers, norm_into};
+use crate::layers::step::{MoeBuffers, StepBuffers, add_into, norm_into};
 use crate::weights::Weights;
 use crate::{ModelConfig, ModelError, Result};
 
@@ -314,9 +314,7 @@ impl MoeBlock {
         }
         if let Some(shared) = &self.shared {
             shared.row_into(x, gate, up, expert_out, linear)?;
-            out.iter_mut()
-                .zip(expert_out.iter())
-                .for_each(|(o, y)| *o += y);
+            add_into(out, expert_out);
         }
         Ok(())
     }

@@ -1,6 +1,6 @@
 //! Activations quantized once per matmul to 8-bit blocks of 32, the format every weight kernel
 //! multiplies against (integer dot products, one float multiply per block), and each input row's
-//! block of largest magnitude refined by a second, residual block ([`Q8Input`]).
+//! blocks of largest scale refined by a second, residual block ([`Q8Input`]).
 
 /// Inputs per activation block; every supported weight format's (sub-)block is a multiple of it.
 pub const QK: usize = 32;
@@ -26,27 +26,21 @@ pub struct Q8Block {
 /// Quantizes `x` block by block into `out` (`x.len() / QK` blocks). Every path gives the same
 /// bits, so kernels can be compared exactly.
 pub fn quantize_row(x: &[f32], out: &mut [Q8Block]) {
-    #[cfg(target_arch = "x86_64")]
-    if super::avx2::available() {
-        for (block, x) in out.iter_mut().zip(x.chunks_exact(QK)) {
-            // SAFETY: `available()` checked the CPU; chunks are QK long.
-            let (qs, amax, sums) = unsafe { super::avx2::quantize_block(x) };
-            *block = finish(qs, amax, sums);
-        }
-        return;
-    }
     for (block, x) in out.iter_mut().zip(x.chunks_exact(QK)) {
-        *block = quantize_block(x);
+        let (qs, amax, sums) = codes(x);
+        *block = finish(qs, amax, sums);
     }
 }
 
-/// The portable quantizer; [`super::avx2::quantize_block`] must stay bit-identical to it.
+/// The portable quantizer as a block (tests hold [`super::avx2::quantize_block`] to its bits;
+/// [`quantize_row`] runs its codes where the CPU lacks AVX2).
+#[cfg(test)]
 pub(crate) fn quantize_block(x: &[f32]) -> Q8Block {
     let (qs, amax, sums) = portable_codes(x);
     finish(qs, amax, sums)
 }
 
-/// [`quantize_block`]'s codes, largest magnitude and code sums per half.
+/// The portable quantizer: codes, largest magnitude and code sums per half.
 fn portable_codes(x: &[f32]) -> ([i8; QK], f32, [i32; 2]) {
     let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
     let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
@@ -197,12 +191,12 @@ pub(crate) fn residual_block(x: &[f32], main: &Q8Block) -> Q8Block {
     }
 }
 
-/// 32 inputs → (codes, largest magnitude, code sums per half), with the fast quantizer where
+/// `QK` inputs → (codes, largest magnitude, code sums per half), with the fast quantizer where
 /// the CPU has it (the same bits).
-fn codes(x: &[f32; QK]) -> ([i8; QK], f32, [i32; 2]) {
+fn codes(x: &[f32]) -> ([i8; QK], f32, [i32; 2]) {
     #[cfg(target_arch = "x86_64")]
     if super::avx2::available() {
-        // SAFETY: `available()` checked the CPU; `x` is QK long.
+        // SAFETY: `available()` checked the CPU; callers pass QK inputs.
         return unsafe { super::avx2::quantize_block(x) };
     }
     portable_codes(x)

@@ -1,4 +1,4 @@
-//! Random MLX matrices shared by the MLX test files.
+//! Random values and MLX matrices shared by the test files.
 #![allow(dead_code)] // each test binary uses its own subset
 
 use peregrine_tensor::mlx::MlxQuantized;

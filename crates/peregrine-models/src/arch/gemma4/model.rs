@@ -12,6 +12,7 @@ use peregrine_tensor::{DType, Device, Embedding, QLinear, RopeScaling, RotaryEmb
 
 use crate::config::PerLayerInput;
 use crate::layers::attention::{Attention, KvProjections};
+use crate::layers::decoder::SelfAttention;
 use crate::layers::mlp::GatedMlp;
 use crate::layers::moe::MoeBlock;
 use crate::layers::step::{
