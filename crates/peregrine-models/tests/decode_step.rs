@@ -127,7 +127,9 @@ fn decode_matches_forward_on_mlx_checkpoints() {
     }
 }
 
-/// Q8_0 experts and the f32 router llama.cpp keeps: both paths multiply the router row by row
+/// Q8_0 experts and the f32 router llama.cpp keeps (Qwen3-MoE; Gemma 4's fused gate+up
+/// experts as llama.cpp's converter writes them; its bf16 files differ by 1.3e-5, float
+/// summation order that Gemma 4's unscaled scores amplify, and are checked by golden.rs): both paths multiply the router row by row
 /// (with candle's GEMM in `forward` the last bits differed, and 8-bit activation rounding
 /// downstream amplified them to 1.2e-4).
 #[test]
@@ -138,6 +140,16 @@ fn decode_matches_forward_on_a_moe_gguf() {
         &ids,
         KvOptions::default(),
     );
+    for arch in ["gemma4_text", "gemma4_text_moe"] {
+        let ids = prompt(arch);
+        for file in ["model-q8_0.gguf"] {
+            compare(
+                &fixture(&format!("{arch}/gguf/{file}")),
+                &ids,
+                KvOptions::default(),
+            );
+        }
+    }
 }
 
 #[test]

@@ -240,6 +240,66 @@ fn phi3_gguf_matches_transformers() {
     }
 }
 
+/// Gemma 4 as llama.cpp's own converter writes it (`scripts/fixtures/convert_gguf.py` runs
+/// `convert_hf_to_gguf.py` of the pinned llama-cpp-python sdist on the HF fixtures): the
+/// sliding-window pattern, per-layer head widths, KV heads and MLP widths, KV sharing, values
+/// from keys where `attn_v` is absent, proportional RoPE from `rope_freqs`, per-layer inputs,
+/// and the MoE block with its fused `ffn_gate_up_exps` split per expert without dequantizing.
+///
+/// The file's configuration must be the HF folder's (layer by layer). The bf16 file holds the
+/// fixture's numbers exactly, so it matches transformers at 1e-3, whole and in chunks, greedy
+/// ids included. The Q8_0 file is checked against transformers on its dequantized weights
+/// within the MLX 8-bit bounds (golden_mlx.rs: RMS 0.04, max 0.25), as phi3's above.
+#[test]
+fn gemma4_gguf_matches_transformers() {
+    for arch in ["gemma4_text", "gemma4_text_moe"] {
+        let gguf = fixture(arch).join("../gguf");
+        let load = |path: &std::path::Path| load_model(path, &LoadOptions::default()).unwrap();
+        let (hf, bf16) = (load(&fixture(arch)), load(&gguf.join("model-bf16.gguf")));
+        let (want, got) = (hf.model.config(), bf16.model.config());
+        assert_eq!(got.model_type, "gemma4");
+        assert_eq!(got.layer_specs, want.layer_specs, "{arch}");
+        let same = |c: &peregrine_models::ModelConfig| {
+            let moe = c
+                .moe
+                .as_ref()
+                .map(|m| (m.num_experts, m.top_k, m.naming, m.normalize));
+            let rope = (c.rope_theta, c.rope_local_theta, c.rope_scaling.clone());
+            let shape = (c.head_dim, c.per_layer_input, c.sliding_window);
+            let caps = (c.final_logit_softcapping, c.query_pre_attn_scalar);
+            (moe, rope, shape, caps, c.sliding_layers.clone(), c.v_norm)
+        };
+        assert_eq!(same(got), same(want), "{arch}");
+        let r = reference(arch);
+        for chunk in [1024, 5, 1] {
+            let diff = max_abs_diff(
+                &run_in_chunks(bf16.model.as_ref(), &r.ids, chunk),
+                &r.logits,
+            );
+            eprintln!("{arch} bf16 GGUF (chunk {chunk}): max abs diff {diff:.2e}");
+            assert!(diff < TOLERANCE, "{arch} bf16 GGUF (chunk {chunk}): {diff}");
+        }
+        let greedy = common::greedy_ids(bf16.model.as_ref(), &r.ids, r.greedy.len());
+        assert_eq!(greedy, r.greedy, "{arch} bf16 GGUF: greedy ids");
+
+        let q8 = load(&gguf.join("model-q8_0.gguf")).model;
+        let q8_reference = load_reference(&gguf.join("reference.safetensors"));
+        for chunk in [1024, 1] {
+            let ours = run_in_chunks(q8.as_ref(), &r.ids, chunk);
+            let (rms, max) = rms_and_max(&ours, &q8_reference["q8_0_logits"]);
+            eprintln!("{arch} Q8_0 GGUF (chunk {chunk}): rms {rms:.3}, max {max:.3}");
+            assert!(
+                rms <= 0.04 && max <= 0.25,
+                "{arch} Q8_0 GGUF (chunk {chunk}): rms {rms}, max {max}"
+            );
+        }
+    }
+}
+
+fn load_reference(path: &std::path::Path) -> std::collections::HashMap<String, Tensor> {
+    load(path, &Device::Cpu).unwrap()
+}
+
 /// Partial rotary: the phi3 weights with `config-partial.json` (`partial_rotary_factor` 0.5:
 /// the first 8 of each head's 16 dimensions rotate, LongRoPE factors for 4 pairs) against
 /// transformers on both prompts (short and long regimes), whole and token by token.

@@ -14,6 +14,7 @@
 //! have MLPs twice as wide with `use_double_wide_mlp`; output logits are soft-capped. The decoder
 //! is in [`model`].
 
+pub(crate) mod gguf;
 pub mod model;
 
 use serde_json::Value;
@@ -87,6 +88,25 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
     Ok(())
 }
 
+/// Where each layer's keys and values come from (transformers' `kv_sharing_modes`): each of
+/// the last `shared` layers reads the last layer of its kind (sliding or full) before them.
+pub(crate) fn kv_sources(
+    sliding: &[bool],
+    shared: usize,
+) -> std::result::Result<Vec<Option<usize>>, String> {
+    let first_shared = sliding.len() - shared;
+    (0..sliding.len())
+        .map(|i| match i >= first_shared {
+            true => (0..first_shared)
+                .rev()
+                .find(|&j| sliding[j] == sliding[i])
+                .map(Some)
+                .ok_or_else(|| format!("layer {i} shares KV, but no earlier layer is of its kind")),
+            false => Ok(None),
+        })
+        .collect()
+}
+
 /// The fields this decoder cannot run.
 fn check(fields: &Fields) -> Result<()> {
     let act = fields.opt_str("hidden_activation")?;
@@ -130,24 +150,10 @@ fn layer_specs(fields: &Fields, c: &ModelConfig, sliding: &[bool]) -> Result<Vec
              project keys and values"
         )));
     }
-    let first_shared = layers - shared;
     let double = fields.opt_bool("use_double_wide_mlp")?.unwrap_or(false);
+    let sources = kv_sources(sliding, shared).map_err(|e| fields.err(e))?;
     let mut specs = Vec::with_capacity(layers);
-    for i in 0..layers {
-        // transformers: the last layer of the same kind before the shared ones.
-        let kv_source = match i >= first_shared {
-            true => Some(
-                (0..first_shared)
-                    .rev()
-                    .find(|&j| sliding[j] == sliding[i])
-                    .ok_or_else(|| {
-                        fields.err(format!(
-                            "layer {i} shares KV, but no earlier layer is of its kind"
-                        ))
-                    })?,
-            ),
-            false => None,
-        };
+    for (i, kv_source) in sources.into_iter().enumerate() {
         let wide = double && kv_source.is_some();
         specs.push(LayerSpec {
             head_dim: c.head_dim,

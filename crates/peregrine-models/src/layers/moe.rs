@@ -103,8 +103,9 @@ fn names(layer: usize, naming: ExpertNaming) -> (String, [&'static str; 3]) {
 }
 
 /// Gemma 4's experts: HF stacks them as `{prefix}.gate_up_proj` `[n, 2i, hidden]` (rows
-/// `[gate; up]`) and `{prefix}.down_proj` `[n, hidden, i]`, split per expert at load; MLX
-/// splits them into `{prefix}.switch_glu.{gate,up,down}_proj`.
+/// `[gate; up]`) and `{prefix}.down_proj` `[n, hidden, i]`, split per expert at load (GGUF's
+/// `ffn_gate_up_exps` / `ffn_down_exps` alike, without dequantizing); MLX splits them into
+/// `{prefix}.switch_glu.{gate,up,down}_proj`.
 fn gemma4_experts(
     c: &ModelConfig,
     w: &Weights,
@@ -113,22 +114,17 @@ fn gemma4_experts(
 ) -> Result<Vec<GatedMlp>> {
     let (h, i, n) = (c.hidden_size, moe.intermediate_size, moe.num_experts);
     let fused = format!("{prefix}.gate_up_proj");
-    let dense = |t: &Tensor, e: usize, rows: (usize, usize)| -> Result<QLinear> {
-        let t = t.narrow(0, e, 1)?.squeeze(0)?.narrow(0, rows.0, rows.1)?;
-        Ok(QLinear::Dense {
-            w: t.contiguous()?,
-            b: None,
-        })
-    };
     if w.contains(&fused) {
-        let gate_up = w.tensor(&fused, &[n, 2 * i, h])?;
-        let down = w.tensor(&format!("{prefix}.down_proj"), &[n, h, i])?;
-        return (0..n)
-            .map(|e| {
-                let (g, u) = (dense(&gate_up, e, (0, i))?, dense(&gate_up, e, (i, i))?);
-                Ok(GatedMlp::new(g, u, dense(&down, e, (0, h))?, c.activation))
-            })
-            .collect();
+        let gate_ups = w.expert_linear_rows(&fused, n, &[i, i], h)?;
+        let downs = w.expert_linear_rows(&format!("{prefix}.down_proj"), n, &[h], i)?;
+        let experts = gate_ups.into_iter().zip(downs).map(|(gate_up, down)| {
+            let (mut gate_up, mut down) = (gate_up.into_iter(), down.into_iter());
+            match (gate_up.next(), gate_up.next(), down.next()) {
+                (Some(g), Some(u), Some(d)) => GatedMlp::new(g, u, d, c.activation),
+                _ => unreachable!("expert_linear_rows gives one layer per part"),
+            }
+        });
+        return Ok(experts.collect());
     }
     let load = |name: &str, out: usize, inp: usize| {
         let each = |e: usize| format!("{prefix}.{e}.{name}");

@@ -1,5 +1,5 @@
-//! GGUF checkpoints: HF tensor names mapped to GGUF names in one place, and GGUF metadata
-//! mapped onto [`ModelConfig`].
+//! GGUF checkpoints: HF tensor names mapped to GGUF names in one place, tensors read on
+//! demand. The metadata's mapping onto `ModelConfig` is in `gguf_config.rs`.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -10,10 +10,9 @@ use std::sync::{Arc, Mutex};
 use peregrine_tensor::candle::quantized::gguf_file::{Content, TensorInfo, Value};
 use peregrine_tensor::candle::quantized::{GgmlDType, GgmlType, QStorage, QTensor, k_quants};
 use peregrine_tensor::quant::Format;
-use peregrine_tensor::{Device, GgufMatrix, RopeScaling, RopeStyle};
+use peregrine_tensor::{Device, GgufMatrix};
 
-use crate::config::Activation;
-use crate::{ModelConfig, ModelError, Result};
+use crate::{ModelError, Result};
 
 /// An open GGUF file: metadata and tensor directory in memory, tensor data read on demand.
 pub struct GgufFile {
@@ -26,12 +25,17 @@ pub struct GgufFile {
 /// `None` if it has no counterpart. Gemma 2 and 3's sandwich norms differ: its `post_attention_layernorm`
 /// follows attention, and `pre_feedforward_layernorm` is llama's `ffn_norm`. Phi-3 keeps HF's fused
 /// projections: `attn_qkv` is `qkv_proj` and its `ffn_up` is `gate_up_proj` (gate rows, then up
-/// rows; llama.cpp's SwiGLU halves), so it has no separate `gate_proj` / `up_proj`.
+/// rows; llama.cpp's SwiGLU halves), so it has no separate `gate_proj` / `up_proj`. Gemma 4's
+/// tensors without a `.weight` suffix in HF (`layer_scalar`, `router.scale`, the stacked
+/// `experts.*`) have one in GGUF, and its per-expert scale is `ffn_down_exps.scale`.
 pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
     let global = match hf {
         "model.embed_tokens.weight" => Some("token_embd.weight"),
         "model.norm.weight" => Some("output_norm.weight"),
         "lm_head.weight" => Some("output.weight"),
+        "model.embed_tokens_per_layer.weight" => Some("per_layer_token_embd.weight"),
+        "model.per_layer_model_projection.weight" => Some("per_layer_model_proj.weight"),
+        "model.per_layer_projection_norm.weight" => Some("per_layer_proj_norm.weight"),
         _ => None,
     };
     if let Some(name) = global {
@@ -39,11 +43,33 @@ pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
     }
     let rest = hf.strip_prefix("model.layers.")?;
     let (layer, rest) = rest.split_once('.')?;
+    let whole = match rest {
+        "layer_scalar" => Some("layer_output_scale.weight"),
+        "router.scale" => Some("ffn_gate_inp.scale"),
+        "router.per_expert_scale" => Some("ffn_down_exps.scale"),
+        "experts.gate_up_proj" => Some("ffn_gate_up_exps.weight"),
+        "experts.down_proj" => Some("ffn_down_exps.weight"),
+        _ => None,
+    };
+    if let Some(name) = whole {
+        return Some(format!("blk.{layer}.{name}"));
+    }
     let (module, kind) = rest.rsplit_once('.')?;
+    let gemma = matches!(arch, "gemma2" | "gemma3" | "gemma4");
     let mapped = match (module, arch) {
-        ("post_attention_layernorm", "gemma2" | "gemma3") => "post_attention_norm",
-        ("pre_feedforward_layernorm", "gemma2" | "gemma3") => "ffn_norm",
-        ("post_feedforward_layernorm", "gemma2" | "gemma3") => "post_ffw_norm",
+        ("post_attention_layernorm", _) if gemma => "post_attention_norm",
+        ("pre_feedforward_layernorm", _) if gemma => "ffn_norm",
+        ("post_feedforward_layernorm", _) if gemma => "post_ffw_norm",
+        ("pre_feedforward_layernorm_2", _) => "pre_ffw_norm_2",
+        ("post_feedforward_layernorm_1", _) => "post_ffw_norm_1",
+        ("post_feedforward_layernorm_2", _) => "post_ffw_norm_2",
+        ("per_layer_input_gate", _) => "inp_gate",
+        ("per_layer_projection", _) => "proj",
+        ("post_per_layer_input_norm", _) => "post_norm",
+        ("router.proj", _) => "ffn_gate_inp",
+        ("experts.switch_glu.gate_proj", _) => "ffn_gate_exps",
+        ("experts.switch_glu.up_proj", _) => "ffn_up_exps",
+        ("experts.switch_glu.down_proj", _) => "ffn_down_exps",
         ("mlp.gate_up_proj", "phi3") => "ffn_up",
         ("mlp.gate_proj" | "mlp.up_proj", "phi3") => return None,
         ("self_attn.qkv_proj", _) => "attn_qkv",
@@ -131,6 +157,16 @@ impl GgufFile {
 
     fn name_for(&self, hf: &str) -> Option<String> {
         gguf_name(hf, self.arch()).filter(|n| self.content.tensor_infos.contains_key(n))
+    }
+
+    /// Whether the file has a tensor named `name` (GGUF naming).
+    pub fn has_tensor(&self, name: &str) -> bool {
+        self.content.tensor_infos.contains_key(name)
+    }
+
+    /// The shape of the tensor named `name` (GGUF naming, `[out, in]` for a matrix), if present.
+    pub fn tensor_dims(&self, name: &str) -> Option<Vec<usize>> {
+        (self.content.tensor_infos.get(name)).map(|info| info.shape.dims().to_vec())
     }
 
     /// Whether the tensor with HF name `hf` is present.
@@ -249,8 +285,23 @@ impl GgufFile {
     /// The stacked experts `hf` (`[n, out, in]`, llama.cpp's `ffn_*_exps`) as `n` matrices
     /// `[out, in]`, each read from its own slice of the tensor (experts are contiguous).
     pub fn expert_matrices(&self, hf: &str, n: usize, device: &Device) -> Result<Vec<GgufMatrix>> {
+        let rows = self.dims(hf)?.get(1).copied().unwrap_or(0);
+        self.expert_row_matrices(hf, n, &[rows], device)
+    }
+
+    /// The stacked experts `hf` `[n, sum(parts), in]` with each expert's rows split into
+    /// consecutive matrices of `parts[i]` rows (Gemma 4's `ffn_gate_up_exps`: gate, then up),
+    /// expert by expert: `n · parts.len()` matrices, none dequantized.
+    pub fn expert_row_matrices(
+        &self,
+        hf: &str,
+        n: usize,
+        parts: &[usize],
+        device: &Device,
+    ) -> Result<Vec<GgufMatrix>> {
         let (name, info) = self.info(hf)?;
-        let &[_, rows, cols] = info.shape.dims() else {
+        let total: usize = parts.iter().sum();
+        let &[experts, rows, cols] = info.shape.dims() else {
             return Err(ModelError::Checkpoint {
                 file: self.path.clone(),
                 message: format!(
@@ -259,8 +310,19 @@ impl GgufFile {
                 ),
             });
         };
-        let parts: Vec<(usize, usize)> = (0..n).map(|e| (e * rows, rows)).collect();
-        self.matrices_of_rows(&name, info, &parts, cols, device)
+        if (experts, rows) != (n, total) {
+            return Err(ModelError::Shape {
+                file: self.path.clone(),
+                tensor: name,
+                expected: vec![n, total, cols],
+                got: vec![experts, rows, cols],
+            });
+        }
+        let ranges = super::row_ranges(parts);
+        let all: Vec<(usize, usize)> = (0..n)
+            .flat_map(|e| ranges.iter().map(move |&(at, k)| (e * rows + at, k)))
+            .collect();
+        self.matrices_of_rows(&name, info, &all, cols, device)
     }
 
     /// The matrix `hf` `[sum(parts), in]` split by output rows into consecutive matrices of
@@ -346,195 +408,4 @@ fn read_blocks<T: GgmlType + Send + Sync + 'static>(
     let out = unsafe { std::slice::from_raw_parts_mut(blocks.as_mut_ptr().cast::<u8>(), bytes) };
     read(out)?;
     Ok(QStorage::Cpu(Box::new(blocks)))
-}
-
-/// The `partial_rotary_factor` whose `rotary_dim()` is exactly `rotary` of `head_dim` (the
-/// smallest such f64 at or above `rotary / head_dim`, since `rotary_dim` truncates).
-fn partial_rotary_factor(rotary: usize, head_dim: usize) -> f64 {
-    let mut f = rotary as f64 / head_dim as f64;
-    while ((head_dim as f64 * f) as usize) < rotary {
-        f = f64::from_bits(f.to_bits() + 1);
-    }
-    f
-}
-
-/// A typed view of GGUF metadata with errors naming the key.
-struct Meta<'a> {
-    file: &'a GgufFile,
-    arch: String,
-}
-
-impl Meta<'_> {
-    fn value(&self, key: &str) -> Option<&Value> {
-        self.file.metadata().get(&format!("{}.{key}", self.arch))
-    }
-
-    fn err(&self, key: &str, what: &str) -> ModelError {
-        ModelError::config(
-            &self.file.path,
-            format!("metadata `{}.{key}` {what}", self.arch),
-        )
-    }
-
-    fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
-        match self.value(key) {
-            None => Ok(None),
-            Some(v) => v
-                .to_u64()
-                .map(|n| Some(n as usize))
-                .map_err(|_| self.err(key, "must be an integer")),
-        }
-    }
-
-    fn usize(&self, key: &str) -> Result<usize> {
-        self.opt_usize(key)?
-            .ok_or_else(|| self.err(key, "is missing"))
-    }
-
-    fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
-        match self.value(key) {
-            None => Ok(None),
-            Some(Value::F32(x)) => Ok(Some(*x as f64)),
-            Some(Value::F64(x)) => Ok(Some(*x)),
-            Some(v) => v
-                .to_u64()
-                .map(|n| Some(n as f64))
-                .map_err(|_| self.err(key, "must be a number")),
-        }
-    }
-}
-
-/// Maps GGUF metadata to a [`ModelConfig`] (llama.cpp's keys, `{arch}.block_count` etc.).
-pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
-    let md = file.metadata();
-    let arch = match md.get("general.architecture").map(|v| v.to_string()) {
-        Some(Ok(a)) => a.clone(),
-        _ => {
-            return Err(ModelError::config(
-                &file.path,
-                "metadata `general.architecture` is missing",
-            ));
-        }
-    };
-    let meta = Meta {
-        file,
-        arch: arch.clone(),
-    };
-    let hidden_size = meta.usize("embedding_length")?;
-    let heads = meta.usize("attention.head_count")?;
-    let vocab_size = match md.get("tokenizer.ggml.tokens").map(|v| v.to_vec()) {
-        Some(Ok(tokens)) => tokens.len(),
-        _ => meta.usize("vocab_size")?,
-    };
-    let token_id = |key: &str| md.get(key).and_then(|v| v.to_u32().ok());
-    let rope_scaling = match md
-        .get(&format!("{arch}.rope.scaling.type"))
-        .map(|v| v.to_string())
-    {
-        Some(Ok(kind)) if kind == "linear" => RopeScaling::Linear {
-            factor: meta
-                .opt_f64("rope.scaling.factor")?
-                .ok_or_else(|| meta.err("rope.scaling.factor", "is missing"))?,
-        },
-        Some(Ok(kind)) if kind != "none" => {
-            return Err(meta.err("rope.scaling.type", &format!("`{kind}` is not supported")));
-        }
-        _ => RopeScaling::None,
-    };
-    if file.content.tensor_infos.contains_key("rope_freqs.weight") {
-        return Err(ModelError::config(
-            &file.path,
-            "per-frequency RoPE factors (`rope_freqs.weight`) are not supported yet",
-        ));
-    }
-    let mut config = ModelConfig {
-        model_type: arch.clone(),
-        vocab_size,
-        hidden_size,
-        intermediate_size: meta.usize("feed_forward_length")?,
-        num_hidden_layers: meta.usize("block_count")?,
-        num_attention_heads: heads,
-        num_key_value_heads: meta.opt_usize("attention.head_count_kv")?.unwrap_or(heads),
-        head_dim: meta
-            .opt_usize("attention.key_length")?
-            .unwrap_or(hidden_size / heads),
-        rms_norm_eps: meta
-            .opt_f64("attention.layer_norm_rms_epsilon")?
-            .unwrap_or(1e-5),
-        rope_theta: meta.opt_f64("rope.freq_base")?.unwrap_or(10_000.0),
-        rope_scaling,
-        partial_rotary_factor: 1.0,
-        // llama.cpp's converter permutes llama q/k weights for GPT-J-style rotation.
-        rope_style: if arch == "llama" {
-            RopeStyle::Interleaved
-        } else {
-            RopeStyle::Half
-        },
-        max_position_embeddings: meta.opt_usize("context_length")?.unwrap_or(4096),
-        tie_word_embeddings: !file.content.tensor_infos.contains_key("output.weight"),
-        sliding_window: meta.opt_usize("attention.sliding_window")?,
-        attention_bias: file.content.tensor_infos.contains_key("blk.0.attn_q.bias"),
-        qk_norm: file
-            .content
-            .tensor_infos
-            .contains_key("blk.0.attn_q_norm.weight"),
-        norm_weight_offset: 0.0,
-        activation: Activation::Silu,
-        query_pre_attn_scalar: None,
-        sliding_layers: None,
-        rope_local_theta: None,
-        attn_logit_softcapping: None,
-        final_logit_softcapping: None,
-        bos_token_id: token_id("tokenizer.ggml.bos_token_id"),
-        eos_token_ids: token_id("tokenizer.ggml.eos_token_id")
-            .into_iter()
-            .collect(),
-        moe: None,
-        mla: None,
-        v_norm: false,
-        per_layer_input: None,
-        layer_specs: vec![],
-    };
-    if let Some(experts) = meta.opt_usize("expert_count")? {
-        // llama.cpp makes every layer of these families sparse and renormalises the chosen
-        // experts' weights unless `expert_weights_norm` says otherwise.
-        config.moe = Some(crate::config::MoeConfig {
-            num_experts: experts,
-            top_k: meta.usize("expert_used_count")?,
-            intermediate_size: meta
-                .opt_usize("expert_feed_forward_length")?
-                .unwrap_or(config.intermediate_size),
-            normalize: !matches!(meta.value("expert_weights_norm"), Some(Value::Bool(false))),
-            sparse_layers: vec![true; config.num_hidden_layers],
-            naming: crate::config::ExpertNaming::Qwen,
-            sigmoid: None,
-            shared_intermediate_size: None,
-        });
-    }
-    if arch == "gemma3" {
-        crate::arch::gemma3::configure_gguf(&mut config, meta.opt_f64("rope.freq_base_swa")?);
-    }
-    if let Some(rotary) = meta.opt_usize("rope.dimension_count")? {
-        config.partial_rotary_factor = partial_rotary_factor(rotary, config.head_dim);
-    }
-    if arch == "phi3" {
-        let factors = (
-            file.f32_values("rope_factors_short.weight")?,
-            file.f32_values("rope_factors_long.weight")?,
-        );
-        let scaling = (
-            meta.opt_usize("rope.scaling.original_context_length")?,
-            meta.opt_f64("rope.scaling.attn_factor")?,
-        );
-        crate::arch::phi3::configure_gguf(&mut config, &file.path, factors, scaling)?;
-    }
-    if arch == "gemma2" {
-        let caps = (
-            meta.opt_f64("attn_logit_softcapping")?,
-            meta.opt_f64("final_logit_softcapping")?,
-        );
-        crate::arch::gemma2::configure_gguf(&mut config, caps);
-    }
-    config.validate(&file.path)?;
-    Ok(config)
 }

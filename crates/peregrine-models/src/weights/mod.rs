@@ -2,10 +2,13 @@
 //! `model.layers.0.self_attn.q_proj` and never learns which format it came from.
 
 mod gguf;
+mod gguf_config;
 pub mod mlx;
 mod safetensors;
 
-pub use gguf::{GgufFile, config_from_gguf, gguf_name};
+pub use gguf::{GgufFile, gguf_name};
+pub(crate) use gguf_config::GgufMeta;
+pub use gguf_config::config_from_gguf;
 pub use mlx::{MlxActivations, MlxQuantization};
 pub use safetensors::SafetensorsFiles;
 
@@ -288,6 +291,46 @@ impl Weights {
                     .collect())
             }
         }
+    }
+
+    /// The stacked experts `name` `[n, sum(parts), in]` (an exact tensor name: HF's fused
+    /// `experts.gate_up_proj` has no `.weight`), each expert's rows split into `parts.len()`
+    /// layers of `parts[i]` rows: `result[e][p]`. A GGUF stack is split by the byte ranges of
+    /// its rows, so it stays quantized.
+    pub fn expert_linear_rows(
+        &self,
+        name: &str,
+        n: usize,
+        parts: &[usize],
+        inp: usize,
+    ) -> Result<Vec<Vec<QLinear>>> {
+        let total = parts.iter().sum();
+        let layers: Vec<QLinear> = match &self.source {
+            Source::Gguf(g) => {
+                self.check_shape(name, &g.dims(name)?, &[n, total, inp])?;
+                let mats = g.expert_row_matrices(name, n, parts, &self.device)?;
+                mats.into_iter()
+                    .map(|w| QLinear::Gguf { w, b: None })
+                    .collect()
+            }
+            Source::Safetensors(_) => {
+                let all = self.tensor(name, &[n, total, inp])?;
+                let ranges = row_ranges(parts);
+                let mut layers = Vec::with_capacity(n * parts.len());
+                for e in 0..n {
+                    let expert = all.narrow(0, e, 1)?.squeeze(0)?;
+                    for &(at, rows) in &ranges {
+                        let w = expert.narrow(0, at, rows)?.contiguous()?;
+                        layers.push(QLinear::Dense { w, b: None });
+                    }
+                }
+                layers
+            }
+        };
+        let mut layers = layers.into_iter();
+        Ok((0..n)
+            .map(|_| layers.by_ref().take(parts.len()).collect())
+            .collect())
     }
 
     /// The embedding table `name` `[vocab, hidden]`, kept quantized when the file is.
