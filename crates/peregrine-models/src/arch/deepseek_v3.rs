@@ -17,7 +17,8 @@
 //!   group-limited choice, `norm_topk_prob`, weights times `routed_scaling_factor`.
 //! - Real checkpoints carry `num_nextn_predict_layers` multi-token-prediction layers after the
 //!   last one (`model.layers.61.*` in DeepSeek-V3); only layers `< num_hidden_layers` are read,
-//!   so they are ignored.
+//!   so they are ignored (in GGUF files too: `block_count` less `nextn_predict_layers`).
+//! - GGUF files (`deepseek2`) are read by [`configure_gguf`].
 //!
 //! Everything else is the llama-family decoder: the model is `DecoderLm<Mla>`.
 
@@ -25,6 +26,7 @@ use peregrine_tensor::RopeScaling;
 
 use crate::config::{ExpertNaming, Fields, MlaConfig, MoeConfig, SigmoidRouting, yarn_get_mscale};
 use crate::layers::mla::Mla;
+use crate::weights::GgufMeta;
 use crate::{ModelConfig, Result};
 
 /// Reads the MLA and MoE fields. `head_dim` becomes the cached head width (`rope + kv_lora_rank`)
@@ -60,14 +62,9 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
         v_head_dim: v,
         softmax_scale,
     };
-    config.head_dim = Mla::cache_head_dim(&mla);
-    config.num_key_value_heads = 1;
-    config.partial_rotary_factor = rope as f64 / config.head_dim as f64;
-    config.mla = Some(mla);
     // DeepSeek's checkpoints keep the RoPE dimensions in adjacent pairs (transformers' default).
-    if fields.opt_bool("rope_interleave")?.unwrap_or(true) {
-        config.rope_style = peregrine_tensor::RopeStyle::Interleaved;
-    }
+    let interleaved = fields.opt_bool("rope_interleave")?.unwrap_or(true);
+    set_mla(config, mla, interleaved);
     let experts = fields.usize("n_routed_experts")?;
     let top_k = fields.usize("num_experts_per_tok")?;
     if top_k > experts {
@@ -106,5 +103,88 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
             .opt_usize("n_shared_experts")?
             .map(|n| n * moe_intermediate),
     });
+    Ok(())
+}
+
+/// The cached head (`rope + kv_lora_rank`, one KV head) and RoPE width for `mla`.
+fn set_mla(config: &mut ModelConfig, mla: MlaConfig, interleaved: bool) {
+    config.head_dim = Mla::cache_head_dim(&mla);
+    config.num_key_value_heads = 1;
+    config.partial_rotary_factor = mla.qk_rope_head_dim as f64 / config.head_dim as f64;
+    config.mla = Some(mla);
+    if interleaved {
+        config.rope_style = peregrine_tensor::RopeStyle::Interleaved;
+    }
+}
+
+/// DeepSeek-V2/V3 from GGUF (`deepseek2`), as llama.cpp's converter writes it: the MLA widths
+/// under `attention.*_mla` and `kv_lora_rank`, RoPE over `rope.dimension_count` in adjacent
+/// pairs, YaRN's `mscale_all_dim` as `rope.scaling.yarn_log_multiplier` (times 0.1) moved into
+/// the score scale, the routing as `expert_gating_func` (absent: softmax, llama.cpp's rule for
+/// older files), `expert_group_count` / `_used_count`, `expert_weights_scale` / `_norm`,
+/// `leading_dense_block_count` and `expert_shared_count`.
+pub(crate) fn configure_gguf(meta: &GgufMeta, config: &mut ModelConfig) -> Result<()> {
+    let rope = meta.usize("rope.dimension_count")?;
+    let qk = meta.usize("attention.key_length_mla")?;
+    if qk <= rope {
+        return Err(meta.err(
+            "attention.key_length_mla",
+            "must exceed rope.dimension_count",
+        ));
+    }
+    let mut softmax_scale = (qk as f64).powf(-0.5);
+    if let RopeScaling::Yarn {
+        factor,
+        attention_factor,
+        ..
+    } = &mut config.rope_scaling
+        && let Some(log_mul) = meta.opt_f64("rope.scaling.yarn_log_multiplier")?
+    {
+        // In f32, as llama.cpp undoes the converter's 0.1 (the key is an f32).
+        let mscale_all_dim = (log_mul as f32 / 0.1f32) as f64;
+        let mscale = yarn_get_mscale(*factor, mscale_all_dim);
+        softmax_scale *= mscale * mscale;
+        // transformers' `mscale / mscale_all_dim` ratio, which llama.cpp takes to be 1.
+        *attention_factor = 1.0;
+    }
+    let mla = MlaConfig {
+        q_lora_rank: meta.opt_usize("attention.q_lora_rank")?,
+        kv_lora_rank: meta.usize("attention.kv_lora_rank")?,
+        qk_nope_head_dim: qk - rope,
+        qk_rope_head_dim: rope,
+        v_head_dim: meta.usize("attention.value_length_mla")?,
+        softmax_scale,
+    };
+    set_mla(config, mla, true);
+    let layers = config.num_hidden_layers;
+    let Some(moe) = &mut config.moe else {
+        return Ok(());
+    };
+    let dense = meta.opt_usize("leading_dense_block_count")?.unwrap_or(0);
+    moe.sparse_layers = (0..layers).map(|i| i >= dense).collect();
+    moe.normalize = meta.opt_bool("expert_weights_norm")?.unwrap_or(false);
+    moe.shared_intermediate_size = match meta.opt_usize("expert_shared_count")? {
+        Some(n) if n > 0 => Some(n * moe.intermediate_size),
+        _ => None,
+    };
+    let scale = meta.opt_f64("expert_weights_scale")?.unwrap_or(1.0) as f32;
+    let groups = match (
+        meta.opt_usize("expert_group_count")?,
+        meta.opt_usize("expert_group_used_count")?,
+    ) {
+        (Some(g), Some(k)) if g > 1 => Some((g, k)),
+        _ => None,
+    };
+    match meta.opt_usize("expert_gating_func")? {
+        Some(2) => moe.sigmoid = Some(SigmoidRouting { groups, scale }),
+        None | Some(1) if groups.is_none() && scale == 1.0 => moe.sigmoid = None,
+        other => {
+            let what = format!(
+                "{other:?}: only sigmoid routing (2), or softmax (1) without expert groups or \
+                 a weights scale, is supported"
+            );
+            return Err(meta.err("expert_gating_func", &what));
+        }
+    }
     Ok(())
 }

@@ -88,7 +88,16 @@ impl SelfAttention for Mla {
             },
         };
         let (kvl, up) = (m.kv_lora_rank, m.qk_nope_head_dim + m.v_head_dim);
-        let kv_b = w.tensor(&name("kv_b_proj.weight"), &[heads * up, kvl])?;
+        let kv_b = match w.contains(&name("kv_b_proj.weight")) {
+            true => w.tensor(&name("kv_b_proj.weight"), &[heads * up, kvl])?,
+            // llama.cpp's converter splits it per head into `W_ukᵀ` and `W_uv`.
+            false => {
+                let (nope, v) = (m.qk_nope_head_dim, m.v_head_dim);
+                let k_b = w.tensor(&name("k_b_proj.weight"), &[heads, kvl, nope])?;
+                let v_b = w.tensor(&name("v_b_proj.weight"), &[heads, v, kvl])?;
+                Tensor::cat(&[&k_b.transpose(1, 2)?, &v_b], 1)?.contiguous()?
+            }
+        };
         Ok(Self {
             q,
             kv_a: w.linear(

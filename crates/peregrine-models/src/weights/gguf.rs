@@ -27,7 +27,9 @@ pub struct GgufFile {
 /// projections: `attn_qkv` is `qkv_proj` and its `ffn_up` is `gate_up_proj` (gate rows, then up
 /// rows; llama.cpp's SwiGLU halves), so it has no separate `gate_proj` / `up_proj`. Gemma 4's
 /// tensors without a `.weight` suffix in HF (`layer_scalar`, `router.scale`, the stacked
-/// `experts.*`) have one in GGUF, and its per-expert scale is `ffn_down_exps.scale`.
+/// `experts.*`) have one in GGUF, and its per-expert scale is `ffn_down_exps.scale`. DeepSeek's
+/// `kv_b_proj` is split by llama.cpp's converter into `attn_k_b` (transposed) and `attn_v_b`,
+/// HF-named here `k_b_proj` / `v_b_proj`.
 pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
     let global = match hf {
         "model.embed_tokens.weight" => Some("token_embd.weight"),
@@ -49,6 +51,7 @@ pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
         "router.per_expert_scale" => Some("ffn_down_exps.scale"),
         "experts.gate_up_proj" => Some("ffn_gate_up_exps.weight"),
         "experts.down_proj" => Some("ffn_down_exps.weight"),
+        "mlp.gate.e_score_correction_bias" => Some("exp_probs_b.bias"),
         _ => None,
     };
     if let Some(name) = whole {
@@ -67,6 +70,17 @@ pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
         ("per_layer_projection", _) => "proj",
         ("post_per_layer_input_norm", _) => "post_norm",
         ("router.proj", _) => "ffn_gate_inp",
+        ("self_attn.q_a_proj", _) => "attn_q_a",
+        ("self_attn.q_a_layernorm", _) => "attn_q_a_norm",
+        ("self_attn.q_b_proj", _) => "attn_q_b",
+        ("self_attn.kv_a_proj_with_mqa", _) => "attn_kv_a_mqa",
+        ("self_attn.kv_a_layernorm", _) => "attn_kv_a_norm",
+        ("self_attn.kv_b_proj", _) => "attn_kv_b",
+        ("self_attn.k_b_proj", _) => "attn_k_b",
+        ("self_attn.v_b_proj", _) => "attn_v_b",
+        ("mlp.shared_experts.gate_proj", _) => "ffn_gate_shexp",
+        ("mlp.shared_experts.up_proj", _) => "ffn_up_shexp",
+        ("mlp.shared_experts.down_proj", _) => "ffn_down_shexp",
         ("experts.switch_glu.gate_proj", _) => "ffn_gate_exps",
         ("experts.switch_glu.up_proj", _) => "ffn_up_exps",
         ("experts.switch_glu.down_proj", _) => "ffn_down_exps",

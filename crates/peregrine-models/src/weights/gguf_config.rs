@@ -101,6 +101,14 @@ impl GgufMeta<'_> {
             .map(Some)
     }
 
+    pub(crate) fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
+        match self.value(key) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(_) => Err(self.err(key, "must be a boolean")),
+        }
+    }
+
     pub(crate) fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
         match self.value(key) {
             None => Ok(None),
@@ -131,10 +139,28 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         arch: arch.clone(),
     };
     let hidden_size = meta.usize("embedding_length")?;
-    let layers = meta.usize("block_count")?;
+    // llama.cpp counts multi-token-prediction layers (after the last one) in `block_count`;
+    // the model is the layers before them (the MTP layers are not read).
+    let blocks = meta.usize("block_count")?;
+    let nextn = meta.opt_usize("nextn_predict_layers")?.unwrap_or(0);
+    let layers = blocks
+        .checked_sub(nextn)
+        .filter(|&n| n > 0)
+        .ok_or_else(|| {
+            meta.err(
+                "nextn_predict_layers",
+                &format!("{nextn} leaves none of {blocks} blocks"),
+            )
+        })?;
     // Per-layer widths and KV heads: the first layer's, which Gemma 4 overrides per layer.
-    let ffn = meta.opt_per_layer("feed_forward_length", layers)?;
-    let kv_heads = meta.opt_per_layer("attention.head_count_kv", layers)?;
+    let per_layer = |key| -> Result<Option<Vec<usize>>> {
+        let values = meta.opt_per_layer(key, blocks)?;
+        Ok(values.map(|v| v[..layers].to_vec()))
+    };
+    let (ffn, kv_heads) = (
+        per_layer("feed_forward_length")?,
+        per_layer("attention.head_count_kv")?,
+    );
     if arch != "gemma4" {
         for (key, values) in [
             ("feed_forward_length", &ffn),
@@ -165,6 +191,23 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
                 .opt_f64("rope.scaling.factor")?
                 .ok_or_else(|| meta.err("rope.scaling.factor", "is missing"))?,
         },
+        Some(Ok(kind)) if kind == "yarn" => {
+            let factor = meta
+                .opt_f64("rope.scaling.factor")?
+                .ok_or_else(|| meta.err("rope.scaling.factor", "is missing"))?;
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: meta
+                    .usize("rope.scaling.original_context_length")?,
+                beta_fast: meta.opt_f64("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
+                beta_slow: meta.opt_f64("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
+                // transformers' default; DeepSeek's files move it into the score scale.
+                attention_factor: meta
+                    .opt_f64("rope.scaling.attn_factor")?
+                    .unwrap_or_else(|| crate::config::yarn_get_mscale(factor, 1.0)),
+                truncate: true,
+            }
+        }
         Some(Ok(kind)) if kind != "none" => {
             return Err(meta.err("rope.scaling.type", &format!("`{kind}` is not supported")));
         }
@@ -245,6 +288,8 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
     }
     if arch == "gemma4" {
         crate::arch::gemma4::gguf::configure(&meta, &mut config)?;
+    } else if arch == "deepseek2" {
+        crate::arch::deepseek_v3::configure_gguf(&meta, &mut config)?;
     } else if let Some(rotary) = meta.opt_usize("rope.dimension_count")? {
         config.partial_rotary_factor = partial_rotary_factor(rotary, config.head_dim);
     }
