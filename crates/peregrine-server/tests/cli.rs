@@ -437,6 +437,60 @@ fn gguf_export_writes_gemma3() {
     });
 }
 
+/// Gemma 4 exports as llama.cpp's own converter writes it: against the converter's Q8_0 file
+/// of the same fixture (tests/fixtures/<arch>/gguf, scripts/fixtures/convert_gguf.py), the
+/// same tensors (names, shapes, types, `rope_freqs` included), the same `gemma4.*` metadata
+/// (ours adds `vocab_size`), read back as the same configuration, and the same logits: measured
+/// identical (candle's Q8_0 blocks of these weights equal gguf-py's), so 1e-4 leaves room only
+/// for a rounding tie broken the other way, while a misplaced tensor moves logits by 1 or more.
+#[test]
+fn gguf_export_writes_gemma4_as_llama_cpp_does() {
+    use peregrine_engine::tensor::candle::quantized::gguf_file::Content;
+    use peregrine_models::weights::{GgufFile, config_from_gguf};
+    let dir = scratch("gguf-gemma4");
+    for arch in ["gemma4_text", "gemma4_text_moe"] {
+        let ours = dir.join(format!("{arch}.gguf"));
+        let run = quantize_gguf(&fixture(arch), &ours, "q8_0");
+        assert!(
+            run.status.success(),
+            "{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let theirs = fixture(arch).join("../gguf/model-q8_0.gguf");
+        let read = |path: &Path| {
+            let mut f = std::fs::File::open(path).unwrap();
+            Content::read(&mut f).unwrap()
+        };
+        let (a, b) = (read(&ours), read(&theirs));
+        let tensors = |c: &Content| -> std::collections::BTreeMap<String, String> {
+            (c.tensor_infos.iter())
+                .map(|(n, i)| {
+                    (
+                        n.clone(),
+                        format!("{:?} {:?}", i.ggml_dtype, i.shape.dims()),
+                    )
+                })
+                .collect()
+        };
+        assert_eq!(tensors(&a), tensors(&b), "{arch}: tensors");
+        let keys = |c: &Content| -> std::collections::BTreeMap<String, String> {
+            (c.metadata.iter())
+                .filter(|(k, _)| k.starts_with("gemma4.") && *k != "gemma4.vocab_size")
+                .map(|(k, v)| (k.clone(), format!("{v:?}")))
+                .collect()
+        };
+        assert_eq!(keys(&a), keys(&b), "{arch}: metadata");
+        let config = |p: &Path| config_from_gguf(&GgufFile::open(p).unwrap()).unwrap();
+        assert_eq!(config(&ours), config(&theirs), "{arch}: configuration");
+        let (ids, _) = reference(arch);
+        let got = cli_logits(&ours, &ids, &[], &format!("gguf-{arch}-ours"));
+        let want = cli_logits(&theirs, &ids, &[], &format!("gguf-{arch}-llama-cpp"));
+        let max = max_abs_diff(&got, &want).unwrap();
+        eprintln!("{arch}: our Q8_0 export vs llama.cpp's converter: max abs diff {max}");
+        assert!(max < 1e-4, "{arch}: logits differ by {max}");
+    }
+}
+
 /// Gemma 2 GGUF files store norm weights as `1 + w` and the two soft caps; the layer pattern
 /// (even layers slide) and attention scale (`head_dim^-0.5`) are llama.cpp's, which the fixture
 /// follows, so it exports as it is. The file reads back as the same configuration (a cap lost

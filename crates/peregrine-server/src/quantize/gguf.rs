@@ -5,7 +5,9 @@
 //!
 //! As llama.cpp's converter does, `llama` q/k projections are permuted for GPT-J-style rotation
 //! (the loader rotates `llama` GGUF files interleaved) and Gemma 2 and 3's norm weights store
-//! `1 + w`; Gemma 2's soft caps go into `gemma2.{attn,final}_logit_softcapping`.
+//! `1 + w`; Gemma 2's soft caps go into `gemma2.{attn,final}_logit_softcapping`. Gemma 4 is
+//! written as llama.cpp's converter writes it (per-layer arrays, the sliding pattern, the
+//! proportional RoPE as a `rope_freqs` tensor).
 //! Rope scalings other than linear cannot be expressed in the metadata the loader reads, so such
 //! checkpoints are refused.
 
@@ -21,7 +23,6 @@ use peregrine_engine::tensor::{DType, Device, RopeScaling, Tensor};
 use peregrine_models::ModelConfig;
 use peregrine_models::config::{Fields, read_json_object};
 use peregrine_models::weights::gguf_name;
-use serde_json::Value as Json;
 
 /// `--type` values: llama.cpp's 32-element block types that candle quantizes on the CPU.
 pub const TYPES: [&str; 5] = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"];
@@ -75,9 +76,13 @@ fn read_config(dir: &Path) -> Result<ModelConfig> {
             gemma_expressible(&config)
                 .map_err(|why| anyhow::anyhow!("{}: {why}", path.display()))?;
         }
+        "gemma4_text" => {
+            arch::gemma4::configure(&fields, &mut config)?;
+            config.model_type = "gemma4".into();
+        }
         other => bail!(
-            "{}: model_type `{other}` cannot be written as GGUF \
-             (supported: llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text)",
+            "{}: model_type `{other}` cannot be written as GGUF (supported: llama, mistral, \
+             mixtral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, gemma4_text)",
             path.display()
         ),
     }
@@ -234,6 +239,10 @@ fn model_metadata(c: &ModelConfig, file_type: u32) -> Result<Vec<(String, Value)
         ),
         (format!("{arch}.vocab_size"), u(c.vocab_size)),
     ];
+    if arch == "gemma4" {
+        gemma4_metadata(c, &mut md)?;
+        return Ok(md);
+    }
     match c.rope_scaling {
         RopeScaling::None => {}
         RopeScaling::Linear { factor } => {
@@ -259,6 +268,14 @@ fn model_metadata(c: &ModelConfig, file_type: u32) -> Result<Vec<(String, Value)
              reads (llama.cpp stores it as a `rope_freqs` tensor, which the loader refuses)"
         ),
     }
+    common_metadata(c, &mut md);
+    Ok(md)
+}
+
+/// Keys written the same way for every family: the window, the experts, the sliding layers'
+/// RoPE base and the soft caps.
+fn common_metadata(c: &ModelConfig, md: &mut Vec<(String, Value)>) {
+    let (arch, u) = (&c.model_type, |n: usize| Value::U32(n as u32));
     if let Some(w) = c.sliding_window {
         md.push((format!("{arch}.attention.sliding_window"), u(w)));
     }
@@ -269,10 +286,11 @@ fn model_metadata(c: &ModelConfig, file_type: u32) -> Result<Vec<(String, Value)
             format!("{arch}.expert_feed_forward_length"),
             u(moe.intermediate_size),
         ));
-        md.push((
-            format!("{arch}.expert_weights_norm"),
-            Value::Bool(moe.normalize),
-        ));
+        // Gemma 4's routing always renormalises; its converter writes no such key.
+        if arch != "gemma4" {
+            let norm = Value::Bool(moe.normalize);
+            md.push((format!("{arch}.expert_weights_norm"), norm));
+        }
     }
     if let Some(theta) = c.rope_local_theta {
         md.push((
@@ -289,7 +307,104 @@ fn model_metadata(c: &ModelConfig, file_type: u32) -> Result<Vec<(String, Value)
             md.push((format!("{arch}.{key}"), Value::F32(cap as f32)));
         }
     }
-    Ok(md)
+}
+
+/// Gemma 4's keys as llama.cpp's converter writes them (`Gemma4Model.set_gguf_parameters`;
+/// the loader's reading is `arch/gemma4/gguf.rs`): `key_length` is the full layers' head width
+/// and `key_length_swa` the sliding ones', widths and KV heads become per-layer arrays where
+/// layers differ, the pattern is one boolean per layer. Its proportional RoPE is the
+/// `rope_freqs` tensor ([`gemma4_rope_freqs`]).
+fn gemma4_metadata(c: &ModelConfig, md: &mut Vec<(String, Value)>) -> Result<()> {
+    let (arch, u) = (&c.model_type, |n: usize| Value::U32(n as u32));
+    let sliding = c
+        .sliding_layers
+        .clone()
+        .context("gemma4: no layer pattern")?;
+    let specs = &c.layer_specs;
+    if specs.len() != c.num_hidden_layers || c.partial_rotary_factor != 1.0 {
+        bail!(
+            "gemma4: per-layer shapes or a partial rotary on the sliding layers cannot be written"
+        );
+    }
+    let full = (0..sliding.len())
+        .find(|&i| !sliding[i])
+        .map_or(c.head_dim, |i| specs[i].head_dim);
+    for (i, s) in specs.iter().enumerate() {
+        if s.head_dim != if sliding[i] { c.head_dim } else { full } {
+            bail!(
+                "gemma4: layer {i}'s head width {} is neither kind's",
+                s.head_dim
+            );
+        }
+    }
+    // Arrays of i32, as gguf-py writes Python lists.
+    let per_layer = |values: Vec<usize>| match values.iter().all(|&v| v == values[0]) {
+        true => u(values[0]),
+        false => Value::Array(values.into_iter().map(|v| Value::I32(v as i32)).collect()),
+    };
+    let set = |md: &mut Vec<(String, Value)>, key: &str, value: Value| {
+        let key = format!("{arch}.{key}");
+        md.retain(|(k, _)| *k != key);
+        md.push((key, value));
+    };
+    set(
+        md,
+        "feed_forward_length",
+        per_layer(specs.iter().map(|s| s.intermediate_size).collect()),
+    );
+    set(
+        md,
+        "attention.head_count_kv",
+        per_layer(specs.iter().map(|s| s.num_key_value_heads).collect()),
+    );
+    for key in [
+        "attention.key_length",
+        "attention.value_length",
+        "rope.dimension_count",
+    ] {
+        set(md, key, u(full));
+    }
+    for key in [
+        "attention.key_length_swa",
+        "attention.value_length_swa",
+        "rope.dimension_count_swa",
+    ] {
+        set(md, key, u(c.head_dim));
+    }
+    let shared = specs.iter().filter(|s| s.kv_source.is_some()).count();
+    set(md, "attention.shared_kv_layers", u(shared));
+    let pattern = sliding.iter().map(|&s| Value::Bool(s)).collect();
+    set(
+        md,
+        "attention.sliding_window_pattern",
+        Value::Array(pattern),
+    );
+    let per_layer_input = c.per_layer_input.map_or(0, |p| p.hidden);
+    set(md, "embedding_length_per_layer_input", u(per_layer_input));
+    gemma4_rope_freqs(c)?;
+    common_metadata(c, md);
+    Ok(())
+}
+
+/// The `rope_freqs` tensor that stands for Gemma 4's proportional RoPE over the full layers'
+/// heads (llama.cpp's converter's `generate_extra_tensors`): 1 for the pairs that turn, 1e30
+/// (frequency 0) for the rest.
+fn gemma4_rope_freqs(c: &ModelConfig) -> Result<Tensor> {
+    let sliding = c.sliding_layers.as_deref().unwrap_or_default();
+    let full = (0..sliding.len()).find(|&i| !sliding[i]);
+    let head_dim = full.map_or(c.head_dim, |i| c.layer_specs[i].head_dim);
+    let turning = match c.rope_scaling {
+        RopeScaling::Proportional {
+            factor: 1.0,
+            partial_rotary_factor,
+        } => (partial_rotary_factor * head_dim as f64 / 2.0).floor() as usize,
+        RopeScaling::None => head_dim / 2,
+        ref other => bail!("gemma4: RoPE {other:?} cannot be written as `rope_freqs`"),
+    };
+    let values: Vec<f32> = (0..head_dim / 2)
+        .map(|i| if i < turning { 1.0 } else { 1e30 })
+        .collect();
+    Ok(Tensor::new(values, &Device::Cpu)?)
 }
 
 /// llama.cpp's `LlamaModel.permute`: within each head, rows `[0, d/2)` and `[d/2, d)` (the
@@ -313,7 +428,10 @@ pub fn run(model: &Path, out: &Path, type_name: &str) -> Result<()> {
     }
     let config = read_config(model)?;
     let mut metadata = model_metadata(&config, file_type)?;
-    metadata.extend(tokenizer_metadata(model, config.vocab_size)?);
+    metadata.extend(super::gguf_tokenizer::tokenizer_metadata(
+        model,
+        config.vocab_size,
+    )?);
 
     let files = super::open_safetensors(model)?;
     let mut tensors: BTreeMap<String, QTensor> = BTreeMap::new();
@@ -359,7 +477,7 @@ pub fn run(model: &Path, out: &Path, type_name: &str) -> Result<()> {
         }
         let block = qtype.block_size();
         // Routers stay f32, as llama.cpp keeps `ffn_gate_inp`.
-        let router = name.ends_with(".gate.weight");
+        let router = name.ends_with(".gate.weight") || name.ends_with(".router.proj.weight");
         let q = if (2..=3).contains(&t.rank()) && !router && t.dim(D::Minus1)?.is_multiple_of(block)
         {
             quantized += 1;
@@ -369,6 +487,11 @@ pub fn run(model: &Path, out: &Path, type_name: &str) -> Result<()> {
             QTensor::quantize(&t, GgmlDType::F32)
         };
         tensors.insert(gname, q.with_context(|| format!("tensor `{name}`"))?);
+    }
+    if config.model_type == "gemma4" {
+        let freqs = QTensor::quantize(&gemma4_rope_freqs(&config)?, GgmlDType::F32)?;
+        tensors.insert("rope_freqs.weight".into(), freqs);
+        kept += 1;
     }
     let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
@@ -387,175 +510,4 @@ pub fn run(model: &Path, out: &Path, type_name: &str) -> Result<()> {
         out.display()
     );
     Ok(())
-}
-
-/// The pre-tokenizer regexes llama.cpp knows by name (`tokenizer.ggml.pre`), as tokenizer.json
-/// spells them.
-const PRE_NAMES: &[(&str, &str)] = &[
-    (
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-        "qwen2",
-    ),
-    (
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-        "llama-bpe",
-    ),
-];
-
-/// `tokenizer.ggml.*` from tokenizer.json (+ tokenizer_config.json for BOS/EOS and the chat
-/// template). Only byte-level BPE is transcribed: SentencePiece models would need scores and
-/// token types that tokenizer.json does not carry in the same form.
-fn tokenizer_metadata(dir: &Path, vocab_size: usize) -> Result<Vec<(String, Value)>> {
-    let path = dir.join("tokenizer.json");
-    let text = std::fs::read_to_string(&path).with_context(|| {
-        format!(
-            "{}: cannot read (the GGUF loader takes the tokenizer from the file)",
-            path.display()
-        )
-    })?;
-    let tok: Json =
-        serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))?;
-    let unsupported = |why: &str| {
-        anyhow::anyhow!(
-            "{}: {why}; only byte-level BPE tokenizers can be written into GGUF",
-            path.display()
-        )
-    };
-    let model = &tok["model"];
-    if model["type"] != "BPE" {
-        return Err(unsupported("the model is not BPE"));
-    }
-    let pre =
-        pre_name(&tok["pre_tokenizer"]).ok_or_else(|| unsupported("unknown pre-tokenizer"))?;
-
-    // Token texts by id: the BPE vocabulary, then added tokens; holes and the rows past the
-    // tokenizer (embedding tables are often padded) get llama.cpp's `[PAD{id}]` names.
-    let mut texts: BTreeMap<usize, (String, i32)> = BTreeMap::new();
-    let vocab = model["vocab"]
-        .as_object()
-        .ok_or_else(|| unsupported("`model.vocab` is not an object"))?;
-    for (text, id) in vocab {
-        let id = id
-            .as_u64()
-            .ok_or_else(|| unsupported("a vocabulary id is not an integer"))?;
-        texts.insert(id as usize, (text.clone(), 1)); // 1: normal
-    }
-    for added in tok["added_tokens"].as_array().into_iter().flatten() {
-        let (Some(id), Some(text)) = (added["id"].as_u64(), added["content"].as_str()) else {
-            return Err(unsupported("an added token lacks `id` or `content`"));
-        };
-        // 3: control (special), 4: user-defined.
-        let kind = if added["special"].as_bool().unwrap_or(false) {
-            3
-        } else {
-            4
-        };
-        texts.insert(id as usize, (text.to_string(), kind));
-    }
-    let n = texts.keys().next_back().map_or(0, |&last| last + 1);
-    if n > vocab_size {
-        bail!(
-            "{}: {n} token ids but the model has {vocab_size} embedding rows",
-            path.display()
-        );
-    }
-    let (mut tokens, mut types) = (Vec::with_capacity(vocab_size), vec![]);
-    for id in 0..vocab_size {
-        let (text, kind) = texts
-            .remove(&id)
-            .unwrap_or_else(|| (format!("[PAD{id}]"), 5)); // 5: unused
-        tokens.push(Value::String(text));
-        types.push(Value::I32(kind));
-    }
-    let merges: Vec<Value> = model["merges"]
-        .as_array()
-        .ok_or_else(|| unsupported("`model.merges` is not an array"))?
-        .iter()
-        .map(|m| match m {
-            Json::String(s) => Ok(Value::String(s.clone())),
-            Json::Array(pair) if pair.len() == 2 => Ok(Value::String(format!(
-                "{} {}",
-                pair[0].as_str().unwrap_or_default(),
-                pair[1].as_str().unwrap_or_default()
-            ))),
-            _ => Err(unsupported("a merge is neither `a b` nor [a, b]")),
-        })
-        .collect::<Result<_>>()?;
-
-    let mut md = vec![
-        (
-            "tokenizer.ggml.model".to_string(),
-            Value::String("gpt2".into()),
-        ),
-        ("tokenizer.ggml.pre".into(), Value::String(pre.into())),
-        ("tokenizer.ggml.tokens".into(), Value::Array(tokens)),
-        ("tokenizer.ggml.token_type".into(), Value::Array(types)),
-        ("tokenizer.ggml.merges".into(), Value::Array(merges)),
-    ];
-    // BOS/EOS/PAD and add_bos from tokenizer_config.json (token texts resolved to ids).
-    let config: Json = std::fs::read_to_string(dir.join("tokenizer_config.json"))
-        .ok()
-        .and_then(|t| serde_json::from_str(&t).ok())
-        .unwrap_or(Json::Null);
-    let id_of = |key: &str| -> Option<u32> {
-        let text = match &config[key] {
-            Json::String(s) => s.as_str(),
-            Json::Object(o) => o.get("content")?.as_str()?,
-            _ => return None,
-        };
-        let id = vocab.get(text).and_then(Json::as_u64).or_else(|| {
-            tok["added_tokens"]
-                .as_array()?
-                .iter()
-                .find(|a| a["content"] == text)?["id"]
-                .as_u64()
-        })?;
-        Some(id as u32)
-    };
-    for (key, gguf_key) in [
-        ("bos_token", "tokenizer.ggml.bos_token_id"),
-        ("eos_token", "tokenizer.ggml.eos_token_id"),
-        ("pad_token", "tokenizer.ggml.padding_token_id"),
-    ] {
-        if let Some(id) = id_of(key) {
-            md.push((gguf_key.into(), Value::U32(id)));
-        }
-    }
-    md.push((
-        "tokenizer.ggml.add_bos_token".into(),
-        Value::Bool(config["add_bos_token"].as_bool().unwrap_or(false)),
-    ));
-    let template = std::fs::read_to_string(dir.join("chat_template.jinja"))
-        .ok()
-        .or_else(|| config["chat_template"].as_str().map(str::to_owned));
-    if let Some(t) = template {
-        md.push(("tokenizer.chat_template".into(), Value::String(t)));
-    }
-    Ok(md)
-}
-
-/// `tokenizer.ggml.pre` for a tokenizer.json `pre_tokenizer`: GPT-2's byte-level regex, or a
-/// `Split` by one of [`PRE_NAMES`] followed by a regex-free `ByteLevel`.
-fn pre_name(pre: &Json) -> Option<&'static str> {
-    match pre["type"].as_str()? {
-        "ByteLevel" if pre["use_regex"].as_bool().unwrap_or(true) => Some("gpt-2"),
-        "Sequence" => {
-            let steps = pre["pretokenizers"].as_array()?;
-            let [split, byte_level] = steps.as_slice() else {
-                return None;
-            };
-            if split["type"] != "Split"
-                || byte_level["type"] != "ByteLevel"
-                || byte_level["use_regex"].as_bool() != Some(false)
-            {
-                return None;
-            }
-            let regex = split["pattern"]["Regex"].as_str()?;
-            PRE_NAMES
-                .iter()
-                .find(|(r, _)| *r == regex)
-                .map(|(_, name)| *name)
-        }
-        _ => None,
-    }
 }

@@ -4,6 +4,7 @@
 //! (`--format gguf`, [`gguf`]) for comparisons with llama.cpp-style block quantization.
 
 mod gguf;
+mod gguf_tokenizer;
 
 use std::collections::BTreeMap;
 use std::io::Write;
