@@ -52,9 +52,10 @@ pub struct ModelArgs {
     /// Prompt tokens per forward pass during prefill.
     #[arg(long, default_value_t = 512)]
     pub prefill_size: usize,
-    /// KV cache storage: f32 (exact), f16 (half the memory; llama.cpp's default) or bf16.
-    #[arg(long, default_value = "f32", value_parser = ["f32", "f16", "bf16"])]
-    pub cache_type: String,
+    /// KV cache storage: f16 (the default, as llama.cpp's, vLLM's and mlx-lm's), f32 (exact,
+    /// twice the memory; `logits`' default, the parity tool's) or bf16.
+    #[arg(long, value_parser = ["f32", "f16", "bf16"])]
+    pub cache_type: Option<String>,
     /// MLX 4- and 8-bit weights: q8 rounds activations to 8 bits per 32 values and runs the
     /// integer kernels (as llama.cpp does for its block formats); f32 computes as mlx-lm does
     /// (slower).
@@ -65,10 +66,10 @@ pub struct ModelArgs {
 impl ModelArgs {
     /// The engine settings the arguments describe (one request at a time, default queue).
     pub fn engine_config(&self) -> EngineConfig {
-        let dtype = match self.cache_type.as_str() {
-            "f16" => Some(DType::F16),
+        let dtype = match self.cache_type.as_deref().unwrap_or("f16") {
+            "f32" => None,
             "bf16" => Some(DType::BF16),
-            _ => None,
+            _ => Some(DType::F16),
         };
         EngineConfig {
             max_context: self.ctx_size,
@@ -229,7 +230,9 @@ fn parse_positions(spec: &str) -> Result<Range<usize>> {
     Ok(a..b)
 }
 
-fn logits(args: LogitsArgs) -> Result<()> {
+fn logits(mut args: LogitsArgs) -> Result<()> {
+    // The parity tool compares with f32 references: its cache is exact unless asked otherwise.
+    args.model.cache_type.get_or_insert_with(|| "f32".into());
     let engine = args.model.load()?;
     let ids: Vec<u32> = match (&args.input_ids, &args.prompt_file) {
         (Some(list), _) => list

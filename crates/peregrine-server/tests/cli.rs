@@ -545,3 +545,41 @@ fn gguf_export_writes_gemma2() {
         "{stderr}"
     );
 }
+
+/// `bench`, `generate` and `serve` keep the KV cache in f16 unless `--cache-type` says
+/// otherwise: `bench`'s `kv_bytes` (the cache's allocations) by default is half of f32's, the
+/// same as `--cache-type f16`'s.
+#[test]
+fn the_kv_cache_is_f16_by_default() {
+    let kv_bytes = |extra: &[&str]| -> u64 {
+        let model = fixture("llama");
+        let mut args = vec!["bench", "--model", model.to_str().unwrap()];
+        args.extend([
+            "--prompt-tokens",
+            "16",
+            "--gen-tokens",
+            "4",
+            "--repeat",
+            "1",
+            "--json",
+        ]);
+        args.extend(extra);
+        let run = peregrine(&args);
+        assert!(
+            run.status.success(),
+            "{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let out: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
+        out["kv_bytes"].as_u64().expect("kv_bytes")
+    };
+    let (default, f16, f32) = (
+        kv_bytes(&[]),
+        kv_bytes(&["--cache-type", "f16"]),
+        kv_bytes(&["--cache-type", "f32"]),
+    );
+    assert!(
+        default > 0 && default == f16 && 2 * default == f32,
+        "{default} {f16} {f32}"
+    );
+}
