@@ -3,4 +3,5 @@
 mod common;
 mod engine_state;
 mod numerics;
+mod prompt_cache;
 mod real_models;

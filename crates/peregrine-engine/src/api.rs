@@ -73,6 +73,8 @@ pub struct Usage {
     pub prompt_tokens: usize,
     /// Tokens generated (an end-of-sequence token counts).
     pub completion_tokens: usize,
+    /// Prompt tokens whose keys and values came from the prompt cache (not prefilled).
+    pub cached_tokens: usize,
 }
 
 /// Where the time went, and what memory the sequence held.

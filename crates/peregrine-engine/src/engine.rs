@@ -17,6 +17,7 @@ use crate::api::{Event, Prompt, Request};
 use crate::chat_template::{ChatTemplate, fallback_template};
 use crate::error::EngineError;
 use crate::generate::{GenContext, generate, prefill};
+use crate::prompt_cache::{PromptCache, PromptCacheStats};
 use crate::tokenizer::Tokenizer;
 
 /// How the engine runs.
@@ -36,6 +37,10 @@ pub struct EngineConfig {
     pub kv: KvOptions,
     /// How MLX 4-bit weights are multiplied (8-bit activations by default).
     pub mlx_activations: MlxActivations,
+    /// Finished sequences whose caches are kept for reuse by prompt prefix (0: no prompt cache).
+    pub prompt_cache_entries: usize,
+    /// Bytes of KV the prompt cache may hold.
+    pub prompt_cache_bytes: usize,
 }
 
 impl Default for EngineConfig {
@@ -48,6 +53,8 @@ impl Default for EngineConfig {
             queue_size: 64,
             kv: KvOptions::default(),
             mlx_activations: MlxActivations::default(),
+            prompt_cache_entries: 4,
+            prompt_cache_bytes: 1 << 30,
         }
     }
 }
@@ -68,6 +75,7 @@ struct Shared {
     max_context: usize,
     kv: KvOptions,
     live_kv: AtomicUsize,
+    prompt_cache: PromptCache,
 }
 
 /// A loaded model ready to serve requests.
@@ -156,6 +164,7 @@ impl Engine {
             max_context,
             kv: config.kv,
             live_kv: AtomicUsize::new(0),
+            prompt_cache: PromptCache::new(config.prompt_cache_entries, config.prompt_cache_bytes),
         });
         let (jobs, queue) = sync_channel::<Job>(config.queue_size);
         let queue = Arc::new(Mutex::new(queue));
@@ -191,6 +200,11 @@ impl Engine {
     /// KV-cache bytes held by all running sequences now (0 when idle).
     pub fn kv_bytes_in_use(&self) -> usize {
         self.shared.live_kv.load(Ordering::Relaxed)
+    }
+
+    /// The prompt cache's counters and size.
+    pub fn prompt_cache_stats(&self) -> PromptCacheStats {
+        self.shared.prompt_cache.stats()
     }
 
     /// Renders and tokenizes a prompt exactly as `submit` will.
@@ -293,6 +307,7 @@ fn worker(shared: &Shared, queue: &Mutex<Receiver<Job>>) {
             cancel: &job.cancel,
             kv: shared.kv,
             live_kv: &shared.live_kv,
+            prompt_cache: &shared.prompt_cache,
         };
         let mut send = |event: Event| job.events.send(event).is_ok();
         if let Err(e) = generate(

@@ -13,6 +13,7 @@ use peregrine_tensor::device::in_compute_pool;
 use crate::api::{Event, FinishReason, Request, Timings, Usage};
 use crate::detok::{IncrementalDetokenizer, PROMPT_TAIL};
 use crate::error::EngineError;
+use crate::prompt_cache::PromptCache;
 use crate::stop::StopMatcher;
 use crate::tokenizer::Tokenizer;
 
@@ -26,6 +27,8 @@ pub(crate) struct GenContext<'a> {
     pub kv: KvOptions,
     /// KV bytes held by every running sequence together (see [`KvGauge`]).
     pub live_kv: &'a AtomicUsize,
+    /// Finished sequences' caches, reused by prompt prefix.
+    pub prompt_cache: &'a PromptCache,
 }
 
 /// This sequence's share of the engine's live KV bytes, kept current as its cache grows and
@@ -98,14 +101,15 @@ pub(crate) fn generate(
         .max_tokens
         .unwrap_or(usize::MAX)
         .min(ctx.max_context - ids.len());
-    let mut cache = SequenceCache::new(&ctx.model.cache_spec(), &ctx.kv);
+    let (mut cache, cached) = (ctx.prompt_cache.lookup(ids))
+        .unwrap_or_else(|| (SequenceCache::new(&ctx.model.cache_spec(), &ctx.kv), 0));
     let mut gauge = KvGauge {
         total: ctx.live_kv,
         mine: 0,
     };
     let mut logits = last_row(&prefill(
         ctx.model,
-        ids,
+        &ids[cached..],
         &mut cache,
         ctx.prefill_size,
         Logits::Last,
@@ -185,7 +189,13 @@ pub(crate) fn generate(
     let usage = Usage {
         prompt_tokens: ids.len(),
         completion_tokens: generated.len(),
+        cached_tokens: cached,
     };
+    // The cache holds the prompt and every generated token but the last (never fed back).
+    let mut held: Vec<u32> = ids.iter().chain(&generated).copied().collect();
+    held.truncate(cache.len());
+    drop(gauge);
+    ctx.prompt_cache.store(held, cache);
     send(Event::Done {
         finish,
         usage,

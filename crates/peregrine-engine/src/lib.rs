@@ -19,6 +19,7 @@ pub mod detok;
 mod engine;
 mod error;
 mod generate;
+mod prompt_cache;
 pub mod stop;
 pub mod tokenizer;
 
@@ -31,4 +32,5 @@ pub use peregrine_models::weights::MlxActivations;
 pub use peregrine_sampling::{SamplingParams, TokenLogprob};
 /// The tensor layer, for callers that handle logits.
 pub use peregrine_tensor as tensor;
+pub use prompt_cache::PromptCacheStats;
 pub use tokenizer::Tokenizer;

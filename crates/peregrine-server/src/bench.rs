@@ -32,6 +32,10 @@ pub struct BenchArgs {
     /// Print JSON only (the default output is JSON too; kept for scripts).
     #[arg(long)]
     json: bool,
+    /// Also measure the prompt cache: per repeat, two requests sharing their first N tokens
+    /// (then 16 of their own); reports both times to first token.
+    #[arg(long, value_name = "N")]
+    cached_prefix: Option<usize>,
 }
 
 fn synthetic_prompt(engine: &Engine, n: usize) -> Result<Vec<u32>> {
@@ -83,17 +87,35 @@ pub fn run(args: BenchArgs, threads: Option<usize>) -> Result<()> {
         bail!("--prompt-tokens, --gen-tokens and --repeat must be at least 1");
     }
     let load_start = Instant::now();
-    let engine = args.model.load()?;
-    let load_ms = load_start.elapsed().as_secs_f64() * 1e3;
-    let ids = synthetic_prompt(&engine, args.prompt_tokens)?;
-    for _ in 0..args.warmup {
-        run_once(&engine, &ids, args.gen_tokens.min(8))?;
+    let mut config = args.model.engine_config();
+    if args.cached_prefix.is_none() {
+        config.prompt_cache_entries = 0;
     }
-    let runs = (0..args.repeat)
-        .map(|_| run_once(&engine, &ids, args.gen_tokens))
+    let engine = args.model.load_with(config)?;
+    let load_ms = load_start.elapsed().as_secs_f64() * 1e3;
+    // The prompt cache would serve a repeated prompt whole: it is off unless measured, and each
+    // run's prompt starts one token further into the text, sharing no prefix with the others.
+    let runs_total = args.warmup + args.repeat;
+    let text = synthetic_prompt(&engine, args.prompt_tokens + runs_total)?;
+    let prompt = |r: usize| &text[r..r + args.prompt_tokens];
+    for r in 0..args.warmup {
+        run_once(&engine, prompt(r), args.gen_tokens.min(8))?;
+    }
+    let runs = (args.warmup..runs_total)
+        .map(|r| run_once(&engine, prompt(r), args.gen_tokens))
         .collect::<Result<Vec<_>>>()?;
+    if let Some((u, _)) = runs.iter().find(|(u, _)| u.cached_tokens > 0) {
+        bail!(
+            "a timed run reused {} cached prompt tokens",
+            u.cached_tokens
+        );
+    }
     let pick = |f: &dyn Fn(&(Usage, Timings)) -> f64| median(runs.iter().map(f).collect());
-    let report = json!({
+    let prompt_cache = match args.cached_prefix {
+        Some(n) => Some(prompt_cache_report(&engine, &args, n)?),
+        None => None,
+    };
+    let mut report = json!({
         "model": args.model.model,
         "threads": rayon_threads(threads),
         "prompt_tokens": args.prompt_tokens,
@@ -110,8 +132,42 @@ pub fn run(args: BenchArgs, threads: Option<usize>) -> Result<()> {
         "weight_bytes": engine.model().weight_bytes(),
         "load_ms": load_ms,
     });
+    if let Some(cache) = prompt_cache {
+        report["prompt_cache"] = cache;
+    }
     println!("{report}");
     Ok(())
+}
+
+/// Times to first token of `args.repeat` pairs of requests that share their first `n` tokens
+/// (each pair its own prefix, so the first of a pair finds nothing cached), medians.
+fn prompt_cache_report(engine: &Engine, args: &BenchArgs, n: usize) -> Result<serde_json::Value> {
+    const OWN: usize = 16;
+    // Prefixes start further into the text than any speed run's prompt, one token apart.
+    let skip = args.warmup + args.repeat + 1;
+    let text = synthetic_prompt(engine, skip + n + OWN * 2 + args.repeat)?;
+    let (mut cold, mut warm, mut reused) = (vec![], vec![], vec![]);
+    for r in 0..args.repeat {
+        let prefix = &text[skip + r..skip + r + n];
+        let own = |k: usize| -> Vec<u32> {
+            let own = &text[skip + args.repeat + n..][..2 * OWN];
+            let tail = own.iter().rev().skip(k * OWN).take(OWN);
+            prefix.iter().chain(tail).copied().collect()
+        };
+        let (_, first) = run_once(engine, &own(0), args.gen_tokens)?;
+        let (usage, second) = run_once(engine, &own(1), args.gen_tokens)?;
+        cold.push(first.time_to_first_token.as_secs_f64() * 1e3);
+        warm.push(second.time_to_first_token.as_secs_f64() * 1e3);
+        reused.push(usage.cached_tokens as f64);
+    }
+    let (cold, warm) = (median(cold), median(warm));
+    Ok(json!({
+        "prefix_tokens": n,
+        "ttft_first_ms": cold,
+        "ttft_second_ms": warm,
+        "cached_tokens": median(reused),
+        "ttft_ratio": warm / cold,
+    }))
 }
 
 /// The compute threads in use: `--threads`, else what `main` put in RAYON_NUM_THREADS.

@@ -61,6 +61,13 @@ pub struct ModelArgs {
     /// (slower).
     #[arg(long, default_value = "q8", value_parser = ["q8", "f32"])]
     pub mlx_activations: String,
+    /// Finished sequences whose KV caches are kept, so that a prompt sharing a prefix with
+    /// one prefills only the rest (0 turns the prompt cache off).
+    #[arg(long, default_value_t = 4)]
+    pub prompt_cache_entries: usize,
+    /// Megabytes of KV the prompt cache may hold.
+    #[arg(long, default_value_t = 1024)]
+    pub prompt_cache_mb: usize,
 }
 
 impl ModelArgs {
@@ -79,6 +86,8 @@ impl ModelArgs {
                 "f32" => MlxActivations::F32,
                 _ => MlxActivations::Q8,
             },
+            prompt_cache_entries: self.prompt_cache_entries,
+            prompt_cache_bytes: self.prompt_cache_mb << 20,
             ..Default::default()
         }
     }

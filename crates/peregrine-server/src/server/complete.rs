@@ -162,6 +162,7 @@ impl Job {
         if let Event::Done { usage, timings, .. } = event {
             if choice.is_multiple_of(self.n) {
                 totals.usage.prompt_tokens += usage.prompt_tokens;
+                totals.usage.cached_tokens += usage.cached_tokens;
             }
             totals.usage.completion_tokens += usage.completion_tokens;
             if totals.ttft.is_none() {

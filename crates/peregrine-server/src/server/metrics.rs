@@ -5,6 +5,8 @@ use std::fmt::Write;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
+use peregrine_engine::PromptCacheStats;
+
 /// Upper bounds (seconds) of the time-to-first-token histogram.
 const TTFT_BUCKETS: [f64; 10] = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
 /// Upper bounds of the decode tokens-per-second histogram.
@@ -78,9 +80,9 @@ impl Metrics {
         }
     }
 
-    /// The Prometheus text exposition; `parallel` is the number of generation slots and
-    /// `kv_bytes` the KV cache held by running sequences.
-    pub fn render(&self, parallel: usize, kv_bytes: usize) -> String {
+    /// The Prometheus text exposition; `parallel` is the number of generation slots,
+    /// `kv_bytes` the KV cache held by running sequences and `cache` the prompt cache's state.
+    pub fn render(&self, parallel: usize, kv_bytes: usize, cache: PromptCacheStats) -> String {
         let mut out = String::new();
         let l = self.locked.lock().unwrap_or_else(|e| e.into_inner());
         out.push_str("# HELP peregrine_requests_total HTTP requests by path and status.\n");
@@ -122,6 +124,36 @@ impl Metrics {
                 "gauge",
                 "KV cache bytes held by running sequences.",
                 kv_bytes,
+            ),
+            (
+                "prompt_cache_hits_total",
+                "counter",
+                "Requests whose prompt prefix came from the prompt cache.",
+                cache.hits as usize,
+            ),
+            (
+                "prompt_cache_misses_total",
+                "counter",
+                "Requests the prompt cache had no prefix for.",
+                cache.misses as usize,
+            ),
+            (
+                "prompt_cache_reused_tokens_total",
+                "counter",
+                "Prompt tokens taken from the prompt cache instead of prefilled.",
+                cache.reused_tokens as usize,
+            ),
+            (
+                "prompt_cache_entries",
+                "gauge",
+                "Sequences the prompt cache holds.",
+                cache.entries,
+            ),
+            (
+                "prompt_cache_bytes",
+                "gauge",
+                "KV cache bytes the prompt cache holds.",
+                cache.bytes,
             ),
         ];
         for (name, kind, help, value) in counters {

@@ -199,8 +199,10 @@ fn simple_get(state: &State, route: &str, path: &str) -> Result<Response<Body>, 
             })
         }
         "/metrics" => {
-            let kv = state.engine.get().map_or(0, |e| e.kv_bytes_in_use());
-            let text = state.metrics.render(state.parallel, kv);
+            let engine = state.engine.get();
+            let kv = engine.map_or(0, |e| e.kv_bytes_in_use());
+            let cache = engine.map(|e| e.prompt_cache_stats()).unwrap_or_default();
+            let text = state.metrics.render(state.parallel, kv, cache);
             let mut response = Response::new(sse::full(text));
             response.headers_mut().insert(
                 "content-type",
