@@ -1,0 +1,69 @@
+"""KV cache precision against f32 on real text: for each `--cache-type`, `peregrine logits` over one
+long English prompt, compared with the f32 cache's logits at the positions past `--from`: top-1
+agreement and the mean KL divergence KL(p_f32 || p_mode) of the next-token distributions.
+
+usage: .venv-ref/bin/python scripts/kv_quality.py --model M [--text FILE ...] [--chars 16000] [--from 2048]
+       [--positions 200] [--modes f16,bf16] [--peregrine target/release/peregrine] [--threads 2]
+
+The default text is the repository's own English prose (README.md, docs/ARCHITECTURE.md,
+docs/adding-a-model.md), its first 16,000 characters (about 4K tokens), tokenized by the model;
+it must reach `from + positions` tokens.
+Prints one JSON line per mode."""
+import argparse, json, os, subprocess, sys, tempfile
+
+import numpy as np
+from safetensors.numpy import load_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def logits(a, text_file, mode, out):
+    subprocess.run([a.peregrine, "--threads", str(a.threads), "logits", "--model", a.model,
+                    "--cache-type", mode, "--prompt-file", text_file,
+                    "--positions", f"{a.start}..{a.start + a.positions}", "--out", out],
+                   check=True, stderr=subprocess.DEVNULL)
+    return load_file(out)
+
+
+def log_softmax(x):
+    x = x.astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--text", nargs="*", default=[os.path.join(ROOT, f) for f in
+                    ["README.md", "docs/ARCHITECTURE.md", "docs/adding-a-model.md"]])
+    ap.add_argument("--chars", type=int, default=16000, help="the text's first C characters (~4K tokens)")
+    ap.add_argument("--from", dest="start", type=int, default=2048)
+    ap.add_argument("--positions", type=int, default=200)
+    ap.add_argument("--modes", default="f16,bf16")
+    ap.add_argument("--peregrine", default=os.path.join(ROOT, "target/release/peregrine"))
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        text_file = os.path.join(tmp, "prompt.txt")
+        with open(text_file, "w") as f:
+            f.write("\n\n".join(open(t).read() for t in a.text)[:a.chars])
+        ref = logits(a, text_file, "f32", os.path.join(tmp, "f32.safetensors"))
+        n = ref["logits"].shape[0]
+        if n < a.positions:
+            sys.exit(f"kv_quality: the text has {a.start + n} tokens; --from + --positions "
+                     f"needs {a.start + a.positions}")
+        lp = log_softmax(ref["logits"])
+        for mode in a.modes.split(","):
+            got = logits(a, text_file, mode, os.path.join(tmp, f"{mode}.safetensors"))["logits"]
+            lq = log_softmax(got)
+            kl = (np.exp(lp) * (lp - lq)).sum(axis=-1)
+            top1 = float((ref["logits"].argmax(-1) == got.argmax(-1)).mean())
+            print(json.dumps({"model": os.path.basename(a.model), "mode": mode,
+                              "positions": f"{a.start}..{a.start + n}",
+                              "prompt_tokens": int(len(ref["input_ids"])),
+                              "top1_vs_f32": top1, "mean_kl_vs_f32": float(kl.mean()),
+                              "max_kl_vs_f32": float(kl.max())}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
