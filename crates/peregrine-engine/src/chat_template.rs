@@ -21,13 +21,20 @@ pub const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + messag
 /// turn, `assistant` written as `model`, roles that must alternate.
 pub const GEMMA: &str = r#"{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first_user_prefix = messages[0]['content'] + '\n\n' %}{% set loop_messages = messages[1:] %}{% else %}{% set first_user_prefix = '' %}{% set loop_messages = messages %}{% endif %}{% for message in loop_messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}{% if message['role'] == 'assistant' %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"#;
 
+/// Gemma 4's turns, the fallback for Gemma 4 checkpoints that ship no template: the text part of
+/// its official template (`<|turn>role ... <turn|>`, a system turn of its own, `model` for the
+/// assistant, content trimmed, and the empty thought channel it opens when thinking is off).
+pub const GEMMA4: &str = r#"{{ bos_token }}{% if messages[0]['role'] in ['system', 'developer'] %}{{ '<|turn>system\n' + messages[0]['content'] | trim + '<turn|>\n' }}{% set loop_messages = messages[1:] %}{% else %}{% set loop_messages = messages %}{% endif %}{% for message in loop_messages %}{% if message['role'] == 'assistant' %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}{{ '<|turn>' + role + '\n' + message['content'] | trim + '<turn|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|turn>model\n<|channel>thought\n<channel|>' }}{% endif %}"#;
+
 /// The template for a model that ships none, by architecture (`ModelConfig::model_type`: GGUF
-/// `general.architecture` or HF `model_type`): its name and source. Gemma's turns for the Gemma
-/// family (`gemma`, `gemma2`, `gemma3`, `gemma3_text`, `gemma4`, ...), ChatML otherwise.
+/// `general.architecture` or HF `model_type`): its name and source. Gemma 4's turns for
+/// `gemma4*`, Gemma's (Gemma 3's) for the rest of the family (`gemma`, `gemma2`, `gemma3`,
+/// `gemma3_text`), ChatML otherwise.
 pub fn fallback_template(model_type: &str) -> (&'static str, &'static str) {
-    match model_type.starts_with("gemma") {
-        true => ("Gemma's turns", GEMMA),
-        false => ("ChatML", CHATML),
+    match model_type {
+        t if t.starts_with("gemma4") => ("Gemma 4's turns", GEMMA4),
+        t if t.starts_with("gemma") => ("Gemma's turns", GEMMA),
+        _ => ("ChatML", CHATML),
     }
 }
 

@@ -6,7 +6,8 @@
 //! templates that use content as a string, as vLLM does.
 
 use peregrine_engine::chat_template::{
-    CHATML, ChatMessage, ChatTemplate, GEMMA, TemplateError, fallback_template, strftime_utc,
+    CHATML, ChatMessage, ChatTemplate, GEMMA, GEMMA4, TemplateError, fallback_template,
+    strftime_utc,
 };
 use serde_json::{Map, Value, json};
 
@@ -456,12 +457,45 @@ fn jinja_idioms_match_jinja2() {
     assert_eq!(out, want);
 }
 
+/// Gemma 4's fallback renders text conversations as jinja2 renders Gemma 4's official template
+/// (google-gemma-4-31B-it.jinja, as llama.cpp ships it in the llama-cpp-python 0.3.36 sdist) in
+/// transformers' environment (`trim_blocks`, `lstrip_blocks`), thinking off.
+#[test]
+fn gemma4_fallback_matches_its_official_template() {
+    for arch in ["gemma4", "gemma4_text"] {
+        assert_eq!(
+            fallback_template(arch),
+            ("Gemma 4's turns", GEMMA4),
+            "{arch}"
+        );
+    }
+    let render = |msgs: Value, generation: bool| {
+        let (bos, eos) = (Some("<bos>".to_owned()), Some("<turn|>".to_owned()));
+        let template = ChatTemplate::new(GEMMA4, bos, eos).unwrap();
+        template
+            .render(&messages(msgs), generation, &Map::new())
+            .unwrap()
+    };
+    let with_system = json!([
+        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": " Weather? \n"}
+    ]);
+    let turns = "<bos><|turn>system\nYou are terse.<turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\n\
+                 Hello!<turn|>\n<|turn>user\nWeather?<turn|>\n";
+    assert_eq!(render(with_system.clone(), false), turns);
+    let prompt = format!("{turns}<|turn>model\n<|channel>thought\n<channel|>");
+    assert_eq!(render(with_system, true), prompt);
+    let alone = json!([{"role": "user", "content": "Hi"}]);
+    let want = "<bos><|turn>user\nHi<turn|>\n<|turn>model\n<|channel>thought\n<channel|>";
+    assert_eq!(render(alone, true), want);
+}
+
 /// The fallback for models without a template: Gemma's turns for the Gemma family (system
 /// message folded into the first user turn, `model` for the assistant, content trimmed), as
 /// jinja2 renders Gemma 3's official template in transformers' environment; ChatML for others.
 #[test]
 fn gemma_fallback_uses_gemma_turns() {
-    for arch in ["gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text"] {
+    for arch in ["gemma2", "gemma3", "gemma3_text"] {
         assert_eq!(fallback_template(arch), ("Gemma's turns", GEMMA), "{arch}");
     }
     for arch in ["llama", "qwen3", "mistral", "qwen3moe"] {
