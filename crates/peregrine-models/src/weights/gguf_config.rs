@@ -9,7 +9,7 @@ use crate::{ModelConfig, ModelError, Result};
 
 /// The `partial_rotary_factor` whose `rotary_dim()` is exactly `rotary` of `head_dim` (the
 /// smallest such f64 at or above `rotary / head_dim`, since `rotary_dim` truncates).
-fn partial_rotary_factor(rotary: usize, head_dim: usize) -> f64 {
+pub(crate) fn partial_rotary_factor(rotary: usize, head_dim: usize) -> f64 {
     let mut f = rotary as f64 / head_dim as f64;
     while ((head_dim as f64 * f) as usize) < rotary {
         f = f64::from_bits(f.to_bits() + 1);

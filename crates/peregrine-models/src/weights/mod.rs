@@ -7,8 +7,8 @@ pub mod mlx;
 mod safetensors;
 
 pub use gguf::{GgufFile, gguf_name};
-pub(crate) use gguf_config::GgufMeta;
 pub use gguf_config::config_from_gguf;
+pub(crate) use gguf_config::{GgufMeta, partial_rotary_factor};
 pub use mlx::{MlxActivations, MlxQuantization};
 pub use safetensors::SafetensorsFiles;
 

@@ -326,9 +326,7 @@ fn gemma4_metadata(c: &ModelConfig, md: &mut Vec<(String, Value)>) -> Result<()>
             "gemma4: per-layer shapes or a partial rotary on the sliding layers cannot be written"
         );
     }
-    let full = (0..sliding.len())
-        .find(|&i| !sliding[i])
-        .map_or(c.head_dim, |i| specs[i].head_dim);
+    let full = gemma4_full_head_dim(c);
     for (i, s) in specs.iter().enumerate() {
         if s.head_dim != if sliding[i] { c.head_dim } else { full } {
             bail!(
@@ -386,13 +384,18 @@ fn gemma4_metadata(c: &ModelConfig, md: &mut Vec<(String, Value)>) -> Result<()>
     Ok(())
 }
 
+/// The full (global) layers' head width: the first full layer's (the sliding one's if none).
+fn gemma4_full_head_dim(c: &ModelConfig) -> usize {
+    let sliding = c.sliding_layers.as_deref().unwrap_or_default();
+    let full = (0..sliding.len()).find(|&i| !sliding[i]);
+    full.map_or(c.head_dim, |i| c.layer_specs[i].head_dim)
+}
+
 /// The `rope_freqs` tensor that stands for Gemma 4's proportional RoPE over the full layers'
 /// heads (llama.cpp's converter's `generate_extra_tensors`): 1 for the pairs that turn, 1e30
 /// (frequency 0) for the rest.
 fn gemma4_rope_freqs(c: &ModelConfig) -> Result<Tensor> {
-    let sliding = c.sliding_layers.as_deref().unwrap_or_default();
-    let full = (0..sliding.len()).find(|&i| !sliding[i]);
-    let head_dim = full.map_or(c.head_dim, |i| c.layer_specs[i].head_dim);
+    let head_dim = gemma4_full_head_dim(c);
     let turning = match c.rope_scaling {
         RopeScaling::Proportional {
             factor: 1.0,

@@ -9,7 +9,7 @@
 
 use crate::arch::gemma4::kv_sources;
 use crate::config::{Activation, ExpertNaming, LayerSpec, PerLayerInput};
-use crate::weights::GgufMeta;
+use crate::weights::{GgufMeta, partial_rotary_factor};
 use crate::{ModelConfig, ModelError, Result};
 use peregrine_tensor::RopeScaling;
 
@@ -108,13 +108,9 @@ fn proportional(meta: &GgufMeta, head_dim: usize) -> Result<RopeScaling> {
             ),
         ));
     }
-    // The smallest fraction whose `floor(fraction · half)` is `turning` (rope.rs rounds down).
-    let mut fraction = turning as f64 / half as f64;
-    while ((fraction * half as f64).floor() as usize) < turning {
-        fraction = f64::from_bits(fraction.to_bits() + 1);
-    }
+    // rope.rs turns `floor(fraction · half)` pairs: the fraction that gives exactly `turning`.
     Ok(RopeScaling::Proportional {
         factor: 1.0,
-        partial_rotary_factor: fraction,
+        partial_rotary_factor: partial_rotary_factor(turning, half),
     })
 }
