@@ -69,7 +69,10 @@ fn check(data: &str) {
     assert!(positions >= 512, "{positions} positions recorded");
     for (kv, dtype) in [("f32", None), ("f16", Some(DType::F16))] {
         let config = EngineConfig {
-            kv: KvOptions { dtype },
+            kv: KvOptions {
+                dtype,
+                ..KvOptions::default()
+            },
             ..Default::default()
         };
         let engine = Engine::load(&real_model(file), config).expect("model loads");

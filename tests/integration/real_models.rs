@@ -17,6 +17,7 @@ fn load(file: &str) -> Engine {
 fn load_like_llama_cpp(file: &str) -> Engine {
     let kv = KvOptions {
         dtype: Some(DType::F16),
+        ..KvOptions::default()
     };
     Engine::load(
         &real_model(file),

@@ -6,12 +6,13 @@ use std::ops::Range;
 
 use half::{bf16, f16};
 use peregrine_tensor::attention::{
-    AttnScratch, CpuKv, CpuRows, MaskSpec, attention, attention_kv, attention_row_into,
+    AttnScratch, CpuKv, CpuRows, MaskSpec, QuantPlane, attention, attention_kv, attention_row_into,
+    quantize_rows,
 };
 use peregrine_tensor::ops::with_f32;
 use peregrine_tensor::{DType, Device, Result, Tensor};
 
-use crate::AttnParams;
+use crate::{AttnParams, KvQuant};
 
 /// Rounds allocations up so that decode rarely reallocates.
 const GROW_STEP: usize = 256;
@@ -22,6 +23,8 @@ pub(crate) struct KvBuffer {
     store: Option<Store>,
     /// Storage dtype; `None` keeps the activations' dtype.
     pub(crate) dtype: Option<DType>,
+    /// Quantize rows as they are written (the dtype is then unused).
+    pub(crate) quant: Option<KvQuant>,
     pub(crate) start: usize,
     pub(crate) used: usize,
     /// Keep CPU data in tensors too, as on other devices (tests compare the two stores).
@@ -53,6 +56,12 @@ enum Plane {
     F32(Vec<f32>),
     F16(Vec<f16>),
     BF16(Vec<bf16>),
+    /// Codes and `(scale, bias)` pairs of each slot's row, as [`QuantPlane`] lays them out.
+    Quant {
+        codes: Vec<u8>,
+        params: Vec<f16>,
+        format: KvQuant,
+    },
 }
 
 impl KvBuffer {
@@ -186,9 +195,13 @@ impl KvBuffer {
         let from = self.used - kept;
         let moved = from..self.used;
         let values = !self.values_are_keys;
+        let quant = self.quant;
         let store = match self.store.take() {
             None if device.is_cpu() && !self.tensors_on_cpu => {
-                let plane = || Plane::zeros(dtype, heads * capacity * head_dim);
+                let plane = || match quant {
+                    Some(q) => Plane::quantized(q, heads * capacity, head_dim),
+                    None => Plane::zeros(dtype, heads * capacity * head_dim),
+                };
                 Store::Cpu {
                     k: plane()?,
                     v: values.then(plane).transpose()?,
@@ -197,6 +210,9 @@ impl KvBuffer {
                     head_dim,
                 }
             }
+            None if quant.is_some() => bail(&format!(
+                "quantized KV (--kv-bits) is implemented on the CPU only, not on {device:?}"
+            ))?,
             None => {
                 let k = Tensor::zeros((1, heads, capacity, head_dim), dtype, device)?;
                 let v = values.then(|| k.zeros_like()).transpose()?;
@@ -356,11 +372,50 @@ impl Plane {
         })
     }
 
+    /// `rows` slots of `head_dim` values quantized as `format` says.
+    fn quantized(format: KvQuant, rows: usize, head_dim: usize) -> Result<Self> {
+        let KvQuant { bits, group_size } = format;
+        if !matches!(bits, 4 | 8) || !matches!(group_size, 16 | 32 | 64 | 128) {
+            bail(&format!(
+                "kv cache: {bits}-bit codes in groups of {group_size} (bits 4 or 8, groups of \
+                 16, 32, 64 or 128)"
+            ))?
+        }
+        if !head_dim.is_multiple_of(group_size) {
+            bail(&format!(
+                "kv cache: --kv-group-size {group_size} does not divide this model's head_dim \
+                 {head_dim}"
+            ))?
+        }
+        let (code_bytes, params) = Self::quant_row(format, head_dim);
+        Ok(Self::Quant {
+            codes: vec![0; rows * code_bytes],
+            params: vec![f16::ZERO; rows * params],
+            format,
+        })
+    }
+
+    /// Code bytes and parameters per row of `head_dim` values.
+    fn quant_row(format: KvQuant, head_dim: usize) -> (usize, usize) {
+        let bits = format.bits as usize;
+        (head_dim * bits / 8, 2 * head_dim / format.group_size)
+    }
+
     fn rows(&self) -> CpuRows<'_> {
         match self {
             Self::F32(x) => CpuRows::F32(x),
             Self::F16(x) => CpuRows::F16(x),
             Self::BF16(x) => CpuRows::BF16(x),
+            Self::Quant {
+                codes,
+                params,
+                format,
+            } => CpuRows::Quant(QuantPlane {
+                codes,
+                params,
+                bits: format.bits,
+                group: format.group_size,
+            }),
         }
     }
 
@@ -369,6 +424,7 @@ impl Plane {
             Self::F32(x) => x.len() * 4,
             Self::F16(x) => x.len() * 2,
             Self::BF16(x) => x.len() * 2,
+            Self::Quant { codes, params, .. } => codes.len() + params.len() * 2,
         }
     }
 
@@ -391,6 +447,21 @@ impl Plane {
             Self::F32(d) => put(d, src, run, first, |x| x),
             Self::F16(d) => put(d, src, run, first, f16::from_f32),
             Self::BF16(d) => put(d, src, run, first, bf16::from_f32),
+            Self::Quant {
+                codes,
+                params,
+                format,
+            } => {
+                let (cb, pb) = Self::quant_row(*format, head_dim);
+                let (bits, group) = (format.bits, format.group_size);
+                let rows = run / head_dim;
+                for (h, src) in src.chunks_exact(run).enumerate() {
+                    let slot = h * capacity + at;
+                    let codes = &mut codes[slot * cb..][..rows * cb];
+                    let params = &mut params[slot * pb..][..rows * pb];
+                    quantize_rows(src, head_dim, bits, group, codes, params);
+                }
+            }
         }
     }
 
@@ -416,6 +487,18 @@ impl Plane {
             Self::F32(x) => Self::F32(regrow(x, old, capacity, moved, head_dim)),
             Self::F16(x) => Self::F16(regrow(x, old, capacity, moved, head_dim)),
             Self::BF16(x) => Self::BF16(regrow(x, old, capacity, moved, head_dim)),
+            Self::Quant {
+                codes,
+                params,
+                format,
+            } => {
+                let (cb, pb) = Self::quant_row(format, head_dim);
+                Self::Quant {
+                    codes: regrow(codes, old, capacity, moved.clone(), cb),
+                    params: regrow(params, old, capacity, moved, pb),
+                    format,
+                }
+            }
         }
     }
 }
@@ -481,6 +564,93 @@ mod tests {
                     }
                     assert_eq!(2 * b.bytes(), full.bytes(), "{dtype:?} after {end}");
                 }
+            }
+        }
+    }
+
+    /// Rows as a quantized cache stores them: quantized and decoded again.
+    fn dequantized(x: &[f32], format: KvQuant, d: usize) -> Vec<f32> {
+        let (cb, pb) = Plane::quant_row(format, d);
+        let rows = x.len() / d;
+        let (mut codes, mut params) = (vec![0u8; rows * cb], vec![f16::ZERO; rows * pb]);
+        let (bits, group) = (format.bits, format.group_size);
+        quantize_rows(x, d, bits, group, &mut codes, &mut params);
+        (0..x.len())
+            .map(|i| {
+                let (r, c) = (i / d, i % d);
+                let code = match bits {
+                    8 => codes[r * cb + c],
+                    _ => (codes[r * cb + c / 2] >> (4 * (c % 2))) & 15,
+                };
+                let (s, b) = (
+                    params[r * pb + 2 * (c / group)],
+                    params[r * pb + 2 * (c / group) + 1],
+                );
+                s.to_f32().mul_add(code as f32, b.to_f32())
+            })
+            .collect()
+    }
+
+    /// A quantized buffer attends exactly as an f32 one holding the decoded rows, through
+    /// tensor and row appends, growth, window drops and trims, on both attend paths; at 8 bits
+    /// it holds (8 + 32/group)/32 of the f32 bytes.
+    #[test]
+    fn quantized_rows_attend_as_their_decoded_values() {
+        let (d, heads, q_heads) = (64, 2, 6);
+        let rows = |from: usize, n: usize, salt: f32| -> Vec<f32> {
+            (0..heads * n * d)
+                .map(|i| ((from * 131 + i) as f32 * 0.37 + salt).sin() * 2.0)
+                .collect()
+        };
+        let params = AttnParams::scaled(0.2);
+        for (bits, group_size) in [(8, 64), (4, 32), (4, 64)] {
+            let format = KvQuant { bits, group_size };
+            let mut quant = KvBuffer::new(None);
+            quant.quant = Some(format);
+            let mut exact = KvBuffer::new(None);
+            let (keep, window) = (Some(300), Some(280));
+            let mut end = 0;
+            for n in [5, 1, 300, 1, 1] {
+                let (k, v) = (rows(end, n, 0.0), rows(end, n, 1.0));
+                // Heads are the outer dimension: decode each head's rows on their own.
+                let (dk, dv) = (dequantized(&k, format, d), dequantized(&v, format, d));
+                if n == 1 {
+                    quant.append_row(&k, &v, d, keep).unwrap();
+                    exact.append_row(&dk, &dv, d, keep).unwrap();
+                } else {
+                    let t = |x: Vec<f32>| Tensor::from_vec(x, (1, heads, n, d), &Device::Cpu);
+                    quant.append(&t(k).unwrap(), &t(v).unwrap(), keep).unwrap();
+                    exact
+                        .append(&t(dk).unwrap(), &t(dv).unwrap(), keep)
+                        .unwrap();
+                }
+                end += n;
+                if n == 300 {
+                    quant.trim(3);
+                    exact.trim(3);
+                    end -= 3;
+                }
+                let q_rows: Vec<f32> = (0..q_heads * d).map(|i| (i as f32 * 0.11).cos()).collect();
+                let q = Tensor::from_vec(q_rows.clone(), (1, q_heads, 1, d), &Device::Cpu).unwrap();
+                let want = exact.attend(&q, &params, window).unwrap();
+                let got = quant.attend(&q, &params, window).unwrap();
+                let diff = peregrine_tensor::ops::max_abs_diff(&want, &got).unwrap();
+                assert!(diff < 1e-5, "{bits}/{group_size} after {end}: {diff}");
+                let mut out = vec![0f32; q_heads * d];
+                let scratch = &mut AttnScratch::default();
+                (quant.attend_row(&q_rows, d, &params, window, (&mut out, scratch))).unwrap();
+                let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let diff = out
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(diff < 1e-5, "{bits}/{group_size} row after {end}: {diff}");
+                let per_value = bits as usize * group_size + 32;
+                assert_eq!(
+                    quant.bytes() * 8 * group_size,
+                    exact.bytes() / 4 * per_value
+                );
             }
         }
     }

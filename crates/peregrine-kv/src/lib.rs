@@ -11,7 +11,7 @@ mod sequence;
 mod simple;
 
 pub use rotating::RotatingCache;
-pub use sequence::{KvOptions, LayerKind, SequenceCache};
+pub use sequence::{KvOptions, KvQuant, LayerKind, SequenceCache};
 pub use simple::SimpleCache;
 
 use peregrine_tensor::attention::AttnScratch;

@@ -3,7 +3,7 @@
 use peregrine_tensor::{DType, Result, Tensor};
 
 use crate::buffer::KvBuffer;
-use crate::{AttnParams, LayerCache};
+use crate::{AttnParams, KvQuant, LayerCache};
 use peregrine_tensor::attention::AttnScratch;
 
 /// Keeps the last `window - 1 + rollback` positions, so that a query sees exactly the keys
@@ -33,6 +33,15 @@ impl RotatingCache {
 
     fn keep(&self) -> usize {
         self.window - 1 + self.rollback
+    }
+}
+
+impl RotatingCache {
+    /// This cache quantizing keys and values as they are written (`--kv-bits`); `None`
+    /// keeps floats.
+    pub fn quantized(mut self, quant: Option<KvQuant>) -> Self {
+        self.buf.quant = quant;
+        self
     }
 }
 

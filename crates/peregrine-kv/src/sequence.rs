@@ -25,6 +25,18 @@ pub struct KvOptions {
     /// Storage dtype of keys and values; `None` keeps the activations' dtype (f32 on CPU).
     /// `F16` halves memory and matches llama.cpp's default cache precision.
     pub dtype: Option<DType>,
+    /// Quantize keys and values as they are written (then `dtype` is unused).
+    pub quant: Option<KvQuant>,
+}
+
+/// Affine quantization of cached keys and values (`--kv-bits`, as mlx-lm's): each group of
+/// `group_size` values of a row is `scale · code + bias`, with f16 scale and bias.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvQuant {
+    /// Code width: 4 or 8.
+    pub bits: u8,
+    /// Values per scale and bias: 16, 32, 64 or 128, dividing the head dimension.
+    pub group_size: usize,
 }
 
 /// One sequence's caches, one per layer.
@@ -41,14 +53,15 @@ impl SequenceCache {
         let layers = spec
             .iter()
             .map(|kind| -> Box<dyn LayerCache> {
+                let (dtype, quant) = (options.dtype, options.quant);
                 match *kind {
-                    LayerKind::Full => Box::new(SimpleCache::new(options.dtype)),
+                    LayerKind::Full => Box::new(SimpleCache::new(dtype).quantized(quant)),
                     LayerKind::FullKeysAsValues => {
-                        Box::new(SimpleCache::keys_as_values(options.dtype))
+                        Box::new(SimpleCache::keys_as_values(dtype).quantized(quant))
                     }
-                    LayerKind::Sliding { window } => {
-                        Box::new(RotatingCache::new(window, DEFAULT_ROLLBACK, options.dtype))
-                    }
+                    LayerKind::Sliding { window } => Box::new(
+                        RotatingCache::new(window, DEFAULT_ROLLBACK, dtype).quantized(quant),
+                    ),
                 }
             })
             .collect();

@@ -3,7 +3,7 @@
 use peregrine_tensor::{DType, Result, Tensor};
 
 use crate::buffer::KvBuffer;
-use crate::{AttnParams, LayerCache};
+use crate::{AttnParams, KvQuant, LayerCache};
 use peregrine_tensor::attention::AttnScratch;
 
 /// Keeps every position; trims exactly to any length.
@@ -28,6 +28,15 @@ impl SimpleCache {
         Self {
             buf: KvBuffer::keys_as_values(dtype),
         }
+    }
+}
+
+impl SimpleCache {
+    /// This cache quantizing keys and values as they are written (`--kv-bits`); `None`
+    /// keeps floats.
+    pub fn quantized(mut self, quant: Option<KvQuant>) -> Self {
+        self.buf.quant = quant;
+        self
     }
 }
 

@@ -2,13 +2,15 @@
 //! trimmed positions; a rollback the sliding window cannot honour exactly is refused.
 
 use peregrine_kv::{
-    AttnParams, KvOptions, LayerCache, LayerKind, RotatingCache, SequenceCache, SimpleCache,
+    AttnParams, KvOptions, KvQuant, LayerCache, LayerKind, RotatingCache, SequenceCache,
+    SimpleCache,
 };
 use peregrine_tensor::{Device, Tensor};
 
 const HEADS: usize = 4;
 const KV_HEADS: usize = 2;
-const DIM: usize = 8;
+// A multiple of the smallest quantization group, so that every storage can hold these rows.
+const DIM: usize = 32;
 
 /// Deterministic pseudo-random `[1, heads, n, DIM]` tensor for positions `start..start + n`.
 fn rows(heads: usize, start: usize, n: usize, salt: f32) -> Tensor {
@@ -69,6 +71,20 @@ fn simple_cache_trims_exactly() {
 fn rotating_cache_trims_exactly_after_the_window_wrapped() {
     // 300 positions through a window of 8 (the buffer compacts several times), then roll back 4.
     check_trim_is_exact(|| Box::new(RotatingCache::new(8, 4, None)), 300, 4);
+}
+
+#[test]
+fn quantized_caches_trim_exactly() {
+    for bits in [4, 8] {
+        let q = Some(KvQuant {
+            bits,
+            group_size: 32,
+        });
+        check_trim_is_exact(|| Box::new(SimpleCache::new(None).quantized(q)), 23, 7);
+        let rotating =
+            || -> Box<dyn LayerCache> { Box::new(RotatingCache::new(8, 4, None).quantized(q)) };
+        check_trim_is_exact(rotating, 300, 4);
+    }
 }
 
 #[test]

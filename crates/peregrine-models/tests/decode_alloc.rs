@@ -86,12 +86,20 @@ fn allocations_per_16_steps(path: &Path, kv: KvOptions) -> usize {
 fn decode_steps_allocate_nothing() {
     let f16 = KvOptions {
         dtype: Some(DType::F16),
+        ..KvOptions::default()
+    };
+    let q4_kv = KvOptions {
+        quant: Some(peregrine_models::KvQuant {
+            bits: 4,
+            group_size: 16,
+        }),
+        ..KvOptions::default()
     };
     let cases = [
         (fixture("llama/mlx-q4-g64"), KvOptions::default()),
         (fixture("qwen3/mlx-q4-g32"), KvOptions::default()),
         (fixture("qwen3/mlx-q8-g64"), f16),
-        (fixture("llama/mlx-q8-g64"), KvOptions::default()),
+        (fixture("llama/mlx-q8-g64"), q4_kv),
         (fixture("qwen3_moe/mlx-q4-g64"), KvOptions::default()),
         (fixture("mixtral/mlx-q8-g64"), f16),
         // Per-layer inputs, KV-shared layers, MoE beside the dense MLP (g32: the 32-wide per-layer

@@ -11,7 +11,7 @@
 
 mod common;
 
-use peregrine_models::{KvOptions, LoadOptions, Logits, SequenceCache, load_model};
+use peregrine_models::{KvOptions, KvQuant, LoadOptions, Logits, SequenceCache, load_model};
 use peregrine_tensor::candle::safetensors::load;
 use peregrine_tensor::{DType, Device};
 
@@ -65,7 +65,7 @@ fn compare(path: &std::path::Path, ids: &[u32], kv: KvOptions) -> f32 {
         worst = worst.max(diff);
     }
     assert_eq!(stepped.len(), reference.len());
-    eprintln!("{checkpoint} ({:?}): max abs diff {worst:.2e}", kv.dtype);
+    eprintln!("{checkpoint} ({kv:?}): max abs diff {worst:.2e}");
     worst
 }
 
@@ -155,9 +155,28 @@ fn decode_matches_forward_on_a_moe_gguf() {
 fn decode_matches_forward_with_an_f16_cache() {
     let kv = KvOptions {
         dtype: Some(DType::F16),
+        ..KvOptions::default()
     };
     for checkpoint in ["gemma3/hf", "qwen3/mlx-q4-g64"] {
         decode_vs_forward(checkpoint, kv);
+    }
+}
+
+#[test]
+fn decode_matches_forward_with_a_quantized_cache() {
+    // The fixtures' heads are 16 wide: one group per row. Latent attention (DeepSeek) stores
+    // 80-wide keys-as-values rows.
+    for bits in [8, 4] {
+        let kv = KvOptions {
+            quant: Some(KvQuant {
+                bits,
+                group_size: 16,
+            }),
+            ..KvOptions::default()
+        };
+        for checkpoint in ["gemma3/hf", "qwen3/mlx-q4-g64", "deepseek_v3/hf"] {
+            decode_vs_forward(checkpoint, kv);
+        }
     }
 }
 
@@ -186,6 +205,7 @@ fn decode_matches_forward_on_the_real_models() {
     let ids: Vec<u32> = (0..40).map(|i| 100 + 37 * i).collect();
     let f16 = KvOptions {
         dtype: Some(DType::F16),
+        ..KvOptions::default()
     };
     for file in [
         "SmolLM2-135M-Instruct.Q4_1.gguf",

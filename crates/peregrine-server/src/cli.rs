@@ -5,10 +5,11 @@ use std::ops::Range;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
+use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand};
 use peregrine_engine::tensor::DType;
 use peregrine_engine::{
-    ChatMessage, Engine, EngineConfig, Event, KvOptions, MlxActivations, Prompt, Request,
+    ChatMessage, Engine, EngineConfig, Event, KvOptions, KvQuant, MlxActivations, Prompt, Request,
     SamplingParams,
 };
 
@@ -56,6 +57,15 @@ pub struct ModelArgs {
     /// twice the memory; `logits`' default, the parity tool's) or bf16.
     #[arg(long, value_parser = ["f32", "f16", "bf16"])]
     pub cache_type: Option<String>,
+    /// Quantize cached keys and values to 4 or 8 bits as they are written (mlx-lm's
+    /// `kv_bits`): an f16 scale and bias per `--kv-group-size` values; replaces `--cache-type`.
+    #[arg(long, value_parser = PossibleValuesParser::new(["4", "8"])
+        .map(|s| s.parse::<u8>().expect("a listed value")))]
+    pub kv_bits: Option<u8>,
+    /// Values per scale and bias of `--kv-bits` (it must divide the model's head dimension).
+    #[arg(long, default_value_t = 64, value_parser = PossibleValuesParser::new(["32", "64", "128"])
+        .map(|s| s.parse::<usize>().expect("a listed value")))]
+    pub kv_group_size: usize,
     /// MLX 4- and 8-bit weights: q8 rounds activations to 8 bits per 32 values and runs the
     /// integer kernels (as llama.cpp does for its block formats); f32 computes as mlx-lm does
     /// (slower).
@@ -81,7 +91,13 @@ impl ModelArgs {
         EngineConfig {
             max_context: self.ctx_size,
             prefill_size: self.prefill_size,
-            kv: KvOptions { dtype },
+            kv: KvOptions {
+                dtype,
+                quant: self.kv_bits.map(|bits| KvQuant {
+                    bits,
+                    group_size: self.kv_group_size,
+                }),
+            },
             mlx_activations: match self.mlx_activations.as_str() {
                 "f32" => MlxActivations::F32,
                 _ => MlxActivations::Q8,

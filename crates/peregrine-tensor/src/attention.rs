@@ -141,6 +141,24 @@ pub enum CpuRows<'a> {
     F16(&'a [f16]),
     /// bf16 elements.
     BF16(&'a [bf16]),
+    /// Affine-quantized rows (`--kv-bits`).
+    Quant(QuantPlane<'a>),
+}
+
+/// Affine-quantized cache rows: each row's values in groups of `group`, value
+/// `scale · code + bias`. Codes are `bits` (4 or 8) wide, packed in row order (at 4 bits,
+/// element `2i` is byte `i`'s low nibble); `params` holds each row's `(scale, bias)` pairs in
+/// group order. [`quantize_rows`] writes this layout.
+#[derive(Debug, Clone, Copy)]
+pub struct QuantPlane<'a> {
+    /// `bits / 8` bytes per value.
+    pub codes: &'a [u8],
+    /// Two per group: scale, then bias.
+    pub params: &'a [f16],
+    /// Code width: 4 or 8.
+    pub bits: u8,
+    /// Values per `(scale, bias)` pair: a multiple of 16 dividing the row length.
+    pub group: usize,
 }
 
 impl CpuRows<'_> {
@@ -150,6 +168,7 @@ impl CpuRows<'_> {
             Self::F32(x) => x.len(),
             Self::F16(x) => x.len(),
             Self::BF16(x) => x.len(),
+            Self::Quant(x) => x.codes.len() * 8 / x.bits as usize,
         }
     }
 
@@ -181,7 +200,18 @@ impl<'a> CpuKv<'a> {
     ) -> Result<Self> {
         let same_type = std::mem::discriminant(&k) == std::mem::discriminant(&v);
         let plane = kv_heads * capacity * head_dim;
-        if !same_type || k.len() != plane || v.len() != plane {
+        let quant_ok = |rows: &CpuRows| match rows {
+            CpuRows::Quant(q) => {
+                let rows = kv_heads * capacity;
+                let (_, params) = crate::attention_cpu::row_sizes(head_dim, q.bits, q.group);
+                matches!(q.bits, 4 | 8)
+                    && q.group.is_multiple_of(16)
+                    && head_dim.is_multiple_of(q.group)
+                    && q.params.len() == rows * params
+            }
+            _ => true,
+        };
+        if !same_type || k.len() != plane || v.len() != plane || !quant_ok(&k) || !quant_ok(&v) {
             candle_core::bail!(
                 "kv rows: {:?}/{:?} of {}/{} elements for {kv_heads} × {capacity} × {head_dim}",
                 std::mem::discriminant(&k),
@@ -200,4 +230,4 @@ impl<'a> CpuKv<'a> {
     }
 }
 
-pub use crate::attention_cpu::{AttnScratch, attention_kv, attention_row_into};
+pub use crate::attention_cpu::{AttnScratch, attention_kv, attention_row_into, quantize_rows};

@@ -10,11 +10,15 @@ use candle_core::{CpuStorage, DType, Device, Layout, Result, Storage, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use crate::attention::{CpuKv, CpuRows, MaskSpec};
+use crate::attention::{CpuKv, CpuRows, MaskSpec, QuantPlane};
 
+mod quant;
 mod rows;
 
-use rows::{Elem, Rows, simd};
+use quant::QuantRows;
+pub use quant::quantize_rows;
+pub(crate) use quant::row_sizes;
+use rows::{Elem, KvRows, Rows, simd};
 
 /// Multiply-adds per rayon task: below this, splitting costs more than it saves.
 const TASK_WORK: usize = 1 << 15;
@@ -250,6 +254,31 @@ enum Pair<'a> {
     F32(&'a [f32], &'a [f32]),
     F16(&'a [f16], &'a [f16]),
     BF16(&'a [bf16], &'a [bf16]),
+    Quant(QuantPlane<'a>, QuantPlane<'a>),
+}
+
+/// Where a task's key or value rows come from.
+trait Source: Copy + Sync {
+    type Rows: KvRows;
+    /// `count` rows of `d` values from `(batch, head, position) = at` of `view`, along positions.
+    fn rows(&self, view: &View, at: [usize; 3], count: usize, d: usize) -> Self::Rows;
+}
+
+impl<'a, E: Elem> Source for &'a [E] {
+    type Rows = Rows<'a, E>;
+    fn rows(&self, view: &View, at: [usize; 3], count: usize, d: usize) -> Self::Rows {
+        view.rows(self, at, 2, count, d)
+    }
+}
+
+impl<'a> Source for QuantPlane<'a> {
+    type Rows = QuantRows<'a>;
+    fn rows(&self, view: &View, at: [usize; 3], count: usize, d: usize) -> Self::Rows {
+        // A cache's view: whole rows, one after another along positions.
+        debug_assert_eq!(view.strides[2], d);
+        let start = view.offset + (0..3).map(|a| at[a] * view.strides[a]).sum::<usize>();
+        QuantRows::of(self, start / d, count, d)
+    }
 }
 
 impl<'a> Pair<'a> {
@@ -267,6 +296,7 @@ impl<'a> Pair<'a> {
             (CpuRows::F32(k), CpuRows::F32(v)) => Self::F32(k, v),
             (CpuRows::F16(k), CpuRows::F16(v)) => Self::F16(k, v),
             (CpuRows::BF16(k), CpuRows::BF16(v)) => Self::BF16(k, v),
+            (CpuRows::Quant(k), CpuRows::Quant(v)) => Self::Quant(k, v),
             _ => unreachable!("CpuKv::new keeps k and v in one element type"),
         }
     }
@@ -287,28 +317,19 @@ struct Shape {
 }
 
 /// One attention task: a group of query heads at one position, and the keys they see.
-struct Task<'a, E> {
+struct Task<'a, R> {
     queries: Rows<'a, f32>,
-    keys: Rows<'a, E>,
-    values: Rows<'a, E>,
+    keys: R,
+    values: R,
 }
 
-impl<'a, E> Task<'a, E> {
+impl<R: KvRows> Task<'_, R> {
     /// Keys `from..to` of this task's visible ones.
     fn keys(&self, from: usize, to: usize) -> Self {
-        let (k, v) = (self.keys, self.values);
         Self {
             queries: self.queries,
-            keys: Rows {
-                data: &k.data[from * k.stride..],
-                count: to - from,
-                ..k
-            },
-            values: Rows {
-                data: &v.data[from * v.stride..],
-                count: to - from,
-                ..v
-            },
+            keys: self.keys.subset(from, to - from),
+            values: self.values.subset(from, to - from),
         }
     }
 }
@@ -330,17 +351,18 @@ impl Shape {
             Pair::F32(k, v) => self.run(q, qv, (k, k_view), (v, v_view), mask, out, scratch),
             Pair::F16(k, v) => self.run(q, qv, (k, k_view), (v, v_view), mask, out, scratch),
             Pair::BF16(k, v) => self.run(q, qv, (k, k_view), (v, v_view), mask, out, scratch),
+            Pair::Quant(k, v) => self.run(q, qv, (k, k_view), (v, v_view), mask, out, scratch),
         }
     }
 
     /// Writes every row of `out`; allocates nothing at decode once `scratch` has grown.
     #[allow(clippy::too_many_arguments)]
-    fn run<E: Elem>(
+    fn run<S: Source>(
         &self,
         q: &[f32],
         qv: &View,
-        k: (&[E], &View),
-        v: (&[E], &View),
+        k: (S, &View),
+        v: (S, &View),
         mask: &MaskSpec,
         out: &mut [f32],
         scratch: &mut AttnScratch,
@@ -351,7 +373,7 @@ impl Shape {
         let simd = simd::available();
         // One task per (batch, position, kv head): its `groups` query heads share every key and
         // value row read, and their outputs are contiguous in `out` ([b, q_len, heads, d]).
-        let task = |t: usize| -> Option<Task<E>> {
+        let task = |t: usize| -> Option<Task<S::Rows>> {
             let (kvh, i, bi) = (t % kv_heads, t / kv_heads % q_len, t / kv_heads / q_len);
             let pos = mask.q_start + i;
             // Visible keys: k_start + j ≤ pos, and pos - (k_start + j) < window.
@@ -361,8 +383,8 @@ impl Shape {
             });
             (lo < hi).then(|| Task {
                 queries: qv.rows(q, [bi, kvh * groups, i], 1, groups, d),
-                keys: k.1.rows(k.0, [bi, kvh, lo], 2, hi - lo, d),
-                values: v.1.rows(v.0, [bi, kvh, lo], 2, hi - lo, d),
+                keys: k.0.rows(k.1, [bi, kvh, lo], hi - lo, d),
+                values: v.0.rows(v.1, [bi, kvh, lo], hi - lo, d),
             })
         };
         let tasks = out.len() / (groups * d);
@@ -376,7 +398,7 @@ impl Shape {
                     || (Vec::new(), vec![(0f32, 0f32); groups]),
                     |(scores, stats), (t, out)| {
                         if let Some(task) = task(t) {
-                            scores.resize(groups * task.keys.count, 0.0);
+                            scores.resize(groups * task.keys.count(), 0.0);
                             self.attend(simd, &task, true, scores, stats, out);
                         }
                     },
@@ -407,7 +429,7 @@ impl Shape {
                 let Some(task) = task(at / splits) else {
                     return;
                 };
-                let (n, c) = (task.keys.count, at % splits);
+                let (n, c) = (task.keys.count(), at % splits);
                 let (from, to) = (n * c / splits, n * (c + 1) / splits);
                 if from < to {
                     self.attend(simd, &task.keys(from, to), false, scores, stats, out);
@@ -435,16 +457,16 @@ impl Shape {
     /// Attention of one task: `out[g] = Σ_j p_gj · v_j` with `p_gj = exp(s_gj - max_g)`, and
     /// `stats[g] = (max_g, Σ_j p_gj)`. With `normalize`, `p_gj` is first divided by that sum
     /// (reported as 1), the reference's order of operations.
-    fn attend<E: Elem>(
+    fn attend<R: KvRows>(
         &self,
         simd: bool,
-        task: &Task<E>,
+        task: &Task<R>,
         normalize: bool,
         scores: &mut [f32],
         stats: &mut [(f32, f32)],
         out: &mut [f32],
     ) {
-        let (groups, n, d) = (self.groups, task.keys.count, self.d);
+        let (groups, n, d) = (self.groups, task.keys.count(), self.d);
         let scores = &mut scores[..groups * n];
         for h0 in (0..groups).step_by(simd::HEADS) {
             let g = (groups - h0).min(simd::HEADS);

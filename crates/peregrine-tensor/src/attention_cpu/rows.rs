@@ -84,10 +84,57 @@ impl Elem for bf16 {
     }
 }
 
+/// Key or value rows as attention reads them: plain elements or quantized codes.
+pub(crate) trait KvRows: Copy + Send + Sync {
+    /// Number of rows.
+    fn count(&self) -> usize;
+    /// Values per row.
+    fn width(&self) -> usize;
+    /// Rows `from..from + count`.
+    fn subset(&self, from: usize, count: usize) -> Self;
+    /// Element `c` of row `j`, widened (the portable path).
+    fn get(&self, j: usize, c: usize) -> f32;
+    /// Elements `c..c + 16` of row `j`, widened.
+    ///
+    /// # Safety
+    /// `j < count`, `c + 16 ≤ width`, on a CPU with AVX2/FMA/F16C.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(&self, j: usize, c: usize) -> [__m256; 2];
+}
+
+impl<E: Elem> KvRows for Rows<'_, E> {
+    fn count(&self) -> usize {
+        self.count
+    }
+
+    fn width(&self) -> usize {
+        self.len
+    }
+
+    fn subset(&self, from: usize, count: usize) -> Self {
+        Rows::subset(self, from, count)
+    }
+
+    fn get(&self, j: usize, c: usize) -> f32 {
+        self.row(j)[c].to_f32()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    unsafe fn load16(&self, j: usize, c: usize) -> [__m256; 2] {
+        // SAFETY: row `j` starts at `j · stride` and holds `len ≥ c + 16` elements (the
+        // caller's contract); AVX2/F16C likewise.
+        unsafe {
+            let p = self.data.as_ptr().add(j * self.stride + c);
+            [E::load8(p), E::load8(p.add(8))]
+        }
+    }
+}
+
 /// Scores and weighted sums for up to [`simd::HEADS`] query heads that share their key and value
 /// rows (grouped-query attention), AVX2 or portable.
 pub(super) mod simd {
-    use super::{Elem, Rows};
+    use super::{KvRows, Rows};
 
     /// Query heads per kernel call: each key or value row is loaded once for all of them.
     pub const HEADS: usize = 4;
@@ -97,54 +144,55 @@ pub(super) mod simd {
     }
 
     /// `out[g · n + j] = scale · q_g · k_j` for the `g` query rows and `n` key rows.
-    pub fn scores<E: Elem>(simd: bool, q: Rows<f32>, k: Rows<E>, scale: f32, out: &mut [f32]) {
+    pub fn scores<K: KvRows>(simd: bool, q: Rows<f32>, k: K, scale: f32, out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         if simd && q.len.is_multiple_of(16) {
             // SAFETY: `simd` comes from `available()`; rows are `len` long, a multiple of 16,
             // and `out` holds one score per (query, key).
             return unsafe {
                 match q.count {
-                    1 => x86::scores::<1, E>(q, k, scale, out),
-                    2 => x86::scores::<2, E>(q, k, scale, out),
-                    3 => x86::scores::<3, E>(q, k, scale, out),
-                    _ => x86::scores::<HEADS, E>(q, k, scale, out),
+                    1 => x86::scores::<1, K>(q, k, scale, out),
+                    2 => x86::scores::<2, K>(q, k, scale, out),
+                    3 => x86::scores::<3, K>(q, k, scale, out),
+                    _ => x86::scores::<HEADS, K>(q, k, scale, out),
                 }
             };
         }
         let _ = simd;
-        for (g, out) in out.chunks_exact_mut(k.count).enumerate() {
+        for (g, out) in out.chunks_exact_mut(k.count()).enumerate() {
             let q = q.row(g);
             for (j, s) in out.iter_mut().enumerate() {
                 *s = scale
                     * q.iter()
-                        .zip(k.row(j))
-                        .map(|(x, y)| x * y.to_f32())
+                        .enumerate()
+                        .map(|(c, x)| x * k.get(j, c))
                         .sum::<f32>();
             }
         }
     }
 
     /// `out[g] = Σ_j p[g · n + j] · v_j` for the `g` heads' probabilities and `n` value rows.
-    pub fn weighted_sum<E: Elem>(simd: bool, p: &[f32], v: Rows<E>, out: &mut [f32]) {
-        let heads = out.len() / v.len;
+    pub fn weighted_sum<V: KvRows>(simd: bool, p: &[f32], v: V, out: &mut [f32]) {
+        let (n, d) = (v.count(), v.width());
+        let heads = out.len() / d;
         #[cfg(target_arch = "x86_64")]
-        if simd && v.len.is_multiple_of(16) {
+        if simd && d.is_multiple_of(16) {
             // SAFETY: as in `scores`; `p` holds `heads · n` values and `out` `heads` rows.
             return unsafe {
                 match heads {
-                    1 => x86::weighted_sum::<1, E>(p, v, out),
-                    2 => x86::weighted_sum::<2, E>(p, v, out),
-                    3 => x86::weighted_sum::<3, E>(p, v, out),
-                    _ => x86::weighted_sum::<HEADS, E>(p, v, out),
+                    1 => x86::weighted_sum::<1, V>(p, v, out),
+                    2 => x86::weighted_sum::<2, V>(p, v, out),
+                    3 => x86::weighted_sum::<3, V>(p, v, out),
+                    _ => x86::weighted_sum::<HEADS, V>(p, v, out),
                 }
             };
         }
         let _ = simd;
-        for (out, p) in out.chunks_exact_mut(v.len).zip(p.chunks_exact(v.count)) {
+        for (out, p) in out.chunks_exact_mut(d).zip(p.chunks_exact(n)) {
             out.fill(0.0);
             for (j, &p) in p.iter().enumerate() {
-                for (o, x) in out.iter_mut().zip(v.row(j)) {
-                    *o += p * x.to_f32();
+                for (c, o) in out.iter_mut().enumerate() {
+                    *o += p * v.get(j, c);
                 }
             }
         }
@@ -152,29 +200,27 @@ pub(super) mod simd {
 
     #[cfg(target_arch = "x86_64")]
     mod x86 {
-        use super::super::{Elem, Rows};
+        use super::super::{KvRows, Rows};
         use std::arch::x86_64::*;
 
         /// # Safety
         /// AVX2/FMA/F16C; `q.count == G`, `q.len == k.len`, a multiple of 16.
         #[target_feature(enable = "avx2,fma,f16c")]
-        pub unsafe fn scores<const G: usize, E: Elem>(
+        pub unsafe fn scores<const G: usize, K: KvRows>(
             q: Rows<f32>,
-            k: Rows<E>,
+            k: K,
             scale: f32,
             out: &mut [f32],
         ) {
-            let (n, d) = (k.count, q.len);
+            let (n, d) = (k.count(), q.len);
             let qs: [&[f32]; G] = std::array::from_fn(|g| q.row(g));
             for j in 0..n {
-                let key = k.row(j);
                 // Two accumulators per head: FMA latency, not throughput, bounds one chain.
                 let mut acc = [[_mm256_setzero_ps(); 2]; G];
                 for c in (0..d).step_by(16) {
-                    // SAFETY: c + 16 ≤ d, the length of every row.
+                    // SAFETY: c + 16 ≤ d, the length of every row; j < n.
                     unsafe {
-                        let k0 = E::load8(key.as_ptr().add(c));
-                        let k1 = E::load8(key.as_ptr().add(c + 8));
+                        let [k0, k1] = k.load16(j, c);
                         for g in 0..G {
                             let qp = qs[g].as_ptr().add(c);
                             acc[g][0] = _mm256_fmadd_ps(_mm256_loadu_ps(qp), k0, acc[g][0]);
@@ -192,23 +238,17 @@ pub(super) mod simd {
         /// AVX2/FMA/F16C; `p` holds `G · v.count` values, `out` `G` rows of `v.len`, a
         /// multiple of 16.
         #[target_feature(enable = "avx2,fma,f16c")]
-        pub unsafe fn weighted_sum<const G: usize, E: Elem>(
-            p: &[f32],
-            v: Rows<E>,
-            out: &mut [f32],
-        ) {
-            let (n, d) = (v.count, v.len);
+        pub unsafe fn weighted_sum<const G: usize, V: KvRows>(p: &[f32], v: V, out: &mut [f32]) {
+            let (n, d) = (v.count(), v.width());
             let p = &p[..G * n];
             let out = &mut out[..G * d];
             // 16 columns at a time: 2·G accumulators stay in registers over all rows.
             for c in (0..d).step_by(16) {
                 let mut acc = [[_mm256_setzero_ps(); 2]; G];
                 for j in 0..n {
-                    let row = v.row(j);
-                    // SAFETY: c + 16 ≤ d; g · n + j < G · n.
+                    // SAFETY: c + 16 ≤ d; j < n; g · n + j < G · n.
                     unsafe {
-                        let v0 = E::load8(row.as_ptr().add(c));
-                        let v1 = E::load8(row.as_ptr().add(c + 8));
+                        let [v0, v1] = v.load16(j, c);
                         for (g, [a0, a1]) in acc.iter_mut().enumerate() {
                             let pj = _mm256_set1_ps(*p.get_unchecked(g * n + j));
                             *a0 = _mm256_fmadd_ps(pj, v0, *a0);
