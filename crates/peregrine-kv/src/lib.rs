@@ -9,6 +9,7 @@ mod buffer;
 mod rotating;
 mod sequence;
 mod simple;
+pub mod turbo_codec;
 
 pub use rotating::RotatingCache;
 pub use sequence::{KvOptions, KvQuant, LayerKind, SequenceCache};

@@ -1,0 +1,769 @@
+//! The TurboQuant codec of KV-cache rows (Zandieh et al., "TurboQuant: online vector
+//! quantization with near-optimal distortion rate", 2025).
+//!
+//! A row `x` of `head_dim = d` values is kept as `||x||` and the 3-bit Lloyd–Max codes of its
+//! randomly rotated direction `R x / ||x||`. A key row also keeps `γ = ||r||` and the 1-bit QJL
+//! sketch `sign(S r)` of the quantization residual `r`, which makes the score estimate unbiased.
+//! Scores and value sums are computed in the rotated domain straight from the bytes: a query is
+//! rotated and sketched once per step ([`TurboCodec::prepare_query`]), a value sum rotated back
+//! once ([`TurboCodec::finish_values`]).
+//!
+//! Key row: `||k||` f16, `γ` f16, `3d/8` bytes of codes, `d/8` bytes of signs (4.25 bits/dim at
+//! d = 128). Value row: `||v||` f16, `3d/8` bytes of codes (3.125 bits/dim). Every 8 codes fill
+//! 3 bytes, code `j` at bits `3j..3j+3` of their little-endian 24-bit integer; sign `i` is bit
+//! `i % 8` of byte `i / 8`, set for `(S r)_i >= 0`. All-zero bytes decode to a zero row.
+
+use std::sync::OnceLock;
+
+use half::f16;
+use peregrine_tensor::Result;
+
+/// Largest supported head dimension (the encoders' stack scratch is this long).
+const MAX_DIM: usize = 1024;
+
+/// One layer's codec: its seeded rotation and QJL sketch, and the codebook of its `head_dim`.
+#[derive(Debug, Clone)]
+pub struct TurboCodec {
+    dim: usize,
+    /// The random ±1 diagonal of the rotation, already divided by `sqrt(d)`.
+    signs: Vec<f32>,
+    /// `S`: `d × d` i.i.d. N(0, 1), row-major.
+    sketch: Vec<f32>,
+    centroids: [f32; 8],
+    /// Midpoints of neighbouring centroids: the nearest-centroid cells' edges.
+    bounds: [f32; 7],
+    /// Whether the AVX2+FMA kernels run (detected once, at construction).
+    simd: bool,
+}
+
+/// A query rotated and sketched for one step; [`TurboCodec::prepare_query`] refills it in place.
+#[derive(Debug, Clone, Default)]
+pub struct PreparedQuery {
+    rotated: Vec<f32>,
+    projected: Vec<f32>,
+    projected_sum: f32,
+}
+
+impl PreparedQuery {
+    /// `q' = R q`.
+    pub fn rotated(&self) -> &[f32] {
+        &self.rotated
+    }
+
+    /// `t = S q'`.
+    pub fn projected(&self) -> &[f32] {
+        &self.projected
+    }
+}
+
+impl TurboCodec {
+    /// The codec of `head_dim` (a power of two in 16..=1024) whose rotation and sketch are drawn
+    /// from `seed`: the same seed gives the same codec.
+    pub fn new(head_dim: usize, seed: u64) -> Result<Self> {
+        if !head_dim.is_power_of_two() || !(16..=MAX_DIM).contains(&head_dim) {
+            peregrine_tensor::candle::bail!(
+                "TurboQuant needs a power of two head_dim in 16..={MAX_DIM}, got {head_dim}"
+            )
+        }
+        let d = head_dim;
+        let mut rng = SplitMix64(seed);
+        let unit = 1.0 / (d as f32).sqrt();
+        let signs = (0..d).map(|_| unit - 2.0 * unit * (rng.next_u64() >> 63) as f32);
+        let signs = signs.collect();
+        let mut sketch = vec![0.0; d * d];
+        rng.fill_normal(&mut sketch);
+        let centroids = codebook(d);
+        Ok(Self {
+            dim: d,
+            signs,
+            sketch,
+            centroids,
+            bounds: std::array::from_fn(|i| 0.5 * (centroids[i] + centroids[i + 1])),
+            simd: simd_available(),
+        })
+    }
+
+    /// The row length `d`.
+    pub fn head_dim(&self) -> usize {
+        self.dim
+    }
+
+    /// Bytes of one key row: `4 + 3d/8 + d/8`.
+    pub fn key_bytes(&self) -> usize {
+        4 + self.dim / 2
+    }
+
+    /// Bytes of one value row: `2 + 3d/8`.
+    pub fn value_bytes(&self) -> usize {
+        2 + 3 * self.dim / 8
+    }
+
+    /// The 8 centroids of one rotated unit-vector coordinate, ascending.
+    pub fn centroids(&self) -> &[f32; 8] {
+        &self.centroids
+    }
+
+    /// Encodes the contiguous key rows `k` (`rows · d`) into `out` (`rows · key_bytes`).
+    pub fn encode_keys(&self, k: &[f32], out: &mut [u8]) {
+        let (d, kb) = (self.dim, self.key_bytes());
+        assert!(
+            k.len().is_multiple_of(d) && out.len() == k.len() / d * kb,
+            "rows vs bytes"
+        );
+        let mut scratch = [0f32; MAX_DIM];
+        let r = &mut scratch[..d];
+        for (k, out) in k.chunks_exact(d).zip(out.chunks_exact_mut(kb)) {
+            out.fill(0);
+            let (head, rest) = out.split_at_mut(4);
+            let (codes, signs) = rest.split_at_mut(3 * d / 8);
+            let Some(n) = self.quantize(k, r, codes) else {
+                continue;
+            };
+            for (i, row) in self.sketch.chunks_exact(d).enumerate() {
+                signs[i / 8] |= u8::from(dot(row, r) >= 0.0) << (i % 8);
+            }
+            head[..2].copy_from_slice(&f16::from_f32(n).to_le_bytes());
+            head[2..].copy_from_slice(&f16::from_f32(dot(r, r).sqrt()).to_le_bytes());
+        }
+    }
+
+    /// Encodes the contiguous value rows `v` (`rows · d`) into `out` (`rows · value_bytes`).
+    pub fn encode_values(&self, v: &[f32], out: &mut [u8]) {
+        let (d, vb) = (self.dim, self.value_bytes());
+        assert!(
+            v.len().is_multiple_of(d) && out.len() == v.len() / d * vb,
+            "rows vs bytes"
+        );
+        let mut scratch = [0f32; MAX_DIM];
+        for (v, out) in v.chunks_exact(d).zip(out.chunks_exact_mut(vb)) {
+            out.fill(0);
+            if let Some(n) = self.quantize(v, &mut scratch[..d], &mut out[2..]) {
+                out[..2].copy_from_slice(&f16::from_f32(n).to_le_bytes());
+            }
+        }
+    }
+
+    /// Packs the codes of `R x / ||x||` into `codes`, leaves the residual in `r` and returns
+    /// `||x||`; `None` for a zero row.
+    fn quantize(&self, x: &[f32], r: &mut [f32], codes: &mut [u8]) -> Option<f32> {
+        let n = dot(x, x).sqrt();
+        if n == 0.0 {
+            return None;
+        }
+        for (r, x) in r.iter_mut().zip(x) {
+            *r = x / n;
+        }
+        self.rotate(r);
+        for (r8, c3) in r.chunks_exact_mut(8).zip(codes.chunks_exact_mut(3)) {
+            let mut packed = 0u32;
+            for (j, r) in r8.iter_mut().enumerate() {
+                // Cells are sorted: the nearest centroid's index is the number of edges below.
+                let code = self.bounds.iter().filter(|&&b| *r > b).count();
+                *r -= self.centroids[code];
+                packed |= (code as u32) << (3 * j);
+            }
+            c3.copy_from_slice(&packed.to_le_bytes()[..3]);
+        }
+        Some(n)
+    }
+
+    /// Rotates and sketches the query row `q` (`d`) into `out`, reusing its allocations.
+    pub fn prepare_query(&self, q: &[f32], out: &mut PreparedQuery) {
+        assert_eq!(q.len(), self.dim, "query row length");
+        out.rotated.clear();
+        out.rotated.extend_from_slice(q);
+        self.rotate(&mut out.rotated);
+        out.projected.clear();
+        let rows = self.sketch.chunks_exact(self.dim);
+        out.projected.extend(rows.map(|row| dot(row, &out.rotated)));
+        out.projected_sum = out.projected.iter().sum();
+    }
+
+    /// `out[j] = scale · <q, k_j>` estimated from the `out.len()` contiguous key rows `keys`.
+    pub fn scores(&self, q: &PreparedQuery, keys: &[u8], scale: f32, out: &mut [f32]) {
+        let d = self.dim;
+        assert!(
+            q.rotated.len() == d && q.projected.len() == d,
+            "query of another head_dim"
+        );
+        assert_eq!(keys.len(), out.len() * self.key_bytes(), "bytes vs scores");
+        #[cfg(target_arch = "x86_64")]
+        if self.simd {
+            // SAFETY: `simd` is set only where AVX2 and FMA were detected.
+            return unsafe { x86::scores(self, q, keys, scale, out) };
+        }
+        for (key, o) in keys.chunks_exact(self.key_bytes()).zip(out) {
+            let (n, gamma, codes, signs) = self.key_parts(key);
+            let mut mse = 0.0;
+            for (q8, c3) in q.rotated.chunks_exact(8).zip(codes.chunks_exact(3)) {
+                mse += q8
+                    .iter()
+                    .zip(self.levels(c3))
+                    .map(|(x, c)| x * c)
+                    .sum::<f32>();
+            }
+            let mut pos = 0.0;
+            for (t8, &b) in q.projected.chunks_exact(8).zip(signs) {
+                let set = t8.iter().enumerate().filter(|(j, _)| b >> j & 1 == 1);
+                pos += set.map(|(_, t)| t).sum::<f32>();
+            }
+            *o = scale * self.estimate(q, n, gamma, mse, pos);
+        }
+    }
+
+    /// `n · (<q', c> + sqrt(π/2)/d · γ · <t, s±>)`, with `<t, s±> = 2 Σ_{s=+1} t − Σ t`.
+    fn estimate(&self, q: &PreparedQuery, n: f32, gamma: f32, mse: f32, pos: f32) -> f32 {
+        let qjl = (std::f32::consts::FRAC_PI_2).sqrt() / self.dim as f32;
+        n * (mse + qjl * gamma * (2.0 * pos - q.projected_sum))
+    }
+
+    /// `(||k||, γ, codes, signs)` of one key row.
+    fn key_parts<'a>(&self, key: &'a [u8]) -> (f32, f32, &'a [u8], &'a [u8]) {
+        let n = f16::from_le_bytes([key[0], key[1]]).to_f32();
+        let gamma = f16::from_le_bytes([key[2], key[3]]).to_f32();
+        let (codes, signs) = key[4..].split_at(3 * self.dim / 8);
+        (n, gamma, codes, signs)
+    }
+
+    /// `acc += Σ_j p_j · ||v_j|| · c_j` over the `p.len()` contiguous value rows `values`, in the
+    /// rotated domain: [`finish_values`](Self::finish_values) turns `acc` (`d`) into `Σ p_j v̂_j`.
+    pub fn accumulate_values(&self, p: &[f32], values: &[u8], acc: &mut [f32]) {
+        assert_eq!(acc.len(), self.dim, "accumulator length");
+        assert_eq!(
+            values.len(),
+            p.len() * self.value_bytes(),
+            "bytes vs weights"
+        );
+        #[cfg(target_arch = "x86_64")]
+        if self.simd {
+            // SAFETY: `simd` is set only where AVX2 and FMA were detected.
+            return unsafe { x86::accumulate_values(self, p, values, acc) };
+        }
+        for (row, &pj) in values.chunks_exact(self.value_bytes()).zip(p) {
+            let coef = pj * f16::from_le_bytes([row[0], row[1]]).to_f32();
+            for (a8, c3) in acc.chunks_exact_mut(8).zip(row[2..].chunks_exact(3)) {
+                a8.iter_mut()
+                    .zip(self.levels(c3))
+                    .for_each(|(a, c)| *a += coef * c);
+            }
+        }
+    }
+
+    /// Rotates an [`accumulate_values`](Self::accumulate_values) sum back: `acc ← R⁻¹ acc`.
+    pub fn finish_values(&self, acc: &mut [f32]) {
+        assert_eq!(acc.len(), self.dim, "accumulator length");
+        self.unrotate(acc);
+    }
+
+    /// The MSE part of one key row, `||k|| · R⁻¹ c` (the residual's sketch is ignored).
+    pub fn decode_key_mse(&self, key: &[u8], out: &mut [f32]) {
+        assert_eq!(key.len(), self.key_bytes(), "key row bytes");
+        self.decode([key[0], key[1]], &key[4..4 + 3 * self.dim / 8], out);
+    }
+
+    /// One value row, `||v|| · R⁻¹ c`.
+    pub fn decode_value(&self, value: &[u8], out: &mut [f32]) {
+        assert_eq!(value.len(), self.value_bytes(), "value row bytes");
+        self.decode([value[0], value[1]], &value[2..], out);
+    }
+
+    fn decode(&self, norm: [u8; 2], codes: &[u8], out: &mut [f32]) {
+        assert_eq!(out.len(), self.dim, "decoded row length");
+        let n = f16::from_le_bytes(norm).to_f32();
+        for (o8, c3) in out.chunks_exact_mut(8).zip(codes.chunks_exact(3)) {
+            o8.iter_mut()
+                .zip(self.levels(c3))
+                .for_each(|(o, c)| *o = n * c);
+        }
+        self.unrotate(out);
+    }
+
+    /// The centroids of the 8 codes packed in 3 bytes.
+    fn levels(&self, c3: &[u8]) -> [f32; 8] {
+        let packed = u24(c3);
+        std::array::from_fn(|j| self.centroids[(packed >> (3 * j)) as usize & 7])
+    }
+
+    /// `x ← R x = H (D x) / sqrt(d)`.
+    fn rotate(&self, x: &mut [f32]) {
+        for (x, s) in x.iter_mut().zip(&self.signs) {
+            *x *= s;
+        }
+        fwht(x);
+    }
+
+    /// `y ← R⁻¹ y = D (H y) / sqrt(d)`.
+    fn unrotate(&self, y: &mut [f32]) {
+        fwht(y);
+        for (y, s) in y.iter_mut().zip(&self.signs) {
+            *y *= s;
+        }
+    }
+}
+
+/// The unnormalized Walsh–Hadamard transform in place (`x.len()` a power of two).
+fn fwht(x: &mut [f32]) {
+    let mut h = 1;
+    while h < x.len() {
+        for block in x.chunks_exact_mut(2 * h) {
+            let (a, b) = block.split_at_mut(h);
+            for (a, b) in a.iter_mut().zip(b) {
+                (*a, *b) = (*a + *b, *a - *b);
+            }
+        }
+        h *= 2;
+    }
+}
+
+/// `<a, b>` over 8 lanes, so that it vectorizes (`a.len()` a multiple of 8).
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    for (a, b) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+        for ((l, x), y) in lanes.iter_mut().zip(a).zip(b) {
+            *l += x * y;
+        }
+    }
+    lanes.iter().sum()
+}
+
+/// The little-endian 24-bit integer of 3 bytes.
+fn u24(b: &[u8]) -> u32 {
+    u32::from(b[0]) | u32::from(b[1]) << 8 | u32::from(b[2]) << 16
+}
+
+fn simd_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// The Lloyd–Max codebook of `d`, computed once per process (it depends on `d` only).
+fn codebook(d: usize) -> [f32; 8] {
+    static CACHE: [OnceLock<[f32; 8]>; 7] = [const { OnceLock::new() }; 7];
+    *CACHE[d.trailing_zeros() as usize - 4].get_or_init(|| lloyd_max(d))
+}
+
+/// The 8-level Lloyd–Max quantizer of one coordinate of a uniform unit vector in R^d, density
+/// `∝ (1 − x²)^((d−3)/2)` on [−1, 1].
+fn lloyd_max(d: usize) -> [f32; 8] {
+    const GRID: usize = 4096;
+    let sigma = 1.0 / (d as f64).sqrt();
+    // Beyond 8σ the mass is below 1e-14: the grid covers only where it matters.
+    let half = (8.0 * sigma).min(1.0);
+    let h = 2.0 * half / GRID as f64;
+    let power = (d as f64 - 3.0) / 2.0;
+    let f = |i: usize| {
+        let x = -half + i as f64 * h;
+        (x, (1.0 - x * x).max(0.0).powf(power))
+    };
+    // Cumulative mass and first moment at the nodes (trapezoid; h ≤ σ/256 makes it exact to
+    // ~1e-6, Simpson would change nothing visible).
+    let (mut mass, mut moment) = (vec![0.0; GRID + 1], vec![0.0; GRID + 1]);
+    for i in 1..=GRID {
+        let ((x0, f0), (x1, f1)) = (f(i - 1), f(i));
+        mass[i] = mass[i - 1] + 0.5 * h * (f0 + f1);
+        moment[i] = moment[i - 1] + 0.5 * h * (x0 * f0 + x1 * f1);
+    }
+    let at = |table: &[f64], x: f64| {
+        let s = ((x + half) / h).clamp(0.0, GRID as f64);
+        let i = (s as usize).min(GRID - 1);
+        table[i] + (s - i as f64) * (table[i + 1] - table[i])
+    };
+    // Started near the Gaussian solution (±0.25σ … ±2.1σ); Lloyd then converges monotonically.
+    let mut c: [f64; 8] = std::array::from_fn(|i| (i as f64 - 3.5) * 0.6 * sigma);
+    for _ in 0..10_000 {
+        let mut edges = [-half; 9];
+        edges[8] = half;
+        for i in 1..8 {
+            edges[i] = 0.5 * (c[i - 1] + c[i]);
+        }
+        let mut change: f64 = 0.0;
+        for (i, c) in c.iter_mut().enumerate() {
+            let m = at(&mass, edges[i + 1]) - at(&mass, edges[i]);
+            let new = (at(&moment, edges[i + 1]) - at(&moment, edges[i])) / m;
+            change = change.max((new - *c).abs());
+            *c = new;
+        }
+        if change < 1e-10 * sigma {
+            break;
+        }
+    }
+    c.map(|x| x as f32)
+}
+
+/// splitmix64: small, seedable, and good enough for random signs and Gaussians.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let z = (self.0 ^ (self.0 >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        let z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in (0, 1]: never 0, so its logarithm is finite.
+    fn uniform(&mut self) -> f64 {
+        ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Fills `out` with i.i.d. N(0, 1) (Box–Muller, two per pair of uniforms).
+    fn fill_normal(&mut self, out: &mut [f32]) {
+        for pair in out.chunks_mut(2) {
+            let r = (-2.0 * self.uniform().ln()).sqrt();
+            let (sin, cos) = (std::f64::consts::TAU * self.uniform()).sin_cos();
+            pair[0] = (r * cos) as f32;
+            if let Some(x) = pair.get_mut(1) {
+                *x = (r * sin) as f32;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{PreparedQuery, TurboCodec, u24};
+    use half::f16;
+    use std::arch::x86_64::*;
+
+    /// [`TurboCodec::scores`] with AVX2.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn scores(c: &TurboCodec, q: &PreparedQuery, k: &[u8], scale: f32, out: &mut [f32]) {
+        let (table, shifts) = tables(c);
+        let bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+        for (key, o) in k.chunks_exact(c.key_bytes()).zip(out) {
+            let (n, gamma, codes, signs) = c.key_parts(key);
+            // Two chains: one would be bound by FMA latency.
+            let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            for (q8, c3) in q.rotated.chunks_exact(8).zip(codes.chunks_exact(3)) {
+                // SAFETY: `q8` holds 8 floats.
+                let x = unsafe { _mm256_loadu_ps(q8.as_ptr()) };
+                a0 = _mm256_fmadd_ps(x, lookup(table, shifts, u24(c3)), a0);
+                std::mem::swap(&mut a0, &mut a1);
+            }
+            let mut pos = _mm256_setzero_ps();
+            for (t8, &b) in q.projected.chunks_exact(8).zip(signs) {
+                let b = _mm256_and_si256(_mm256_set1_epi32(i32::from(b)), bits);
+                let set = _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, bits));
+                // SAFETY: `t8` holds 8 floats.
+                let t = unsafe { _mm256_loadu_ps(t8.as_ptr()) };
+                pos = _mm256_add_ps(pos, _mm256_and_ps(set, t));
+            }
+            let mse = hsum(_mm256_add_ps(a0, a1));
+            *o = scale * c.estimate(q, n, gamma, mse, hsum(pos));
+        }
+    }
+
+    /// [`TurboCodec::accumulate_values`] with AVX2.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn accumulate_values(c: &TurboCodec, p: &[f32], values: &[u8], acc: &mut [f32]) {
+        let (table, shifts) = tables(c);
+        // 64 columns per pass: their 8 accumulators stay in registers over all rows.
+        for (block, acc) in acc.chunks_mut(64).enumerate() {
+            let mut sums = [_mm256_setzero_ps(); 8];
+            for (row, &pj) in values.chunks_exact(c.value_bytes()).zip(p) {
+                let coef = _mm256_set1_ps(pj * f16::from_le_bytes([row[0], row[1]]).to_f32());
+                let codes = row[2 + 24 * block..].chunks_exact(3).take(acc.len() / 8);
+                for (s, c3) in sums.iter_mut().zip(codes) {
+                    *s = _mm256_fmadd_ps(coef, lookup(table, shifts, u24(c3)), *s);
+                }
+            }
+            for (s, a8) in sums.iter().zip(acc.chunks_exact_mut(8)) {
+                let a = a8.as_mut_ptr();
+                // SAFETY: `a8` holds 8 floats.
+                unsafe { _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), *s)) };
+            }
+        }
+    }
+
+    /// The centroids as a vector, and the shifts that bring code `j` of 8 to lane `j`'s bottom.
+    #[target_feature(enable = "avx2,fma")]
+    fn tables(c: &TurboCodec) -> (__m256, __m256i) {
+        // SAFETY: `centroids` holds 8 floats.
+        let table = unsafe { _mm256_loadu_ps(c.centroids.as_ptr()) };
+        (table, _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21))
+    }
+
+    /// The centroids of 8 packed codes; vpermps reads only each index's low 3 bits, so the
+    /// higher codes left above them need no mask.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn lookup(table: __m256, shifts: __m256i, packed: u32) -> __m256 {
+        let idx = _mm256_srlv_epi32(_mm256_set1_epi32(packed as i32), shifts);
+        _mm256_permutevar8x32_ps(table, idx)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gaussian(rng: &mut SplitMix64, n: usize) -> Vec<f32> {
+        let mut v = vec![0.0; n];
+        rng.fill_normal(&mut v);
+        v
+    }
+
+    fn norm(x: &[f32]) -> f32 {
+        dot(x, x).sqrt()
+    }
+
+    fn dist(a: &[f32], b: &[f32]) -> f32 {
+        let d: Vec<f32> = a.iter().zip(b).map(|(a, b)| a - b).collect();
+        norm(&d)
+    }
+
+    /// Largest elementwise difference.
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        a.iter().zip(b).fold(0.0, |m, (a, b)| m.max((a - b).abs()))
+    }
+
+    #[test]
+    fn rotation_is_orthonormal() {
+        let mut rng = SplitMix64(1);
+        for d in [16, 128, 1024] {
+            let codec = TurboCodec::new(d, 7).unwrap();
+            let x = gaussian(&mut rng, d);
+            let mut y = x.clone();
+            codec.rotate(&mut y);
+            // 2·log2(d) f32 butterfly stages on unit-variance entries: errors ~1e-6, 1e-5 is ample.
+            assert!(
+                (norm(&y) - norm(&x)).abs() <= 1e-5 * norm(&x),
+                "d {d}: norm"
+            );
+            let mut other = x.clone();
+            TurboCodec::new(d, 8).unwrap().rotate(&mut other);
+            assert!(max_diff(&other, &y) > 1e-3, "d {d}: the seed is unused");
+            codec.unrotate(&mut y);
+            assert!(max_diff(&x, &y) <= 1e-5, "d {d}: R⁻¹R ≠ 1");
+            // A basis vector spreads to ±1/sqrt(d) everywhere: the Hadamard really mixes.
+            let mut e = vec![0.0; d];
+            e[d / 2 + 1] = 1.0;
+            codec.rotate(&mut e);
+            let unit = 1.0 / (d as f32).sqrt();
+            assert!(e.iter().all(|y| (y.abs() - unit).abs() <= 1e-6), "d {d}");
+        }
+    }
+
+    #[test]
+    fn codebook_is_lloyd_max() {
+        for d in [16, 64, 128, 1024] {
+            let c = codebook(d);
+            assert!(c.windows(2).all(|w| w[0] < w[1]), "d {d}: unsorted {c:?}");
+            // The grid is symmetric about 0, so only rounding separates ±c.
+            let asym = (0..4).map(|i| (c[i] + c[7 - i]).abs()).fold(0.0, f32::max);
+            assert!(asym <= 1e-6 * c[7], "d {d}: {c:?}");
+        }
+        // d = 1024: the coordinate is N(0, 1/d) up to O(1/d); Max's (1960) 3-bit Gaussian levels.
+        let c = codebook(1024);
+        for (i, g) in [0.2451, 0.7560, 1.3440, 2.1520].iter().enumerate() {
+            let got = c[4 + i] * 32.0;
+            assert!((got - g).abs() <= 0.02 * g, "level {i}: {got} vs {g}");
+        }
+        // Distortion E||u − û||² of random unit vectors; the paper's b = 3 figure is ≈0.03 and
+        // the Gaussian Lloyd–Max MSE 0.0345. 400 vectors put the mean within ~1e-3.
+        let (d, rows) = (128, 400);
+        let codec = TurboCodec::new(d, 3).unwrap();
+        let mut rng = SplitMix64(2);
+        let (mut bytes, mut u_hat, mut total) = (vec![0; codec.value_bytes()], vec![0.0; d], 0.0);
+        for _ in 0..rows {
+            let mut u = gaussian(&mut rng, d);
+            let n = norm(&u);
+            u.iter_mut().for_each(|x| *x /= n);
+            codec.encode_values(&u, &mut bytes);
+            codec.decode_value(&bytes, &mut u_hat);
+            total += dist(&u, &u_hat).powi(2);
+        }
+        let mse = total / rows as f32;
+        eprintln!("d {d}: E||u - û||² = {mse:.5}");
+        assert!((0.025..=0.04).contains(&mse), "distortion {mse}");
+    }
+
+    /// Mean over `trials` codecs (seeds) of each pair's estimate, TurboQuant and MSE-only.
+    fn bias_check(d: usize, trials: u64) {
+        let mut rng = SplitMix64(100 + d as u64);
+        // `lean` ≠ 0 makes `<q, k>` large, where the MSE quantizer's shrinkage shows.
+        let pairs: [(Vec<f32>, Vec<f32>); 4] = [0.0, 0.0, 1.0, -0.8].map(|lean| {
+            let (q, e) = (gaussian(&mut rng, d), gaussian(&mut rng, d));
+            let k: Vec<f32> = q.iter().zip(e).map(|(q, e)| 2.0 * (lean * q + e)).collect();
+            (q, k)
+        });
+        let (mut pq, mut key, mut k_hat) =
+            (PreparedQuery::default(), vec![0; 4 + d / 2], vec![0.0; d]);
+        // Per pair: Σ and Σ² of the TurboQuant and the MSE-only estimates.
+        let mut stats = [[0f64; 4]; 4];
+        for seed in 0..trials {
+            let codec = TurboCodec::new(d, seed).unwrap();
+            for ((q, k), st) in pairs.iter().zip(&mut stats) {
+                let mut s = [0.0];
+                codec.encode_keys(k, &mut key);
+                codec.prepare_query(q, &mut pq);
+                codec.scores(&pq, &key, 1.0, &mut s);
+                codec.decode_key_mse(&key, &mut k_hat);
+                let (s, m) = (f64::from(s[0]), f64::from(dot(q, &k_hat)));
+                *st = [st[0] + s, st[1] + s * s, st[2] + m, st[3] + m * m];
+            }
+        }
+        let t = trials as f64;
+        let stderr = |sum: f64, sq: f64| ((sq / t - (sum / t).powi(2)).max(0.0) / t).sqrt();
+        for (i, ((q, k), st)) in pairs.iter().zip(&stats).enumerate() {
+            let truth = f64::from(dot(q, k));
+            let (bias, se) = (st[0] / t - truth, stderr(st[0], st[1]));
+            let (mse_bias, mse_se) = (st[2] / t - truth, stderr(st[2], st[3]));
+            eprintln!(
+                "d {d} pair {i}: <q,k> {truth:.3}, turbo bias {bias:+.4} (se {se:.4}), \
+                 MSE-only bias {mse_bias:+.4} (se {mse_se:.4})"
+            );
+            // 4 standard errors: a false alarm has probability ~6e-5. `tiny` covers the f16
+            // norms: ||k|| to 2^-11 relative, a fixed offset per pair, and γ to 2^-11 on a QJL
+            // term of at most ~0.2·||q||·||k||.
+            let tiny = 5e-4 * truth.abs() + 1e-4 * f64::from(norm(q) * norm(k));
+            assert!(bias.abs() <= 4.0 * se + tiny, "d {d} pair {i}: biased");
+            // The contrast: the same test rejects the MSE-only estimate where <q, k> is large.
+            let rejected = mse_bias.abs() > 4.0 * mse_se + tiny;
+            assert!(i < 2 || rejected, "d {d} pair {i}: MSE-only unbiased?");
+        }
+    }
+
+    #[test]
+    fn scores_are_unbiased_d64() {
+        bias_check(64, 2000);
+    }
+
+    #[test]
+    fn scores_are_unbiased_d128() {
+        bias_check(128, 2000);
+    }
+
+    #[test]
+    fn values_round_trip() {
+        let (d, rows) = (128, 37);
+        let codec = TurboCodec::new(d, 11).unwrap();
+        let mut rng = SplitMix64(5);
+        let mut v = gaussian(&mut rng, rows * d);
+        for (j, row) in v.chunks_exact_mut(d).enumerate() {
+            row.iter_mut().for_each(|x| *x *= 0.1 + j as f32 * 0.3);
+        }
+        let p: Vec<f32> = (0..rows).map(|_| rng.uniform() as f32).collect();
+        let vb = codec.value_bytes();
+        let mut bytes = vec![0; rows * vb];
+        codec.encode_values(&v, &mut bytes);
+        // Two calls over the halves accumulate like one over all rows.
+        let (mut acc, half) = (vec![0.0; d], rows / 2);
+        codec.accumulate_values(&p[..half], &bytes[..half * vb], &mut acc);
+        codec.accumulate_values(&p[half..], &bytes[half * vb..], &mut acc);
+        codec.finish_values(&mut acc);
+        let (mut expected, mut row, mut errs) = (vec![0.0; d], vec![0.0; d], Vec::new());
+        for ((b, pj), v) in bytes.chunks_exact(vb).zip(&p).zip(v.chunks_exact(d)) {
+            codec.decode_value(b, &mut row);
+            expected
+                .iter_mut()
+                .zip(&row)
+                .for_each(|(e, x)| *e += pj * x);
+            errs.push(dist(v, &row) / norm(v));
+        }
+        // Same sum in another order and domain: f32 rounding, ~1e-6 of the sum's norm.
+        assert!(max_diff(&acc, &expected) <= 1e-4 * norm(&expected));
+        // Relative error ≈ sqrt(0.0345) = 0.186 on average, rows spread by ~0.015; the outer cell
+        // is unbounded, and one row here (seeded) has a 4.9σ coordinate that lifts it to 0.30.
+        let mean = errs.iter().sum::<f32>() / rows as f32;
+        let worst = errs.iter().fold(0f32, |a, &b| a.max(b));
+        eprintln!("decode_value relative error: mean {mean:.4}, worst {worst:.4}");
+        assert!(mean <= 0.2 && worst <= 0.35, "mean {mean}, worst {worst}");
+        // A zero row is all-zero bytes and decodes, scores and sums to zero.
+        let mut zero = vec![1; codec.key_bytes()];
+        codec.encode_keys(&vec![0.0; d], &mut zero);
+        assert!(zero.iter().all(|&b| b == 0));
+        codec.decode_value(&zero[..vb], &mut row);
+        assert!(row.iter().all(|&x| x == 0.0));
+        let (mut pq, mut s) = (PreparedQuery::default(), [1.0]);
+        codec.prepare_query(&v[..d], &mut pq);
+        codec.scores(&pq, &zero, 1.0, &mut s);
+        assert_eq!(s[0], 0.0);
+    }
+
+    #[test]
+    fn sizes_errors_and_seeds() {
+        for (d, kb, vb) in [(64, 36, 26), (128, 68, 50), (256, 132, 98)] {
+            let c = TurboCodec::new(d, 0).unwrap();
+            assert_eq!((c.key_bytes(), c.value_bytes(), c.head_dim()), (kb, vb, d));
+        }
+        for d in [8, 96, 2048, 0] {
+            let err = TurboCodec::new(d, 0).unwrap_err().to_string();
+            assert!(
+                err.contains("head_dim") && err.contains("power of two"),
+                "{err}"
+            );
+        }
+        let k = gaussian(&mut SplitMix64(9), 3 * 64);
+        let encode = |seed| {
+            let mut out = vec![0; 3 * 36];
+            TurboCodec::new(64, seed).unwrap().encode_keys(&k, &mut out);
+            out
+        };
+        assert_eq!(encode(4), encode(4));
+        assert_ne!(encode(4), encode(5));
+    }
+
+    #[test]
+    fn avx2_matches_scalar() {
+        if !simd_available() {
+            eprintln!("no AVX2+FMA: nothing to compare");
+            return;
+        }
+        let (mut rng, rows, scale) = (SplitMix64(21), 45, 0.125);
+        for d in [16, 32, 64, 128, 256] {
+            let simd = TurboCodec::new(d, d as u64).unwrap();
+            assert!(simd.simd);
+            let scalar = TurboCodec {
+                simd: false,
+                ..simd.clone()
+            };
+            let mut k = gaussian(&mut rng, rows * d);
+            for (j, row) in k.chunks_exact_mut(d).enumerate() {
+                row.iter_mut().for_each(|x| *x *= 1.0 + j as f32);
+            }
+            let mut keys = vec![0; rows * simd.key_bytes()];
+            let mut values = vec![0; rows * simd.value_bytes()];
+            simd.encode_keys(&k, &mut keys);
+            simd.encode_values(&k, &mut values);
+            let (q, mut pq) = (gaussian(&mut rng, d), PreparedQuery::default());
+            simd.prepare_query(&q, &mut pq);
+            let (mut a, mut b) = (vec![0.0; rows], vec![0.0; rows]);
+            simd.scores(&pq, &keys, scale, &mut a);
+            scalar.scores(&pq, &keys, scale, &mut b);
+            // Relative to the terms' size scale·||q||·||k||: both sums cancel, in another order.
+            for ((a, b), k) in a.iter().zip(&b).zip(k.chunks_exact(d)) {
+                let tol = 1e-5 * (b.abs() + scale * norm(&q) * norm(k));
+                assert!((a - b).abs() <= tol, "d {d}: score {a} vs {b}");
+            }
+            let p: Vec<f32> = (0..rows).map(|_| rng.uniform() as f32).collect();
+            let (mut a, mut b) = (vec![0.5; d], vec![0.5; d]);
+            simd.accumulate_values(&p, &values, &mut a);
+            scalar.accumulate_values(&p, &values, &mut b);
+            // Relative to Σ p_j ||v_j|| · max |c|, the size of any accumulated term.
+            let size: f32 = p
+                .iter()
+                .zip(k.chunks_exact(d))
+                .map(|(p, k)| p * norm(k))
+                .sum();
+            let tol = 1e-5 * size * simd.centroids[7];
+            assert!(max_diff(&a, &b) <= tol, "d {d}: values");
+        }
+    }
+}
