@@ -28,7 +28,7 @@ pub use chat_template::{ChatMessage, ChatTemplate};
 pub use engine::{Engine, EngineConfig, EventStream};
 pub use error::EngineError;
 pub use peregrine_models::weights::MlxActivations;
-pub use peregrine_models::{KvOptions, KvQuant};
+pub use peregrine_models::{KvOptions, KvQuant, TurboOptions};
 pub use peregrine_sampling::{SamplingParams, TokenLogprob};
 /// The tensor layer, for callers that handle logits.
 pub use peregrine_tensor as tensor;

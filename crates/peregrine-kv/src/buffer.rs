@@ -192,6 +192,38 @@ impl KvBuffer {
             _ => kept + n,
         };
         let capacity = want.div_ceil(GROW_STEP) * GROW_STEP;
+        self.relayout(kept, capacity, (heads, head_dim), dtype, device)
+    }
+
+    /// [`make_room`](Self::make_room) in a buffer of exactly `keep + n + slack` slots,
+    /// re-laid out when full or more than `slack` larger: for a cache that must not hold a
+    /// growth step's spare slots (TurboQuant's uncompressed window).
+    pub(crate) fn make_room_tight(
+        &mut self,
+        n: usize,
+        keep: usize,
+        slack: usize,
+        (heads, head_dim): (usize, usize),
+        device: &Device,
+    ) -> Result<()> {
+        let kept = keep.min(self.used);
+        let (capacity, want) = (self.capacity(), kept + n + slack);
+        if self.used + n <= capacity && capacity <= want + slack {
+            return Ok(());
+        }
+        let dtype = self.dtype.unwrap_or(DType::F32);
+        self.relayout(kept, want, (heads, head_dim), dtype, device)
+    }
+
+    /// Keeps the last `kept` stored positions at the start of a buffer of `capacity` slots.
+    fn relayout(
+        &mut self,
+        kept: usize,
+        capacity: usize,
+        (heads, head_dim): (usize, usize),
+        dtype: DType,
+        device: &Device,
+    ) -> Result<()> {
         let from = self.used - kept;
         let moved = from..self.used;
         let values = !self.values_are_keys;
@@ -310,6 +342,20 @@ impl KvBuffer {
                 out.copy_from_slice(&y.to_dtype(DType::F32)?.to_vec1::<f32>()?);
                 Ok(())
             }
+        }
+    }
+
+    /// The CPU f16 planes `(k, v, capacity)`, `[heads, capacity, head_dim]` each; `None` for
+    /// other stores.
+    pub(crate) fn f16_planes(&self) -> Option<(&[f16], &[f16], usize)> {
+        match &self.store {
+            Some(Store::Cpu {
+                k: Plane::F16(k),
+                v: Some(Plane::F16(v)),
+                capacity,
+                ..
+            }) => Some((k, v, *capacity)),
+            _ => None,
         }
     }
 

@@ -9,11 +9,12 @@ mod buffer;
 mod rotating;
 mod sequence;
 mod simple;
-pub mod turbo_codec;
+pub mod turbo;
 
 pub use rotating::RotatingCache;
 pub use sequence::{KvOptions, KvQuant, LayerKind, SequenceCache};
 pub use simple::SimpleCache;
+pub use turbo::{TurboCache, TurboOptions};
 
 use peregrine_tensor::attention::AttnScratch;
 use peregrine_tensor::{Device, Result, Tensor};

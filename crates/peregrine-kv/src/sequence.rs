@@ -2,6 +2,7 @@
 
 use peregrine_tensor::{DType, Result};
 
+use crate::turbo::{TurboCache, TurboOptions};
 use crate::{LayerCache, RotatingCache, SimpleCache};
 
 /// What kind of memory a layer needs.
@@ -27,6 +28,9 @@ pub struct KvOptions {
     pub dtype: Option<DType>,
     /// Quantize keys and values as they are written (then `dtype` is unused).
     pub quant: Option<KvQuant>,
+    /// TurboQuant compression of old positions (then `dtype` and `quant` are unused; keys
+    /// stored as values, DeepSeek's latent, keep their plain cache).
+    pub turbo: Option<TurboOptions>,
 }
 
 /// Affine quantization of cached keys and values (`--kv-bits`, as mlx-lm's): each group of
@@ -54,12 +58,18 @@ impl SequenceCache {
             .iter()
             .map(|kind| -> Box<dyn LayerCache> {
                 let (dtype, quant) = (options.dtype, options.quant);
-                match *kind {
-                    LayerKind::Full => Box::new(SimpleCache::new(dtype).quantized(quant)),
-                    LayerKind::FullKeysAsValues => {
+                match (*kind, options.turbo) {
+                    (LayerKind::Full, Some(turbo)) => {
+                        Box::new(TurboCache::new(turbo, None, DEFAULT_ROLLBACK))
+                    }
+                    (LayerKind::Sliding { window }, Some(turbo)) => {
+                        Box::new(TurboCache::new(turbo, Some(window), DEFAULT_ROLLBACK))
+                    }
+                    (LayerKind::Full, None) => Box::new(SimpleCache::new(dtype).quantized(quant)),
+                    (LayerKind::FullKeysAsValues, _) => {
                         Box::new(SimpleCache::keys_as_values(dtype).quantized(quant))
                     }
-                    LayerKind::Sliding { window } => Box::new(
+                    (LayerKind::Sliding { window }, None) => Box::new(
                         RotatingCache::new(window, DEFAULT_ROLLBACK, dtype).quantized(quant),
                     ),
                 }

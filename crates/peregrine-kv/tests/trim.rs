@@ -3,7 +3,7 @@
 
 use peregrine_kv::{
     AttnParams, KvOptions, KvQuant, LayerCache, LayerKind, RotatingCache, SequenceCache,
-    SimpleCache,
+    SimpleCache, TurboCache, TurboOptions,
 };
 use peregrine_tensor::{Device, Tensor};
 
@@ -25,9 +25,16 @@ fn rows(heads: usize, start: usize, n: usize, salt: f32) -> Tensor {
 }
 
 fn fill(cache: &mut dyn LayerCache, from: usize, n: usize) {
-    cache
-        .append(&rows(KV_HEADS, from, n, 0.1), &rows(KV_HEADS, from, n, 0.7))
-        .unwrap();
+    fill_salted(cache, from, n, 0.0);
+}
+
+/// [`fill`] with other contents: what a rejected draft would have written.
+fn fill_salted(cache: &mut dyn LayerCache, from: usize, n: usize, salt: f32) {
+    let (k, v) = (
+        rows(KV_HEADS, from, n, 0.1 + salt),
+        rows(KV_HEADS, from, n, 0.7 + salt),
+    );
+    cache.append(&k, &v).unwrap();
 }
 
 /// Appends one position at a time, as decoding does (one big append keeps everything).
@@ -41,19 +48,25 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
     peregrine_tensor::ops::max_abs_diff(a, b).unwrap()
 }
 
+/// Appends `total` positions (the last `trim` of them other contents), trims those, and
+/// regenerates them and 3 more: attention then equals a cache that only saw the kept ones.
 fn check_trim_is_exact(mut make: impl FnMut() -> Box<dyn LayerCache>, total: usize, trim: usize) {
+    let kept = total - trim;
     let mut trimmed = make();
-    for start in (0..total).step_by(5) {
-        fill(trimmed.as_mut(), start, 5.min(total - start));
+    for start in (0..kept).step_by(5) {
+        fill(trimmed.as_mut(), start, 5.min(kept - start));
     }
+    fill_salted(trimmed.as_mut(), kept, trim, 2.5);
     trimmed.trim(trim).unwrap();
     let mut fresh = make();
-    fill(fresh.as_mut(), 0, total - trim);
+    fill(fresh.as_mut(), 0, kept);
     assert_eq!(trimmed.len(), fresh.len());
-    // Both then take the same next 3 positions.
-    fill(trimmed.as_mut(), total - trim, 3);
-    fill(fresh.as_mut(), total - trim, 3);
-    let q = rows(HEADS, total - trim, 3, 1.3);
+    // Both then take the same next positions, one at a time as decoding does.
+    for p in kept..total + 3 {
+        fill(trimmed.as_mut(), p, 1);
+        fill(fresh.as_mut(), p, 1);
+    }
+    let q = rows(HEADS, total, 3, 1.3);
     let params = AttnParams::scaled(0.35);
     let diff = max_diff(
         &trimmed.attend(&q, &params).unwrap(),
@@ -85,6 +98,33 @@ fn quantized_caches_trim_exactly() {
             || -> Box<dyn LayerCache> { Box::new(RotatingCache::new(8, 4, None).quantized(q)) };
         check_trim_is_exact(rotating, 300, 4);
     }
+}
+
+#[test]
+fn turbo_caches_trim_exactly_across_the_hot_window_and_the_threshold() {
+    let options = TurboOptions {
+        hot_window: 8,
+        threshold: 20,
+    };
+    let full = || -> Box<dyn LayerCache> { Box::new(TurboCache::new(options, None, 6)) };
+    check_trim_is_exact(full, 24, 5); // back below the threshold: nothing compressed again
+    check_trim_is_exact(full, 100, 6); // compressed positions return to the hot window
+    let narrow = TurboOptions {
+        hot_window: 4,
+        ..options
+    };
+    // A rollback past the hot window: trimmed positions had been compressed too.
+    check_trim_is_exact(|| Box::new(TurboCache::new(narrow, None, 6)), 100, 6);
+    let sliding = || -> Box<dyn LayerCache> { Box::new(TurboCache::new(options, Some(12), 6)) };
+    check_trim_is_exact(sliding, 300, 6);
+    let mut cache = TurboCache::new(options, None, 6);
+    decode_steps(&mut cache, 100);
+    assert!(
+        !cache.can_trim(40),
+        "f16 rows of the positions 40 back are gone"
+    );
+    assert!(cache.trim(40).is_err());
+    assert_eq!(cache.len(), 100, "a refused trim changes nothing");
 }
 
 #[test]

@@ -15,7 +15,7 @@ pub mod weights;
 
 pub use config::ModelConfig;
 pub use error::{ModelError, Result};
-pub use peregrine_kv::{KvOptions, KvQuant, LayerKind, SequenceCache};
+pub use peregrine_kv::{KvOptions, KvQuant, LayerKind, SequenceCache, TurboOptions};
 pub use registry::{
     LoadOptions, LoadedModel, OpenModel, load_model, open_model, supported_architectures,
 };

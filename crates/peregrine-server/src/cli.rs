@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand};
 use peregrine_engine::tensor::DType;
 use peregrine_engine::{
     ChatMessage, Engine, EngineConfig, Event, KvOptions, KvQuant, MlxActivations, Prompt, Request,
-    SamplingParams,
+    SamplingParams, TurboOptions,
 };
 
 use crate::hub::resolve_model;
@@ -66,6 +66,17 @@ pub struct ModelArgs {
     #[arg(long, default_value_t = 64, value_parser = PossibleValuesParser::new(["32", "64", "128"])
         .map(|s| s.parse::<usize>().expect("a listed value")))]
     pub kv_group_size: usize,
+    /// TurboQuant KV: once a sequence passes `--turbo-threshold` tokens, keys and values older
+    /// than `--turbo-hot-window` are kept at ~4.25 / ~3.125 bits per value (head_dim 128) and
+    /// attended without decompressing; replaces `--cache-type` and `--kv-bits`.
+    #[arg(long)]
+    pub turbo_kv: bool,
+    /// Most recent tokens TurboQuant keeps uncompressed (f16).
+    #[arg(long, default_value_t = 256)]
+    pub turbo_hot_window: usize,
+    /// Tokens a sequence holds before TurboQuant compresses anything.
+    #[arg(long, default_value_t = 2048)]
+    pub turbo_threshold: usize,
     /// MLX 4- and 8-bit weights: q8 rounds activations to 8 bits per 32 values and runs the
     /// integer kernels (as llama.cpp does for its block formats); f32 computes as mlx-lm does
     /// (slower).
@@ -96,6 +107,10 @@ impl ModelArgs {
                 quant: self.kv_bits.map(|bits| KvQuant {
                     bits,
                     group_size: self.kv_group_size,
+                }),
+                turbo: self.turbo_kv.then_some(TurboOptions {
+                    hot_window: self.turbo_hot_window,
+                    threshold: self.turbo_threshold,
                 }),
             },
             mlx_activations: match self.mlx_activations.as_str() {

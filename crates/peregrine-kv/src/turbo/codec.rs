@@ -181,17 +181,43 @@ impl TurboCodec {
 
     /// `out[j] = scale · <q, k_j>` estimated from the `out.len()` contiguous key rows `keys`.
     pub fn scores(&self, q: &PreparedQuery, keys: &[u8], scale: f32, out: &mut [f32]) {
+        self.scores_grouped(std::slice::from_ref(q), keys, scale, out)
+    }
+
+    /// [`scores`](Self::scores) of several query heads over the same key rows (grouped-query
+    /// attention), each row unpacked once: `out` holds `qs.len()` rows of one score per key.
+    pub fn scores_grouped(&self, qs: &[PreparedQuery], keys: &[u8], scale: f32, out: &mut [f32]) {
         let d = self.dim;
         assert!(
-            q.rotated.len() == d && q.projected.len() == d,
+            qs.iter()
+                .all(|q| q.rotated.len() == d && q.projected.len() == d),
             "query of another head_dim"
         );
-        assert_eq!(keys.len(), out.len() * self.key_bytes(), "bytes vs scores");
+        let n = keys.len() / self.key_bytes();
+        assert_eq!(keys.len(), n * self.key_bytes(), "whole key rows");
+        assert_eq!(out.len(), n * qs.len(), "one score per query and key");
         #[cfg(target_arch = "x86_64")]
         if self.simd {
-            // SAFETY: `simd` is set only where AVX2 and FMA were detected.
-            return unsafe { x86::scores(self, q, keys, scale, out) };
+            for (qs, out) in qs.chunks(4).zip(out.chunks_mut(4 * n)) {
+                // SAFETY: `simd` is set only where AVX2 and FMA were detected; lengths checked.
+                unsafe {
+                    match qs.len() {
+                        1 => x86::scores::<1>(self, qs, keys, scale, out),
+                        2 => x86::scores::<2>(self, qs, keys, scale, out),
+                        3 => x86::scores::<3>(self, qs, keys, scale, out),
+                        _ => x86::scores::<4>(self, qs, keys, scale, out),
+                    }
+                }
+            }
+            return;
         }
+        for (q, out) in qs.iter().zip(out.chunks_exact_mut(n.max(1))) {
+            self.scores_scalar(q, keys, scale, out);
+        }
+    }
+
+    /// The portable [`scores`](Self::scores).
+    fn scores_scalar(&self, q: &PreparedQuery, keys: &[u8], scale: f32, out: &mut [f32]) {
         for (key, o) in keys.chunks_exact(self.key_bytes()).zip(out) {
             let (n, gamma, codes, signs) = self.key_parts(key);
             let mut mse = 0.0;
@@ -228,23 +254,42 @@ impl TurboCodec {
     /// `acc += Σ_j p_j · ||v_j|| · c_j` over the `p.len()` contiguous value rows `values`, in the
     /// rotated domain: [`finish_values`](Self::finish_values) turns `acc` (`d`) into `Σ p_j v̂_j`.
     pub fn accumulate_values(&self, p: &[f32], values: &[u8], acc: &mut [f32]) {
-        assert_eq!(acc.len(), self.dim, "accumulator length");
-        assert_eq!(
-            values.len(),
-            p.len() * self.value_bytes(),
-            "bytes vs weights"
-        );
+        self.accumulate_values_grouped(p, values, acc)
+    }
+
+    /// [`accumulate_values`](Self::accumulate_values) for several query heads over the same
+    /// value rows, each row unpacked once: `p` holds one row of weights per head and `accs`
+    /// one accumulator of `d` per head.
+    pub fn accumulate_values_grouped(&self, p: &[f32], values: &[u8], accs: &mut [f32]) {
+        let (d, vb) = (self.dim, self.value_bytes());
+        let n = values.len() / vb;
+        assert!(accs.len().is_multiple_of(d), "accumulator length");
+        let heads = accs.len() / d;
+        assert_eq!(values.len(), n * vb, "whole value rows");
+        assert_eq!(p.len(), n * heads, "one weight per head and row");
         #[cfg(target_arch = "x86_64")]
         if self.simd {
-            // SAFETY: `simd` is set only where AVX2 and FMA were detected.
-            return unsafe { x86::accumulate_values(self, p, values, acc) };
+            for (p, accs) in p.chunks(4 * n.max(1)).zip(accs.chunks_mut(4 * d)) {
+                // SAFETY: `simd` is set only where AVX2 and FMA were detected; lengths checked.
+                unsafe {
+                    match accs.len() / d {
+                        1 => x86::accumulate_values::<1>(self, p, values, accs),
+                        2 => x86::accumulate_values::<2>(self, p, values, accs),
+                        3 => x86::accumulate_values::<3>(self, p, values, accs),
+                        _ => x86::accumulate_values::<4>(self, p, values, accs),
+                    }
+                }
+            }
+            return;
         }
-        for (row, &pj) in values.chunks_exact(self.value_bytes()).zip(p) {
-            let coef = pj * f16::from_le_bytes([row[0], row[1]]).to_f32();
-            for (a8, c3) in acc.chunks_exact_mut(8).zip(row[2..].chunks_exact(3)) {
-                a8.iter_mut()
-                    .zip(self.levels(c3))
-                    .for_each(|(a, c)| *a += coef * c);
+        for (p, acc) in p.chunks_exact(n.max(1)).zip(accs.chunks_exact_mut(d)) {
+            for (row, &pj) in values.chunks_exact(vb).zip(p) {
+                let coef = pj * f16::from_le_bytes([row[0], row[1]]).to_f32();
+                for (a8, c3) in acc.chunks_exact_mut(8).zip(row[2..].chunks_exact(3)) {
+                    a8.iter_mut()
+                        .zip(self.levels(c3))
+                        .for_each(|(a, c)| *a += coef * c);
+                }
             }
         }
     }
@@ -427,58 +472,92 @@ mod x86 {
     use half::f16;
     use std::arch::x86_64::*;
 
-    /// [`TurboCodec::scores`] with AVX2.
+    /// [`TurboCodec::scores_grouped`] of `G` query heads with AVX2.
     ///
     /// # Safety
-    /// The CPU must have AVX2 and FMA.
+    /// The CPU must have AVX2 and FMA; `qs` holds `G` queries of the codec's `d`, `out`
+    /// `G` rows of one score per key row.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn scores(c: &TurboCodec, q: &PreparedQuery, k: &[u8], scale: f32, out: &mut [f32]) {
+    pub unsafe fn scores<const G: usize>(
+        c: &TurboCodec,
+        qs: &[PreparedQuery],
+        k: &[u8],
+        scale: f32,
+        out: &mut [f32],
+    ) {
         let (table, shifts) = tables(c);
         let bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-        for (key, o) in k.chunks_exact(c.key_bytes()).zip(out) {
-            let (n, gamma, codes, signs) = c.key_parts(key);
-            // Two chains: one would be bound by FMA latency.
-            let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-            for (q8, c3) in q.rotated.chunks_exact(8).zip(codes.chunks_exact(3)) {
-                // SAFETY: `q8` holds 8 floats.
-                let x = unsafe { _mm256_loadu_ps(q8.as_ptr()) };
-                a0 = _mm256_fmadd_ps(x, lookup(table, shifts, u24(c3)), a0);
-                std::mem::swap(&mut a0, &mut a1);
+        let n = out.len() / G;
+        let rotated: [*const f32; G] = std::array::from_fn(|g| qs[g].rotated.as_ptr());
+        let projected: [*const f32; G] = std::array::from_fn(|g| qs[g].projected.as_ptr());
+        let qjl = (std::f32::consts::FRAC_PI_2).sqrt() / c.dim as f32;
+        for (j, key) in k.chunks_exact(c.key_bytes()).enumerate() {
+            let (norm, gamma, codes, signs) = c.key_parts(key);
+            // One sum per head: <q', c> + 2·qjl·γ · Σ_{s=+1} t, the estimate's varying part.
+            let kappa = _mm256_set1_ps(2.0 * qjl * gamma);
+            let mut acc = [_mm256_setzero_ps(); G];
+            for (i, c3) in codes.chunks_exact(3).enumerate() {
+                let levels = lookup(table, shifts, u24(c3));
+                for g in 0..G {
+                    // SAFETY: 8 · i + 8 ≤ d, the length of every rotated query.
+                    let x = unsafe { _mm256_loadu_ps(rotated[g].add(8 * i)) };
+                    acc[g] = _mm256_fmadd_ps(x, levels, acc[g]);
+                }
             }
-            let mut pos = _mm256_setzero_ps();
-            for (t8, &b) in q.projected.chunks_exact(8).zip(signs) {
+            for (i, &b) in signs.iter().enumerate() {
                 let b = _mm256_and_si256(_mm256_set1_epi32(i32::from(b)), bits);
                 let set = _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, bits));
-                // SAFETY: `t8` holds 8 floats.
-                let t = unsafe { _mm256_loadu_ps(t8.as_ptr()) };
-                pos = _mm256_add_ps(pos, _mm256_and_ps(set, t));
+                for g in 0..G {
+                    // SAFETY: as above, for the projected queries.
+                    let t = unsafe { _mm256_loadu_ps(projected[g].add(8 * i)) };
+                    acc[g] = _mm256_fmadd_ps(_mm256_and_ps(set, t), kappa, acc[g]);
+                }
             }
-            let mse = hsum(_mm256_add_ps(a0, a1));
-            *o = scale * c.estimate(q, n, gamma, mse, hsum(pos));
+            for g in 0..G {
+                let varying = hsum(acc[g]);
+                let fixed = qjl * gamma * qs[g].projected_sum;
+                out[g * n + j] = scale * norm * (varying - fixed);
+            }
         }
     }
 
-    /// [`TurboCodec::accumulate_values`] with AVX2.
+    /// [`TurboCodec::accumulate_values_grouped`] of `G` heads with AVX2.
     ///
     /// # Safety
-    /// The CPU must have AVX2 and FMA.
+    /// The CPU must have AVX2 and FMA; `p` holds `G` rows of one weight per value row, `accs`
+    /// `G` accumulators of `d`.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn accumulate_values(c: &TurboCodec, p: &[f32], values: &[u8], acc: &mut [f32]) {
+    pub unsafe fn accumulate_values<const G: usize>(
+        c: &TurboCodec,
+        p: &[f32],
+        values: &[u8],
+        accs: &mut [f32],
+    ) {
         let (table, shifts) = tables(c);
-        // 64 columns per pass: their 8 accumulators stay in registers over all rows.
-        for (block, acc) in acc.chunks_mut(64).enumerate() {
-            let mut sums = [_mm256_setzero_ps(); 8];
-            for (row, &pj) in values.chunks_exact(c.value_bytes()).zip(p) {
-                let coef = _mm256_set1_ps(pj * f16::from_le_bytes([row[0], row[1]]).to_f32());
-                let codes = row[2 + 24 * block..].chunks_exact(3).take(acc.len() / 8);
-                for (s, c3) in sums.iter_mut().zip(codes) {
-                    *s = _mm256_fmadd_ps(coef, lookup(table, shifts, u24(c3)), *s);
+        let (d, n, vb) = (c.dim, p.len() / G, c.value_bytes());
+        let norms: Vec<f32> = (values.chunks_exact(vb))
+            .map(|row| f16::from_le_bytes([row[0], row[1]]).to_f32())
+            .collect();
+        // 16 columns per pass: 2·G accumulators stay in registers over all rows.
+        for block in 0..d / 16 {
+            let mut sums = [[_mm256_setzero_ps(); 2]; G];
+            for (j, row) in values.chunks_exact(vb).enumerate() {
+                let codes = &row[2 + 6 * block..][..6];
+                let low = lookup(table, shifts, u24(&codes[..3]));
+                let high = lookup(table, shifts, u24(&codes[3..]));
+                for (g, [s0, s1]) in sums.iter_mut().enumerate() {
+                    let coef = _mm256_set1_ps(p[g * n + j] * norms[j]);
+                    *s0 = _mm256_fmadd_ps(coef, low, *s0);
+                    *s1 = _mm256_fmadd_ps(coef, high, *s1);
                 }
             }
-            for (s, a8) in sums.iter().zip(acc.chunks_exact_mut(8)) {
-                let a = a8.as_mut_ptr();
-                // SAFETY: `a8` holds 8 floats.
-                unsafe { _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), *s)) };
+            for (g, [s0, s1]) in sums.into_iter().enumerate() {
+                // SAFETY: g · d + 16 · block + 16 ≤ G · d = accs.len().
+                unsafe {
+                    let a = accs.as_mut_ptr().add(g * d + 16 * block);
+                    _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), s0));
+                    _mm256_storeu_ps(a.add(8), _mm256_add_ps(_mm256_loadu_ps(a.add(8)), s1));
+                }
             }
         }
     }
@@ -742,26 +821,37 @@ mod tests {
             let mut values = vec![0; rows * simd.value_bytes()];
             simd.encode_keys(&k, &mut keys);
             simd.encode_values(&k, &mut values);
-            let (q, mut pq) = (gaussian(&mut rng, d), PreparedQuery::default());
-            simd.prepare_query(&q, &mut pq);
-            let (mut a, mut b) = (vec![0.0; rows], vec![0.0; rows]);
-            simd.scores(&pq, &keys, scale, &mut a);
-            scalar.scores(&pq, &keys, scale, &mut b);
-            // Relative to the terms' size scale·||q||·||k||: both sums cancel, in another order.
-            for ((a, b), k) in a.iter().zip(&b).zip(k.chunks_exact(d)) {
-                let tol = 1e-5 * (b.abs() + scale * norm(&q) * norm(k));
-                assert!((a - b).abs() <= tol, "d {d}: score {a} vs {b}");
+            // 5 query heads: the grouped kernels run a group of 4 and one of 1.
+            let heads = 5;
+            let qs: Vec<Vec<f32>> = (0..heads).map(|_| gaussian(&mut rng, d)).collect();
+            let pqs: Vec<PreparedQuery> = (qs.iter())
+                .map(|q| {
+                    let mut pq = PreparedQuery::default();
+                    simd.prepare_query(q, &mut pq);
+                    pq
+                })
+                .collect();
+            let (mut a, mut b) = (vec![0.0; heads * rows], vec![0.0; heads * rows]);
+            simd.scores_grouped(&pqs, &keys, scale, &mut a);
+            for (pq, b) in pqs.iter().zip(b.chunks_exact_mut(rows)) {
+                scalar.scores(pq, &keys, scale, b);
             }
-            let p: Vec<f32> = (0..rows).map(|_| rng.uniform() as f32).collect();
-            let (mut a, mut b) = (vec![0.5; d], vec![0.5; d]);
-            simd.accumulate_values(&p, &values, &mut a);
-            scalar.accumulate_values(&p, &values, &mut b);
-            // Relative to Σ p_j ||v_j|| · max |c|, the size of any accumulated term.
-            let size: f32 = p
-                .iter()
-                .zip(k.chunks_exact(d))
-                .map(|(p, k)| p * norm(k))
-                .sum();
+            // Relative to the terms' size scale·||q||·||k||: both sums cancel, in another order.
+            for (h, q) in qs.iter().enumerate() {
+                let (a, b) = (&a[h * rows..][..rows], &b[h * rows..][..rows]);
+                for ((a, b), k) in a.iter().zip(b).zip(k.chunks_exact(d)) {
+                    let tol = 1e-5 * (b.abs() + scale * norm(q) * norm(k));
+                    assert!((a - b).abs() <= tol, "d {d} head {h}: score {a} vs {b}");
+                }
+            }
+            let p: Vec<f32> = (0..heads * rows).map(|_| rng.uniform() as f32).collect();
+            let (mut a, mut b) = (vec![0.5; heads * d], vec![0.5; heads * d]);
+            simd.accumulate_values_grouped(&p, &values, &mut a);
+            for (p, b) in p.chunks_exact(rows).zip(b.chunks_exact_mut(d)) {
+                scalar.accumulate_values(p, &values, b);
+            }
+            // Relative to Σ p_j ||v_j|| · max |c|, the size of any accumulated term (p < 1).
+            let size: f32 = k.chunks_exact(d).map(norm).sum();
             let tol = 1e-5 * size * simd.centroids[7];
             assert!(max_diff(&a, &b) <= tol, "d {d}: values");
         }

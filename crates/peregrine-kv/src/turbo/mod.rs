@@ -1,0 +1,322 @@
+//! TurboQuant KV compression (`--turbo-kv`): once a sequence passes an activation threshold,
+//! positions older than a hot window are kept only as [`TurboCodec`] rows (≈4.25 bits per key
+//! value, ≈3.125 per value value at `head_dim` 128) and attention scores them in the rotated
+//! domain; the hot window stays f16. The same on full-attention and sliding-window layers.
+//!
+//! Which form a query reads is a function of its position alone (keys older than `hot_window`
+//! positions are read compressed once the sequence holds more than `threshold`), so a prompt
+//! prefilled in chunks, token by token, or trimmed and regenerated attends identically.
+
+mod attend;
+mod codec;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+pub use codec::{PreparedQuery, TurboCodec};
+
+use half::f16;
+use peregrine_tensor::{DType, Device, Result, Tensor};
+
+use crate::buffer::KvBuffer;
+use crate::{AttnParams, LayerCache};
+
+/// TurboQuant's settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TurboOptions {
+    /// Most recent positions always read uncompressed.
+    pub hot_window: usize,
+    /// Compression starts once the sequence holds more than this many positions.
+    pub threshold: usize,
+}
+
+impl Default for TurboOptions {
+    fn default() -> Self {
+        Self {
+            hot_window: 256,
+            threshold: 2048,
+        }
+    }
+}
+
+/// Free hot-window slots: the f16 buffer is re-laid out once per this many decode steps.
+const SLACK: usize = 16;
+
+/// The codec of `head_dim`, one per process: a random rotation serves every layer equally
+/// well, and sharing it keeps its `d × d` sketch out of every sequence's memory.
+fn shared_codec(head_dim: usize) -> Result<Arc<TurboCodec>> {
+    static CODECS: OnceLock<Mutex<HashMap<usize, Arc<TurboCodec>>>> = OnceLock::new();
+    let mut codecs = CODECS.get_or_init(Default::default).lock();
+    let codecs = codecs
+        .as_mut()
+        .map_err(|_| bail_msg("TurboQuant codecs: poisoned lock"))?;
+    if let Some(codec) = codecs.get(&head_dim) {
+        return Ok(codec.clone());
+    }
+    let codec = Arc::new(TurboCodec::new(head_dim, 0x7475_7262_6f6b_7600)?);
+    codecs.insert(head_dim, codec.clone());
+    Ok(codec)
+}
+
+/// One layer's TurboQuant cache: compressed rows of old positions, f16 rows of recent ones.
+#[derive(Debug, Clone)]
+pub struct TurboCache {
+    /// Recent positions, f16, for reading and for encoding once they leave the hot window.
+    raw: KvBuffer,
+    keys: Compressed,
+    values: Compressed,
+    codec: Option<Arc<TurboCodec>>,
+    options: TurboOptions,
+    /// Sliding-window width; `None` for full attention.
+    window: Option<usize>,
+    rollback: usize,
+}
+
+/// Encoded rows of positions `start..start + len`, one growing buffer per kv head.
+#[derive(Debug, Clone, Default)]
+struct Compressed {
+    heads: Vec<Vec<u8>>,
+    row_bytes: usize,
+    start: usize,
+    len: usize,
+}
+
+impl Compressed {
+    fn end(&self) -> usize {
+        self.start + self.len
+    }
+
+    /// Rows of positions `range` of head `h`.
+    fn rows(&self, h: usize, range: std::ops::Range<usize>) -> &[u8] {
+        let b = self.row_bytes;
+        &self.heads[h][(range.start - self.start) * b..(range.end - self.start) * b]
+    }
+
+    /// Keeps positions before `end` only.
+    fn truncate(&mut self, end: usize) {
+        self.len = end.saturating_sub(self.start).min(self.len);
+        let bytes = self.len * self.row_bytes;
+        self.heads.iter_mut().for_each(|h| h.truncate(bytes));
+    }
+
+    /// Forgets positions before `first` once they are a quarter of the rows (moves stay rare).
+    fn forget_before(&mut self, first: usize) {
+        let dead = first.saturating_sub(self.start).min(self.len);
+        if dead > 0 && (dead == self.len || 4 * dead >= self.len) {
+            let bytes = dead * self.row_bytes;
+            self.heads.iter_mut().for_each(|h| drop(h.drain(..bytes)));
+            self.start += dead;
+            self.len -= dead;
+        }
+    }
+
+    /// Appends one encoded row per head for position `self.end()`, growing 128 rows at a time.
+    fn push(&mut self, rows: &[u8]) {
+        let b = self.row_bytes;
+        for (h, row) in self.heads.iter_mut().zip(rows.chunks_exact(b)) {
+            if h.len() == h.capacity() {
+                h.reserve_exact(128 * b);
+            }
+            h.extend_from_slice(row);
+        }
+        self.len += 1;
+    }
+
+    fn bytes(&self) -> usize {
+        self.heads.iter().map(Vec::capacity).sum()
+    }
+}
+
+impl TurboCache {
+    /// A full-attention (`window: None`) or sliding-window cache that can roll back
+    /// `rollback` positions exactly.
+    pub fn new(options: TurboOptions, window: Option<usize>, rollback: usize) -> Self {
+        Self {
+            raw: KvBuffer::new(Some(DType::F16)),
+            keys: Compressed::default(),
+            values: Compressed::default(),
+            codec: None,
+            options: TurboOptions {
+                hot_window: options.hot_window.max(1),
+                ..options
+            },
+            window: window.map(|w| w.max(1)),
+            rollback,
+        }
+    }
+
+    /// Positions before this one are read compressed by a query at position `p`.
+    fn split(&self, p: usize) -> usize {
+        match p + 1 > self.options.threshold {
+            true => (p + 1).saturating_sub(self.options.hot_window),
+            false => 0,
+        }
+    }
+
+    /// The first position a query at `p` sees.
+    fn first_visible(&self, p: usize) -> usize {
+        self.window.map_or(0, |w| (p + 1).saturating_sub(w))
+    }
+
+    /// Positions a cache of `len` keeps compressed: all before this one, once it is active.
+    fn compressed_end(&self, len: usize) -> usize {
+        match len > self.options.threshold {
+            true => len - self.options.hot_window.min(len),
+            false => 0,
+        }
+    }
+
+    /// The first position whose f16 row a cache of `len` still needs: to encode it later, or
+    /// for the next query (at position `len`) to read.
+    fn raw_needed_from(&self, len: usize) -> usize {
+        self.compressed_end(len).max(self.first_visible(len))
+    }
+
+    /// Appends `n` positions: f16 rows first, then codes for those leaving the hot window.
+    fn append_rows(&mut self, k: &[f32], v: &[f32], heads: usize, n: usize) -> Result<()> {
+        let head_dim = k.len() / (heads * n);
+        let codec = match &self.codec {
+            Some(c) => c.clone(),
+            None => {
+                let codec = shared_codec(head_dim)
+                    .map_err(|e| bail_msg(&format!("--turbo-kv on this layer: {e}")))?;
+                self.keys = Compressed {
+                    heads: vec![Vec::new(); heads],
+                    row_bytes: codec.key_bytes(),
+                    ..Compressed::default()
+                };
+                self.values = Compressed {
+                    row_bytes: codec.value_bytes(),
+                    ..self.keys.clone()
+                };
+                self.codec = Some(codec.clone());
+                codec
+            }
+        };
+        let old = self.raw.end();
+        // What the shortest state a rollback may return to still needs.
+        let keep_from = self.raw_needed_from(old.saturating_sub(self.rollback));
+        let keep = old - keep_from.max(self.raw.start);
+        self.raw
+            .make_room_tight(n, keep, SLACK, (heads, head_dim), &Device::Cpu)?;
+        let t = |x: &[f32]| Tensor::from_slice(x, (1, heads, n, head_dim), &Device::Cpu);
+        self.raw.append(&t(k)?, &t(v)?, None)?;
+        self.encode_up_to(self.compressed_end(old + n), &codec, heads, head_dim);
+        let first = self.first_visible((old + n).saturating_sub(self.rollback));
+        self.keys.forget_before(first);
+        self.values.forget_before(first);
+        Ok(())
+    }
+
+    /// Encodes the f16 rows of positions up to `end` not yet encoded.
+    fn encode_up_to(&mut self, end: usize, codec: &TurboCodec, heads: usize, d: usize) {
+        let (kp, vp, capacity) = self.raw.f16_planes().expect("an f16 CPU buffer");
+        if self.keys.end() < self.raw.start {
+            // Positions before the f16 rows are outside every window: never read.
+            for c in [&mut self.keys, &mut self.values] {
+                c.truncate(0);
+                c.start = self.raw.start;
+            }
+        }
+        let (mut row, mut krows, mut vrows) = (vec![0f32; d], Vec::new(), Vec::new());
+        krows.resize(heads * codec.key_bytes(), 0);
+        vrows.resize(heads * codec.value_bytes(), 0);
+        for p in self.keys.end()..end {
+            let slot = p - self.raw.start;
+            for h in 0..heads {
+                let at = (h * capacity + slot) * d;
+                let (kb, vb) = (codec.key_bytes(), codec.value_bytes());
+                widen(&kp[at..at + d], &mut row);
+                codec.encode_keys(&row, &mut krows[h * kb..][..kb]);
+                widen(&vp[at..at + d], &mut row);
+                codec.encode_values(&row, &mut vrows[h * vb..][..vb]);
+            }
+            self.keys.push(&krows);
+            self.values.push(&vrows);
+        }
+    }
+}
+
+fn widen(x: &[f16], out: &mut [f32]) {
+    out.iter_mut().zip(x).for_each(|(o, x)| *o = x.to_f32());
+}
+
+fn bail_msg(msg: &str) -> peregrine_tensor::candle::Error {
+    peregrine_tensor::candle::Error::Msg(msg.to_string())
+}
+
+/// f32 data of a `[1, heads, n, d]` tensor on the CPU, and `(heads, n)`.
+fn cpu_rows(x: &Tensor) -> Result<(Vec<f32>, usize, usize)> {
+    let (_, heads, n, _) = x.dims4()?;
+    if !x.device().is_cpu() {
+        return Err(bail_msg("--turbo-kv is implemented on the CPU only"));
+    }
+    let data = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    Ok((data, heads, n))
+}
+
+impl LayerCache for TurboCache {
+    fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
+        let ((k, heads, n), (v, _, _)) = (cpu_rows(k)?, cpu_rows(v)?);
+        self.append_rows(&k, &v, heads, n)
+    }
+
+    fn append_row(&mut self, k: &[f32], v: &[f32], head_dim: usize) -> Result<()> {
+        self.append_rows(k, v, k.len() / head_dim, 1)
+    }
+
+    fn attend(&self, q: &Tensor, params: &AttnParams) -> Result<Tensor> {
+        self.attend_tensor(q, params)
+    }
+
+    fn attend_row(
+        &self,
+        q: &[f32],
+        head_dim: usize,
+        params: &AttnParams,
+        out: &mut [f32],
+        scratch: &mut peregrine_tensor::attention::AttnScratch,
+    ) -> Result<()> {
+        self.attend_one(q, head_dim, params, (out, scratch))
+    }
+
+    fn len(&self) -> usize {
+        self.raw.end()
+    }
+
+    fn can_trim(&self, n: usize) -> bool {
+        let Some(len) = self.raw.end().checked_sub(n).filter(|_| n <= self.raw.used) else {
+            return false;
+        };
+        // The shorter state's next query reads compressed keys from its first visible one.
+        let reads_compressed = self.first_visible(len) < self.compressed_end(len);
+        self.raw_needed_from(len) >= self.raw.start
+            && (!reads_compressed || self.first_visible(len) >= self.keys.start)
+    }
+
+    fn trim(&mut self, n: usize) -> Result<()> {
+        if !self.can_trim(n) {
+            peregrine_tensor::candle::bail!(
+                "cannot trim {n} positions exactly: the TurboQuant cache holds f16 rows of \
+                 positions {}..{} only (hot window {}, rollback margin {})",
+                self.raw.start,
+                self.raw.end(),
+                self.options.hot_window,
+                self.rollback
+            )
+        }
+        self.raw.trim(n);
+        let end = self.compressed_end(self.raw.end());
+        self.keys.truncate(end);
+        self.values.truncate(end);
+        Ok(())
+    }
+
+    fn bytes(&self) -> usize {
+        self.raw.bytes() + self.keys.bytes() + self.values.bytes()
+    }
+
+    fn snapshot(&self) -> Result<Box<dyn LayerCache>> {
+        Ok(Box::new(self.clone()))
+    }
+}
