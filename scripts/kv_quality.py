@@ -1,9 +1,13 @@
-"""KV cache precision against f32 on real text: for each `--cache-type`, `peregrine logits` over one
+"""KV cache precision against f32 on real text: for each KV mode, `peregrine logits` over one
 long English prompt, compared with the f32 cache's logits at the positions past `--from`: top-1
 agreement and the mean KL divergence KL(p_f32 || p_mode) of the next-token distributions.
 
 usage: .venv-ref/bin/python scripts/kv_quality.py --model M [--text FILE ...] [--chars 16000] [--from 2048]
-       [--positions 200] [--modes f16,bf16] [--peregrine target/release/peregrine] [--threads 2]
+       [--positions 200] [--modes f16,bf16,q8,q4,turbo] [--peregrine target/release/peregrine] [--threads 2]
+
+Modes: f32/f16/bf16 (`--cache-type`), q8/q4 (`--kv-bits 8|4`, groups of 64), turbo (`--turbo-kv`,
+its default 256-token hot window and 2,048-token threshold: positions past `--from` 2048 read
+compressed keys).
 
 The default text is the repository's own English prose (README.md, docs/ARCHITECTURE.md,
 docs/adding-a-model.md), its first 16,000 characters (about 4K tokens), tokenized by the model;
@@ -17,9 +21,13 @@ from safetensors.numpy import load_file
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+MODES = {"q8": ["--kv-bits", "8"], "q4": ["--kv-bits", "4"], "turbo": ["--turbo-kv"]}
+
+
 def logits(a, text_file, mode, out):
+    kv = MODES.get(mode, ["--cache-type", mode])
     subprocess.run([a.peregrine, "--threads", str(a.threads), "logits", "--model", a.model,
-                    "--cache-type", mode, "--prompt-file", text_file,
+                    *kv, "--prompt-file", text_file,
                     "--positions", f"{a.start}..{a.start + a.positions}", "--out", out],
                    check=True, stderr=subprocess.DEVNULL)
     return load_file(out)
@@ -39,7 +47,7 @@ def main():
     ap.add_argument("--chars", type=int, default=16000, help="the text's first C characters (~4K tokens)")
     ap.add_argument("--from", dest="start", type=int, default=2048)
     ap.add_argument("--positions", type=int, default=200)
-    ap.add_argument("--modes", default="f16,bf16")
+    ap.add_argument("--modes", default="f16,bf16,q8,q4,turbo")
     ap.add_argument("--peregrine", default=os.path.join(ROOT, "target/release/peregrine"))
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()

@@ -11,7 +11,9 @@
 
 mod common;
 
-use peregrine_models::{KvOptions, KvQuant, LoadOptions, Logits, SequenceCache, load_model};
+use peregrine_models::{
+    KvOptions, KvQuant, LoadOptions, Logits, SequenceCache, TurboOptions, load_model,
+};
 use peregrine_tensor::candle::safetensors::load;
 use peregrine_tensor::{DType, Device};
 
@@ -177,6 +179,22 @@ fn decode_matches_forward_with_a_quantized_cache() {
         for checkpoint in ["gemma3/hf", "qwen3/mlx-q4-g64", "deepseek_v3/hf"] {
             decode_vs_forward(checkpoint, kv);
         }
+    }
+}
+
+#[test]
+fn decode_matches_forward_with_a_turbo_cache() {
+    // A 2-position hot window past 6 positions: most of the fixtures' prompts read compressed
+    // keys, on Gemma 3's sliding layers (window 8) too.
+    let kv = KvOptions {
+        turbo: Some(TurboOptions {
+            hot_window: 2,
+            threshold: 6,
+        }),
+        ..KvOptions::default()
+    };
+    for checkpoint in ["gemma3/hf", "qwen3/mlx-q4-g64", "llama/hf"] {
+        decode_vs_forward(checkpoint, kv);
     }
 }
 
