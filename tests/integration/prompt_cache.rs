@@ -2,7 +2,7 @@
 //! prefills only the rest, reports the reused tokens, and generates exactly what an engine
 //! without a prompt cache generates (greedy, the same KV precision).
 
-use peregrine::engine::ChatMessage;
+use peregrine::engine::{ChatMessage, KvOptions, KvQuant, KvRequest};
 use peregrine::{Engine, EngineConfig, Event, Prompt, Request};
 
 use crate::common::real_model;
@@ -29,7 +29,13 @@ fn chat(turns: &[(&str, &str)]) -> Prompt {
 
 /// Greedy text of `prompt` and the prompt tokens the cache supplied.
 fn run(engine: &Engine, prompt: Prompt) -> (String, usize, usize) {
+    run_kv(engine, prompt, KvRequest::default())
+}
+
+/// [`run`] with the request's own KV choices.
+fn run_kv(engine: &Engine, prompt: Prompt, kv: KvRequest) -> (String, usize, usize) {
     let mut request = Request::new(prompt);
+    request.kv = kv;
     request.sampling.temperature = 0.0;
     request.max_tokens = Some(24);
     let mut text = String::new();
@@ -103,4 +109,44 @@ fn smollm2_prompt_cache_reuses_prefixes_exactly() {
 #[test]
 fn gemma3_prompt_cache_reuses_prefixes_exactly() {
     check("gemma-3-270m-q4_k_m.gguf");
+}
+
+/// A request's `kv_bits` gives what an engine storing KV that way by default gives, and its
+/// cache is not reused by a request storing KV otherwise.
+#[test]
+fn per_request_kv_choices_apply_and_keep_their_cache_apart() {
+    let file = "SmolLM2-135M-Instruct.Q4_1.gguf";
+    let engine = Engine::load(&real_model(file), EngineConfig::default()).unwrap();
+    let q8 = KvOptions {
+        quant: Some(KvQuant {
+            bits: 8,
+            group_size: 32,
+        }),
+        ..KvOptions::default()
+    };
+    let config = EngineConfig {
+        kv: q8,
+        prompt_cache_entries: 0,
+        ..Default::default()
+    };
+    let q8_engine = Engine::load(&real_model(file), config).unwrap();
+    let prompt = chat(&[("user", "Name three rivers in Europe.")]);
+    let choice = KvRequest {
+        kv_bits: Some(8),
+        kv_group_size: Some(32),
+        turbo_kv: None,
+    };
+    let (text, _, _) = run_kv(&engine, prompt.clone(), choice);
+    assert_eq!(
+        text,
+        run(&q8_engine, prompt.clone()).0,
+        "kv_bits 8 per request"
+    );
+    let (_, prompt_tokens, reused) = run(&engine, prompt.clone());
+    assert_eq!(
+        reused, 0,
+        "an f16 request reused a q8 cache ({prompt_tokens} tokens)"
+    );
+    let (_, _, reused) = run_kv(&engine, prompt, choice);
+    assert!(reused > 200, "the q8 request's own cache: reused {reused}");
 }

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use peregrine_models::{KvOptions, KvQuant};
 use peregrine_sampling::{SamplingParams, TokenLogprob};
 use serde_json::{Map, Value};
 
@@ -39,6 +40,42 @@ pub struct Request {
     pub logprobs: Option<usize>,
     /// Keep generating past end-of-sequence tokens (benchmarks).
     pub ignore_eos: bool,
+    /// How this request's KV cache is stored, where it differs from the engine's default.
+    pub kv: KvRequest,
+}
+
+/// A request's KV storage choices (the API's `kv_bits`, `kv_group_size`, `turbo_kv`); what it
+/// leaves out comes from the engine's options.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KvRequest {
+    /// Quantize KV to 4 or 8 bits (and no TurboQuant).
+    pub kv_bits: Option<u8>,
+    /// Values per scale and bias of the quantized KV.
+    pub kv_group_size: Option<usize>,
+    /// TurboQuant on (`true`, with the engine's or the default window and threshold) or off.
+    pub turbo_kv: Option<bool>,
+}
+
+impl KvRequest {
+    /// The options these choices make of the engine's `default`.
+    pub fn resolve(&self, default: &KvOptions) -> KvOptions {
+        let mut kv = *default;
+        if let Some(bits) = self.kv_bits {
+            let group_size = (self.kv_group_size)
+                .or(default.quant.map(|q| q.group_size))
+                .unwrap_or(64);
+            kv.quant = Some(KvQuant { bits, group_size });
+            kv.turbo = None;
+        } else if let (Some(group_size), Some(quant)) = (self.kv_group_size, &mut kv.quant) {
+            quant.group_size = group_size;
+        }
+        match self.turbo_kv {
+            Some(true) => kv.turbo = Some(default.turbo.unwrap_or_default()),
+            Some(false) => kv.turbo = None,
+            None => {}
+        }
+        kv
+    }
 }
 
 impl Request {
@@ -51,6 +88,7 @@ impl Request {
             max_tokens: None,
             logprobs: None,
             ignore_eos: false,
+            kv: KvRequest::default(),
         }
     }
 }

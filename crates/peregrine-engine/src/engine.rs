@@ -13,7 +13,7 @@ use peregrine_models::{CausalLm, KvOptions, LoadOptions, Logits, SequenceCache, 
 use peregrine_tensor::{Device, Tensor};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
-use crate::api::{Event, Prompt, Request};
+use crate::api::{Event, KvRequest, Prompt, Request};
 use crate::chat_template::{ChatTemplate, fallback_template};
 use crate::error::EngineError;
 use crate::generate::{GenContext, generate, prefill};
@@ -61,6 +61,8 @@ impl Default for EngineConfig {
 
 struct Job {
     request: Request,
+    /// The request's KV options, resolved against the engine's.
+    kv: KvOptions,
     ids: Vec<u32>,
     submitted: Instant,
     events: UnboundedSender<Event>,
@@ -151,6 +153,15 @@ impl Engine {
             tracing::warn!("the model has no chat template; using {name}");
             source
         });
+        if let Err(message) = config
+            .kv
+            .check(model.config().head_dim, &model.cache_spec())
+        {
+            return Err(EngineError::Kv {
+                param: "kv",
+                message,
+            });
+        }
         let template = ChatTemplate::new(
             source,
             tokenizer.bos_token().map(str::to_owned),
@@ -232,6 +243,24 @@ impl Engine {
         Ok(ids)
     }
 
+    /// The KV options a request's choices make, checked against the model.
+    fn request_kv(&self, choices: &KvRequest) -> Result<KvOptions, EngineError> {
+        let kv = choices.resolve(&self.shared.kv);
+        if kv == self.shared.kv {
+            return Ok(kv);
+        }
+        let param = match (kv.turbo, choices.kv_group_size) {
+            (Some(_), _) => "turbo_kv",
+            (None, Some(_)) => "kv_group_size",
+            (None, None) => "kv_bits",
+        };
+        let model = &self.shared.model;
+        match kv.check(model.config().head_dim, &model.cache_spec()) {
+            Ok(()) => Ok(kv),
+            Err(message) => Err(EngineError::Kv { param, message }),
+        }
+    }
+
     /// Validates and queues a request. Errors found before generation (bad parameters, a
     /// prompt that does not fit, a full queue) are returned here; later ones arrive as events.
     pub fn submit(&self, request: Request) -> Result<EventStream, EngineError> {
@@ -246,9 +275,11 @@ impl Engine {
                 max_context: self.shared.max_context,
             });
         }
+        let kv = self.request_kv(&request.kv)?;
         let (tx, rx) = unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let job = Job {
+            kv,
             request,
             ids,
             submitted: Instant::now(),
@@ -305,7 +336,7 @@ fn worker(shared: &Shared, queue: &Mutex<Receiver<Job>>) {
             prefill_size: shared.prefill_size,
             max_context: shared.max_context,
             cancel: &job.cancel,
-            kv: shared.kv,
+            kv: job.kv,
             live_kv: &shared.live_kv,
             prompt_cache: &shared.prompt_cache,
         };

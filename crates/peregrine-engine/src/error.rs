@@ -42,6 +42,14 @@ pub enum EngineError {
         /// The vocabulary size.
         vocab_size: usize,
     },
+    /// The KV storage asked for cannot hold this model's attention rows.
+    #[error("{message}")]
+    Kv {
+        /// The request field at fault.
+        param: &'static str,
+        /// Why.
+        message: String,
+    },
     /// Too many requests are waiting.
     #[error("the request queue is full ({0} waiting); retry later")]
     QueueFull(usize),
@@ -60,6 +68,7 @@ impl EngineError {
                 | Self::ContextLengthExceeded { .. }
                 | Self::EmptyPrompt
                 | Self::TokenOutOfRange { .. }
+                | Self::Kv { .. }
         )
     }
 }

@@ -101,7 +101,7 @@ pub(crate) fn generate(
         .max_tokens
         .unwrap_or(usize::MAX)
         .min(ctx.max_context - ids.len());
-    let (mut cache, cached) = (ctx.prompt_cache.lookup(ids))
+    let (mut cache, cached) = (ctx.prompt_cache.lookup(ids, &ctx.kv))
         .unwrap_or_else(|| (SequenceCache::new(&ctx.model.cache_spec(), &ctx.kv), 0));
     let mut gauge = KvGauge {
         total: ctx.live_kv,
@@ -195,7 +195,7 @@ pub(crate) fn generate(
     let mut held: Vec<u32> = ids.iter().chain(&generated).copied().collect();
     held.truncate(cache.len());
     drop(gauge);
-    ctx.prompt_cache.store(held, cache);
+    ctx.prompt_cache.store(held, cache, ctx.kv);
     send(Event::Done {
         finish,
         usage,

@@ -23,7 +23,7 @@ mod prompt_cache;
 pub mod stop;
 pub mod tokenizer;
 
-pub use api::{Event, FinishReason, Prompt, Request, Timings, Usage};
+pub use api::{Event, FinishReason, KvRequest, Prompt, Request, Timings, Usage};
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use engine::{Engine, EngineConfig, EventStream};
 pub use error::EngineError;

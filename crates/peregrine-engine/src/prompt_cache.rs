@@ -11,7 +11,7 @@
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use peregrine_models::SequenceCache;
+use peregrine_models::{KvOptions, SequenceCache};
 
 /// A reused prefix shorter than this is not worth a cache copy.
 const MIN_REUSE: usize = 16;
@@ -36,6 +36,8 @@ struct State {
 struct Entry {
     ids: Vec<u32>,
     cache: SequenceCache,
+    /// How the cache stores KV: only a request asking for the same reuses it.
+    kv: KvOptions,
     used: u64,
 }
 
@@ -78,11 +80,11 @@ impl PromptCache {
     /// A cache holding the longest prefix of `ids` that an entry shares (at most all but the
     /// last id, whose logits the caller needs), with its length; `None` when no entry shares
     /// [`MIN_REUSE`] ids or more.
-    pub(crate) fn lookup(&self, ids: &[u32]) -> Option<(SequenceCache, usize)> {
+    pub(crate) fn lookup(&self, ids: &[u32], kv: &KvOptions) -> Option<(SequenceCache, usize)> {
         if self.max_entries == 0 {
             return None;
         }
-        let found = self.find(ids);
+        let found = self.find(ids, kv);
         let counter = match found {
             Some((_, n)) => {
                 self.reused_tokens.fetch_add(n as u64, Ordering::Relaxed);
@@ -94,11 +96,12 @@ impl PromptCache {
         found
     }
 
-    fn find(&self, ids: &[u32]) -> Option<(SequenceCache, usize)> {
+    fn find(&self, ids: &[u32], kv: &KvOptions) -> Option<(SequenceCache, usize)> {
         let mut state = self.state();
         let wanted = ids.len().saturating_sub(1);
         // Longest shared prefix first; among equals, the shortest entry (the least to trim).
         let mut order: Vec<(usize, usize)> = (state.entries.iter().enumerate())
+            .filter(|(_, e)| e.kv == *kv)
             .map(|(i, e)| (common_prefix(&e.ids, ids).min(wanted), i))
             .filter(|&(n, _)| n >= MIN_REUSE)
             .collect();
@@ -124,17 +127,22 @@ impl PromptCache {
 
     /// Keeps `cache`, which holds `ids`, dropping entries it extends and then the least
     /// recently used ones beyond the caps.
-    pub(crate) fn store(&self, ids: Vec<u32>, cache: SequenceCache) {
+    pub(crate) fn store(&self, ids: Vec<u32>, cache: SequenceCache, kv: KvOptions) {
         if self.max_entries == 0 || ids.len() < MIN_REUSE || cache.bytes() > self.max_bytes {
             return;
         }
         let mut state = self.state();
         state
             .entries
-            .retain(|e| common_prefix(&e.ids, &ids) < e.ids.len());
+            .retain(|e| e.kv != kv || common_prefix(&e.ids, &ids) < e.ids.len());
         state.clock += 1;
         let used = state.clock;
-        state.entries.push(Entry { ids, cache, used });
+        state.entries.push(Entry {
+            ids,
+            cache,
+            kv,
+            used,
+        });
         let bytes = |s: &State| s.entries.iter().map(|e| e.cache.bytes()).sum::<usize>();
         while state.entries.len() > self.max_entries || bytes(&state) > self.max_bytes {
             let oldest = (state.entries.iter().enumerate())
@@ -182,15 +190,25 @@ mod tests {
     #[test]
     fn reuses_the_longest_prefix_trimmed_exactly() {
         let pc = PromptCache::new(4, usize::MAX);
-        pc.store(ids(0..40), cache_of(LayerKind::Full, 40));
-        pc.store(ids(100..140), cache_of(LayerKind::Full, 40));
+        pc.store(
+            ids(0..40),
+            cache_of(LayerKind::Full, 40),
+            KvOptions::default(),
+        );
+        pc.store(
+            ids(100..140),
+            cache_of(LayerKind::Full, 40),
+            KvOptions::default(),
+        );
         // Shares 30 ids with the first entry, then diverges.
         let prompt: Vec<u32> = ids(0..30).into_iter().chain([999, 998]).collect();
-        let (cache, n) = pc.lookup(&prompt).expect("a hit");
+        let (cache, n) = pc.lookup(&prompt, &KvOptions::default()).expect("a hit");
         assert_eq!((n, cache.len()), (30, 30));
         // The entry stays whole for prompts that share more of it.
         assert_eq!(pc.stats().entries, 2);
-        let (cache, n) = pc.lookup(&ids(0..41)).expect("a hit");
+        let (cache, n) = pc
+            .lookup(&ids(0..41), &KvOptions::default())
+            .expect("a hit");
         assert_eq!(
             (n, cache.len()),
             (40, 40),
@@ -198,8 +216,12 @@ mod tests {
         );
         assert_eq!(pc.stats().entries, 1);
         // The whole prompt cached: all but its last id are reused, to compute its logits.
-        pc.store(ids(0..40), cache_of(LayerKind::Full, 40));
-        let (cache, n) = pc.lookup(&ids(0..40)).unwrap();
+        pc.store(
+            ids(0..40),
+            cache_of(LayerKind::Full, 40),
+            KvOptions::default(),
+        );
+        let (cache, n) = pc.lookup(&ids(0..40), &KvOptions::default()).unwrap();
         assert_eq!((n, cache.len()), (39, 39));
         let stats = pc.stats();
         assert_eq!((stats.hits, stats.misses, stats.reused_tokens), (3, 0, 109));
@@ -208,41 +230,79 @@ mod tests {
     #[test]
     fn misses_short_prefixes_and_rollbacks_a_window_cannot_make() {
         let pc = PromptCache::new(4, usize::MAX);
-        pc.store(ids(0..40), cache_of(LayerKind::Full, 40));
-        assert!(pc.lookup(&ids(0..MIN_REUSE as u32 - 1)).is_none());
+        pc.store(
+            ids(0..40),
+            cache_of(LayerKind::Full, 40),
+            KvOptions::default(),
+        );
+        assert!(
+            pc.lookup(&ids(0..MIN_REUSE as u32 - 1), &KvOptions::default())
+                .is_none()
+        );
+        let quantized = KvOptions {
+            quant: Some(peregrine_models::KvQuant {
+                bits: 8,
+                group_size: 32,
+            }),
+            ..KvOptions::default()
+        };
+        assert!(
+            pc.lookup(&ids(0..41), &quantized).is_none(),
+            "a request storing KV another way does not reuse the entry"
+        );
         let window = LayerKind::Sliding { window: 4 };
         let pc = PromptCache::new(4, usize::MAX);
-        pc.store(ids(0..1000), cache_of(window, 1000));
+        pc.store(ids(0..1000), cache_of(window, 1000), KvOptions::default());
         // Rolling 1000 positions back to 20 passes what the window cache keeps.
-        assert!(pc.lookup(&ids(0..21)).is_none());
+        assert!(pc.lookup(&ids(0..21), &KvOptions::default()).is_none());
         assert_eq!(pc.stats().misses, 1);
         // Extending it needs no rollback.
-        assert!(pc.lookup(&ids(0..1001)).is_some());
+        assert!(pc.lookup(&ids(0..1001), &KvOptions::default()).is_some());
     }
 
     #[test]
     fn a_newer_prompt_replaces_what_it_extends_and_caps_evict_the_oldest() {
         let pc = PromptCache::new(2, usize::MAX);
-        pc.store(ids(0..20), cache_of(LayerKind::Full, 20));
-        pc.store(ids(0..30), cache_of(LayerKind::Full, 30));
+        pc.store(
+            ids(0..20),
+            cache_of(LayerKind::Full, 20),
+            KvOptions::default(),
+        );
+        pc.store(
+            ids(0..30),
+            cache_of(LayerKind::Full, 30),
+            KvOptions::default(),
+        );
         assert_eq!(pc.stats().entries, 1, "0..30 extends 0..20");
-        pc.store(ids(100..130), cache_of(LayerKind::Full, 30));
-        pc.lookup(&ids(0..25)).unwrap(); // 0..30 is now the most recently used
-        pc.store(ids(200..230), cache_of(LayerKind::Full, 30));
+        pc.store(
+            ids(100..130),
+            cache_of(LayerKind::Full, 30),
+            KvOptions::default(),
+        );
+        pc.lookup(&ids(0..25), &KvOptions::default()).unwrap(); // 0..30 is now the most recently used
+        pc.store(
+            ids(200..230),
+            cache_of(LayerKind::Full, 30),
+            KvOptions::default(),
+        );
         assert!(
-            pc.lookup(&ids(100..125)).is_none(),
+            pc.lookup(&ids(100..125), &KvOptions::default()).is_none(),
             "the least recently used went"
         );
-        assert!(pc.lookup(&ids(0..25)).is_some());
+        assert!(pc.lookup(&ids(0..25), &KvOptions::default()).is_some());
         let one = cache_of(LayerKind::Full, 30).bytes();
         let pc = PromptCache::new(8, 2 * one);
         for start in [0, 100, 200] {
-            pc.store(ids(start..start + 30), cache_of(LayerKind::Full, 30));
+            pc.store(
+                ids(start..start + 30),
+                cache_of(LayerKind::Full, 30),
+                KvOptions::default(),
+            );
         }
         assert_eq!(pc.stats().bytes, 2 * one, "the byte cap holds");
         assert_eq!(
             PromptCache::new(0, usize::MAX)
-                .lookup(&ids(0..30))
+                .lookup(&ids(0..30), &KvOptions::default())
                 .map(|x| x.1),
             None
         );

@@ -420,19 +420,9 @@ impl Plane {
 
     /// `rows` slots of `head_dim` values quantized as `format` says.
     fn quantized(format: KvQuant, rows: usize, head_dim: usize) -> Result<Self> {
-        let KvQuant { bits, group_size } = format;
-        if !matches!(bits, 4 | 8) || !matches!(group_size, 16 | 32 | 64 | 128) {
-            bail(&format!(
-                "kv cache: {bits}-bit codes in groups of {group_size} (bits 4 or 8, groups of \
-                 16, 32, 64 or 128)"
-            ))?
-        }
-        if !head_dim.is_multiple_of(group_size) {
-            bail(&format!(
-                "kv cache: --kv-group-size {group_size} does not divide this model's head_dim \
-                 {head_dim}"
-            ))?
-        }
+        format
+            .check(head_dim)
+            .map_err(|e| peregrine_tensor::candle::Error::Msg(format!("kv cache: {e}")))?;
         let (code_bytes, params) = Self::quant_row(format, head_dim);
         Ok(Self::Quant {
             codes: vec![0; rows * code_bytes],

@@ -43,6 +43,47 @@ pub struct KvQuant {
     pub group_size: usize,
 }
 
+impl KvQuant {
+    /// Why this format cannot hold rows of `head_dim` values, if it cannot.
+    pub fn check(&self, head_dim: usize) -> std::result::Result<(), String> {
+        let KvQuant { bits, group_size } = *self;
+        if !matches!(bits, 4 | 8) {
+            return Err(format!("{bits}-bit KV codes: 4 or 8 bits"));
+        }
+        if !matches!(group_size, 16 | 32 | 64 | 128) || !head_dim.is_multiple_of(group_size) {
+            return Err(format!(
+                "KV group size {group_size} must be 16, 32, 64 or 128 and divide this model's \
+                 head_dim {head_dim}"
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl KvOptions {
+    /// Why these options cannot serve the layers `spec` with attention rows `head_dim` wide,
+    /// if they cannot (TurboQuant that would compress no layer is refused, not ignored).
+    pub fn check(&self, head_dim: usize, spec: &[LayerKind]) -> std::result::Result<(), String> {
+        if let Some(quant) = &self.quant {
+            quant.check(head_dim)?;
+        }
+        let latent_only = spec.iter().all(|k| *k == LayerKind::FullKeysAsValues);
+        if self.turbo.is_some() && latent_only {
+            return Err(
+                "TurboQuant does not apply to latent-attention (MLA) caches, this \
+                        model's only kind; use --kv-bits"
+                    .into(),
+            );
+        }
+        if self.turbo.is_some() && !crate::turbo::supports(head_dim) {
+            return Err(format!(
+                "TurboQuant needs a power-of-two head_dim in 16..=1024; this model's is {head_dim}"
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// One sequence's caches, one per layer.
 pub struct SequenceCache {
     layers: Vec<Box<dyn LayerCache>>,

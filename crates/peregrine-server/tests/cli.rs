@@ -583,3 +583,29 @@ fn the_kv_cache_is_f16_by_default() {
         "{default} {f16} {f32}"
     );
 }
+
+/// KV storage the model's layers cannot use is refused at load, by name, not at the first
+/// request or silently.
+#[test]
+fn kv_options_the_model_cannot_use_are_refused_at_load() {
+    let cases: [(&str, &[&str], &str); 2] = [
+        (
+            "llama",
+            &["--kv-bits", "8", "--kv-group-size", "32"],
+            "head_dim 16",
+        ),
+        ("deepseek_v3", &["--turbo-kv"], "latent-attention"),
+    ];
+    for (arch, flags, want) in cases {
+        let model = fixture(arch);
+        let mut args = vec!["generate", "-m", model.to_str().unwrap(), "--prompt", "hi"];
+        args.extend_from_slice(flags);
+        let out = peregrine(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{arch} {flags:?} ran");
+        assert!(
+            stderr.contains(want) && !stderr.contains("panicked"),
+            "{stderr}"
+        );
+    }
+}

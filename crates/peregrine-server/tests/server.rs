@@ -124,6 +124,14 @@ fn every_error_row_has_status_type_and_param() {
             "response_format",
         ),
         (json!({"chat_template_kwargs": []}), "chat_template_kwargs"),
+        (json!({"kv_bits": 5}), "kv_bits"),
+        (json!({"kv_bits": 16}), "kv_bits"),
+        (json!({"kv_bits": "8"}), "kv_bits"),
+        (json!({"kv_group_size": 48}), "kv_group_size"),
+        (json!({"turbo_kv": "yes"}), "turbo_kv"),
+        (json!({"kv_bits": 8, "turbo_kv": true}), "turbo_kv"),
+        // The fixture's heads are 16 wide: groups of 32 cannot tile them (the engine's check).
+        (json!({"kv_bits": 8, "kv_group_size": 32}), "kv_group_size"),
         (json!({"user": 5}), "user"),
         (json!({"model": 5}), "model"),
     ];

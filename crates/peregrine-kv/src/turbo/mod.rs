@@ -39,6 +39,11 @@ impl Default for TurboOptions {
     }
 }
 
+/// Whether TurboQuant can compress rows `head_dim` wide.
+pub fn supports(head_dim: usize) -> bool {
+    head_dim.is_power_of_two() && (16..=1024).contains(&head_dim)
+}
+
 /// Free hot-window slots: the f16 buffer is re-laid out once per this many decode steps.
 const SLACK: usize = 16;
 

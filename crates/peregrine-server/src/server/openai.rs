@@ -5,7 +5,7 @@
 //! does. Unknown fields are ignored; `null` counts as absent; known fields with a wrong type or
 //! out of range are errors.
 
-use peregrine_engine::{Prompt, Request, SamplingParams};
+use peregrine_engine::{KvRequest, Prompt, Request, SamplingParams};
 use serde_json::{Map, Value};
 
 use super::error::ApiError;
@@ -105,6 +105,7 @@ pub fn decode(
     };
     response_format(&f)?;
     let ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
+    let kv = kv_request(&f)?;
     let template = Prompt::Tokens(vec![]);
     let base = Request {
         sampling,
@@ -112,6 +113,7 @@ pub fn decode(
         max_tokens: Some(max_tokens.map_or(default_max_tokens, |m| m as usize)),
         logprobs: logprobs.then_some(top as usize),
         ignore_eos,
+        kv,
         ..Request::new(template)
     };
     let (prompts, echo) = match endpoint {
@@ -144,6 +146,34 @@ pub fn decode(
         stream,
         include_usage,
         logprobs,
+    })
+}
+
+/// The KV storage fields: `kv_bits` (4 or 8), `kv_group_size` (32, 64 or 128), `turbo_kv`.
+fn kv_request(f: &Fields) -> Result<KvRequest, ApiError> {
+    let kv_bits = f.uint("kv_bits", 4, 8)?;
+    if let Some(bits) = kv_bits
+        && bits != 4
+        && bits != 8
+    {
+        return Err(ApiError::invalid("kv_bits", "`kv_bits` must be 4 or 8"));
+    }
+    let kv_group_size = f.uint("kv_group_size", 32, 128)?;
+    if let Some(g) = kv_group_size
+        && ![32, 64, 128].contains(&g)
+    {
+        let message = "`kv_group_size` must be 32, 64 or 128";
+        return Err(ApiError::invalid("kv_group_size", message));
+    }
+    let turbo_kv = f.bool("turbo_kv")?;
+    if kv_bits.is_some() && turbo_kv == Some(true) {
+        let message = "`turbo_kv` and `kv_bits` choose different KV storage: give one";
+        return Err(ApiError::invalid("turbo_kv", message));
+    }
+    Ok(KvRequest {
+        kv_bits: kv_bits.map(|b| b as u8),
+        kv_group_size: kv_group_size.map(|g| g as usize),
+        turbo_kv,
     })
 }
 
