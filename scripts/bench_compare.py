@@ -1,10 +1,12 @@
 """Compare `peregrine bench` with llama.cpp (llama-cpp-python) on the same GGUF file, in one run.
 
 usage: .venv-ref/bin/python scripts/bench_compare.py --model FILE --prompt-tokens N --gen-tokens M
-           --threads T --repeat R [--cache-type f16|f32] [--peregrine PATH] [--skip-peregrine] [--warmup W]
+           --threads T --repeat R [--cache-type f16|f32|q8_0|q4_0] [--peregrine PATH] [--skip-peregrine]
+           [--warmup W]
 
-Both systems keep their KV cache in the same type, `--cache-type` (default f16, llama.cpp's own
-default; Peregrine's is f32).
+Both systems keep their KV cache in the same type, `--cache-type` (default f16, both defaults).
+q8_0 / q4_0: llama.cpp's 32-value blocks (with flash attention, which its quantized V cache needs)
+against Peregrine's `--kv-bits 8|4 --kv-group-size 32` (32-value groups with a scale and a bias).
 
 peregrine half: runs `PATH bench --model FILE --prompt-tokens N --gen-tokens M --repeat R --threads T
 --cache-type C --json` and reads one JSON object from its stdout (prefill_tps, decode_tps, ttft_ms, peak_rss_bytes,
@@ -32,9 +34,11 @@ def die(msg, code=2):
     sys.exit(code)
 
 def run_peregrine(binary, a):
-    cmd = [str(binary), "bench", "--model", a.model, "--prompt-tokens", str(a.prompt_tokens),
-           "--gen-tokens", str(a.gen_tokens), "--repeat", str(a.repeat), "--threads", str(a.threads),
-           "--cache-type", a.cache_type, "--json"]
+    kv = {"q8_0": ["--kv-bits", "8", "--kv-group-size", "32"],
+          "q4_0": ["--kv-bits", "4", "--kv-group-size", "32"]}.get(a.cache_type, ["--cache-type", a.cache_type])
+    cmd = [str(binary), "--threads", str(a.threads), "bench", "--model", a.model,
+           "--prompt-tokens", str(a.prompt_tokens), "--gen-tokens", str(a.gen_tokens),
+           "--repeat", str(a.repeat), *kv, "--json"]
     print("bench_compare: running " + " ".join(cmd), file=sys.stderr)
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=sys.stderr, text=True)
     if p.returncode != 0:
@@ -68,10 +72,12 @@ def run_llama_cpp(a):
     # llama-cpp-python sizes its logits buffer by n_batch: make it hold every position (the
     # compute still runs in n_ubatch=512 micro-batches, llama.cpp's default).
     n_batch = max(512, n_ctx)
-    kv_type = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}[a.cache_type]
+    kv_type = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32,
+               "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}[a.cache_type]
+    quantized = a.cache_type in ("q8_0", "q4_0")
     llm = Llama(model_path=a.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=512, n_threads=a.threads,
                 n_threads_batch=a.threads, seed=0, logits_all=False, verbose=False,
-                type_k=kv_type, type_v=kv_type)
+                type_k=kv_type, type_v=kv_type, flash_attn=quantized)
     load_s = time.perf_counter() - t0
     ids = synthetic_ids(llm, a.prompt_tokens)
     runs = []
@@ -110,7 +116,7 @@ def main():
     ap.add_argument("--threads", type=int, required=True)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--cache-type", choices=["f16", "f32"], default="f16",
+    ap.add_argument("--cache-type", choices=["f16", "f32", "q8_0", "q4_0"], default="f16",
                     help="KV cache type of both systems (default f16, llama.cpp's default)")
     ap.add_argument("--peregrine", default=None, help="path to the peregrine binary (default target/release/peregrine)")
     ap.add_argument("--skip-peregrine", action="store_true", help="time llama.cpp only")

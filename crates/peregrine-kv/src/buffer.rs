@@ -195,9 +195,9 @@ impl KvBuffer {
         self.relayout(kept, capacity, (heads, head_dim), dtype, device)
     }
 
-    /// [`make_room`](Self::make_room) in a buffer of exactly `keep + n + slack` slots,
-    /// re-laid out when full or more than `slack` larger: for a cache that must not hold a
-    /// growth step's spare slots (TurboQuant's uncompressed window).
+    /// [`make_room`](Self::make_room) in a buffer of exactly `keep + n + slack` slots once
+    /// positions can be dropped, re-laid out when full or more than `slack` larger: for a cache
+    /// that must not hold a growth step's spare slots (TurboQuant's uncompressed window).
     pub(crate) fn make_room_tight(
         &mut self,
         n: usize,
@@ -208,11 +208,17 @@ impl KvBuffer {
     ) -> Result<()> {
         let kept = keep.min(self.used);
         let (capacity, want) = (self.capacity(), kept + n + slack);
-        if self.used + n <= capacity && capacity <= want + slack {
+        let droppable = kept < self.used;
+        if self.used + n <= capacity && (capacity <= want + slack || !droppable) {
             return Ok(());
         }
+        // Nothing to drop (a sequence still below the threshold): grow in steps, not per token.
+        let capacity = match droppable {
+            true => want,
+            false => want.div_ceil(GROW_STEP) * GROW_STEP,
+        };
         let dtype = self.dtype.unwrap_or(DType::F32);
-        self.relayout(kept, want, (heads, head_dim), dtype, device)
+        self.relayout(kept, capacity, (heads, head_dim), dtype, device)
     }
 
     /// Keeps the last `kept` stored positions at the start of a buffer of `capacity` slots.

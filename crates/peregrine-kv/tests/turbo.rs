@@ -2,7 +2,7 @@
 //! attention above it, the same however positions arrive, exact under rollback, and at least
 //! 3.5× smaller than f16 at 8K positions.
 
-use peregrine_kv::{AttnParams, LayerCache, SimpleCache, TurboCache, TurboOptions};
+use peregrine_kv::{AttnParams, LayerCache, RotatingCache, SimpleCache, TurboCache, TurboOptions};
 use peregrine_tensor::attention::AttnScratch;
 use peregrine_tensor::{DType, Device, Tensor};
 
@@ -71,11 +71,16 @@ fn below_the_threshold_it_is_an_f16_cache() {
 
 #[test]
 fn above_the_threshold_it_stays_close_to_exact_attention() {
-    for d in [64, 128] {
-        let mut turbo = TurboCache::new(small(16, 64), None, 4);
-        let mut exact = SimpleCache::new(None);
+    let cases: [(usize, Option<usize>); 4] =
+        [(64, None), (128, None), (64, Some(100)), (128, Some(48))];
+    for (d, window) in cases {
+        let mut turbo = TurboCache::new(small(16, 64), window, 4);
+        let mut exact: Box<dyn LayerCache> = match window {
+            None => Box::new(SimpleCache::new(None)),
+            Some(w) => Box::new(RotatingCache::new(w, 4, None)),
+        };
         fill_chunked(&mut turbo, 600, 100, d);
-        fill_chunked(&mut exact, 600, 100, d);
+        fill_chunked(exact.as_mut(), 600, 100, d);
         let (q, p) = queries(600, 3, d);
         let want = exact.attend(&q, &p).unwrap();
         let got = turbo.attend(&q, &p).unwrap();
@@ -88,7 +93,11 @@ fn above_the_threshold_it_stays_close_to_exact_attention() {
             .unwrap()
             .to_scalar::<f32>()
             .unwrap();
-        assert!(rel < 0.1, "d {d}: worst relative error {rel}");
+        assert!(
+            rel < 0.1,
+            "d {d} window {window:?}: worst relative error {rel}"
+        );
+        eprintln!("d {d} window {window:?}: worst relative error {rel:.3}");
         // The decode step's row path attends as the tensor path does.
         let last = q.narrow(2, 2, 1).unwrap();
         let want = turbo.attend(&last, &p).unwrap().flatten_all().unwrap();
