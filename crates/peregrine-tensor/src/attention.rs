@@ -230,4 +230,6 @@ impl<'a> CpuKv<'a> {
     }
 }
 
-pub use crate::attention_cpu::{AttnScratch, attention_kv, attention_row_into, quantize_rows};
+pub use crate::attention_cpu::{
+    AttnScratch, attention_kv, attention_row_into, quantize_rows, row_sizes,
+};

@@ -10,6 +10,7 @@ use peregrine_tensor::attention::AttnScratch;
 use peregrine_tensor::{Result, Tensor};
 use rayon::prelude::*;
 
+use super::codec::dot;
 use super::{PreparedQuery, TurboCache};
 use crate::AttnParams;
 
@@ -215,20 +216,4 @@ fn softmax(scores: &mut [f32], softcap: Option<f32>) {
         total += *s;
     }
     scores.iter_mut().for_each(|s| *s /= total);
-}
-
-/// `<a, b>` over 8 lanes, so that it vectorizes.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    for (a, b) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
-        lanes
-            .iter_mut()
-            .zip(a.iter().zip(b))
-            .for_each(|(l, (x, y))| *l += x * y);
-    }
-    let tail: f32 = (a.chunks_exact(8).remainder().iter())
-        .zip(b.chunks_exact(8).remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    lanes.iter().sum::<f32>() + tail
 }

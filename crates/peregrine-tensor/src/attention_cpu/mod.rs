@@ -16,8 +16,7 @@ mod quant;
 mod rows;
 
 use quant::QuantRows;
-pub use quant::quantize_rows;
-pub(crate) use quant::row_sizes;
+pub use quant::{quantize_rows, row_sizes};
 use rows::{Elem, KvRows, Rows, simd};
 
 /// Multiply-adds per rayon task: below this, splitting costs more than it saves.

@@ -47,8 +47,8 @@ impl<'a> QuantRows<'a> {
     }
 }
 
-/// Code bytes and f16 parameters per row of `len` values.
-pub(crate) fn row_sizes(len: usize, bits: u8, group: usize) -> (usize, usize) {
+/// Code bytes and f16 parameters per row of `len` values in the [`QuantPlane`] layout.
+pub fn row_sizes(len: usize, bits: u8, group: usize) -> (usize, usize) {
     (len * bits as usize / 8, 2 * len / group)
 }
 

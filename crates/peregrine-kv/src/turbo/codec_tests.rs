@@ -1,0 +1,267 @@
+//! The codec's tests: rotation, codebook, unbiasedness, value sums, sizes, SIMD vs scalar.
+
+use super::*;
+
+fn gaussian(rng: &mut SplitMix64, n: usize) -> Vec<f32> {
+    let mut v = vec![0.0; n];
+    rng.fill_normal(&mut v);
+    v
+}
+
+fn norm(x: &[f32]) -> f32 {
+    dot(x, x).sqrt()
+}
+
+fn dist(a: &[f32], b: &[f32]) -> f32 {
+    let d: Vec<f32> = a.iter().zip(b).map(|(a, b)| a - b).collect();
+    norm(&d)
+}
+
+/// Largest elementwise difference.
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).fold(0.0, |m, (a, b)| m.max((a - b).abs()))
+}
+
+#[test]
+fn rotation_is_orthonormal() {
+    let mut rng = SplitMix64(1);
+    for d in [16, 128, 1024] {
+        let codec = TurboCodec::new(d, 7).unwrap();
+        let x = gaussian(&mut rng, d);
+        let mut y = x.clone();
+        codec.rotate(&mut y);
+        // 2·log2(d) f32 butterfly stages on unit-variance entries: errors ~1e-6, 1e-5 is ample.
+        assert!(
+            (norm(&y) - norm(&x)).abs() <= 1e-5 * norm(&x),
+            "d {d}: norm"
+        );
+        let mut other = x.clone();
+        TurboCodec::new(d, 8).unwrap().rotate(&mut other);
+        assert!(max_diff(&other, &y) > 1e-3, "d {d}: the seed is unused");
+        codec.unrotate(&mut y);
+        assert!(max_diff(&x, &y) <= 1e-5, "d {d}: R⁻¹R ≠ 1");
+        // A basis vector spreads to ±1/sqrt(d) everywhere: the Hadamard really mixes.
+        let mut e = vec![0.0; d];
+        e[d / 2 + 1] = 1.0;
+        codec.rotate(&mut e);
+        let unit = 1.0 / (d as f32).sqrt();
+        assert!(e.iter().all(|y| (y.abs() - unit).abs() <= 1e-6), "d {d}");
+    }
+}
+
+#[test]
+fn codebook_is_lloyd_max() {
+    for d in [16, 64, 128, 1024] {
+        let c = codebook(d);
+        assert!(c.windows(2).all(|w| w[0] < w[1]), "d {d}: unsorted {c:?}");
+        // The grid is symmetric about 0, so only rounding separates ±c.
+        let asym = (0..4).map(|i| (c[i] + c[7 - i]).abs()).fold(0.0, f32::max);
+        assert!(asym <= 1e-6 * c[7], "d {d}: {c:?}");
+    }
+    // d = 1024: the coordinate is N(0, 1/d) up to O(1/d); Max's (1960) 3-bit Gaussian levels.
+    let c = codebook(1024);
+    for (i, g) in [0.2451, 0.7560, 1.3440, 2.1520].iter().enumerate() {
+        let got = c[4 + i] * 32.0;
+        assert!((got - g).abs() <= 0.02 * g, "level {i}: {got} vs {g}");
+    }
+    // Distortion E||u − û||² of random unit vectors; the paper's b = 3 figure is ≈0.03 and
+    // the Gaussian Lloyd–Max MSE 0.0345. 400 vectors put the mean within ~1e-3.
+    let (d, rows) = (128, 400);
+    let codec = TurboCodec::new(d, 3).unwrap();
+    let mut rng = SplitMix64(2);
+    let (mut bytes, mut u_hat, mut total) = (vec![0; codec.value_bytes()], vec![0.0; d], 0.0);
+    for _ in 0..rows {
+        let mut u = gaussian(&mut rng, d);
+        let n = norm(&u);
+        u.iter_mut().for_each(|x| *x /= n);
+        codec.encode_values(&u, &mut bytes);
+        codec.decode_value(&bytes, &mut u_hat);
+        total += dist(&u, &u_hat).powi(2);
+    }
+    let mse = total / rows as f32;
+    eprintln!("d {d}: E||u - û||² = {mse:.5}");
+    assert!((0.025..=0.04).contains(&mse), "distortion {mse}");
+}
+
+/// Mean over `trials` codecs (seeds) of each pair's estimate, TurboQuant and MSE-only.
+fn bias_check(d: usize, trials: u64) {
+    let mut rng = SplitMix64(100 + d as u64);
+    // `lean` ≠ 0 makes `<q, k>` large, where the MSE quantizer's shrinkage shows.
+    let pairs: [(Vec<f32>, Vec<f32>); 4] = [0.0, 0.0, 1.0, -0.8].map(|lean| {
+        let (q, e) = (gaussian(&mut rng, d), gaussian(&mut rng, d));
+        let k: Vec<f32> = q.iter().zip(e).map(|(q, e)| 2.0 * (lean * q + e)).collect();
+        (q, k)
+    });
+    let (mut pq, mut key, mut k_hat) = (PreparedQuery::default(), vec![0; 4 + d / 2], vec![0.0; d]);
+    // Per pair: Σ and Σ² of the TurboQuant and the MSE-only estimates.
+    let mut stats = [[0f64; 4]; 4];
+    for seed in 0..trials {
+        let codec = TurboCodec::new(d, seed).unwrap();
+        for ((q, k), st) in pairs.iter().zip(&mut stats) {
+            let mut s = [0.0];
+            codec.encode_keys(k, &mut key);
+            codec.prepare_query(q, &mut pq);
+            codec.scores(&pq, &key, 1.0, &mut s);
+            codec.decode_key_mse(&key, &mut k_hat);
+            let (s, m) = (f64::from(s[0]), f64::from(dot(q, &k_hat)));
+            *st = [st[0] + s, st[1] + s * s, st[2] + m, st[3] + m * m];
+        }
+    }
+    let t = trials as f64;
+    let stderr = |sum: f64, sq: f64| ((sq / t - (sum / t).powi(2)).max(0.0) / t).sqrt();
+    for (i, ((q, k), st)) in pairs.iter().zip(&stats).enumerate() {
+        let truth = f64::from(dot(q, k));
+        let (bias, se) = (st[0] / t - truth, stderr(st[0], st[1]));
+        let (mse_bias, mse_se) = (st[2] / t - truth, stderr(st[2], st[3]));
+        eprintln!(
+            "d {d} pair {i}: <q,k> {truth:.3}, turbo bias {bias:+.4} (se {se:.4}), \
+             MSE-only bias {mse_bias:+.4} (se {mse_se:.4})"
+        );
+        // 4 standard errors: a false alarm has probability ~6e-5. `tiny` covers the f16
+        // norms: ||k|| to 2^-11 relative, a fixed offset per pair, and γ to 2^-11 on a QJL
+        // term of at most ~0.2·||q||·||k||.
+        let tiny = 5e-4 * truth.abs() + 1e-4 * f64::from(norm(q) * norm(k));
+        assert!(bias.abs() <= 4.0 * se + tiny, "d {d} pair {i}: biased");
+        // The contrast: the same test rejects the MSE-only estimate where <q, k> is large.
+        let rejected = mse_bias.abs() > 4.0 * mse_se + tiny;
+        assert!(i < 2 || rejected, "d {d} pair {i}: MSE-only unbiased?");
+    }
+}
+
+#[test]
+fn scores_are_unbiased_d64() {
+    bias_check(64, 2000);
+}
+
+#[test]
+fn scores_are_unbiased_d128() {
+    bias_check(128, 2000);
+}
+
+#[test]
+fn values_round_trip() {
+    let (d, rows) = (128, 37);
+    let codec = TurboCodec::new(d, 11).unwrap();
+    let mut rng = SplitMix64(5);
+    let mut v = gaussian(&mut rng, rows * d);
+    for (j, row) in v.chunks_exact_mut(d).enumerate() {
+        row.iter_mut().for_each(|x| *x *= 0.1 + j as f32 * 0.3);
+    }
+    let p: Vec<f32> = (0..rows).map(|_| rng.uniform() as f32).collect();
+    let vb = codec.value_bytes();
+    let mut bytes = vec![0; rows * vb];
+    codec.encode_values(&v, &mut bytes);
+    // Two calls over the halves accumulate like one over all rows.
+    let (mut acc, half) = (vec![0.0; d], rows / 2);
+    codec.accumulate_values(&p[..half], &bytes[..half * vb], &mut acc);
+    codec.accumulate_values(&p[half..], &bytes[half * vb..], &mut acc);
+    codec.finish_values(&mut acc);
+    let (mut expected, mut row, mut errs) = (vec![0.0; d], vec![0.0; d], Vec::new());
+    for ((b, pj), v) in bytes.chunks_exact(vb).zip(&p).zip(v.chunks_exact(d)) {
+        codec.decode_value(b, &mut row);
+        expected
+            .iter_mut()
+            .zip(&row)
+            .for_each(|(e, x)| *e += pj * x);
+        errs.push(dist(v, &row) / norm(v));
+    }
+    // Same sum in another order and domain: f32 rounding, ~1e-6 of the sum's norm.
+    assert!(max_diff(&acc, &expected) <= 1e-4 * norm(&expected));
+    // Relative error ≈ sqrt(0.0345) = 0.186 on average, rows spread by ~0.015; the outer cell
+    // is unbounded, and one row here (seeded) has a 4.9σ coordinate that lifts it to 0.30.
+    let mean = errs.iter().sum::<f32>() / rows as f32;
+    let worst = errs.iter().fold(0f32, |a, &b| a.max(b));
+    eprintln!("decode_value relative error: mean {mean:.4}, worst {worst:.4}");
+    assert!(mean <= 0.2 && worst <= 0.35, "mean {mean}, worst {worst}");
+    // A zero row is all-zero bytes and decodes, scores and sums to zero.
+    let mut zero = vec![1; codec.key_bytes()];
+    codec.encode_keys(&vec![0.0; d], &mut zero);
+    assert!(zero.iter().all(|&b| b == 0));
+    codec.decode_value(&zero[..vb], &mut row);
+    assert!(row.iter().all(|&x| x == 0.0));
+    let (mut pq, mut s) = (PreparedQuery::default(), [1.0]);
+    codec.prepare_query(&v[..d], &mut pq);
+    codec.scores(&pq, &zero, 1.0, &mut s);
+    assert_eq!(s[0], 0.0);
+}
+
+#[test]
+fn sizes_errors_and_seeds() {
+    for (d, kb, vb) in [(64, 36, 26), (128, 68, 50), (256, 132, 98)] {
+        let c = TurboCodec::new(d, 0).unwrap();
+        assert_eq!((c.key_bytes(), c.value_bytes(), c.head_dim()), (kb, vb, d));
+    }
+    for d in [8, 96, 2048, 0] {
+        let err = TurboCodec::new(d, 0).unwrap_err().to_string();
+        assert!(
+            err.contains("head_dim") && err.contains("power of two"),
+            "{err}"
+        );
+    }
+    let k = gaussian(&mut SplitMix64(9), 3 * 64);
+    let encode = |seed| {
+        let mut out = vec![0; 3 * 36];
+        TurboCodec::new(64, seed).unwrap().encode_keys(&k, &mut out);
+        out
+    };
+    assert_eq!(encode(4), encode(4));
+    assert_ne!(encode(4), encode(5));
+}
+
+#[test]
+fn avx2_matches_scalar() {
+    if !simd_available() {
+        eprintln!("no AVX2+FMA: nothing to compare");
+        return;
+    }
+    let (mut rng, rows, scale) = (SplitMix64(21), 45, 0.125);
+    for d in [16, 32, 64, 128, 256] {
+        let simd = TurboCodec::new(d, d as u64).unwrap();
+        assert!(simd.simd);
+        let scalar = TurboCodec {
+            simd: false,
+            ..simd.clone()
+        };
+        let mut k = gaussian(&mut rng, rows * d);
+        for (j, row) in k.chunks_exact_mut(d).enumerate() {
+            row.iter_mut().for_each(|x| *x *= 1.0 + j as f32);
+        }
+        let mut keys = vec![0; rows * simd.key_bytes()];
+        let mut values = vec![0; rows * simd.value_bytes()];
+        simd.encode_keys(&k, &mut keys);
+        simd.encode_values(&k, &mut values);
+        // 5 query heads: the grouped kernels run a group of 4 and one of 1.
+        let heads = 5;
+        let qs: Vec<Vec<f32>> = (0..heads).map(|_| gaussian(&mut rng, d)).collect();
+        let pqs: Vec<PreparedQuery> = (qs.iter())
+            .map(|q| {
+                let mut pq = PreparedQuery::default();
+                simd.prepare_query(q, &mut pq);
+                pq
+            })
+            .collect();
+        let (mut a, mut b) = (vec![0.0; heads * rows], vec![0.0; heads * rows]);
+        simd.scores_grouped(&pqs, &keys, scale, &mut a);
+        for (pq, b) in pqs.iter().zip(b.chunks_exact_mut(rows)) {
+            scalar.scores(pq, &keys, scale, b);
+        }
+        // Relative to the terms' size scale·||q||·||k||: both sums cancel, in another order.
+        for (h, q) in qs.iter().enumerate() {
+            let (a, b) = (&a[h * rows..][..rows], &b[h * rows..][..rows]);
+            for ((a, b), k) in a.iter().zip(b).zip(k.chunks_exact(d)) {
+                let tol = 1e-5 * (b.abs() + scale * norm(q) * norm(k));
+                assert!((a - b).abs() <= tol, "d {d} head {h}: score {a} vs {b}");
+            }
+        }
+        let p: Vec<f32> = (0..heads * rows).map(|_| rng.uniform() as f32).collect();
+        let (mut a, mut b) = (vec![0.5; heads * d], vec![0.5; heads * d]);
+        simd.accumulate_values_grouped(&p, &values, &mut a);
+        for (p, b) in p.chunks_exact(rows).zip(b.chunks_exact_mut(d)) {
+            scalar.accumulate_values(p, &values, b);
+        }
+        // Relative to Σ p_j ||v_j|| · max |c|, the size of any accumulated term (p < 1).
+        let size: f32 = k.chunks_exact(d).map(norm).sum();
+        let tol = 1e-5 * size * simd.centroids[7];
+        assert!(max_diff(&a, &b) <= tol, "d {d}: values");
+    }
+}
