@@ -11,7 +11,7 @@ use peregrine_tensor::{Result, Tensor};
 use rayon::prelude::*;
 
 use super::codec::dot;
-use super::{PreparedQuery, TurboCache};
+use super::{PreparedQuery, TurboCache, TurboCodec};
 use crate::AttnParams;
 
 /// Compressed rows per parallel span of one query's keys (decode has few queries to split).
@@ -128,6 +128,7 @@ impl TurboCache {
                         );
                     });
             }
+            let (mean_k, mean_v) = self.means.of(kvh, d);
             let at = |pos: usize| (kvh * capacity + pos - raw_start) * d;
             // The hot rows are consecutive slots: widened once, with F16C where the CPU has it.
             let widen = |plane: &[f16], wide: &mut Vec<f32>| {
@@ -141,6 +142,18 @@ impl TurboCache {
                     row[r.clone()].copy_from_slice(&block[g * r.len()..][..r.len()]);
                 }
                 let query = query(g);
+                if nc > 0 {
+                    let offset = scale * dot(query, mean_k);
+                    let rows = self.keys.rows(kvh, compressed.clone());
+                    let marked = rows
+                        .chunks_exact(codec.key_bytes())
+                        .map(TurboCodec::is_centered);
+                    row[..nc]
+                        .iter_mut()
+                        .zip(marked)
+                        .filter(|(_, m)| *m)
+                        .for_each(|(s, _)| *s += offset);
+                }
                 for (score, key) in row[nc..].iter_mut().zip(wide.chunks_exact(d)) {
                     *score = scale * dot(query, key);
                 }
@@ -171,8 +184,16 @@ impl TurboCache {
                 for partial in partials {
                     out.iter_mut().zip(partial).for_each(|(o, x)| *o += x);
                 }
-                out.chunks_exact_mut(d)
-                    .for_each(|acc| codec.finish_values(acc));
+                let marked: Vec<bool> =
+                    rows.chunks_exact(vb).map(TurboCodec::is_centered).collect();
+                for (g, acc) in out.chunks_exact_mut(d).enumerate() {
+                    codec.finish_values(acc);
+                    let weights = scores[g * keys..][..nc].iter().zip(&marked);
+                    let weight: f32 = weights.filter(|(_, m)| **m).map(|(w, _)| w).sum();
+                    acc.iter_mut()
+                        .zip(mean_v)
+                        .for_each(|(a, m)| *a += weight * m);
+                }
             }
             widen(vp, wide);
             for (g, acc) in out.chunks_exact_mut(d).enumerate() {

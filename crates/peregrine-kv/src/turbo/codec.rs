@@ -3,20 +3,24 @@
 //!
 //! A row `x` of `head_dim = d` values is kept as `||x||` and the 3-bit Lloyd–Max codes of its
 //! randomly rotated direction `R x / ||x||`. A key row also keeps `γ = ||r||` and the 1-bit QJL
-//! sketch `sign(S r)` of the quantization residual `r`, which makes the score estimate unbiased.
+//! sketch `sign(S r)` of the quantization residual `r`, which makes the score estimate unbiased;
+//! scores blend that estimate with the rescaled MSE one by inverse variance
+//! ([`estimator_weights`]), unbiased still and about half as noisy.
 //! Scores and value sums are computed in the rotated domain straight from the bytes: a query is
 //! rotated and sketched once per step ([`TurboCodec::prepare_query`]), a value sum rotated back
 //! once ([`TurboCodec::finish_values`]).
 //!
 //! Key row: `||k||` f16, `γ` f16, `3d/8` bytes of codes, `d/8` bytes of signs (4.25 bits/dim at
-//! d = 128). Value row: `||v||` f16, `3d/8` bytes of codes (3.125 bits/dim). Every 8 codes fill
+//! d = 128). Value row: `||v||` f16, `3d/8` bytes of codes (3.125 bits/dim). A norm's sign bit
+//! marks a row stored as its difference from a caller's mean ([`TurboCodec::encode_key_near`]).
+//! Every 8 codes fill
 //! 3 bytes, code `j` at bits `3j..3j+3` of their little-endian 24-bit integer; sign `i` is bit
 //! `i % 8` of byte `i / 8`, set for `(S r)_i >= 0`. All-zero bytes decode to a zero row.
 
-use std::sync::OnceLock;
-
 use half::f16;
 use peregrine_tensor::Result;
+
+use super::codebook::{codebook, estimator_weights};
 
 /// Largest supported head dimension (the encoders' stack scratch is this long).
 const MAX_DIM: usize = 1024;
@@ -30,6 +34,9 @@ pub struct TurboCodec {
     /// `S`: `d × d` i.i.d. N(0, 1), row-major.
     sketch: Vec<f32>,
     centroids: [f32; 8],
+    /// Weights of the MSE and QJL parts of a score estimate (see [`estimator_weights`]).
+    mse_weight: f32,
+    qjl_weight: f32,
     /// Midpoints of neighbouring centroids: the nearest-centroid cells' edges.
     bounds: [f32; 7],
     /// Whether the AVX2+FMA kernels run (detected once, at construction).
@@ -72,12 +79,15 @@ impl TurboCodec {
         let signs = signs.collect();
         let mut sketch = vec![0.0; d * d];
         rng.fill_normal(&mut sketch);
-        let centroids = codebook(d);
+        let (centroids, distortion) = codebook(d);
+        let (mse_weight, qjl_weight) = estimator_weights(distortion);
         Ok(Self {
             dim: d,
             signs,
             sketch,
             centroids,
+            mse_weight,
+            qjl_weight,
             bounds: std::array::from_fn(|i| 0.5 * (centroids[i] + centroids[i + 1])),
             simd: simd_available(),
         })
@@ -125,6 +135,51 @@ impl TurboCodec {
             head[..2].copy_from_slice(&f16::from_f32(n).to_le_bytes());
             head[2..].copy_from_slice(&f16::from_f32(dot(r, r).sqrt()).to_le_bytes());
         }
+    }
+
+    /// Encodes one key row `k` (`d`) as [`encode_keys`](Self::encode_keys) does, or `k − mean`
+    /// when that is shorter, marked so (the sign bit of its norm, read by
+    /// [`is_centered`](Self::is_centered)); a caller adds `<q, mean>` to a marked row's score.
+    pub fn encode_key_near(&self, k: &[f32], mean: &[f32], out: &mut [u8]) {
+        let d = self.dim;
+        assert!(k.len() == d && mean.len() == d, "one row");
+        let mut centered = [0f32; MAX_DIM];
+        let centered = &mut centered[..d];
+        centered
+            .iter_mut()
+            .zip(k.iter().zip(mean))
+            .for_each(|(c, (k, m))| *c = k - m);
+        if dot(centered, centered) < dot(k, k) {
+            self.encode_keys(centered, out);
+            out[1] |= 0x80;
+        } else {
+            self.encode_keys(k, out);
+        }
+    }
+
+    /// Encodes one value row `v` as [`encode_values`](Self::encode_values) does, or `v − mean`
+    /// when that is shorter, marked as [`encode_key_near`](Self::encode_key_near) marks keys; a
+    /// caller adds a marked row's weight times `mean` to the value sum.
+    pub fn encode_value_near(&self, v: &[f32], mean: &[f32], out: &mut [u8]) {
+        let d = self.dim;
+        assert!(v.len() == d && mean.len() == d, "one row");
+        let mut centered = [0f32; MAX_DIM];
+        let centered = &mut centered[..d];
+        centered
+            .iter_mut()
+            .zip(v.iter().zip(mean))
+            .for_each(|(c, (v, m))| *c = v - m);
+        if dot(centered, centered) < dot(v, v) {
+            self.encode_values(centered, out);
+            out[1] |= 0x80;
+        } else {
+            self.encode_values(v, out);
+        }
+    }
+
+    /// Whether key row `key` holds its row minus a mean ([`encode_key_near`](Self::encode_key_near)).
+    pub fn is_centered(key: &[u8]) -> bool {
+        key[1] & 0x80 != 0
     }
 
     /// Encodes the contiguous value rows `v` (`rows · d`) into `out` (`rows · value_bytes`).
@@ -237,15 +292,16 @@ impl TurboCodec {
         }
     }
 
-    /// `n · (<q', c> + sqrt(π/2)/d · γ · <t, s±>)`, with `<t, s±> = 2 Σ_{s=+1} t − Σ t`.
+    /// `n · (a <q', c> + b sqrt(π/2)/d · γ · <t, s±>)`, with `<t, s±> = 2 Σ_{s=+1} t − Σ t`
+    /// and `(a, b)` the [`estimator_weights`].
     fn estimate(&self, q: &PreparedQuery, n: f32, gamma: f32, mse: f32, pos: f32) -> f32 {
-        let qjl = (std::f32::consts::FRAC_PI_2).sqrt() / self.dim as f32;
-        n * (mse + qjl * gamma * (2.0 * pos - q.projected_sum))
+        let qjl = self.qjl_weight * (std::f32::consts::FRAC_PI_2).sqrt() / self.dim as f32;
+        n * (self.mse_weight * mse + qjl * gamma * (2.0 * pos - q.projected_sum))
     }
 
     /// `(||k||, γ, codes, signs)` of one key row.
     fn key_parts<'a>(&self, key: &'a [u8]) -> (f32, f32, &'a [u8], &'a [u8]) {
-        let n = f16::from_le_bytes([key[0], key[1]]).to_f32();
+        let n = f16::from_le_bytes([key[0], key[1] & 0x7f]).to_f32();
         let gamma = f16::from_le_bytes([key[2], key[3]]).to_f32();
         let (codes, signs) = key[4..].split_at(3 * self.dim / 8);
         (n, gamma, codes, signs)
@@ -284,7 +340,7 @@ impl TurboCodec {
         }
         for (p, acc) in p.chunks_exact(n.max(1)).zip(accs.chunks_exact_mut(d)) {
             for (row, &pj) in values.chunks_exact(vb).zip(p) {
-                let coef = pj * f16::from_le_bytes([row[0], row[1]]).to_f32();
+                let coef = pj * f16::from_le_bytes([row[0], row[1] & 0x7f]).to_f32();
                 for (a8, c3) in acc.chunks_exact_mut(8).zip(row[2..].chunks_exact(3)) {
                     a8.iter_mut()
                         .zip(self.levels(c3))
@@ -303,13 +359,13 @@ impl TurboCodec {
     /// The MSE part of one key row, `||k|| · R⁻¹ c` (the residual's sketch is ignored).
     pub fn decode_key_mse(&self, key: &[u8], out: &mut [f32]) {
         assert_eq!(key.len(), self.key_bytes(), "key row bytes");
-        self.decode([key[0], key[1]], &key[4..4 + 3 * self.dim / 8], out);
+        self.decode([key[0], key[1] & 0x7f], &key[4..4 + 3 * self.dim / 8], out);
     }
 
     /// One value row, `||v|| · R⁻¹ c`.
     pub fn decode_value(&self, value: &[u8], out: &mut [f32]) {
         assert_eq!(value.len(), self.value_bytes(), "value row bytes");
-        self.decode([value[0], value[1]], &value[2..], out);
+        self.decode([value[0], value[1] & 0x7f], &value[2..], out);
     }
 
     fn decode(&self, norm: [u8; 2], codes: &[u8], out: &mut [f32]) {
@@ -383,60 +439,6 @@ fn simd_available() -> bool {
     false
 }
 
-/// The Lloyd–Max codebook of `d`, computed once per process (it depends on `d` only).
-fn codebook(d: usize) -> [f32; 8] {
-    static CACHE: [OnceLock<[f32; 8]>; 7] = [const { OnceLock::new() }; 7];
-    *CACHE[d.trailing_zeros() as usize - 4].get_or_init(|| lloyd_max(d))
-}
-
-/// The 8-level Lloyd–Max quantizer of one coordinate of a uniform unit vector in R^d, density
-/// `∝ (1 − x²)^((d−3)/2)` on [−1, 1].
-fn lloyd_max(d: usize) -> [f32; 8] {
-    const GRID: usize = 4096;
-    let sigma = 1.0 / (d as f64).sqrt();
-    // Beyond 8σ the mass is below 1e-14: the grid covers only where it matters.
-    let half = (8.0 * sigma).min(1.0);
-    let h = 2.0 * half / GRID as f64;
-    let power = (d as f64 - 3.0) / 2.0;
-    let f = |i: usize| {
-        let x = -half + i as f64 * h;
-        (x, (1.0 - x * x).max(0.0).powf(power))
-    };
-    // Cumulative mass and first moment at the nodes (trapezoid; h ≤ σ/256 makes it exact to
-    // ~1e-6, Simpson would change nothing visible).
-    let (mut mass, mut moment) = (vec![0.0; GRID + 1], vec![0.0; GRID + 1]);
-    for i in 1..=GRID {
-        let ((x0, f0), (x1, f1)) = (f(i - 1), f(i));
-        mass[i] = mass[i - 1] + 0.5 * h * (f0 + f1);
-        moment[i] = moment[i - 1] + 0.5 * h * (x0 * f0 + x1 * f1);
-    }
-    let at = |table: &[f64], x: f64| {
-        let s = ((x + half) / h).clamp(0.0, GRID as f64);
-        let i = (s as usize).min(GRID - 1);
-        table[i] + (s - i as f64) * (table[i + 1] - table[i])
-    };
-    // Started near the Gaussian solution (±0.25σ … ±2.1σ); Lloyd then converges monotonically.
-    let mut c: [f64; 8] = std::array::from_fn(|i| (i as f64 - 3.5) * 0.6 * sigma);
-    for _ in 0..10_000 {
-        let mut edges = [-half; 9];
-        edges[8] = half;
-        for i in 1..8 {
-            edges[i] = 0.5 * (c[i - 1] + c[i]);
-        }
-        let mut change: f64 = 0.0;
-        for (i, c) in c.iter_mut().enumerate() {
-            let m = at(&mass, edges[i + 1]) - at(&mass, edges[i]);
-            let new = (at(&moment, edges[i + 1]) - at(&moment, edges[i])) / m;
-            change = change.max((new - *c).abs());
-            *c = new;
-        }
-        if change < 1e-10 * sigma {
-            break;
-        }
-    }
-    c.map(|x| x as f32)
-}
-
 /// splitmix64: small, seedable, and good enough for random signs and Gaussians.
 struct SplitMix64(u64);
 
@@ -486,11 +488,13 @@ mod x86 {
         out: &mut [f32],
     ) {
         let (table, shifts) = tables(c);
+        // The estimator's weights: the MSE part's in the levels, the QJL part's in `qjl`.
+        let table = _mm256_mul_ps(table, _mm256_set1_ps(c.mse_weight));
         let bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
         let n = out.len() / G;
         let rotated: [*const f32; G] = std::array::from_fn(|g| qs[g].rotated.as_ptr());
         let projected: [*const f32; G] = std::array::from_fn(|g| qs[g].projected.as_ptr());
-        let qjl = (std::f32::consts::FRAC_PI_2).sqrt() / c.dim as f32;
+        let qjl = c.qjl_weight * (std::f32::consts::FRAC_PI_2).sqrt() / c.dim as f32;
         for (j, key) in k.chunks_exact(c.key_bytes()).enumerate() {
             let (norm, gamma, codes, signs) = c.key_parts(key);
             // One sum per head: <q', c> + 2·qjl·γ · Σ_{s=+1} t, the estimate's varying part.
@@ -536,7 +540,7 @@ mod x86 {
         let (table, shifts) = tables(c);
         let (d, n, vb) = (c.dim, p.len() / G, c.value_bytes());
         let norms: Vec<f32> = (values.chunks_exact(vb))
-            .map(|row| f16::from_le_bytes([row[0], row[1]]).to_f32())
+            .map(|row| f16::from_le_bytes([row[0], row[1] & 0x7f]).to_f32())
             .collect();
         // 16 columns per pass: 2·G accumulators stay in registers over all rows.
         for block in 0..d / 16 {

@@ -2,12 +2,15 @@
 //! positions older than a hot window are kept only as [`TurboCodec`] rows (≈4.25 bits per key
 //! value, ≈3.125 per value value at `head_dim` 128) and attention scores them in the rotated
 //! domain; the hot window stays f16. The same on full-attention and sliding-window layers.
+//! Rows closer to their head's mean key or value (of the positions before the threshold) than
+//! to zero are stored as the difference, which shrinks the codec's error (see [`Means`]).
 //!
 //! Which form a query reads is a function of its position alone (keys older than `hot_window`
 //! positions are read compressed once the sequence holds more than `threshold`), so a prompt
 //! prefilled in chunks, token by token, or trimmed and regenerated attends identically.
 
 mod attend;
+mod codebook;
 mod codec;
 
 use std::collections::HashMap;
@@ -75,6 +78,45 @@ pub struct TurboCache {
     /// Sliding-window width; `None` for full attention.
     window: Option<usize>,
     rollback: usize,
+    means: Means,
+}
+
+/// Per kv head, the mean key and value rows of positions `0..threshold`. A compressed row
+/// stores its difference from the mean where that is shorter (keys and values share large
+/// per-channel offsets, and the codec's error scales with the norm), and attention adds the
+/// mean back exactly: `q·μ_k` to such a key's score, such values' weights times `μ_v` to the
+/// output. Rows far from the mean (attention sinks) stay as they are. A function of those
+/// positions alone, so chunking and rollback leave it unchanged.
+#[derive(Debug, Clone, Default)]
+struct Means {
+    /// `[keys, values][head][d]` sums of the f16 rows, each value scaled by 2^24 to an exact
+    /// integer, so that trimming subtracts rows back exactly.
+    sums: Vec<i128>,
+    counted: usize,
+    /// `[keys, values][head][d]`, set while positions are compressed.
+    rows: Vec<f32>,
+}
+
+/// `2^24`: every f16 value times this is an integer.
+const F16_FIXED: f32 = 16_777_216.0;
+
+impl Means {
+    /// The means of the `counted` rows summed, into `rows`.
+    fn settle(&mut self) {
+        let n = self.counted.max(1) as f64 * F16_FIXED as f64;
+        self.rows.clear();
+        self.rows
+            .extend(self.sums.iter().map(|&s| (s as f64 / n) as f32));
+    }
+
+    /// Head `h`'s mean key row, then its mean value row (empty before any is settled).
+    fn of(&self, h: usize, d: usize) -> (&[f32], &[f32]) {
+        if self.rows.is_empty() {
+            return (&[], &[]);
+        }
+        let heads = self.rows.len() / (2 * d);
+        (&self.rows[h * d..][..d], &self.rows[(heads + h) * d..][..d])
+    }
 }
 
 /// Encoded rows of positions `start..start + len`, one growing buffer per kv head.
@@ -147,6 +189,7 @@ impl TurboCache {
             },
             window: window.map(|w| w.max(1)),
             rollback,
+            means: Means::default(),
         }
     }
 
@@ -195,6 +238,7 @@ impl TurboCache {
                     ..self.keys.clone()
                 };
                 self.codec = Some(codec.clone());
+                self.means.sums = vec![0; 2 * heads * head_dim];
                 codec
             }
         };
@@ -206,6 +250,7 @@ impl TurboCache {
             .make_room_tight(n, keep, SLACK, (heads, head_dim), &Device::Cpu)?;
         let t = |x: &[f32]| Tensor::from_slice(x, (1, heads, n, head_dim), &Device::Cpu);
         self.raw.append(&t(k)?, &t(v)?, None)?;
+        self.count_means(old..old + n, 1);
         self.encode_up_to(self.compressed_end(old + n), &codec, heads, head_dim);
         let first = self.first_visible((old + n).saturating_sub(self.rollback));
         self.keys.forget_before(first);
@@ -213,8 +258,38 @@ impl TurboCache {
         Ok(())
     }
 
+    /// Adds (`sign` 1) or subtracts (-1) the f16 rows of `positions` before the threshold to
+    /// or from the means' sums; the rows must be in the f16 buffer.
+    fn count_means(&mut self, positions: std::ops::Range<usize>, sign: i128) {
+        let (Some((kp, vp, capacity)), Some(codec)) = (self.raw.f16_planes(), &self.codec) else {
+            return;
+        };
+        let (heads, d) = (self.keys.heads.len(), codec.head_dim());
+        let counted = positions.start..positions.end.min(self.options.threshold);
+        for (plane, rows) in [kp, vp].into_iter().enumerate() {
+            for h in 0..heads {
+                let sums = &mut self.means.sums[(plane * heads + h) * d..][..d];
+                for p in counted.clone() {
+                    let at = (h * capacity + p - self.raw.start) * d;
+                    sums.iter_mut().zip(&rows[at..at + d]).for_each(|(s, x)| {
+                        *s += sign * (x.to_f32() * F16_FIXED) as i128;
+                    });
+                }
+            }
+        }
+        let n = counted.len();
+        self.means.counted = if sign > 0 {
+            self.means.counted + n
+        } else {
+            self.means.counted - n
+        };
+    }
+
     /// Encodes the f16 rows of positions up to `end` not yet encoded.
     fn encode_up_to(&mut self, end: usize, codec: &TurboCodec, heads: usize, d: usize) {
+        if self.keys.end() < end {
+            self.means.settle();
+        }
         let (kp, vp, capacity) = self.raw.f16_planes().expect("an f16 CPU buffer");
         if self.keys.end() < self.raw.start {
             // Positions before the f16 rows are outside every window: never read.
@@ -231,10 +306,13 @@ impl TurboCache {
             for h in 0..heads {
                 let at = (h * capacity + slot) * d;
                 let (kb, vb) = (codec.key_bytes(), codec.value_bytes());
+                let (mk, mv) = self.means.of(h, d);
                 widen(&kp[at..at + d], &mut row);
-                codec.encode_keys(&row, &mut krows[h * kb..][..kb]);
+                let out = &mut krows[h * kb..][..kb];
+                codec.encode_key_near(&row, mk, out);
                 widen(&vp[at..at + d], &mut row);
-                codec.encode_values(&row, &mut vrows[h * vb..][..vb]);
+                let out = &mut vrows[h * vb..][..vb];
+                codec.encode_value_near(&row, mv, out);
             }
             self.keys.push(&krows);
             self.values.push(&vrows);
@@ -310,6 +388,8 @@ impl LayerCache for TurboCache {
                 self.rollback
             )
         }
+        let end = self.raw.end();
+        self.count_means(end - n..end, -1);
         self.raw.trim(n);
         let end = self.compressed_end(self.raw.end());
         self.keys.truncate(end);
