@@ -185,3 +185,31 @@ fn a_shared_offset_in_keys_and_values_costs_no_accuracy() {
     eprintln!("max error: {plain:.4} plain, {shifted:.4} with the offset");
     assert!(shifted <= 1.5 * plain, "{shifted} vs {plain}");
 }
+
+#[test]
+fn the_first_positions_are_read_exact() {
+    // Position 0 is an attention sink: its key points along every query of its kv head, so it
+    // takes nearly all the weight, and its value is distinct. Read exact, it keeps the output
+    // within the other rows' small share of the codec's error.
+    let d = 64;
+    let (q, p) = queries(300, 1, d);
+    let q_rows = q.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let groups = HEADS / KV_HEADS;
+    let mut sink_k = vec![0f32; KV_HEADS * d];
+    for (h, row) in q_rows.chunks_exact(d).enumerate() {
+        let k = &mut sink_k[h / groups * d..][..d];
+        k.iter_mut().zip(row).for_each(|(k, q)| *k += 4.0 * q);
+    }
+    let sink_k = Tensor::from_vec(sink_k, (1, KV_HEADS, 1, d), &Device::Cpu).unwrap();
+    let sink_v = (rows(KV_HEADS, 0, 1, d, 0.7) * 5.0).unwrap();
+    let mut turbo = TurboCache::new(small(16, 64), None, 4);
+    let mut exact = SimpleCache::new(None);
+    for cache in [&mut turbo as &mut dyn LayerCache, &mut exact] {
+        cache.append(&sink_k, &sink_v).unwrap();
+        fill(cache, 1, 299, d);
+    }
+    let (want, got) = (exact.attend(&q, &p).unwrap(), turbo.attend(&q, &p).unwrap());
+    let err = max_diff(&want, &got);
+    eprintln!("sink: max error {err:.4}");
+    assert!(err < 0.05, "{err}");
+}

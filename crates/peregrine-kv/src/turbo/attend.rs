@@ -11,7 +11,7 @@ use peregrine_tensor::{Result, Tensor};
 use rayon::prelude::*;
 
 use super::codec::dot;
-use super::{PreparedQuery, TurboCache, TurboCodec};
+use super::{PreparedQuery, SINKS, TurboCache, TurboCodec};
 use crate::AttnParams;
 
 /// Compressed rows per parallel span of one query's keys (decode has few queries to split).
@@ -30,19 +30,22 @@ struct Scratch {
 }
 
 impl TurboCache {
-    /// The compressed and f16 positions a query at `p` reads.
-    fn reads(&self, p: usize) -> (Range<usize>, Range<usize>) {
+    /// The compressed, f16 and sink positions a query at `p` reads.
+    fn reads(&self, p: usize) -> (Range<usize>, Range<usize>, Range<usize>) {
         let first = self.first_visible(p);
         let split = self.split(p).max(first);
-        let compressed = first.max(self.keys.start)..split.min(self.keys.end());
-        (compressed, split..p + 1)
+        let compressed = first.max(SINKS).max(self.keys.start)..split.min(self.keys.end());
+        (compressed, split..p + 1, first..split.min(SINKS).max(first))
     }
 
     /// Whether any of the last `n` positions' queries reads a compressed key; when none does,
     /// the f16 rows are attended by the plain cache kernels.
     fn reads_compressed(&self, n: usize) -> bool {
         let end = self.raw.end();
-        (end - n..end).any(|p| !self.reads(p).0.is_empty())
+        (end - n..end).any(|p| {
+            let (compressed, _, sinks) = self.reads(p);
+            !compressed.is_empty() || !sinks.is_empty()
+        })
     }
 
     pub(super) fn attend_tensor(&self, q: &Tensor, params: &AttnParams) -> Result<Tensor> {
@@ -95,9 +98,10 @@ impl TurboCache {
             let (i, kvh) = (t / kv_heads, t % kv_heads);
             let p = end - n + i;
             let query = |g: usize| &q[((kvh * groups + g) * n + i) * d..][..d];
-            let (compressed, hot) = self.reads(p);
+            let (compressed, hot, sinks) = self.reads(p);
             let (nc, nh) = (compressed.len(), hot.len());
-            let keys = nc + nh;
+            // Scores and weights are laid out [compressed | hot | sinks] per query head.
+            let keys = nc + nh + sinks.len();
             let Scratch {
                 queries,
                 scores,
@@ -157,6 +161,9 @@ impl TurboCache {
                 for (score, key) in row[nc..].iter_mut().zip(wide.chunks_exact(d)) {
                     *score = scale * dot(query, key);
                 }
+                for (score, p) in row[nc + nh..].iter_mut().zip(sinks.clone()) {
+                    *score = scale * dot(query, self.sink(0, kvh, p, d));
+                }
                 softmax(row, params.softcap);
                 for (c, block) in cold.chunks_mut(groups * CHUNK).enumerate() {
                     let r = span(c);
@@ -199,6 +206,11 @@ impl TurboCache {
             for (g, acc) in out.chunks_exact_mut(d).enumerate() {
                 let weights = &scores[g * keys + nc..][..nh];
                 for (&w, value) in weights.iter().zip(wide.chunks_exact(d)) {
+                    acc.iter_mut().zip(value).for_each(|(a, v)| *a += w * v);
+                }
+                let weights = &scores[g * keys + nc + nh..][..sinks.len()];
+                for (&w, p) in weights.iter().zip(sinks.clone()) {
+                    let value = self.sink(1, kvh, p, d);
                     acc.iter_mut().zip(value).for_each(|(a, v)| *a += w * v);
                 }
             }

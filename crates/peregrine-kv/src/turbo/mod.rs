@@ -47,6 +47,11 @@ pub fn supports(head_dim: usize) -> bool {
     head_dim.is_power_of_two() && (16..=1024).contains(&head_dim)
 }
 
+/// The first positions, read exact wherever they would be read compressed: attention sinks
+/// (the sequence's first tokens) take the largest weights, and an error in their scores moves
+/// every output.
+const SINKS: usize = 4;
+
 /// Free hot-window slots: the f16 buffer is re-laid out once per this many decode steps.
 const SLACK: usize = 16;
 
@@ -79,6 +84,8 @@ pub struct TurboCache {
     window: Option<usize>,
     rollback: usize,
     means: Means,
+    /// `[keys, values][head][SINKS][d]`: the rows of positions `0..SINKS.min(len)`, widened.
+    sinks: Vec<f32>,
 }
 
 /// Per kv head, the mean key and value rows of positions `0..threshold`. A compressed row
@@ -190,6 +197,7 @@ impl TurboCache {
             window: window.map(|w| w.max(1)),
             rollback,
             means: Means::default(),
+            sinks: Vec::new(),
         }
     }
 
@@ -239,6 +247,7 @@ impl TurboCache {
                 };
                 self.codec = Some(codec.clone());
                 self.means.sums = vec![0; 2 * heads * head_dim];
+                self.sinks = vec![0.0; 2 * heads * SINKS * head_dim];
                 codec
             }
         };
@@ -251,6 +260,7 @@ impl TurboCache {
         let t = |x: &[f32]| Tensor::from_slice(x, (1, heads, n, head_dim), &Device::Cpu);
         self.raw.append(&t(k)?, &t(v)?, None)?;
         self.count_means(old..old + n, 1);
+        self.keep_sinks(old..(old + n).min(SINKS));
         self.encode_up_to(self.compressed_end(old + n), &codec, heads, head_dim);
         let first = self.first_visible((old + n).saturating_sub(self.rollback));
         self.keys.forget_before(first);
@@ -283,6 +293,29 @@ impl TurboCache {
         } else {
             self.means.counted - n
         };
+    }
+
+    /// Copies the f16 rows of sink `positions` (in the f16 buffer) into `sinks`.
+    fn keep_sinks(&mut self, positions: std::ops::Range<usize>) {
+        let (Some((kp, vp, capacity)), Some(codec)) = (self.raw.f16_planes(), &self.codec) else {
+            return;
+        };
+        let (heads, d) = (self.keys.heads.len(), codec.head_dim());
+        for (plane, rows) in [kp, vp].into_iter().enumerate() {
+            for h in 0..heads {
+                for p in positions.clone() {
+                    let at = (h * capacity + p - self.raw.start) * d;
+                    let to = ((plane * heads + h) * SINKS + p) * d;
+                    widen(&rows[at..at + d], &mut self.sinks[to..to + d]);
+                }
+            }
+        }
+    }
+
+    /// Sink position `p`'s key row (`plane` 0) or value row (1) of head `h`.
+    fn sink(&self, plane: usize, h: usize, p: usize, d: usize) -> &[f32] {
+        let heads = self.keys.heads.len();
+        &self.sinks[((plane * heads + h) * SINKS + p) * d..][..d]
     }
 
     /// Encodes the f16 rows of positions up to `end` not yet encoded.
