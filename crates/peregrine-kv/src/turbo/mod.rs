@@ -116,6 +116,10 @@ impl Means {
             .extend(self.sums.iter().map(|&s| (s as f64 / n) as f32));
     }
 
+    fn bytes(&self) -> usize {
+        size_of_val(&self.sums[..]) + size_of_val(&self.rows[..])
+    }
+
     /// Head `h`'s mean key row, then its mean value row (empty before any is settled).
     fn of(&self, h: usize, d: usize) -> (&[f32], &[f32]) {
         if self.rows.is_empty() {
@@ -431,7 +435,8 @@ impl LayerCache for TurboCache {
     }
 
     fn bytes(&self) -> usize {
-        self.raw.bytes() + self.keys.bytes() + self.values.bytes()
+        let side = size_of_val(&self.sinks[..]) + self.means.bytes();
+        self.raw.bytes() + self.keys.bytes() + self.values.bytes() + side
     }
 
     fn snapshot(&self) -> Result<Box<dyn LayerCache>> {
