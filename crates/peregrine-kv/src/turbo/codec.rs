@@ -141,39 +141,37 @@ impl TurboCodec {
     /// when that is shorter, marked so (the sign bit of its norm, read by
     /// [`is_centered`](Self::is_centered)); a caller adds `<q, mean>` to a marked row's score.
     pub fn encode_key_near(&self, k: &[f32], mean: &[f32], out: &mut [u8]) {
-        let d = self.dim;
-        assert!(k.len() == d && mean.len() == d, "one row");
-        let mut centered = [0f32; MAX_DIM];
-        let centered = &mut centered[..d];
-        centered
-            .iter_mut()
-            .zip(k.iter().zip(mean))
-            .for_each(|(c, (k, m))| *c = k - m);
-        if dot(centered, centered) < dot(k, k) {
-            self.encode_keys(centered, out);
-            out[1] |= 0x80;
-        } else {
-            self.encode_keys(k, out);
-        }
+        self.encode_near(k, mean, out, Self::encode_keys)
     }
 
     /// Encodes one value row `v` as [`encode_values`](Self::encode_values) does, or `v − mean`
     /// when that is shorter, marked as [`encode_key_near`](Self::encode_key_near) marks keys; a
     /// caller adds a marked row's weight times `mean` to the value sum.
     pub fn encode_value_near(&self, v: &[f32], mean: &[f32], out: &mut [u8]) {
+        self.encode_near(v, mean, out, Self::encode_values)
+    }
+
+    /// `encode(x)` or, marked, `encode(x − mean)`: whichever row is shorter.
+    fn encode_near(
+        &self,
+        x: &[f32],
+        mean: &[f32],
+        out: &mut [u8],
+        encode: fn(&Self, &[f32], &mut [u8]),
+    ) {
         let d = self.dim;
-        assert!(v.len() == d && mean.len() == d, "one row");
+        assert!(x.len() == d && mean.len() == d, "one row");
         let mut centered = [0f32; MAX_DIM];
         let centered = &mut centered[..d];
         centered
             .iter_mut()
-            .zip(v.iter().zip(mean))
-            .for_each(|(c, (v, m))| *c = v - m);
-        if dot(centered, centered) < dot(v, v) {
-            self.encode_values(centered, out);
+            .zip(x.iter().zip(mean))
+            .for_each(|(c, (x, m))| *c = x - m);
+        if dot(centered, centered) < dot(x, x) {
+            encode(self, centered, out);
             out[1] |= 0x80;
         } else {
-            self.encode_values(v, out);
+            encode(self, x, out);
         }
     }
 
