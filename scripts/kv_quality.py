@@ -3,9 +3,10 @@ long English prompt, compared with the f32 cache's logits at the positions past 
 agreement and the mean KL divergence KL(p_f32 || p_mode) of the next-token distributions.
 
 usage: .venv-ref/bin/python scripts/kv_quality.py --model M [--text FILE ...] [--chars 16000] [--from 2048]
-       [--positions 200] [--modes f16,bf16,q8,q4,turbo] [--peregrine target/release/peregrine] [--threads 2]
+       [--positions 200] [--modes f16,bf16,q8,q4,turbo] [--kv-group-size 64]
+       [--peregrine target/release/peregrine] [--threads 2]
 
-Modes: f32/f16/bf16 (`--cache-type`), q8/q4 (`--kv-bits 8|4`, groups of 64), turbo (`--turbo-kv`,
+Modes: f32/f16/bf16 (`--cache-type`), q8/q4 (`--kv-bits 8|4`, in groups of `--kv-group-size`), turbo (`--turbo-kv`,
 its default 256-token hot window and 2,048-token threshold: positions past `--from` 2048 read
 compressed keys).
 
@@ -21,11 +22,14 @@ from safetensors.numpy import load_file
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-MODES = {"q8": ["--kv-bits", "8"], "q4": ["--kv-bits", "4"], "turbo": ["--turbo-kv"]}
+def kv_args(a, mode):
+    group = ["--kv-group-size", str(a.kv_group_size)]
+    modes = {"q8": ["--kv-bits", "8", *group], "q4": ["--kv-bits", "4", *group], "turbo": ["--turbo-kv"]}
+    return modes.get(mode, ["--cache-type", mode])
 
 
 def logits(a, text_file, mode, out):
-    kv = MODES.get(mode, ["--cache-type", mode])
+    kv = kv_args(a, mode)
     subprocess.run([a.peregrine, "--threads", str(a.threads), "logits", "--model", a.model,
                     *kv, "--prompt-file", text_file,
                     "--positions", f"{a.start}..{a.start + a.positions}", "--out", out],
@@ -48,6 +52,7 @@ def main():
     ap.add_argument("--from", dest="start", type=int, default=2048)
     ap.add_argument("--positions", type=int, default=200)
     ap.add_argument("--modes", default="f16,bf16,q8,q4,turbo")
+    ap.add_argument("--kv-group-size", type=int, default=64, help="q8/q4 group size (32, 64, 128)")
     ap.add_argument("--peregrine", default=os.path.join(ROOT, "target/release/peregrine"))
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
@@ -66,7 +71,8 @@ def main():
             lq = log_softmax(got)
             kl = (np.exp(lp) * (lp - lq)).sum(axis=-1)
             top1 = float((ref["logits"].argmax(-1) == got.argmax(-1)).mean())
-            print(json.dumps({"model": os.path.basename(a.model), "mode": mode,
+            label = f"{mode} g{a.kv_group_size}" if mode in ("q8", "q4") else mode
+            print(json.dumps({"model": os.path.basename(a.model), "mode": label,
                               "positions": f"{a.start}..{a.start + n}",
                               "prompt_tokens": int(len(ref["input_ids"])),
                               "top1_vs_f32": top1, "mean_kl_vs_f32": float(kl.mean()),
