@@ -191,12 +191,11 @@ impl TurboCache {
                 for partial in partials {
                     out.iter_mut().zip(partial).for_each(|(o, x)| *o += x);
                 }
-                let marked: Vec<bool> =
-                    rows.chunks_exact(vb).map(TurboCodec::is_centered).collect();
                 for (g, acc) in out.chunks_exact_mut(d).enumerate() {
                     codec.finish_values(acc);
-                    let weights = scores[g * keys..][..nc].iter().zip(&marked);
-                    let weight: f32 = weights.filter(|(_, m)| **m).map(|(w, _)| w).sum();
+                    let marked = rows.chunks_exact(vb).map(TurboCodec::is_centered);
+                    let weights = scores[g * keys..][..nc].iter().zip(marked);
+                    let weight: f32 = weights.filter(|(_, m)| *m).map(|(w, _)| w).sum();
                     acc.iter_mut()
                         .zip(mean_v)
                         .for_each(|(a, m)| *a += weight * m);

@@ -99,8 +99,8 @@ struct Means {
     /// `[keys, values][head][d]` sums of the f16 rows, each value scaled by 2^24 to an exact
     /// integer, so that trimming subtracts rows back exactly.
     sums: Vec<i128>,
-    counted: usize,
-    /// `[keys, values][head][d]`, set while positions are compressed.
+    /// `[keys, values][head][d]`, set when encoding starts (the sums cannot change while any
+    /// row is encoded: they count positions before the threshold only).
     rows: Vec<f32>,
 }
 
@@ -109,8 +109,8 @@ const F16_FIXED: f32 = 16_777_216.0;
 
 impl Means {
     /// The means of the `counted` rows summed, into `rows`.
-    fn settle(&mut self) {
-        let n = self.counted.max(1) as f64 * F16_FIXED as f64;
+    fn settle(&mut self, counted: usize) {
+        let n = counted.max(1) as f64 * F16_FIXED as f64;
         self.rows.clear();
         self.rows
             .extend(self.sums.iter().map(|&s| (s as f64 / n) as f32));
@@ -272,48 +272,56 @@ impl TurboCache {
         Ok(())
     }
 
-    /// Adds (`sign` 1) or subtracts (-1) the f16 rows of `positions` before the threshold to
-    /// or from the means' sums; the rows must be in the f16 buffer.
-    fn count_means(&mut self, positions: std::ops::Range<usize>, sign: i128) {
-        let (Some((kp, vp, capacity)), Some(codec)) = (self.raw.f16_planes(), &self.codec) else {
-            return;
-        };
-        let (heads, d) = (self.keys.heads.len(), codec.head_dim());
-        let counted = positions.start..positions.end.min(self.options.threshold);
-        for (plane, rows) in [kp, vp].into_iter().enumerate() {
-            for h in 0..heads {
-                let sums = &mut self.means.sums[(plane * heads + h) * d..][..d];
-                for p in counted.clone() {
-                    let at = (h * capacity + p - self.raw.start) * d;
-                    sums.iter_mut().zip(&rows[at..at + d]).for_each(|(s, x)| {
-                        *s += sign * (x.to_f32() * F16_FIXED) as i128;
-                    });
-                }
-            }
-        }
-        let n = counted.len();
-        self.means.counted = if sign > 0 {
-            self.means.counted + n
-        } else {
-            self.means.counted - n
-        };
+    /// The f16 rows of `positions` (in the f16 buffer): `(plane, head, position, row)`, keys
+    /// (plane 0) then values (1).
+    fn f16_rows(
+        &self,
+        positions: std::ops::Range<usize>,
+    ) -> impl Iterator<Item = (usize, usize, usize, &[f16])> {
+        let planes = self.raw.f16_planes().zip(self.codec.as_ref());
+        let (heads, start) = (self.keys.heads.len(), self.raw.start);
+        planes
+            .into_iter()
+            .flat_map(move |((kp, vp, capacity), codec)| {
+                let d = codec.head_dim();
+                let positions = positions.clone();
+                [kp, vp]
+                    .into_iter()
+                    .enumerate()
+                    .flat_map(move |(plane, rows)| {
+                        let positions = positions.clone();
+                        (0..heads).flat_map(move |h| {
+                            positions.clone().map(move |p| {
+                                let at = (h * capacity + p - start) * d;
+                                (plane, h, p, &rows[at..at + d])
+                            })
+                        })
+                    })
+            })
     }
 
-    /// Copies the f16 rows of sink `positions` (in the f16 buffer) into `sinks`.
-    fn keep_sinks(&mut self, positions: std::ops::Range<usize>) {
-        let (Some((kp, vp, capacity)), Some(codec)) = (self.raw.f16_planes(), &self.codec) else {
-            return;
-        };
-        let (heads, d) = (self.keys.heads.len(), codec.head_dim());
-        for (plane, rows) in [kp, vp].into_iter().enumerate() {
-            for h in 0..heads {
-                for p in positions.clone() {
-                    let at = (h * capacity + p - self.raw.start) * d;
-                    let to = ((plane * heads + h) * SINKS + p) * d;
-                    widen(&rows[at..at + d], &mut self.sinks[to..to + d]);
-                }
-            }
+    /// Adds (`sign` 1) or subtracts (-1) the f16 rows of `positions` before the threshold to
+    /// or from the means' sums.
+    fn count_means(&mut self, positions: std::ops::Range<usize>, sign: i128) {
+        let counted = positions.start..positions.end.min(self.options.threshold);
+        let (heads, mut sums) = (self.keys.heads.len(), std::mem::take(&mut self.means.sums));
+        for (plane, h, _, row) in self.f16_rows(counted) {
+            let sums = &mut sums[(plane * heads + h) * row.len()..][..row.len()];
+            sums.iter_mut().zip(row).for_each(|(s, x)| {
+                *s += sign * (x.to_f32() * F16_FIXED) as i128;
+            });
         }
+        self.means.sums = sums;
+    }
+
+    /// Copies the f16 rows of sink `positions` into `sinks`.
+    fn keep_sinks(&mut self, positions: std::ops::Range<usize>) {
+        let (heads, mut sinks) = (self.keys.heads.len(), std::mem::take(&mut self.sinks));
+        for (plane, h, p, row) in self.f16_rows(positions) {
+            let to = ((plane * heads + h) * SINKS + p) * row.len();
+            widen(row, &mut sinks[to..to + row.len()]);
+        }
+        self.sinks = sinks;
     }
 
     /// Sink position `p`'s key row (`plane` 0) or value row (1) of head `h`.
@@ -324,8 +332,9 @@ impl TurboCache {
 
     /// Encodes the f16 rows of positions up to `end` not yet encoded.
     fn encode_up_to(&mut self, end: usize, codec: &TurboCodec, heads: usize, d: usize) {
-        if self.keys.end() < end {
-            self.means.settle();
+        if self.keys.len == 0 && self.keys.end() < end {
+            self.means
+                .settle(self.raw.end().min(self.options.threshold));
         }
         let (kp, vp, capacity) = self.raw.f16_planes().expect("an f16 CPU buffer");
         if self.keys.end() < self.raw.start {
