@@ -1,0 +1,97 @@
+//! Helpers shared by the CLI tests: the binary, the fixtures, scratch folders, reference logits.
+#![allow(dead_code)] // each test binary uses its own subset
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use peregrine_engine::tensor::candle::safetensors::load;
+use peregrine_engine::tensor::{DType, Device, Tensor};
+
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+pub fn fixture(arch: &str) -> PathBuf {
+    repo().join("tests/fixtures").join(arch).join("hf")
+}
+
+pub fn peregrine(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_peregrine"))
+        .args(args)
+        .output()
+        .expect("the binary runs")
+}
+
+/// A fresh scratch folder for one test.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("peregrine-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+pub fn copy_fixture(arch: &str, to: &Path) {
+    for entry in std::fs::read_dir(fixture(arch)).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, to.join(path.file_name().unwrap())).unwrap();
+    }
+}
+
+/// Runs `generate` on `model` and returns stderr, asserting a clean failure.
+pub fn expect_failure(model: &Path) -> String {
+    let out = peregrine(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "2",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(
+        !out.status.success(),
+        "expected failure, got success; stderr: {stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "panicked: {stderr}");
+    assert_eq!(
+        stderr.lines().filter(|l| l.starts_with("error:")).count(),
+        1,
+        "one error line: {stderr}"
+    );
+    stderr
+}
+
+/// The fixture's reference input ids and transformers' logits.
+pub fn reference(arch: &str) -> (Vec<u32>, Tensor) {
+    let r = load(fixture(arch).join("reference.safetensors"), &Device::Cpu).unwrap();
+    let ids = r["input_ids"]
+        .to_dtype(DType::U32)
+        .unwrap()
+        .to_vec1::<u32>()
+        .unwrap();
+    (ids, r["logits"].clone())
+}
+
+/// Runs `peregrine logits` on `model` for `ids` and reads back the logits.
+pub fn cli_logits(model: &Path, ids: &[u32], extra: &[&str], scratch_name: &str) -> Tensor {
+    let out_file = scratch(scratch_name).join("logits.safetensors");
+    let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
+    let ids = ids.join(",");
+    let mut args = vec![
+        "logits",
+        "--model",
+        model.to_str().unwrap(),
+        "--input-ids",
+        &ids,
+    ];
+    args.extend_from_slice(extra);
+    args.extend_from_slice(&["--out", out_file.to_str().unwrap()]);
+    let run = peregrine(&args);
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    load(&out_file, &Device::Cpu).unwrap()["logits"].clone()
+}
