@@ -144,3 +144,70 @@ fn chunking_never_changes_the_output() {
         }
     }
 }
+
+/// The matcher against the definition, on random text over a small alphabet (so that stop
+/// strings overlap themselves and each other): after every push, everything emitted so far is
+/// the text up to the earliest-ending stop string (or, before any, the text minus the longest
+/// suffix that is a proper prefix of some stop string).
+#[test]
+fn matches_the_definition_on_random_text() {
+    struct Rng(u64);
+    impl Rng {
+        fn below(&mut self, n: usize) -> usize {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            (self.0 % n as u64) as usize
+        }
+        fn word(&mut self, len: usize) -> String {
+            let alphabet = ['a', 'b', 'é'];
+            (0..len)
+                .map(|_| alphabet[self.below(alphabet.len())])
+                .collect()
+        }
+    }
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    for case in 0..400 {
+        let count = 1 + rng.below(3);
+        let stops: Vec<String> = (0..count)
+            .map(|_| {
+                let len = 1 + rng.below(5);
+                rng.word(len)
+            })
+            .collect();
+        let len = rng.below(40);
+        let text = rng.word(len);
+        let mut m = StopMatcher::new(&stops);
+        let (mut seen, mut emitted, mut rest) = (String::new(), String::new(), text.as_str());
+        while !rest.is_empty() {
+            let mut cut = 1 + rng.below(4).min(rest.len() - 1);
+            while !rest.is_char_boundary(cut) {
+                cut += 1;
+            }
+            let (chunk, tail) = rest.split_at(cut);
+            rest = tail;
+            seen.push_str(chunk);
+            let step = m.push(chunk);
+            emitted.push_str(&step.emit);
+            let earliest = (stops.iter())
+                .filter_map(|s| seen.find(s.as_str()).map(|at| (at + s.len(), at)))
+                .min_by_key(|&(end, at)| (end, at));
+            if let Some((_, at)) = earliest {
+                assert!(step.stopped, "case {case}: {stops:?} in {seen:?}");
+                assert_eq!(emitted, seen[..at], "case {case}: {stops:?}");
+                break;
+            }
+            let held = (0..=seen.len())
+                .filter(|&i| seen.is_char_boundary(i))
+                .map(|i| &seen[i..])
+                .find(|tail| {
+                    stops
+                        .iter()
+                        .any(|s| s.len() > tail.len() && s.starts_with(tail))
+                })
+                .map_or(0, str::len);
+            assert!(!step.stopped, "case {case}");
+            assert_eq!(emitted, seen[..seen.len() - held], "case {case}: {stops:?}");
+        }
+    }
+}
