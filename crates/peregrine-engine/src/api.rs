@@ -25,6 +25,19 @@ pub enum Prompt {
     Tokens(Vec<u32>),
 }
 
+impl Prompt {
+    /// Whether any text of the prompt contains `needle`.
+    pub fn mentions(&self, needle: &str) -> bool {
+        match self {
+            Self::Text(text) => text.contains(needle),
+            Self::Chat { messages, .. } => messages
+                .iter()
+                .any(|m| m.content.to_string().contains(needle)),
+            Self::Tokens(_) => false,
+        }
+    }
+}
+
 /// One generation request.
 #[derive(Debug, Clone)]
 pub struct Request {

@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -16,7 +16,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use crate::api::{Event, KvRequest, Prompt, Request};
 use crate::chat_template::{ChatTemplate, fallback_template};
 use crate::error::EngineError;
-use crate::generate::{GenContext, generate, prefill};
+use crate::generate::{Choice, GenContext, generate, prefill};
 use crate::prompt_cache::{PromptCache, PromptCacheStats};
 use crate::tokenizer::Tokenizer;
 
@@ -41,6 +41,10 @@ pub struct EngineConfig {
     pub prompt_cache_entries: usize,
     /// Bytes of KV the prompt cache may hold.
     pub prompt_cache_bytes: usize,
+    /// Test hook (fault injection): a generation whose prompt text contains this string panics
+    /// after its first token, so tests can see a worker survive a bug.
+    #[doc(hidden)]
+    pub panic_marker: Option<String>,
 }
 
 impl Default for EngineConfig {
@@ -55,6 +59,7 @@ impl Default for EngineConfig {
             mlx_activations: MlxActivations::default(),
             prompt_cache_entries: 4,
             prompt_cache_bytes: 1 << 30,
+            panic_marker: None,
         }
     }
 }
@@ -65,6 +70,11 @@ struct Job {
     kv: KvOptions,
     ids: Vec<u32>,
     submitted: Instant,
+    choices: Vec<ChoiceSink>,
+}
+
+/// Where one choice's events go.
+struct ChoiceSink {
     events: UnboundedSender<Event>,
     cancel: Arc<AtomicBool>,
 }
@@ -78,6 +88,8 @@ struct Shared {
     kv: KvOptions,
     live_kv: AtomicUsize,
     prompt_cache: PromptCache,
+    prefills: AtomicU64,
+    panic_marker: Option<String>,
 }
 
 /// A loaded model ready to serve requests.
@@ -176,6 +188,8 @@ impl Engine {
             kv: config.kv,
             live_kv: AtomicUsize::new(0),
             prompt_cache: PromptCache::new(config.prompt_cache_entries, config.prompt_cache_bytes),
+            prefills: AtomicU64::new(0),
+            panic_marker: config.panic_marker,
         });
         let (jobs, queue) = sync_channel::<Job>(config.queue_size);
         let queue = Arc::new(Mutex::new(queue));
@@ -211,6 +225,11 @@ impl Engine {
     /// KV-cache bytes held by all running sequences now (0 when idle).
     pub fn kv_bytes_in_use(&self) -> usize {
         self.shared.live_kv.load(Ordering::Relaxed)
+    }
+
+    /// Prefills run since the engine started (the choices of one request share one).
+    pub fn prefills(&self) -> u64 {
+        self.shared.prefills.load(Ordering::Relaxed)
     }
 
     /// The prompt cache's counters and size.
@@ -264,6 +283,18 @@ impl Engine {
     /// Validates and queues a request. Errors found before generation (bad parameters, a
     /// prompt that does not fit, a full queue) are returned here; later ones arrive as events.
     pub fn submit(&self, request: Request) -> Result<EventStream, EngineError> {
+        let mut streams = self.submit_choices(request, 1)?;
+        Ok(streams.remove(0))
+    }
+
+    /// Queues `n` choices of one request (OpenAI's `n`): the prompt is prefilled once, then
+    /// each choice samples its own continuation (seeded choices use seed, seed + 1, ...).
+    /// Dropping a choice's stream cancels that choice.
+    pub fn submit_choices(
+        &self,
+        request: Request,
+        n: usize,
+    ) -> Result<Vec<EventStream>, EngineError> {
         request.sampling.validate()?;
         let ids = self.prompt_ids(&request.prompt)?;
         if ids.is_empty() {
@@ -276,18 +307,26 @@ impl Engine {
             });
         }
         let kv = self.request_kv(&request.kv)?;
-        let (tx, rx) = unbounded_channel();
-        let cancel = Arc::new(AtomicBool::new(false));
+        let (choices, streams) = (0..n.max(1))
+            .map(|_| {
+                let (tx, rx) = unbounded_channel();
+                let cancel = Arc::new(AtomicBool::new(false));
+                let stream = EventStream {
+                    events: rx,
+                    cancel: cancel.clone(),
+                };
+                (ChoiceSink { events: tx, cancel }, stream)
+            })
+            .unzip();
         let job = Job {
             kv,
             request,
             ids,
             submitted: Instant::now(),
-            events: tx,
-            cancel: cancel.clone(),
+            choices,
         };
         match self.jobs.try_send(job) {
-            Ok(()) => Ok(EventStream { events: rx, cancel }),
+            Ok(()) => Ok(streams),
             Err(TrySendError::Full(_)) => Err(EngineError::QueueFull(self.queue_size)),
             Err(TrySendError::Disconnected(_)) => Err(EngineError::ShutDown),
         }
@@ -327,29 +366,61 @@ fn worker(shared: &Shared, queue: &Mutex<Receiver<Job>>) {
             Ok(job) => job,
             Err(_) => return, // the engine was dropped
         };
-        if job.cancel.load(Ordering::Relaxed) {
+        run_job(shared, job);
+    }
+}
+
+/// Runs one job to its end. A failure, or a panic (a bug), ends every choice not yet done with
+/// an error event; the worker then goes on to the next job.
+fn run_job(shared: &Shared, job: Job) {
+    let cancelled = |c: &ChoiceSink| c.cancel.load(Ordering::Relaxed);
+    if job.choices.iter().all(cancelled) {
+        return;
+    }
+    let ctx = GenContext {
+        model: shared.model.as_ref(),
+        tokenizer: &shared.tokenizer,
+        prefill_size: shared.prefill_size,
+        max_context: shared.max_context,
+        kv: job.kv,
+        live_kv: &shared.live_kv,
+        prompt_cache: &shared.prompt_cache,
+        prefills: &shared.prefills,
+        panic_marker: shared.panic_marker.as_deref(),
+    };
+    let mut sends: Vec<_> = (job.choices.iter())
+        .map(|c| move |event: Event| c.events.send(event).is_ok())
+        .collect();
+    let mut choices: Vec<Choice> = (job.choices.iter().zip(&mut sends))
+        .map(|(c, send)| Choice {
+            cancel: &c.cancel,
+            send,
+            done: false,
+        })
+        .collect();
+    let queued = job.submitted.elapsed();
+    let run = || generate(&ctx, &job.request, &job.ids, queued, &mut choices);
+    let failure = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)) {
+        Ok(Ok(())) => return,
+        Ok(Err(e)) => e,
+        Err(panic) => {
+            let what = (panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic".into());
+            tracing::error!("generation panicked: {what}");
+            EngineError::Internal(format!("generation failed: {what}"))
+        }
+    };
+    let mut failure = Some(failure);
+    for (i, sink) in job.choices.iter().enumerate() {
+        if choices.get(i).is_some_and(|c| c.done) {
             continue;
         }
-        let ctx = GenContext {
-            model: shared.model.as_ref(),
-            tokenizer: &shared.tokenizer,
-            prefill_size: shared.prefill_size,
-            max_context: shared.max_context,
-            cancel: &job.cancel,
-            kv: job.kv,
-            live_kv: &shared.live_kv,
-            prompt_cache: &shared.prompt_cache,
+        let e = match failure.take() {
+            Some(e) => e,
+            None => EngineError::Internal("another choice of this request failed".into()),
         };
-        let mut send = |event: Event| job.events.send(event).is_ok();
-        if let Err(e) = generate(
-            &ctx,
-            &job.request,
-            &job.ids,
-            job.submitted.elapsed(),
-            &mut send,
-        ) {
-            let _ = job.events.send(Event::Error(e));
-        }
+        let _ = sink.events.send(Event::Error(e));
     }
 }
 

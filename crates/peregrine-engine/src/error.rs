@@ -53,6 +53,9 @@ pub enum EngineError {
     /// Too many requests are waiting.
     #[error("the request queue is full ({0} waiting); retry later")]
     QueueFull(usize),
+    /// A bug: generation panicked, or failed in a way no request can cause.
+    #[error("internal error: {0}")]
+    Internal(String),
     /// The engine is shutting down.
     #[error("the engine is shutting down")]
     ShutDown,

@@ -2,11 +2,11 @@
 //! strings and incremental detokenization, until EOS, a stop string, the token budget or
 //! cancellation.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use peregrine_models::{CausalLm, KvOptions, Logits, SequenceCache};
-use peregrine_sampling::{Sampler, token_logprobs};
+use peregrine_sampling::{Sampler, SamplingParams, token_logprobs};
 use peregrine_tensor::Tensor;
 use peregrine_tensor::device::in_compute_pool;
 
@@ -23,12 +23,27 @@ pub(crate) struct GenContext<'a> {
     pub tokenizer: &'a Tokenizer,
     pub prefill_size: usize,
     pub max_context: usize,
-    pub cancel: &'a AtomicBool,
     pub kv: KvOptions,
     /// KV bytes held by every running sequence together (see [`KvGauge`]).
     pub live_kv: &'a AtomicUsize,
     /// Finished sequences' caches, reused by prompt prefix.
     pub prompt_cache: &'a PromptCache,
+    /// Prefills run, for `/metrics` (the `n` choices of a request share one).
+    pub prefills: &'a AtomicU64,
+    /// Test hook: a generation whose prompt mentions this panics after its first token.
+    pub panic_marker: Option<&'a str>,
+}
+
+impl GenContext<'_> {
+    /// Panics where the test hook says to, standing in for a bug in a forward pass.
+    fn fault_point(&self, req: &Request, generated: usize) {
+        if generated == 1
+            && let Some(marker) = self.panic_marker
+            && req.prompt.mentions(marker)
+        {
+            panic!("injected fault: the prompt mentions the panic marker `{marker}`");
+        }
+    }
 }
 
 /// This sequence's share of the engine's live KV bytes, kept current as its cache grows and
@@ -88,48 +103,120 @@ fn last_row(logits: &Tensor) -> Result<Vec<f32>, EngineError> {
     Ok(row.map_err(peregrine_models::ModelError::from)?)
 }
 
-/// Generates for `req` whose prompt is `ids`, sending events through `send`; returns when done.
+/// One choice of a request: whether its caller still listens, and where its events go.
+pub(crate) struct Choice<'a> {
+    pub cancel: &'a AtomicBool,
+    /// Sends an event; false once the receiver is gone.
+    pub send: &'a mut dyn FnMut(Event) -> bool,
+    /// Set when the choice's `Done` was sent.
+    pub done: bool,
+}
+
+/// Generates every choice of `req`, whose prompt is `ids`: one prefill, then each choice decodes
+/// from its own copy of the prompt's cache (the last one from the cache itself), one after
+/// another. Returns when all are done.
 pub(crate) fn generate(
     ctx: &GenContext,
     req: &Request,
     ids: &[u32],
     queued: Duration,
-    send: &mut dyn FnMut(Event) -> bool,
+    choices: &mut [Choice],
 ) -> Result<(), EngineError> {
     let started = Instant::now();
-    let budget = req
-        .max_tokens
-        .unwrap_or(usize::MAX)
-        .min(ctx.max_context - ids.len());
     let (mut cache, cached) = (ctx.prompt_cache.lookup(ids, &ctx.kv))
         .unwrap_or_else(|| (SequenceCache::new(&ctx.model.cache_spec(), &ctx.kv), 0));
     let mut gauge = KvGauge {
         total: ctx.live_kv,
         mine: 0,
     };
-    let mut logits = last_row(&prefill(
+    let logits = last_row(&prefill(
         ctx.model,
         &ids[cached..],
         &mut cache,
         ctx.prefill_size,
         Logits::Last,
     )?)?;
+    ctx.prefills.fetch_add(1, Ordering::Relaxed);
     gauge.set(cache.bytes());
-    let prefill_time = started.elapsed();
-    let mut timings = Timings {
-        queued,
-        prefill: prefill_time,
-        ..Timings::default()
+    let prompt = Prefilled {
+        ids,
+        cached,
+        logits,
+        started,
+        timings: Timings {
+            queued,
+            prefill: started.elapsed(),
+            ..Timings::default()
+        },
     };
+    let live: Vec<usize> = (0..choices.len())
+        .filter(|&j| !choices[j].cancel.load(Ordering::Relaxed))
+        .collect();
+    let mut base = Some(cache);
+    for (k, &j) in live.iter().enumerate() {
+        let cache = match k + 1 == live.len() {
+            true => base.take(),
+            false => (base.as_ref().map(SequenceCache::snapshot).transpose())
+                .map_err(peregrine_models::ModelError::from)?,
+        };
+        let Some(cache) = cache else { break };
+        let kept = base.as_ref().map_or(0, SequenceCache::bytes);
+        let mut sampling = req.sampling.clone();
+        sampling.seed = sampling.seed.map(|s| s.wrapping_add(j as u64));
+        let choice = &mut choices[j];
+        decode_choice(
+            ctx,
+            req,
+            &prompt,
+            sampling,
+            cache,
+            (&mut gauge, kept),
+            choice,
+        )?;
+        choice.done = true;
+    }
+    Ok(())
+}
 
-    let mut sampler = Sampler::new(req.sampling.clone());
+/// A request's prompt after its prefill, shared by its choices.
+struct Prefilled<'a> {
+    ids: &'a [u32],
+    /// Prompt tokens that came from the prompt cache.
+    cached: usize,
+    /// The last prompt position's logits.
+    logits: Vec<f32>,
+    started: Instant,
+    /// Queue and prefill times.
+    timings: Timings,
+}
+
+/// Decodes one choice from `cache` (holding the prompt) until EOS, a stop string, the token
+/// budget or cancellation, then stores the cache in the prompt cache. `gauge` counts this
+/// cache's bytes on top of `kept`, the bytes of the prompt's cache held for later choices.
+fn decode_choice(
+    ctx: &GenContext,
+    req: &Request,
+    prompt: &Prefilled,
+    sampling: SamplingParams,
+    mut cache: SequenceCache,
+    (gauge, kept): (&mut KvGauge, usize),
+    choice: &mut Choice,
+) -> Result<(), EngineError> {
+    let ids = prompt.ids;
+    let budget = req
+        .max_tokens
+        .unwrap_or(usize::MAX)
+        .min(ctx.max_context - ids.len());
+    let mut timings = prompt.timings;
+    let mut logits = prompt.logits.clone();
+    let mut sampler = Sampler::new(sampling);
     let mut detok = IncrementalDetokenizer::new(&ids[ids.len().saturating_sub(PROMPT_TAIL)..]);
     let mut stop = StopMatcher::new(&req.stop);
     let decode = |t: &[u32]| ctx.tokenizer.decode(t, true);
     let mut generated: Vec<u32> = Vec::new();
     let mut decode_started = None;
     let finish = loop {
-        if ctx.cancel.load(Ordering::Relaxed) {
+        if choice.cancel.load(Ordering::Relaxed) {
             break FinishReason::Cancelled;
         }
         // Logprobs are reported on the raw distribution; sampling rewrites `logits` in place.
@@ -137,7 +224,7 @@ pub(crate) fn generate(
         let token = sampler.sample(&mut logits, ids, &generated);
         generated.push(token);
         if generated.len() == 1 {
-            timings.time_to_first_token = started.elapsed();
+            timings.time_to_first_token = prompt.started.elapsed();
             decode_started = Some(Instant::now());
         }
         let logprobs: Vec<_> = raw
@@ -151,7 +238,7 @@ pub(crate) fn generate(
             detok.step(token, decode)?
         };
         let step = stop.push(&text);
-        if !send(Event::Delta {
+        if !(choice.send)(Event::Delta {
             text: step.emit,
             tokens: vec![token],
             logprobs,
@@ -164,8 +251,9 @@ pub(crate) fn generate(
         if generated.len() >= budget {
             break FinishReason::Length;
         }
+        ctx.fault_point(req, generated.len());
         in_compute_pool(|| ctx.model.decode(token, &mut cache, &mut logits))?;
-        gauge.set(cache.bytes());
+        gauge.set(kept + cache.bytes());
     };
     if finish != FinishReason::Cancelled && !stop.is_stopped() {
         let tail = detok.finish(decode)?;
@@ -174,7 +262,7 @@ pub(crate) fn generate(
             text.push_str(&stop.finish());
         }
         if !text.is_empty() {
-            send(Event::Delta {
+            (choice.send)(Event::Delta {
                 text,
                 tokens: vec![],
                 logprobs: vec![],
@@ -189,14 +277,14 @@ pub(crate) fn generate(
     let usage = Usage {
         prompt_tokens: ids.len(),
         completion_tokens: generated.len(),
-        cached_tokens: cached,
+        cached_tokens: prompt.cached,
     };
     // The cache holds the prompt and every generated token but the last (never fed back).
     let mut held: Vec<u32> = ids.iter().chain(&generated).copied().collect();
     held.truncate(cache.len());
-    drop(gauge);
+    gauge.set(kept);
     ctx.prompt_cache.store(held, cache, ctx.kv);
-    send(Event::Done {
+    (choice.send)(Event::Done {
         finish,
         usage,
         timings,

@@ -48,8 +48,10 @@ fn assert_error(reply: &Reply, status: u16, param: Option<&str>, what: &str) {
 #[test]
 fn every_error_row_has_status_type_and_param() {
     let server = Server::start(&["--queue-size", "0", "--max-body-mb", "1"]);
-    // 503 first, while the only worker is idle: `n: 2` takes the worker, then finds no room.
-    let reply = server.post(CHAT, &with(chat("hi"), json!({"n": 2})));
+    // 503 first, while the only worker is idle: the first of two prompts takes the worker, the
+    // second finds no room.
+    let two = json!({"model": "tiny", "prompt": ["hi", "there"], "max_tokens": 12});
+    let reply = server.post(COMPLETIONS, &two);
     assert_error(&reply, 503, None, "queue full");
     assert_eq!(reply.json()["error"]["code"], "queue_full");
 

@@ -399,11 +399,10 @@ fn models_health_cors_and_graceful_shutdown() {
             .header("access-control-allow-origin"),
         Some("*")
     );
-    let log = server.log();
-    assert!(
-        log.contains("request id=") && log.contains("path=/v1/models status=200"),
-        "{log}"
-    );
+    let logged =
+        |log: &str| log.contains("request id=") && log.contains("path=/v1/models status=200");
+    let log = server.log_until(logged);
+    assert!(logged(&log), "{log}");
 
     let status = std::process::Command::new("kill")
         .args(["-TERM", &server.pid().to_string()])

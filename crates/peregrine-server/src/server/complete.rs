@@ -5,12 +5,13 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use hyper::Response;
-use peregrine_engine::{Engine, Event, EventStream, Prompt, Usage};
+use bytes::Bytes;
+use hyper::{Response, StatusCode};
+use peregrine_engine::{Engine, EngineError, Event, EventStream, Prompt, Usage};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 use super::error::ApiError;
-use super::openai::{Decoded, Endpoint};
+use super::openai::{self, Decoded, Endpoint};
 use super::reasoning::ThinkSplitter;
 use super::sse::{self, Body, Closed, SseSender};
 use super::wire::{Choice, Delta, Envelope};
@@ -27,41 +28,37 @@ pub struct Totals {
     pub tps: f64,
 }
 
-/// Submits every choice (`n` per prompt) and answers. Submission errors (bad parameters, a
-/// prompt too long, a full queue) come back before any byte is sent.
+/// A request decoded and submitted, ready to be answered.
+struct Prepared {
+    decoded: Decoded,
+    /// `n` per prompt, in order.
+    streams: Vec<EventStream>,
+    /// Text prepended to each prompt's choices (`echo`), per prompt.
+    echo: Vec<String>,
+    /// `Some(starts inside)` when the output's think block goes to `reasoning_content`.
+    think: Option<bool>,
+}
+
+/// Decodes `body`, submits every choice (`n` per prompt, sharing the prompt's prefill) and
+/// answers. Errors found before generation (a bad field, a prompt too long, a full queue) come
+/// back before any byte is sent.
 pub async fn run(
     state: Arc<State>,
     endpoint: Endpoint,
-    decoded: Decoded,
+    body: Bytes,
     log: RequestLog,
 ) -> Result<Response<Body>, ApiError> {
-    let engine = state.engine()?;
-    let prompt_param = match endpoint {
-        Endpoint::Chat => "messages",
-        Endpoint::Completions => "prompt",
-    };
-    let n = decoded.n;
-    let mut streams = Vec::with_capacity(decoded.requests.len() * n);
-    let mut echo = vec![];
-    for request in &decoded.requests {
-        for j in 0..n {
-            let mut r = request.clone();
-            r.sampling.seed = r.sampling.seed.map(|s| s.wrapping_add(j as u64));
-            // Dropping the streams already taken cancels them if a later submit fails.
-            streams.push(
-                engine
-                    .submit(r)
-                    .map_err(|e| ApiError::from_engine(&e, prompt_param))?,
-            );
-        }
-        echo.push(match (&request.prompt, decoded.echo) {
-            (Prompt::Text(t), true) => t.clone(),
-            (Prompt::Tokens(ids), true) => {
-                engine.tokenizer().decode(ids, false).unwrap_or_default()
-            }
-            _ => String::new(),
-        });
-    }
+    // Parsing, templating and tokenizing are CPU work: off the async threads.
+    let preparing = state.clone();
+    let prepared = tokio::task::spawn_blocking(move || prepare(&preparing, endpoint, &body))
+        .await
+        .map_err(|e| ApiError::internal(format!("preparing the request failed: {e}")))??;
+    let Prepared {
+        decoded,
+        streams,
+        echo,
+        think,
+    } = prepared;
     let created = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
@@ -75,24 +72,19 @@ pub async fn run(
         model: state.model_id.clone(),
         endpoint,
     };
-    let think = match (endpoint, engine.tokenizer().chat_template()) {
-        (Endpoint::Chat, Some(t)) if t.contains("</think>") => {
-            Some(opens_think(engine, &decoded.requests[0].prompt))
-        }
-        _ => None,
-    };
     let events = merge(&state, streams);
     let job = Job {
         think,
         state: state.clone(),
         env,
-        n,
+        n: decoded.n,
         echo,
         decoded,
-        prompt_param,
+        prompt_param: prompt_param(endpoint),
+        request_id: log.id().to_string(),
     };
     if job.decoded.stream {
-        let (tx, body) = sse::channel();
+        let (tx, body) = sse::channel(state.body_timeout);
         tokio::spawn(async move {
             let (totals, outcome) = job.stream(events, &tx).await;
             let status = if outcome.is_err() { 499 } else { 200 };
@@ -109,6 +101,60 @@ pub async fn run(
         log.finish(200, Some(totals));
         Ok(json_response(200, &body))
     }
+}
+
+fn prompt_param(endpoint: Endpoint) -> &'static str {
+    match endpoint {
+        Endpoint::Chat => "messages",
+        Endpoint::Completions => "prompt",
+    }
+}
+
+fn prepare(state: &State, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, ApiError> {
+    let decoded = openai::decode(body, endpoint, state.max_tokens, &state.sampling)?;
+    if let Some(model) = &decoded.model
+        && model != &state.model_id
+        && model != &state.model_arg
+    {
+        return Err(ApiError::invalid(
+            "model",
+            format!(
+                "the model `{model}` does not exist; this server serves `{}`",
+                state.model_id
+            ),
+        )
+        .status(StatusCode::NOT_FOUND)
+        .code("model_not_found"));
+    }
+    let engine = state.engine()?;
+    let mut streams = Vec::with_capacity(decoded.requests.len() * decoded.n);
+    let mut echo = vec![];
+    for request in &decoded.requests {
+        // Dropping the streams already taken cancels them if a later submit fails.
+        let choices = engine
+            .submit_choices(request.clone(), decoded.n)
+            .map_err(|e| ApiError::from_engine(&e, prompt_param(endpoint)))?;
+        streams.extend(choices);
+        echo.push(match (&request.prompt, decoded.echo) {
+            (Prompt::Text(t), true) => t.clone(),
+            (Prompt::Tokens(ids), true) => {
+                engine.tokenizer().decode(ids, false).unwrap_or_default()
+            }
+            _ => String::new(),
+        });
+    }
+    let think = match (endpoint, engine.tokenizer().chat_template()) {
+        (Endpoint::Chat, Some(t)) if t.contains("</think>") => {
+            Some(opens_think(engine, &decoded.requests[0].prompt))
+        }
+        _ => None,
+    };
+    Ok(Prepared {
+        decoded,
+        streams,
+        echo,
+        think,
+    })
 }
 
 /// Forwards each choice's events into one channel tagged with the choice index. A forwarder
@@ -155,9 +201,35 @@ struct Job {
     echo: Vec<String>,
     decoded: Decoded,
     prompt_param: &'static str,
+    /// For the log line of a failure.
+    request_id: String,
+}
+
+/// A stream that ended without its last event: a bug, never a client's doing.
+fn unfinished() -> EngineError {
+    EngineError::Internal("generation ended without finishing".into())
+}
+
+/// Running requests are cancelled because the server is going away.
+fn shutting_down() -> ApiError {
+    ApiError::with_status(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the server is shutting down; the request was cancelled",
+    )
+    .code("server_shutting_down")
 }
 
 impl Job {
+    /// The error answering `e`; server faults are counted and logged with the request id.
+    fn failed(&self, e: &EngineError) -> ApiError {
+        let error = ApiError::from_engine(e, self.prompt_param);
+        if error.status.is_server_error() {
+            (self.state.metrics.internal_errors).fetch_add(1, Ordering::Relaxed);
+            eprintln!("request id={} error: {e}", self.request_id);
+        }
+        error
+    }
+
     fn record(&self, totals: &mut Totals, choice: usize, event: &Event) {
         if let Event::Done { usage, timings, .. } = event {
             if choice.is_multiple_of(self.n) {
@@ -190,7 +262,13 @@ impl Job {
                 ..Choice::default()
             })
             .collect();
-        while let Some((i, event)) = events.recv().await {
+        let mut stopping = std::pin::pin!(self.state.stopping());
+        loop {
+            let next = tokio::select! {
+                next = events.recv() => next,
+                () = &mut stopping => return Err(shutting_down()),
+            };
+            let Some((i, event)) = next else { break };
             self.record(&mut totals, i, &event);
             match event {
                 Event::Delta { text, logprobs, .. } => {
@@ -198,8 +276,11 @@ impl Job {
                     choices[i].logprobs.extend(logprobs);
                 }
                 Event::Done { finish, .. } => choices[i].finish = Some(finish),
-                Event::Error(e) => return Err(ApiError::from_engine(&e, self.prompt_param)),
+                Event::Error(e) => return Err(self.failed(&e)),
             }
+        }
+        if choices.iter().any(|c| c.finish.is_none()) {
+            return Err(self.failed(&unfinished()));
         }
         if let Some(inside) = self.think {
             for c in &mut choices {
@@ -252,6 +333,8 @@ impl Job {
         let mut splitters: Vec<_> = (0..choices)
             .map(|_| self.think.map(ThinkSplitter::new))
             .collect();
+        let mut finished = vec![false; choices];
+        let mut stopping = std::pin::pin!(self.state.stopping());
         loop {
             let next = tokio::select! {
                 next = events.recv() => next,
@@ -260,8 +343,15 @@ impl Job {
                     continue;
                 }
                 () = sse.closed() => return Err(Closed),
+                () = &mut stopping => {
+                    sse.data(&shutting_down().body()).await?;
+                    return sse.done().await;
+                }
             };
             let Some((i, event)) = next else { break };
+            if matches!(event, Event::Done { .. }) {
+                finished[i] = true;
+            }
             self.record(totals, i, &event);
             let chunk = match event {
                 Event::Delta { text, logprobs, .. } => {
@@ -301,12 +391,15 @@ impl Job {
                     self.env.chunk(i, Delta::Finish(finish), None)
                 }
                 Event::Error(e) => {
-                    let error = ApiError::from_engine(&e, self.prompt_param);
-                    sse.data(&error.body()).await?;
+                    sse.data(&self.failed(&e).body()).await?;
                     return sse.done().await;
                 }
             };
             sse.data(&chunk).await?;
+        }
+        if finished.contains(&false) {
+            sse.data(&self.failed(&unfinished()).body()).await?;
+            return sse.done().await;
         }
         if self.decoded.include_usage {
             sse.data(&self.env.usage_chunk(totals.usage)).await?;

@@ -58,6 +58,27 @@ pub struct Metrics {
     completion_tokens: AtomicU64,
     /// Requests submitted and not yet finished (waiting or generating).
     pub in_flight: AtomicUsize,
+    /// Connections open now.
+    pub connections: AtomicUsize,
+    /// Connections refused over `--max-connections`.
+    pub refused: AtomicU64,
+    /// Connections dropped for sending a request head too slowly.
+    pub header_timeouts: AtomicU64,
+    /// Connections dropped for sitting idle.
+    pub idle_timeouts: AtomicU64,
+    /// Requests that ended with an internal error (a failed or panicked generation).
+    pub internal_errors: AtomicU64,
+}
+
+/// What `/metrics` shows of the engine.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct EngineFigures {
+    /// KV cache held by running sequences.
+    pub kv_bytes: usize,
+    /// Prefills run (a request's `n` choices share one).
+    pub prefills: u64,
+    /// The prompt cache's state.
+    pub cache: PromptCacheStats,
 }
 
 impl Metrics {
@@ -80,9 +101,14 @@ impl Metrics {
         }
     }
 
-    /// The Prometheus text exposition; `parallel` is the number of generation slots,
-    /// `kv_bytes` the KV cache held by running sequences and `cache` the prompt cache's state.
-    pub fn render(&self, parallel: usize, kv_bytes: usize, cache: PromptCacheStats) -> String {
+    /// The Prometheus text exposition; `parallel` is the number of generation slots.
+    pub fn render(&self, parallel: usize, engine: EngineFigures) -> String {
+        let EngineFigures {
+            kv_bytes,
+            prefills,
+            cache,
+        } = engine;
+        let count = |c: &AtomicU64| c.load(Ordering::Relaxed) as usize;
         let mut out = String::new();
         let l = self.locked.lock().unwrap_or_else(|e| e.into_inner());
         out.push_str("# HELP peregrine_requests_total HTTP requests by path and status.\n");
@@ -99,13 +125,49 @@ impl Metrics {
                 "prompt_tokens_total",
                 "counter",
                 "Prompt tokens processed.",
-                self.prompt_tokens.load(Ordering::Relaxed) as usize,
+                count(&self.prompt_tokens),
             ),
             (
                 "completion_tokens_total",
                 "counter",
                 "Tokens generated.",
-                self.completion_tokens.load(Ordering::Relaxed) as usize,
+                count(&self.completion_tokens),
+            ),
+            (
+                "prefills_total",
+                "counter",
+                "Prompt prefills run (the choices of one request share one).",
+                prefills as usize,
+            ),
+            (
+                "connections",
+                "gauge",
+                "HTTP connections open now.",
+                self.connections.load(Ordering::Relaxed),
+            ),
+            (
+                "connections_refused_total",
+                "counter",
+                "Connections answered 503 over --max-connections.",
+                count(&self.refused),
+            ),
+            (
+                "connections_header_timeout_total",
+                "counter",
+                "Connections closed for sending a request head too slowly.",
+                count(&self.header_timeouts),
+            ),
+            (
+                "connections_idle_timeout_total",
+                "counter",
+                "Connections closed for sitting idle.",
+                count(&self.idle_timeouts),
+            ),
+            (
+                "internal_errors_total",
+                "counter",
+                "Requests ended by an internal error (a failed or panicked generation).",
+                count(&self.internal_errors),
             ),
             (
                 "active_slots",

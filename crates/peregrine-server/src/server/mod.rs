@@ -6,6 +6,7 @@
 //! error (`error`). SIGINT/SIGTERM stop accepting connections and let open ones finish briefly.
 
 mod complete;
+mod conn;
 #[cfg(test)]
 mod decode_fuzz;
 mod error;
@@ -17,6 +18,7 @@ mod routes;
 mod sse;
 mod wire;
 
+use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -36,9 +38,6 @@ use crate::cli::ModelArgs;
 use complete::Totals;
 use error::ApiError;
 pub use sse::Body;
-
-/// How long open connections may finish after a shutdown signal.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
 /// `peregrine serve` options.
 #[derive(Debug, Args)]
@@ -75,9 +74,13 @@ pub struct ServeArgs {
     /// Default repetition penalty.
     #[arg(long, default_value_t = 1.0)]
     repeat_penalty: f32,
-    /// Require `Authorization: Bearer KEY` on /v1 routes.
-    #[arg(long)]
+    /// Require `Authorization: Bearer KEY` on /v1 routes. Visible to other users in the
+    /// process list: prefer `--api-key-file`.
+    #[arg(long, conflicts_with = "api_key_file")]
     api_key: Option<String>,
+    /// Read the API key from the first line of this file.
+    #[arg(long)]
+    api_key_file: Option<std::path::PathBuf>,
     /// Answer CORS preflights and allow any origin.
     #[arg(long)]
     cors: bool,
@@ -98,6 +101,30 @@ pub struct ServeArgs {
     /// SSE comment line (`: keep-alive`), so proxies and clients keep waiting. Fractions work.
     #[arg(long, default_value_t = 5.0, value_parser = positive_secs)]
     keepalive_secs: f64,
+    /// Seconds a client may take to send a request head, from its first byte; slower ones
+    /// (slow-loris) are disconnected.
+    #[arg(long, default_value_t = 10.0, value_parser = positive_secs)]
+    header_timeout: f64,
+    /// Seconds a connection may sit with no request running and nothing arriving, before it is
+    /// closed (keep-alive connections between requests, connections that never send).
+    #[arg(long, default_value_t = 60.0, value_parser = positive_secs)]
+    idle_timeout: f64,
+    /// Seconds a client may take to send a request body once its head is in (408 after), and
+    /// that a stream may wait on a client that reads nothing before it is dropped.
+    #[arg(long, default_value_t = 30.0, value_parser = positive_secs)]
+    body_timeout: f64,
+    /// Connections open at once; more are answered 503 and closed.
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
+    max_connections: u32,
+    /// Seconds running requests get to finish after SIGTERM/SIGINT; then they are cancelled
+    /// (streams get an error event and `[DONE]`, others a 503) and the process exits, within
+    /// this deadline.
+    #[arg(long, default_value_t = 30.0, value_parser = positive_secs)]
+    shutdown_timeout: f64,
+    /// Test-only (hidden): a generation whose prompt contains this text panics after its first
+    /// token (fault injection: the request must fail cleanly and the server go on).
+    #[arg(long, hide = true)]
+    test_panic_marker: Option<String>,
     /// Test-only (hidden): wait this many milliseconds before loading the model, so a test can
     /// see `/health` answer 503 while the model loads. 0, the default, waits for nothing.
     #[arg(long, hide = true, default_value_t = 0)]
@@ -117,9 +144,13 @@ pub struct State {
     model_id: String,
     /// The `--model` argument, also accepted as the `model` field.
     model_arg: String,
-    api_key: Option<String>,
+    api_key: Option<ApiKey>,
     cors: bool,
     max_body: usize,
+    /// Longest a request body may take to arrive, and a stream may wait on a stalled reader.
+    body_timeout: Duration,
+    /// Turns true when running requests must end (the shutdown deadline is near).
+    stopping: tokio::sync::watch::Sender<bool>,
     max_tokens: usize,
     sampling: SamplingParams,
     parallel: usize,
@@ -128,7 +159,34 @@ pub struct State {
     metrics: metrics::Metrics,
 }
 
+/// The API key; compared in constant time and never printed.
+pub struct ApiKey(String);
+
+impl ApiKey {
+    /// Whether `given` is the key, taking the same time wherever the first difference is.
+    fn matches(&self, given: &[u8]) -> bool {
+        let key = self.0.as_bytes();
+        let mut diff = key.len() ^ given.len();
+        for (i, &k) in key.iter().enumerate() {
+            diff |= usize::from(k ^ given.get(i).copied().unwrap_or(!k));
+        }
+        std::hint::black_box(diff) == 0
+    }
+}
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiKey(..)")
+    }
+}
+
 impl State {
+    /// Resolves once running requests must end (at once if they already must).
+    async fn stopping(&self) {
+        let mut rx = self.stopping.subscribe();
+        let _ = rx.wait_for(|&stop| stop).await;
+    }
+
     /// The engine, or 503 while it loads.
     fn engine(&self) -> Result<&Arc<Engine>, ApiError> {
         self.engine.get().ok_or_else(|| {
@@ -234,12 +292,14 @@ fn model_id(arg: &str) -> String {
     name.map_or_else(|| arg.to_string(), |n| n.to_string_lossy().into_owned())
 }
 
-fn load(args: &ModelArgs, parallel: usize, queue_size: usize) -> Result<Engine> {
+fn load(args: &ServeArgs, parallel: usize, queue_size: usize) -> Result<Engine> {
     let config = EngineConfig {
         parallel: parallel.max(1),
         queue_size,
-        ..args.engine_config()
+        panic_marker: args.test_panic_marker.clone(),
+        ..args.model.engine_config()
     };
+    let args = &args.model;
     args.load_with(config)
         .with_context(|| format!("loading {}", args.model))
 }
@@ -247,7 +307,7 @@ fn load(args: &ModelArgs, parallel: usize, queue_size: usize) -> Result<Engine> 
 /// Runs `peregrine serve` until SIGINT/SIGTERM.
 pub fn run(args: ServeArgs) -> Result<()> {
     if args.info {
-        let engine = load(&args.model, 1, 1)?;
+        let engine = load(&args, 1, 1)?;
         let info = serde_json::json!({
             "model": model_id(&args.model.model),
             "weight_bytes": engine.model().weight_bytes(),
@@ -273,9 +333,11 @@ pub fn run(args: ServeArgs) -> Result<()> {
             .clone()
             .unwrap_or_else(|| model_id(&args.model.model)),
         model_arg: args.model.model.clone(),
-        api_key: args.api_key.clone(),
+        api_key: api_key(&args)?,
         cors: args.cors,
         max_body: args.max_body_mb.saturating_mul(1 << 20),
+        body_timeout: Duration::from_secs_f64(args.body_timeout),
+        stopping: tokio::sync::watch::channel(false).0,
         max_tokens: args.max_tokens,
         sampling,
         parallel: args.parallel.max(1),
@@ -289,6 +351,21 @@ pub fn run(args: ServeArgs) -> Result<()> {
     runtime.block_on(serve(args, state))
 }
 
+/// The key from `--api-key` or the first line of `--api-key-file`.
+fn api_key(args: &ServeArgs) -> Result<Option<ApiKey>> {
+    let key = match (&args.api_key, &args.api_key_file) {
+        (Some(key), _) => key.clone(),
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading the API key from {}", path.display()))?;
+            text.lines().next().unwrap_or("").trim().to_string()
+        }
+        (None, None) => return Ok(None),
+    };
+    anyhow::ensure!(!key.is_empty(), "the API key is empty");
+    Ok(Some(ApiKey(key)))
+}
+
 async fn serve(args: ServeArgs, state: Arc<State>) -> Result<()> {
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
         .await
@@ -299,13 +376,19 @@ async fn serve(args: ServeArgs, state: Arc<State>) -> Result<()> {
         args.model.model
     );
     let exit_on_stdin_eof = args.exit_on_stdin_eof;
+    let limits = conn::Limits {
+        header: Duration::from_secs_f64(args.header_timeout),
+        idle: Duration::from_secs_f64(args.idle_timeout),
+    };
+    let max_connections = args.max_connections as usize;
+    let deadline = Duration::from_secs_f64(args.shutdown_timeout);
     let loader = state.clone();
     let delay = Duration::from_millis(args.test_load_delay_ms);
     tokio::task::spawn_blocking(move || {
         if !delay.is_zero() {
             std::thread::sleep(delay);
         }
-        match load(&args.model, args.parallel, args.queue_size) {
+        match load(&args, args.parallel, args.queue_size) {
             Ok(engine) => {
                 let _ = loader.engine.set(Arc::new(engine));
                 eprintln!("peregrine: model `{}` ready", loader.model_id);
@@ -324,27 +407,76 @@ async fn serve(args: ServeArgs, state: Arc<State>) -> Result<()> {
         });
     }
     let graceful = GracefulShutdown::new();
+    let slots = Arc::new(tokio::sync::Semaphore::new(max_connections));
     let mut shutdown = std::pin::pin!(shutdown_signal(on_stdin_closed));
     loop {
         tokio::select! {
             conn = listener.accept() => {
                 let Ok((stream, _)) = conn else { continue };
+                let Ok(slot) = slots.clone().try_acquire_owned() else {
+                    state.metrics.refused.fetch_add(1, Ordering::Relaxed);
+                    tokio::spawn(conn::refuse(stream, max_connections));
+                    continue;
+                };
+                let activity = conn::Activity::new();
+                let io = TokioIo::new(conn::Watched::new(stream, activity.clone()));
+                let service = service_fn({
+                    let (state, activity) = (state.clone(), activity.clone());
+                    move |req| {
+                        let (busy, state) = (activity.begin(), state.clone());
+                        async move {
+                            let response = routes::handle(state, req).await?;
+                            Ok::<_, Infallible>(response.map(|body| conn::hold(body, busy)))
+                        }
+                    }
+                });
+                // Our watchdog keeps the header and idle clocks (see `conn`), not hyper's.
+                let connection = http1::Builder::new()
+                    .header_read_timeout(None)
+                    .serve_connection(io, service);
+                let connection = graceful.watch(connection);
                 let state = state.clone();
-                let service = service_fn(move |req| routes::handle(state.clone(), req));
-                let conn = http1::Builder::new().serve_connection(TokioIo::new(stream), service);
-                let conn = graceful.watch(conn);
                 tokio::spawn(async move {
-                    let _ = conn.await;
+                    let metrics = &state.metrics;
+                    metrics.connections.fetch_add(1, Ordering::Relaxed);
+                    tokio::select! {
+                        _ = connection => {}
+                        why = activity.watchdog(limits) => {
+                            let counter = match why {
+                                conn::Dropped::HeaderTimeout => &metrics.header_timeouts,
+                                conn::Dropped::Idle => &metrics.idle_timeouts,
+                            };
+                            counter.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    metrics.connections.fetch_sub(1, Ordering::Relaxed);
+                    drop(slot);
                 });
             }
             () = &mut shutdown => break,
         }
     }
     drop(listener);
-    eprintln!("peregrine: shutting down");
+    // Cancelled requests need a moment to write their final event before the deadline.
+    let drain = deadline
+        .saturating_sub(Duration::from_secs(1))
+        .max(deadline / 2);
+    eprintln!(
+        "peregrine: shutting down; running requests have {:.1} s to finish",
+        drain.as_secs_f64()
+    );
+    let all_closed = graceful.shutdown();
+    let mut all_closed = std::pin::pin!(all_closed);
     tokio::select! {
-        () = graceful.shutdown() => {}
-        () = tokio::time::sleep(SHUTDOWN_GRACE) => eprintln!("peregrine: closing open connections"),
+        () = &mut all_closed => {}
+        () = tokio::time::sleep(drain) => {
+            eprintln!("peregrine: cancelling the requests still running");
+            state.stopping.send_replace(true);
+            let left = deadline - drain;
+            if tokio::time::timeout(left, &mut all_closed).await.is_err() {
+                eprintln!("peregrine: closing the connections still open");
+            }
+        }
     }
     Ok(())
 }

@@ -26,6 +26,16 @@ pub const MAX_N: u64 = 16;
 pub const MAX_TOP_LOGPROBS: u64 = 20;
 /// Most stop sequences.
 pub const MAX_STOP: usize = 16;
+/// Longest stop sequence in bytes.
+pub const MAX_STOP_BYTES: usize = 1024;
+/// Most chat messages.
+pub const MAX_MESSAGES: usize = 4096;
+/// Most content parts in one message.
+pub const MAX_CONTENT_PARTS: usize = 1024;
+/// Most `tools` (accepted, and not yet used: tool calling is to come).
+pub const MAX_TOOLS: usize = 256;
+/// Most entries of `logit_bias`.
+pub const MAX_LOGIT_BIAS: usize = 1024;
 /// Largest temperature: the engine's cap (OpenAI's is 2; larger values work, as in vLLM).
 pub const MAX_TEMPERATURE: f64 = 100.0;
 /// Roles a chat message may have.
@@ -86,6 +96,8 @@ pub fn decode(
     let n = f.uint("n", 1, MAX_N)?.unwrap_or(1) as usize;
     let sampling = sampling(&f, defaults)?;
     let stop = stop(&f)?;
+    limit_count(&f, "tools", MAX_TOOLS)?;
+    limit_count(&f, "logit_bias", MAX_LOGIT_BIAS)?;
     let (logprobs, top) = match endpoint {
         Endpoint::Chat => {
             let on = f.bool("logprobs")?.unwrap_or(false);
@@ -306,14 +318,31 @@ fn stop(f: &Fields) -> Result<Vec<String>, ApiError> {
         Some(_) => return Err(type_error("stop", "a string or an array of strings")),
     };
     list.into_iter()
-        .map(|(s, param)| {
-            if s.is_empty() {
-                Err(ApiError::invalid(param, "stop sequences must not be empty"))
-            } else {
-                Ok(s)
-            }
+        .map(|(s, param)| match s.len() {
+            0 => Err(ApiError::invalid(param, "stop sequences must not be empty")),
+            n if n > MAX_STOP_BYTES => Err(ApiError::invalid(
+                param,
+                format!("a stop sequence holds at most {MAX_STOP_BYTES} bytes (this one {n})"),
+            )),
+            _ => Ok(s),
         })
         .collect()
+}
+
+/// Rejects an array or object field with more than `max` entries.
+fn limit_count(f: &Fields, key: &str, max: usize) -> Result<(), ApiError> {
+    let n = match f.get(key) {
+        Some(Value::Array(a)) => a.len(),
+        Some(Value::Object(o)) => o.len(),
+        _ => return Ok(()),
+    };
+    if n > max {
+        return Err(ApiError::invalid(
+            key,
+            format!("`{key}` holds at most {max} entries (this one {n})"),
+        ));
+    }
+    Ok(())
 }
 
 fn response_format(f: &Fields) -> Result<(), ApiError> {

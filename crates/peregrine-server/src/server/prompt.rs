@@ -4,7 +4,7 @@ use peregrine_engine::{ChatMessage, Prompt};
 use serde_json::{Map, Value};
 
 use super::error::ApiError;
-use super::openai::{Fields, ROLES, type_error};
+use super::openai::{Fields, MAX_CONTENT_PARTS, MAX_MESSAGES, ROLES, type_error};
 
 pub(super) fn chat_prompt(f: &Fields) -> Result<Prompt, ApiError> {
     let items = match f.get("messages") {
@@ -16,6 +16,12 @@ pub(super) fn chat_prompt(f: &Fields) -> Result<Prompt, ApiError> {
         return Err(ApiError::invalid(
             "messages",
             "`messages` must not be empty",
+        ));
+    }
+    if items.len() > MAX_MESSAGES {
+        return Err(ApiError::invalid(
+            "messages",
+            format!("`messages` holds at most {MAX_MESSAGES} messages"),
         ));
     }
     let mut messages = Vec::with_capacity(items.len());
@@ -57,6 +63,12 @@ fn chat_message(i: usize, item: &Value) -> Result<ChatMessage, ApiError> {
         Value::String(_) => {}
         Value::Null if role == "assistant" => {}
         Value::Array(parts) => {
+            if parts.len() > MAX_CONTENT_PARTS {
+                return Err(ApiError::invalid(
+                    at("content"),
+                    format!("a message holds at most {MAX_CONTENT_PARTS} content parts"),
+                ));
+            }
             for (j, part) in parts.iter().enumerate() {
                 let kind = part.get("type").and_then(Value::as_str);
                 let text = part.get("text").and_then(Value::as_str);

@@ -10,7 +10,8 @@ use hyper::{Method, Request, Response, StatusCode};
 use serde_json::json;
 
 use super::error::ApiError;
-use super::openai::{self, Endpoint};
+use super::metrics::EngineFigures;
+use super::openai::Endpoint;
 use super::sse::{self, Body};
 use super::{RequestLog, State, complete, json_response};
 
@@ -117,22 +118,7 @@ async fn dispatch(
     };
     let body = read_body(state, req).await?;
     state.engine()?;
-    let decoded = openai::decode(&body, endpoint, state.max_tokens, &state.sampling)?;
-    if let Some(model) = &decoded.model
-        && model != &state.model_id
-        && model != &state.model_arg
-    {
-        return Err(ApiError::invalid(
-            "model",
-            format!(
-                "the model `{model}` does not exist; this server serves `{}`",
-                state.model_id
-            ),
-        )
-        .status(StatusCode::NOT_FOUND)
-        .code("model_not_found"));
-    }
-    complete::run(state.clone(), endpoint, decoded, log).await
+    complete::run(state.clone(), endpoint, body, log).await
 }
 
 fn authorize(state: &State, req: &Request<Incoming>) -> Result<(), ApiError> {
@@ -143,7 +129,8 @@ fn authorize(state: &State, req: &Request<Incoming>) -> Result<(), ApiError> {
         .headers()
         .get(AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
-    if given.and_then(|v| v.strip_prefix("Bearer ")) == Some(key.as_str()) {
+    let token = given.and_then(|v| v.strip_prefix("Bearer "));
+    if token.is_some_and(|t| key.matches(t.as_bytes())) {
         return Ok(());
     }
     Err(ApiError::with_status(
@@ -171,15 +158,21 @@ async fn read_body(state: &State, req: Request<Incoming>) -> Result<bytes::Bytes
     {
         return Err(too_large());
     }
-    match Limited::new(req.into_body(), state.max_body)
-        .collect()
-        .await
-    {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
-        Err(e) => Err(ApiError::bad_request(format!(
+    let collect = Limited::new(req.into_body(), state.max_body).collect();
+    match tokio::time::timeout(state.body_timeout, collect).await {
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
+        Ok(Err(e)) => Err(ApiError::bad_request(format!(
             "reading the body failed: {e}"
         ))),
+        Err(_) => Err(ApiError::with_status(
+            StatusCode::REQUEST_TIMEOUT,
+            format!(
+                "the body did not arrive within {} s (--body-timeout)",
+                state.body_timeout.as_secs_f64()
+            ),
+        )
+        .code("request_timeout")),
     }
 }
 
@@ -199,10 +192,12 @@ fn simple_get(state: &State, route: &str, path: &str) -> Result<Response<Body>, 
             })
         }
         "/metrics" => {
-            let engine = state.engine.get();
-            let kv = engine.map_or(0, |e| e.kv_bytes_in_use());
-            let cache = engine.map(|e| e.prompt_cache_stats()).unwrap_or_default();
-            let text = state.metrics.render(state.parallel, kv, cache);
+            let figures = (state.engine.get()).map_or_else(Default::default, |e| EngineFigures {
+                kv_bytes: e.kv_bytes_in_use(),
+                prefills: e.prefills(),
+                cache: e.prompt_cache_stats(),
+            });
+            let text = state.metrics.render(state.parallel, figures);
             let mut response = Response::new(sse::full(text));
             response.headers_mut().insert(
                 "content-type",

@@ -7,6 +7,7 @@
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, combinators::BoxBody};
@@ -25,15 +26,19 @@ pub fn full(bytes: impl Into<Bytes>) -> Body {
     Full::new(bytes.into()).boxed()
 }
 
-/// A streaming body and the sender that feeds it.
-pub fn channel() -> (SseSender, Body) {
+/// A streaming body and the sender that feeds it. A client that reads nothing for `stall`
+/// while the buffer is full counts as gone.
+pub fn channel(stall: Duration) -> (SseSender, Body) {
     let (tx, rx) = mpsc::channel(CHANNEL_DEPTH);
-    (SseSender(tx), ChannelBody(rx).boxed())
+    (SseSender { tx, stall }, ChannelBody(rx).boxed())
 }
 
 /// Writes server-sent events into a streaming body.
 #[derive(Debug, Clone)]
-pub struct SseSender(mpsc::Sender<Bytes>);
+pub struct SseSender {
+    tx: mpsc::Sender<Bytes>,
+    stall: Duration,
+}
 
 /// The client has gone away.
 #[derive(Debug, Clone, Copy)]
@@ -56,12 +61,13 @@ impl SseSender {
     }
 
     async fn raw(&self, text: String) -> Result<(), Closed> {
-        self.0.send(Bytes::from(text)).await.map_err(|_| Closed)
+        let sent = self.tx.send_timeout(Bytes::from(text), self.stall).await;
+        sent.map_err(|_| Closed)
     }
 
     /// Resolves when the client has gone away.
     pub async fn closed(&self) {
-        self.0.closed().await
+        self.tx.closed().await
     }
 }
 

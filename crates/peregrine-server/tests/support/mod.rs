@@ -89,6 +89,19 @@ impl Server {
         self.log.lock().unwrap().clone()
     }
 
+    /// The log once `done` holds for it (the log is read on another thread, so a line may
+    /// arrive after the reply it belongs to), or as it is after 10 s.
+    pub fn log_until(&self, done: impl Fn(&str) -> bool) -> String {
+        let start = Instant::now();
+        loop {
+            let log = self.log();
+            if done(&log) || start.elapsed() > Duration::from_secs(10) {
+                return log;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// The server's process id.
     pub fn pid(&self) -> u32 {
         self.child.id()
@@ -171,7 +184,7 @@ pub struct Reply {
 }
 
 impl Reply {
-    fn parse(raw: &[u8]) -> Self {
+    pub fn parse(raw: &[u8]) -> Self {
         let text = String::from_utf8_lossy(raw);
         let (head, rest) = text.split_once("\r\n\r\n").expect("a header block");
         let mut lines = head.lines();
@@ -236,4 +249,21 @@ fn dechunk(mut rest: &str) -> String {
         rest = tail[n..].trim_start_matches("\r\n");
     }
     out
+}
+
+/// A real model from the cache `scripts/fetch-models.sh` fills (`PEREGRINE_MODELS` or
+/// `~/.cache/peregrine/models`). Panics with the fix when absent: these tests run, never skip.
+pub fn real_model(file: &str) -> PathBuf {
+    let dir = std::env::var_os("PEREGRINE_MODELS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/peregrine/models")
+        });
+    let path = dir.join(file);
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/fetch-models.sh",
+        path.display()
+    );
+    path
 }
