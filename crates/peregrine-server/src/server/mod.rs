@@ -408,6 +408,7 @@ async fn serve(args: ServeArgs, state: Arc<State>) -> Result<()> {
     }
     let graceful = GracefulShutdown::new();
     let slots = Arc::new(tokio::sync::Semaphore::new(max_connections));
+    let refusals = Arc::new(tokio::sync::Semaphore::new(64));
     let mut shutdown = std::pin::pin!(shutdown_signal(on_stdin_closed));
     loop {
         tokio::select! {
@@ -415,7 +416,13 @@ async fn serve(args: ServeArgs, state: Arc<State>) -> Result<()> {
                 let Ok((stream, _)) = conn else { continue };
                 let Ok(slot) = slots.clone().try_acquire_owned() else {
                     state.metrics.refused.fetch_add(1, Ordering::Relaxed);
-                    tokio::spawn(conn::refuse(stream, max_connections));
+                    // Answered while few are being answered; under a flood, just closed.
+                    if let Ok(refusing) = refusals.clone().try_acquire_owned() {
+                        tokio::spawn(async move {
+                            conn::refuse(stream, max_connections).await;
+                            drop(refusing);
+                        });
+                    }
                     continue;
                 };
                 let activity = conn::Activity::new();
