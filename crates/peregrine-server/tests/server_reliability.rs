@@ -268,11 +268,7 @@ fn sigterm_ends_every_stream_cleanly() {
         .collect();
     std::thread::sleep(Duration::from_secs(1));
     let start = Instant::now();
-    let killed = std::process::Command::new("kill")
-        .args(["-TERM", &server.pid().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    server.terminate();
     let status = server
         .wait_exit(Duration::from_secs(10))
         .expect("the server exits");

@@ -404,11 +404,7 @@ fn models_health_cors_and_graceful_shutdown() {
     let log = server.log_until(logged);
     assert!(logged(&log), "{log}");
 
-    let status = std::process::Command::new("kill")
-        .args(["-TERM", &server.pid().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    server.terminate();
     let exit = server
         .wait_exit(Duration::from_secs(15))
         .expect("the server exits on SIGTERM");

@@ -107,6 +107,15 @@ impl Server {
         self.child.id()
     }
 
+    /// Sends SIGTERM.
+    pub fn terminate(&self) {
+        let sent = Command::new("kill")
+            .args(["-TERM", &self.pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+    }
+
     /// Waits for the process to exit, up to `timeout`.
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
         let start = Instant::now();
