@@ -10,9 +10,9 @@ Modes: f32/f16/bf16 (`--cache-type`), q8/q4 (`--kv-bits 8|4`, in groups of `--kv
 its default 256-token hot window and 2,048-token threshold: positions past `--from` 2048 read
 compressed keys).
 
-The default text is the repository's own English prose (README.md, docs/ARCHITECTURE.md,
-docs/adding-a-model.md), its first 16,000 characters (about 4K tokens), tokenized by the model;
-it must reach `from + positions` tokens.
+The default text is tests/data/kv_quality/prompt.txt (the repository's own English prose, pinned:
+see the README there), its first 16,000 characters (about 4K tokens), tokenized by the model; it
+must reach `from + positions` tokens.
 Prints one JSON line per mode."""
 import argparse, json, os, subprocess, sys, tempfile
 
@@ -46,8 +46,8 @@ def log_softmax(x):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
-    ap.add_argument("--text", nargs="*", default=[os.path.join(ROOT, f) for f in
-                    ["README.md", "docs/ARCHITECTURE.md", "docs/adding-a-model.md"]])
+    ap.add_argument("--text", nargs="*",
+                    default=[os.path.join(ROOT, "tests/data/kv_quality/prompt.txt")])
     ap.add_argument("--chars", type=int, default=16000, help="the text's first C characters (~4K tokens)")
     ap.add_argument("--from", dest="start", type=int, default=2048)
     ap.add_argument("--positions", type=int, default=200)
