@@ -87,13 +87,11 @@ impl Activity {
     /// might be.
     fn verdict(&self, limits: Limits) -> Result<Duration, Dropped> {
         if self.busy.load(Ordering::Relaxed) > 0 {
-            return Ok(limits.header.min(limits.idle));
+            return Ok(limits.header);
         }
         let now = self.now();
         let waited = |since: u64, limit: Duration| {
-            let left =
-                limit.as_millis() as u64 - now.saturating_sub(since).min(limit.as_millis() as u64);
-            Duration::from_millis(left)
+            limit.saturating_sub(Duration::from_millis(now.saturating_sub(since)))
         };
         let head = self.head_since.load(Ordering::Relaxed);
         let (left, why) = match head {
@@ -108,11 +106,13 @@ impl Activity {
 
     /// Resolves when the connection should be dropped, with the reason.
     pub async fn watchdog(&self, limits: Limits) -> Dropped {
+        // A head may start at any moment: wake often enough to cut it within a tenth of the
+        // header timeout of its deadline.
+        let tick = (limits.header / 10).clamp(Duration::from_millis(10), Duration::from_secs(1));
         loop {
             match self.verdict(limits) {
                 Err(why) => return why,
-                // Wake at least every 100 ms: a head may start at any moment.
-                Ok(left) => tokio::time::sleep(left.min(Duration::from_millis(100))).await,
+                Ok(left) => tokio::time::sleep(left.min(tick)).await,
             }
         }
     }

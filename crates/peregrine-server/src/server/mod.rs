@@ -348,7 +348,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    runtime.block_on(serve(args, state))
+    let served = runtime.block_on(serve(args, state));
+    // Past the deadline nothing is waited for: not a model still loading, not a tokenizer run.
+    runtime.shutdown_background();
+    served
 }
 
 /// The key from `--api-key` or the first line of `--api-key-file`.
