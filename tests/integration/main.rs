@@ -2,6 +2,7 @@
 
 mod common;
 mod engine_state;
+mod examples;
 mod numerics;
 mod prompt_cache;
 mod real_models;

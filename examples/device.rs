@@ -1,0 +1,30 @@
+//! Pick the device the model runs on by name: `cpu` (the default), `cuda`, `cuda:N` or `metal`.
+//! This build runs on the CPU; the GPU backends arrive as cargo features with their issues, and
+//! until then naming one is a clear error, not a silent fall back to the CPU.
+//!
+//! `cargo run --release --example device -- cpu [MODEL]`
+
+mod common;
+
+use peregrine::tensor::device::parse_device;
+use peregrine::{Engine, EngineConfig, Event, Prompt, Request};
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    let device = parse_device(&args.next().unwrap_or_else(|| "cpu".into()))?;
+    let config = EngineConfig {
+        device: device.clone(),
+        ..EngineConfig::default()
+    };
+    let engine = Engine::load(&common::model_path(args.next()), config)?;
+    let mut request = Request::new(Prompt::Text("Hello".into()));
+    request.max_tokens = Some(8);
+    let generated: usize = (engine.submit(request)?)
+        .map(|e| match e {
+            Event::Delta { tokens, .. } => tokens.len(),
+            _ => 0,
+        })
+        .sum();
+    println!("{device:?}: generated {generated} tokens");
+    Ok(())
+}
