@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite: fetch the real test models into the cache (once; checksum-verified), run
-# every Rust test in the workspace, then the official `openai` Python client against
-# `peregrine serve` (scripts/test-openai-client.sh), and close with the totals over all of them.
+# every Rust test in the workspace (examples are built and run by tests/integration/examples.rs),
+# then the official `openai` Python client against `peregrine serve`
+# (scripts/test-openai-client.sh), build the docs and package the crates, and close with the test
+# totals over all of them.
 # Extra arguments go to `cargo test`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +13,11 @@ trap 'rm -f "$log"' EXIT
 status=0
 cargo test --workspace --locked "$@" 2>&1 | tee "$log" || status=$?
 PEREGRINE_BIN=target/debug/peregrine scripts/test-openai-client.sh 2>&1 | tee -a "$log" || status=$?
+# The crates as users get them: docs build without warnings, and every library packages.
+echo "docs: RUSTDOCFLAGS=-D warnings cargo doc --workspace --no-deps"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked 2>&1 | tail -n 3 || status=$?
+echo "packages: cargo package --workspace --no-verify"
+cargo package --workspace --no-verify --locked --allow-dirty 2>&1 | grep -v "^warning: ignoring" | tail -n 2 || status=$?
 # cargo prints one "test result: ... N passed; N failed; N ignored" line per test binary and
 # pytest one "N passed, N failed in Ts" line: sum them into one closing line.
 awk '/^test result:|^[0-9]+ (passed|failed).* in [0-9.]+s/ {

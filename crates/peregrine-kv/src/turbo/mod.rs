@@ -3,7 +3,7 @@
 //! value, ≈3.125 per value value at `head_dim` 128) and attention scores them in the rotated
 //! domain; the hot window stays f16. The same on full-attention and sliding-window layers.
 //! Rows closer to their head's mean key or value (of the positions before the threshold) than
-//! to zero are stored as the difference, which shrinks the codec's error (see [`Means`]).
+//! to zero are stored as the difference, which shrinks the codec's error (see `Means`).
 //!
 //! Which form a query reads is a function of its position alone (keys older than `hot_window`
 //! positions are read compressed once the sequence holds more than `threshold`), so a prompt

@@ -18,7 +18,7 @@
 //! - Real checkpoints carry `num_nextn_predict_layers` multi-token-prediction layers after the
 //!   last one (`model.layers.61.*` in DeepSeek-V3); only layers `< num_hidden_layers` are read,
 //!   so they are ignored (in GGUF files too: `block_count` less `nextn_predict_layers`).
-//! - GGUF files (`deepseek2`) are read by [`configure_gguf`].
+//! - GGUF files (`deepseek2`) are read by `configure_gguf`.
 //!
 //! Everything else is the llama-family decoder: the model is `DecoderLm<Mla>`.
 

@@ -1,7 +1,7 @@
 //! The llama-family decoder (pre-norm attention + gated MLP), parameterised by config flags:
 //! q/k/v bias (Qwen2), q/k norm (Qwen3), sliding window (Mistral), routed experts in place of
 //! the MLP (Mixtral, Qwen3-MoE), and by its attention ([`SelfAttention`]: grouped-query
-//! [`Attention`], or DeepSeek's latent [`Mla`]). Architectures that differ only in such flags
+//! [`Attention`], or DeepSeek's latent [`Mla`](super::mla::Mla)). Architectures that differ only in such flags
 //! reuse it rather than copying it.
 
 use peregrine_kv::{LayerCache, LayerKind, SequenceCache};
