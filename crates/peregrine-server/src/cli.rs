@@ -1,4 +1,4 @@
-//! Command-line interface: `generate`, `logits`, `bench`, `serve`, `quantize`.
+//! Command-line interface: `generate`, `chat`, `logits`, `bench`, `serve`, `quantize`.
 
 use std::io::Write;
 use std::ops::Range;
@@ -30,6 +30,8 @@ pub struct Cli {
 enum Command {
     /// Generate a completion and print it.
     Generate(GenerateArgs),
+    /// Chat with the model in the terminal: streamed replies, history, slash commands.
+    Chat(crate::chat::ChatArgs),
     /// Write the model's logits for given tokens to a safetensors file (a parity tool).
     Logits(LogitsArgs),
     /// Measure prefill and decode speed; prints one JSON object.
@@ -148,6 +150,14 @@ struct GenerateArgs {
     /// An optional system message for --chat.
     #[arg(long, requires = "chat")]
     system: Option<String>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+}
+
+/// Sampling flags `generate` and `chat` share.
+#[derive(Debug, Args)]
+pub struct SamplingArgs {
+    /// Most tokens per reply.
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
     /// 0 is greedy.
@@ -167,6 +177,27 @@ struct GenerateArgs {
     /// Stop when this text appears (repeatable).
     #[arg(long)]
     stop: Vec<String>,
+}
+
+impl SamplingArgs {
+    /// A request for `prompt` with these flags.
+    pub fn request(&self, prompt: Prompt) -> Request {
+        let sampling = SamplingParams {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            repetition_penalty: self.repeat_penalty,
+            seed: self.seed,
+            ..Default::default()
+        };
+        Request {
+            sampling,
+            stop: self.stop.clone(),
+            max_tokens: Some(self.max_tokens),
+            ..Request::new(prompt)
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -195,6 +226,7 @@ struct LogitsArgs {
 pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Generate(args) => generate(args),
+        Command::Chat(args) => crate::chat::run(args),
         Command::Logits(args) => logits(args),
         Command::Bench(args) => crate::bench::run(args, cli.threads),
         Command::Serve(args) => crate::server::run(args),
@@ -220,21 +252,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         }
         (None, None) => bail!("give --prompt or --chat"),
     };
-    let sampling = SamplingParams {
-        temperature: args.temperature,
-        top_p: args.top_p,
-        top_k: args.top_k,
-        min_p: args.min_p,
-        repetition_penalty: args.repeat_penalty,
-        seed: args.seed,
-        ..Default::default()
-    };
-    let request = Request {
-        sampling,
-        stop: args.stop,
-        max_tokens: Some(args.max_tokens),
-        ..Request::new(prompt)
-    };
+    let request = args.sampling.request(prompt);
     let mut out = std::io::stdout().lock();
     for event in engine.submit(request)? {
         match event {

@@ -1,6 +1,7 @@
 //! `peregrine`: run open-weight LLMs from GGUF, safetensors or MLX checkpoints.
 
 mod bench;
+mod chat;
 mod cli;
 mod hub;
 mod quantize;
