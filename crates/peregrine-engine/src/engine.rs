@@ -412,8 +412,8 @@ fn run_job(shared: &Shared, job: Job) {
         }
     };
     let mut failure = Some(failure);
-    for (i, sink) in job.choices.iter().enumerate() {
-        if choices.get(i).is_some_and(|c| c.done) {
+    for (sink, choice) in job.choices.iter().zip(&choices) {
+        if choice.done {
             continue;
         }
         let e = match failure.take() {

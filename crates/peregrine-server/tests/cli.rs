@@ -4,7 +4,7 @@
 
 mod cli_support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use cli_support::*;
 use peregrine_engine::tensor::Device;
@@ -126,17 +126,7 @@ fn wrong_tensor_shape_names_tensor_and_shapes() {
 /// `scripts/fetch-models.sh`; the test fails, rather than skips, when it is absent).
 #[test]
 fn truncated_gguf_names_the_file_and_tensor() {
-    let models = std::env::var_os("PEREGRINE_MODELS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/peregrine/models")
-        });
-    let source = models.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        source.exists(),
-        "{} is missing: run scripts/fetch-models.sh",
-        source.display()
-    );
+    let source = real_model("SmolLM2-135M-Instruct.Q4_1.gguf");
     let bytes = std::fs::read(&source).unwrap();
     let dir = scratch("truncated-gguf");
     for (name, len) in [("header.gguf", 4096), ("data.gguf", bytes.len() / 2)] {

@@ -10,6 +10,7 @@
 //! Dropping is safe then: no response is being written. Connections over `--max-connections`
 //! get a 503 and are closed after their request is drained, so the client reads the answer.
 
+use std::convert::Infallible;
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -17,8 +18,15 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use hyper_util::server::graceful::GracefulShutdown;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
+use tokio::sync::OwnedSemaphorePermit;
+
+use super::{State, routes};
 
 /// No time recorded (a millisecond count that never occurs).
 const NONE: u64 = u64::MAX;
@@ -177,6 +185,51 @@ impl tokio::io::AsyncWrite for Watched {
     }
 }
 
+/// Serves `stream` over HTTP/1.1 on its own task until it closes, shutdown closes it, or the
+/// watchdog drops it; `slot` (its place under `--max-connections`) is released at the end.
+pub fn serve(
+    state: &Arc<State>,
+    stream: TcpStream,
+    limits: Limits,
+    slot: OwnedSemaphorePermit,
+    graceful: &GracefulShutdown,
+) {
+    let activity = Activity::new();
+    let io = TokioIo::new(Watched::new(stream, activity.clone()));
+    let service = service_fn({
+        let (state, activity) = (state.clone(), activity.clone());
+        move |req| {
+            let (busy, state) = (activity.begin(), state.clone());
+            async move {
+                let response = routes::handle(state, req).await?;
+                Ok::<_, Infallible>(response.map(|body| hold(body, busy)))
+            }
+        }
+    });
+    // Our watchdog keeps the header and idle clocks, not hyper's.
+    let connection = http1::Builder::new()
+        .header_read_timeout(None)
+        .serve_connection(io, service);
+    let connection = graceful.watch(connection);
+    let state = state.clone();
+    tokio::spawn(async move {
+        let metrics = &state.metrics;
+        metrics.connections.fetch_add(1, Ordering::Relaxed);
+        tokio::select! {
+            _ = connection => {}
+            why = activity.watchdog(limits) => {
+                let counter = match why {
+                    Dropped::HeaderTimeout => &metrics.header_timeouts,
+                    Dropped::Idle => &metrics.idle_timeouts,
+                };
+                counter.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        metrics.connections.fetch_sub(1, Ordering::Relaxed);
+        drop(slot);
+    });
+}
+
 /// Answers a connection over the limit with 503 and closes it. What the client sent is read
 /// (up to 64 KiB, for at most a second) after the answer, so that closing does not reset the
 /// connection before the client has read it.
@@ -209,7 +262,7 @@ pub async fn refuse(mut stream: TcpStream, limit: usize) {
 }
 
 /// `body` holding `busy` until hyper has sent or dropped it.
-pub fn hold(body: super::Body, busy: Busy) -> super::Body {
+fn hold(body: super::Body, busy: Busy) -> super::Body {
     use http_body_util::BodyExt;
     Held { body, _busy: busy }.boxed()
 }

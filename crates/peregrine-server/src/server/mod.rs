@@ -18,7 +18,6 @@ mod routes;
 mod sse;
 mod wire;
 
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,9 +27,6 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{Context, Result};
 use clap::Args;
 use hyper::Response;
-use hyper::server::conn::http1;
-use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
 use hyper_util::server::graceful::GracefulShutdown;
 use peregrine_engine::{Engine, EngineConfig, SamplingParams};
 
@@ -428,40 +424,7 @@ async fn serve(args: ServeArgs, state: Arc<State>) -> Result<()> {
                     }
                     continue;
                 };
-                let activity = conn::Activity::new();
-                let io = TokioIo::new(conn::Watched::new(stream, activity.clone()));
-                let service = service_fn({
-                    let (state, activity) = (state.clone(), activity.clone());
-                    move |req| {
-                        let (busy, state) = (activity.begin(), state.clone());
-                        async move {
-                            let response = routes::handle(state, req).await?;
-                            Ok::<_, Infallible>(response.map(|body| conn::hold(body, busy)))
-                        }
-                    }
-                });
-                // Our watchdog keeps the header and idle clocks (see `conn`), not hyper's.
-                let connection = http1::Builder::new()
-                    .header_read_timeout(None)
-                    .serve_connection(io, service);
-                let connection = graceful.watch(connection);
-                let state = state.clone();
-                tokio::spawn(async move {
-                    let metrics = &state.metrics;
-                    metrics.connections.fetch_add(1, Ordering::Relaxed);
-                    tokio::select! {
-                        _ = connection => {}
-                        why = activity.watchdog(limits) => {
-                            let counter = match why {
-                                conn::Dropped::HeaderTimeout => &metrics.header_timeouts,
-                                conn::Dropped::Idle => &metrics.idle_timeouts,
-                            };
-                            counter.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                    metrics.connections.fetch_sub(1, Ordering::Relaxed);
-                    drop(slot);
-                });
+                conn::serve(&state, stream, limits, slot, &graceful);
             }
             () = &mut shutdown => break,
         }

@@ -95,3 +95,9 @@ pub fn cli_logits(model: &Path, ids: &[u32], extra: &[&str], scratch_name: &str)
     );
     load(&out_file, &Device::Cpu).unwrap()["logits"].clone()
 }
+
+// The repository's test helpers (`real_model`), shared rather than copied.
+#[path = "../../../../tests/integration/common.rs"]
+mod repo;
+#[allow(unused_imports)] // each test binary uses its own subset
+pub use repo::real_model;

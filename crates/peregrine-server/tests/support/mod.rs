@@ -260,19 +260,8 @@ fn dechunk(mut rest: &str) -> String {
     out
 }
 
-/// A real model from the cache `scripts/fetch-models.sh` fills (`PEREGRINE_MODELS` or
-/// `~/.cache/peregrine/models`). Panics with the fix when absent: these tests run, never skip.
-pub fn real_model(file: &str) -> PathBuf {
-    let dir = std::env::var_os("PEREGRINE_MODELS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/peregrine/models")
-        });
-    let path = dir.join(file);
-    assert!(
-        path.exists(),
-        "{} is missing: run scripts/fetch-models.sh",
-        path.display()
-    );
-    path
-}
+// The repository's test helpers (`real_model`), shared rather than copied.
+#[path = "../../../../tests/integration/common.rs"]
+mod repo;
+#[allow(unused_imports)] // each test binary uses its own subset
+pub use repo::real_model;
