@@ -382,3 +382,43 @@ fn softcapped_attention_matches_reference() {
         assert!(diff < TOL, "{case}, candle path: {diff}");
     }
 }
+
+/// A row's attention must not depend on which rows came with it or on the thread count: a
+/// prompt prefilled in pieces, or a sequence decoded beside others, must give the bits it gives
+/// prefilled whole (the prompt cache and continuous batching promise exact outputs). Keys span
+/// several chunks, and the tail of rows is taken on its own, as decode (one row) and as a short
+/// prefill (few tasks), on pools of 1 to 3 threads.
+#[test]
+fn a_rows_attention_does_not_depend_on_its_batch_or_threads() {
+    for (heads, kv, d) in [(9, 3, 64), (4, 1, 256)] {
+        for window in [None, Some(150)] {
+            let k_len = 300;
+            let q = randn(&[1, k_len, heads, d], 31).transpose(1, 2).unwrap();
+            let k = randn(&[1, kv, k_len, d], 32).to_dtype(DType::F16).unwrap();
+            let v = randn(&[1, kv, k_len, d], 33).to_dtype(DType::F16).unwrap();
+            let run = |threads: usize, q_len: usize| -> Vec<f32> {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let q = q.narrow(2, k_len - q_len, q_len).unwrap();
+                let mask = MaskSpec {
+                    q_start: k_len - q_len,
+                    k_start: 0,
+                    window,
+                };
+                let out = pool.install(|| attention(&q, &k, &v, 0.125, None, &mask).unwrap());
+                let last = out.narrow(2, q_len - 1, 1).unwrap();
+                last.flatten_all().unwrap().to_vec1().unwrap()
+            };
+            let whole = run(2, k_len);
+            for (threads, q_len) in [(1, k_len), (3, k_len), (1, 1), (2, 1), (3, 1), (2, 2)] {
+                assert!(
+                    run(threads, q_len) == whole,
+                    "heads {heads}/{kv} d {d} window {window:?}: the last row differs with \
+                     {q_len} rows on {threads} threads"
+                );
+            }
+        }
+    }
+}

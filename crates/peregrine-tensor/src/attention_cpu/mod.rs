@@ -22,6 +22,9 @@ use rows::{Elem, KvRows, Rows, simd};
 /// Multiply-adds per rayon task: below this, splitting costs more than it saves.
 const TASK_WORK: usize = 1 << 15;
 
+/// Keys per chunk of a row's attention ([`Shape::run`]); chunks start at multiples of it.
+const CHUNK_KEYS: usize = 128;
+
 /// `Some(attention)` when the inputs suit this kernel (CPU, f32 queries, f32/f16/bf16 keys and
 /// values with a contiguous last dimension), `None` otherwise.
 pub(crate) fn attention(
@@ -331,6 +334,16 @@ impl<R: KvRows> Task<'_, R> {
             values: self.values.subset(from, to - from),
         }
     }
+
+    /// Chunk `c` of this task's keys, the first of which sits at absolute position `first`:
+    /// the ones inside the `c`-th span of [`CHUNK_KEYS`] from the one holding `first`.
+    fn chunk(&self, first: usize, c: usize) -> Option<Self> {
+        let n = self.keys.count();
+        let span = (first / CHUNK_KEYS + c) * CHUNK_KEYS;
+        let from = span.max(first) - first;
+        let to = (span + CHUNK_KEYS).min(first + n).saturating_sub(first);
+        (from < to).then(|| self.keys(from, to))
+    }
 }
 
 impl Shape {
@@ -355,6 +368,12 @@ impl Shape {
     }
 
     /// Writes every row of `out`; allocates nothing at decode once `scratch` has grown.
+    ///
+    /// Each row's keys are attended in chunks of [`CHUNK_KEYS`] aligned on absolute positions,
+    /// and the chunks' partial softmax sums are merged in position order (as flash-decoding
+    /// does). Only the parallel schedule depends on the batch and the thread count, so a row's
+    /// bits depend on that row alone: a prompt prefilled in pieces, or decoded beside others,
+    /// gives the same result as prefilled whole.
     #[allow(clippy::too_many_arguments)]
     fn run<S: Source>(
         &self,
@@ -366,13 +385,14 @@ impl Shape {
         out: &mut [f32],
         scratch: &mut AttnScratch,
     ) {
-        out.fill(0.0); // rows with no visible key stay zero; decode accumulates into them
+        out.fill(0.0); // rows with no visible key stay zero
         let (groups, q_len, d) = (self.groups, self.q_len, self.d);
         let kv_heads = self.heads / groups;
         let simd = simd::available();
         // One task per (batch, position, kv head): its `groups` query heads share every key and
         // value row read, and their outputs are contiguous in `out` ([b, q_len, heads, d]).
-        let task = |t: usize| -> Option<Task<S::Rows>> {
+        // Also the absolute position of its first visible key, where its chunks are aligned.
+        let task = |t: usize| -> Option<(Task<S::Rows>, usize)> {
             let (kvh, i, bi) = (t % kv_heads, t / kv_heads % q_len, t / kv_heads / q_len);
             let pos = mask.q_start + i;
             // Visible keys: k_start + j ≤ pos, and pos - (k_start + j) < window.
@@ -380,87 +400,86 @@ impl Shape {
             let lo = mask.window.map_or(0, |w| {
                 (pos + 1).saturating_sub(w).saturating_sub(mask.k_start)
             });
-            (lo < hi).then(|| Task {
-                queries: qv.rows(q, [bi, kvh * groups, i], 1, groups, d),
-                keys: k.0.rows(k.1, [bi, kvh, lo], hi - lo, d),
-                values: v.0.rows(v.1, [bi, kvh, lo], hi - lo, d),
+            (lo < hi).then(|| {
+                let task = Task {
+                    queries: qv.rows(q, [bi, kvh * groups, i], 1, groups, d),
+                    keys: k.0.rows(k.1, [bi, kvh, lo], hi - lo, d),
+                    values: v.0.rows(v.1, [bi, kvh, lo], hi - lo, d),
+                };
+                (task, mask.k_start + lo)
             })
         };
         let tasks = out.len() / (groups * d);
         let threads = rayon::current_num_threads();
-        if tasks >= 2 * threads {
+        // The most chunks a task can touch: its keys need not start on a chunk boundary.
+        let room = self.key_room.div_ceil(CHUNK_KEYS) + 1;
+        let part = groups * d;
+        if tasks >= 2 * threads && q_len > 1 {
+            // Many tasks (prefill): one task per work item, its chunks in turn.
+            let chunks = self.k_len.div_ceil(CHUNK_KEYS) + 1;
             let min_tasks = (TASK_WORK / (2 * self.k_len * d * groups).max(1)).max(1);
-            out.par_chunks_mut(groups * d)
+            out.par_chunks_mut(part)
                 .with_min_len(min_tasks)
                 .enumerate()
                 .for_each_init(
-                    || (Vec::new(), vec![(0f32, 0f32); groups]),
-                    |(scores, stats), (t, out)| {
-                        if let Some(task) = task(t) {
-                            scores.resize(groups * task.keys.count(), 0.0);
-                            self.attend(simd, &task, true, scores, stats, out);
+                    || {
+                        let scores = vec![0f32; groups * CHUNK_KEYS];
+                        (scores, vec![0f32; chunks * part], Vec::new())
+                    },
+                    |(scores, partial, stats), (t, out)| {
+                        let Some((task, first)) = task(t) else {
+                            return;
+                        };
+                        stats.clear();
+                        stats.resize(chunks * groups, (f32::NEG_INFINITY, 0f32));
+                        for c in 0..chunks {
+                            let Some(keys) = task.chunk(first, c) else {
+                                break;
+                            };
+                            let (stats, partial) =
+                                (&mut stats[c * groups..], &mut partial[c * part..]);
+                            self.attend(simd, &keys, scores, stats, partial);
                         }
+                        merge(groups, d, stats, partial, out);
                     },
                 );
             return;
         }
-        // Few tasks (decode): split each task's keys into chunks attended in parallel, then
-        // merge the chunks' partial softmax sums (as flash-decoding does).
-        let splits = (2 * threads).div_ceil(tasks.max(1));
-        // A chunk attends at most this many keys (a task sees at most `k_len`).
-        let chunk_keys = self.key_room.div_ceil(splits).max(1);
-        let chunks = tasks * splits;
+        // Few tasks (decode): every (task, chunk) is a work item.
         let AttnScratch {
             partial,
             stats,
             scores,
         } = scratch;
-        grow(partial, chunks * groups * d, 0.0);
-        grow(scores, chunks * groups * chunk_keys, 0.0);
+        let items = tasks * room;
+        grow(partial, items * part, 0.0);
+        grow(scores, items * groups * CHUNK_KEYS, 0.0);
         stats.clear(); // a chunk without keys must read as empty
-        stats.resize(chunks * groups, (f32::NEG_INFINITY, 0f32));
-        partial[..chunks * groups * d]
-            .par_chunks_mut(groups * d)
+        stats.resize(items * groups, (f32::NEG_INFINITY, 0f32));
+        partial[..items * part]
+            .par_chunks_mut(part)
             .zip(stats.par_chunks_mut(groups))
-            .zip(scores[..chunks * groups * chunk_keys].par_chunks_mut(groups * chunk_keys))
+            .zip(scores[..items * groups * CHUNK_KEYS].par_chunks_mut(groups * CHUNK_KEYS))
             .enumerate()
-            .for_each(|(at, ((out, stats), scores))| {
-                let Some(task) = task(at / splits) else {
-                    return;
-                };
-                let (n, c) = (task.keys.count(), at % splits);
-                let (from, to) = (n * c / splits, n * (c + 1) / splits);
-                if from < to {
-                    self.attend(simd, &task.keys(from, to), false, scores, stats, out);
+            .for_each(|(at, ((partial, stats), scores))| {
+                if let Some((task, first)) = task(at / room)
+                    && let Some(keys) = task.chunk(first, at % room)
+                {
+                    self.attend(simd, &keys, scores, stats, partial);
                 }
             });
-        for (t, out) in out.chunks_exact_mut(groups * d).enumerate() {
-            for (g, out) in out.chunks_exact_mut(d).enumerate() {
-                let chunk = |c: usize| (t * splits + c) * groups + g;
-                let max = (0..splits).fold(f32::NEG_INFINITY, |m, c| m.max(stats[chunk(c)].0));
-                let mut total = 0f32;
-                for c in 0..splits {
-                    let (m, sum) = stats[chunk(c)];
-                    if sum > 0.0 {
-                        let w = (m - max).exp();
-                        total += w * sum;
-                        let part = &partial[chunk(c) * d..][..d];
-                        out.iter_mut().zip(part).for_each(|(o, p)| *o += w * p);
-                    }
-                }
-                out.iter_mut().for_each(|o| *o /= total);
-            }
+        for (t, out) in out.chunks_exact_mut(part).enumerate() {
+            let (stats, partial) = (&stats[t * room * groups..], &partial[t * room * part..]);
+            merge(groups, d, &stats[..room * groups], partial, out);
         }
     }
 
-    /// Attention of one task: `out[g] = Σ_j p_gj · v_j` with `p_gj = exp(s_gj - max_g)`, and
-    /// `stats[g] = (max_g, Σ_j p_gj)`. With `normalize`, `p_gj` is first divided by that sum
-    /// (reported as 1), the reference's order of operations.
+    /// Attention of one chunk of a task's keys: `out[g] = Σ_j p_gj · v_j` with
+    /// `p_gj = exp(s_gj - max_g)`, and `stats[g] = (max_g, Σ_j p_gj)`.
     fn attend<R: KvRows>(
         &self,
         simd: bool,
         task: &Task<R>,
-        normalize: bool,
         scores: &mut [f32],
         stats: &mut [(f32, f32)],
         out: &mut [f32],
@@ -488,16 +507,36 @@ impl Shape {
                 *s = (*s - max).exp();
                 total += *s;
             }
-            if normalize {
-                row.iter_mut().for_each(|s| *s /= total);
-                total = 1.0;
-            }
             *stat = (max, total);
         }
         for h0 in (0..groups).step_by(simd::HEADS) {
             let g = (groups - h0).min(simd::HEADS);
             let probs = &scores[h0 * n..][..g * n];
             simd::weighted_sum(simd, probs, task.values, &mut out[h0 * d..][..g * d]);
+        }
+    }
+}
+
+/// Merges a task's chunks in order into `out` (`groups` rows of `d`): `stats` holds
+/// `(max, sum)` per chunk and head (`[chunk][group]`), `partial` the unnormalized sums
+/// (`[chunk][group][d]`); a chunk whose sum is zero held no keys.
+fn merge(groups: usize, d: usize, stats: &[(f32, f32)], partial: &[f32], out: &mut [f32]) {
+    let chunks = stats.len() / groups;
+    for (g, out) in out.chunks_exact_mut(d).enumerate() {
+        let at = |c: usize| c * groups + g;
+        let max = (0..chunks).fold(f32::NEG_INFINITY, |m, c| m.max(stats[at(c)].0));
+        let mut total = 0f32;
+        for c in 0..chunks {
+            let (m, sum) = stats[at(c)];
+            if sum > 0.0 {
+                let w = (m - max).exp();
+                total += w * sum;
+                let part = &partial[at(c) * d..][..d];
+                out.iter_mut().zip(part).for_each(|(o, p)| *o += w * p);
+            }
+        }
+        if total > 0.0 {
+            out.iter_mut().for_each(|o| *o /= total);
         }
     }
 }

@@ -147,7 +147,7 @@ impl Q8Input {
 }
 
 /// Refines the blocks of `q` (the row `x` quantized) of largest scale, the first of equal ones,
-/// at most `out.len()` and none that is all zeros; returns how many.
+/// at most `out.len()` and none that is all zeros, in ascending block order; returns how many.
 fn refine_row(x: &[f32], q: &[Q8Block], out: &mut [Refinement]) -> u8 {
     let mut taken = [usize::MAX; REFINED];
     let mut n = 0;
@@ -168,6 +168,9 @@ fn refine_row(x: &[f32], q: &[Q8Block], out: &mut [Refinement]) -> u8 {
         };
         n += 1;
     }
+    // In block order: kernels add a row's refinements in the order given, and that order must
+    // not depend on the rows batched with it.
+    out[..n].sort_unstable_by_key(|r| r.at);
     n as u8
 }
 
@@ -243,12 +246,12 @@ mod tests {
             *v = ((i * 37 % 29) as f32 - 14.0) * 0.01;
         }
         x[QK + 5] = 100.0;
-        x[6 * QK + 2] = -3.0;
+        x[6 * QK + 2] = -300.0;
         let mut input = Q8Input::default();
         input.quantize(&x, 1, true);
         let refined = input.refined(0);
         let at: Vec<usize> = refined.iter().map(|r| r.at).collect();
-        assert_eq!(at, [1, 6], "the blocks of largest scale, largest first");
+        assert_eq!(at, [1, 6], "the blocks of largest scale, in block order");
         let (r, main) = (&refined[0], &input.blocks[1]);
         let block = &x[QK..2 * QK];
         for (j, &v) in block.iter().enumerate() {

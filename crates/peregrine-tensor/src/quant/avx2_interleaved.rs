@@ -161,24 +161,18 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, 
             }
         }
         // Each refined block once, for every input refining it (neighbouring tokens' outliers
-        // sit in the same block).
-        let mut done = [0u8; T];
-        for t in 0..T {
-            for (j, r) in refined[t].iter().enumerate() {
-                if done[t] & (1 << j) != 0 {
-                    continue;
-                }
-                let p = w.as_ptr().add(r.at / SHARED * unit_bytes);
-                let (dw, mw) = heads::<MIN>(p);
-                let codes = unpack::<I, FIFTH>(p, masks_at, head + 128 * (r.at % SHARED));
-                for t2 in t..T {
-                    for (j2, r2) in refined[t2].iter().enumerate() {
-                        if r2.at == r.at && done[t2] & (1 << j2) == 0 {
-                            done[t2] |= 1 << j2;
-                            let (c, m) = (&mut acc[0][t2], &mut mins[0][t2]);
-                            terms::<I, MIN, FIFTH>(&codes, &r2.residual, dw, mw, offset, c, m);
-                        }
-                    }
+        // sit in the same block), in block order: each input adds its own in ascending order
+        // whatever the other inputs refine, so its bits do not depend on its batch.
+        let mut next = [0usize; T];
+        while let Some(at) = next_refined(&refined, &next) {
+            let p = w.as_ptr().add(at / SHARED * unit_bytes);
+            let (dw, mw) = heads::<MIN>(p);
+            let codes = unpack::<I, FIFTH>(p, masks_at, head + 128 * (at % SHARED));
+            for t in 0..T {
+                if let Some(r) = refined[t].get(next[t]).filter(|r| r.at == at) {
+                    let (c, m) = (&mut acc[0][t], &mut mins[0][t]);
+                    terms::<I, MIN, FIFTH>(&codes, &r.residual, dw, mw, offset, c, m);
+                    next[t] += 1;
                 }
             }
         }
@@ -189,6 +183,15 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, 
         }
         y
     }
+}
+
+/// The lowest block that an input refines and has not added yet (`next[t]` of input `t`'s
+/// refinements are added; each input's are in ascending block order).
+#[inline(always)]
+fn next_refined<const T: usize>(refined: &[&[Refinement]; T], next: &[usize; T]) -> Option<usize> {
+    (0..T)
+        .filter_map(|t| refined[t].get(next[t]).map(|r| r.at))
+        .min()
 }
 
 /// The 8 code vectors of a 4/5-bit unit at `p` whose block's codes start at `codes_at`
@@ -297,24 +300,18 @@ unsafe fn rows_q8_0<I: Isa, const T: usize>(
                 chain[t] = term_q8_0::<I>(&codes, &magnitudes, &x[t][b], dw, chain[t]);
             }
         }
-        // As in `rows`: each refined block unpacked once for every input refining it.
-        let mut done = [0u8; T];
-        for t in 0..T {
-            for (j, r) in refined[t].iter().enumerate() {
-                if done[t] & (1 << j) != 0 {
-                    continue;
-                }
-                let p = w.as_ptr().add(r.at * block_bytes);
-                let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
-                let (codes, magnitudes) = unpack_q8_0(p);
-                for t2 in t..T {
-                    for (j2, r2) in refined[t2].iter().enumerate() {
-                        if r2.at == r.at && done[t2] & (1 << j2) == 0 {
-                            done[t2] |= 1 << j2;
-                            let x = &r2.residual;
-                            acc[0][t2] = term_q8_0::<I>(&codes, &magnitudes, x, dw, acc[0][t2]);
-                        }
-                    }
+        // As in `rows`: each refined block unpacked once for every input refining it, in
+        // block order.
+        let mut next = [0usize; T];
+        while let Some(at) = next_refined(&refined, &next) {
+            let p = w.as_ptr().add(at * block_bytes);
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
+            let (codes, magnitudes) = unpack_q8_0(p);
+            for t in 0..T {
+                if let Some(r) = refined[t].get(next[t]).filter(|r| r.at == at) {
+                    let x = &r.residual;
+                    acc[0][t] = term_q8_0::<I>(&codes, &magnitudes, x, dw, acc[0][t]);
+                    next[t] += 1;
                 }
             }
         }
