@@ -15,6 +15,7 @@ pub mod weights;
 
 pub use config::ModelConfig;
 pub use error::{ModelError, Result};
+pub use layers::batch::BatchSeq;
 pub use peregrine_kv::{KvOptions, KvQuant, LayerKind, SequenceCache, TurboOptions};
 pub use registry::{
     LoadOptions, LoadedModel, OpenModel, load_model, open_model, supported_architectures,
@@ -40,6 +41,18 @@ pub trait CausalLm: Send + Sync {
     /// Runs `tokens` (the next positions of the sequence held in `cache`) and returns f32
     /// logits `[positions, vocab]` for the positions `want` selects.
     fn forward(&self, tokens: &[u32], cache: &mut SequenceCache, want: Logits) -> Result<Tensor>;
+    /// Runs several sequences' next tokens (decode steps and prefill chunks mixed) in one
+    /// pass and returns f32 logits `[sequences, vocab]` for each one's last new position.
+    /// Matmuls run on the stacked rows of all sequences, so weights are read once per pass;
+    /// attention runs per sequence over its own cache. A sequence's logits equal those of its
+    /// own [`forward`](Self::forward) (bit for bit on the CPU's batch-invariant kernels). This
+    /// default runs `forward` per sequence.
+    fn forward_batch(&self, batch: &mut [BatchSeq]) -> Result<Tensor> {
+        let rows = (batch.iter_mut())
+            .map(|s| self.forward(s.tokens, s.cache, Logits::Last))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Tensor::cat(&rows, 0)?)
+    }
     /// Runs one token (the next position of the sequence in `cache`) and writes its f32
     /// logits (`[vocab]`) into `logits`: generation's step. CPU models override it with a
     /// step over buffers reused from token to token ([`layers::step`]); this default goes

@@ -7,6 +7,7 @@ use peregrine_kv::{AttnParams, LayerCache};
 use peregrine_tensor::ops::rms_norm;
 use peregrine_tensor::{QLinear, RotaryEmbedding, Tensor};
 
+use crate::layers::batch::{Segment, per_segment};
 use crate::layers::decoder::SelfAttention;
 use crate::layers::norm_weight;
 use crate::layers::step::{StepBuffers, norm_rows_in_place};
@@ -163,38 +164,39 @@ impl SelfAttention for Attention {
         }
     }
 
-    /// `x: [1, n, hidden]` at positions `start..start + n` → `[1, n, hidden]`.
+    /// `x: [1, rows, hidden]`, the stacked rows of `segments` → `[1, rows, hidden]`: the
+    /// projections on every row at once, RoPE, the cache and attention per sequence.
     fn forward(
         &self,
         x: &Tensor,
         rope: &RotaryEmbedding,
-        cache: &mut dyn LayerCache,
-        start: usize,
+        segments: &mut [Segment],
     ) -> Result<Tensor> {
-        let (b, n, _) = x.dims3()?;
-        // [b, n, heads * hd] → [b, heads, n, hd]
-        let split = |t: Tensor, heads: usize, norm: &Option<Tensor>| -> Result<Tensor> {
-            let t = t.reshape((b, n, heads, self.head_dim))?;
-            let t = match norm {
-                Some(w) => rms_norm(&t, w, self.eps)?,
-                None => t,
-            };
-            Ok(t.transpose(1, 2)?)
-        };
         let (projections, n_proj) = self.projections();
-        let mut qkv = QLinear::forward_group(&projections[..n_proj], x)?.into_iter();
-        let q = split(qkv.next().expect("q_proj"), self.heads, &self.q_norm)?;
-        let q = rope.apply(&q, start)?;
-        if let Some(k) = qkv.next() {
-            let v = qkv.next().unwrap_or_else(|| k.clone());
-            let k = rope.apply(&split(k, self.kv_heads, &self.k_norm)?, start)?;
-            cache.append(&k, &split(v, self.kv_heads, &self.v_norm)?)?;
-        }
-        let params = self.params();
-        let y = cache.attend(&q, &params)?; // [b, heads, n, hd]
-        let y = y
-            .transpose(1, 2)?
-            .reshape((b, n, self.heads * self.head_dim))?;
+        let qkv = QLinear::forward_group(&projections[..n_proj], x)?; // [1, rows, _] each
+        let y = per_segment(segments, |rows, s| {
+            let n = rows.len();
+            // This sequence's rows, [1, n, heads * hd] → [1, heads, n, hd].
+            let split = |i: usize, heads: usize, norm: &Option<Tensor>| -> Result<Tensor> {
+                let t = qkv[i].narrow(1, rows.start, n)?;
+                let t = t.reshape((1, n, heads, self.head_dim))?;
+                let t = match norm {
+                    Some(w) => rms_norm(&t, w, self.eps)?,
+                    None => t,
+                };
+                Ok(t.transpose(1, 2)?)
+            };
+            let q = rope.apply(&split(0, self.heads, &self.q_norm)?, s.start)?;
+            if n_proj > 1 {
+                // Values are the keys' projection when the layer has no v_proj.
+                let v = split(n_proj - 1, self.kv_heads, &self.v_norm)?;
+                let k = rope.apply(&split(1, self.kv_heads, &self.k_norm)?, s.start)?;
+                s.cache.append(&k, &v)?;
+            }
+            let y = s.cache.attend(&q, &self.params())?; // [1, heads, n, hd]
+            Ok(y.transpose(1, 2)?
+                .reshape((1, n, self.heads * self.head_dim))?)
+        })?;
         Ok(self.o_proj.forward(&y)?)
     }
 

@@ -9,6 +9,7 @@ use peregrine_tensor::ops::rms_norm;
 use peregrine_tensor::{DType, Device, Embedding, QLinear, RotaryEmbedding, Tensor};
 
 use crate::layers::attention::Attention;
+use crate::layers::batch::{BatchSeq, Segment, check_batch, last_logits, run_layers, stacked_ids};
 use crate::layers::mlp::GatedMlp;
 use crate::layers::moe::Ffn;
 use crate::layers::norm_weight;
@@ -31,13 +32,13 @@ pub trait SelfAttention: Sized + Send + Sync {
             None => LayerKind::Full,
         }
     }
-    /// `x: [1, n, hidden]` (normed) at positions `start..` → `[1, n, hidden]`.
+    /// `x: [1, rows, hidden]` (normed), the stacked rows of `segments` (each sequence's new
+    /// positions, over its own cache) → `[1, rows, hidden]`.
     fn forward(
         &self,
         x: &Tensor,
         rope: &RotaryEmbedding,
-        cache: &mut dyn LayerCache,
-        start: usize,
+        segments: &mut [Segment],
     ) -> Result<Tensor>;
     /// One token at `pos` from `b.normed` into `b.out`, allocating nothing.
     fn step(
@@ -123,21 +124,34 @@ impl<A: SelfAttention> DecoderLm<A> {
     }
 }
 
+impl<A: SelfAttention> DecoderLm<A> {
+    /// The last layer's output `[1, rows, hidden]` for the stacked new tokens of `batch`.
+    fn hidden(&self, batch: &mut [BatchSeq]) -> Result<Tensor> {
+        check_batch(batch, self.rope.max_positions())?;
+        let eps = self.config.rms_norm_eps as f32;
+        let ids = Tensor::new(stacked_ids(batch), &self.device)?.unsqueeze(0)?; // [1, rows]
+        let x = self.embed_tokens.forward(&ids, self.dtype)?; // [1, rows, hidden]
+        run_layers(
+            batch,
+            x,
+            self.layers.len(),
+            |i| i,
+            |i, x, segments| self.layers[i].forward(x, eps, &self.rope, segments),
+        )
+    }
+}
+
 impl<A: SelfAttention> DecoderLayer<A> {
+    /// `x: [1, rows, hidden]`, the stacked rows of `segments`.
     fn forward(
         &self,
         x: &Tensor,
         eps: f32,
         rope: &RotaryEmbedding,
-        cache: &mut dyn LayerCache,
-        start: usize,
+        segments: &mut [Segment],
     ) -> Result<Tensor> {
-        let attn = self.self_attn.forward(
-            &rms_norm(x, &self.input_layernorm, eps)?,
-            rope,
-            cache,
-            start,
-        )?;
+        let normed = rms_norm(x, &self.input_layernorm, eps)?;
+        let attn = self.self_attn.forward(&normed, rope, segments)?;
         let x = (x + attn)?;
         let mlp = self
             .mlp
@@ -174,16 +188,15 @@ impl<A: SelfAttention + 'static> CausalLm for DecoderLm<A> {
     }
 
     fn forward(&self, tokens: &[u32], cache: &mut SequenceCache, want: Logits) -> Result<Tensor> {
-        let n = tokens.len();
-        let start = cache.len();
-        super::check_room(n, start, self.rope.max_positions())?;
         let eps = self.config.rms_norm_eps as f32;
-        let ids = Tensor::new(tokens, &self.device)?.unsqueeze(0)?; // [1, n]
-        let mut x = self.embed_tokens.forward(&ids, self.dtype)?; // [1, n, hidden]
-        for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(&x, eps, &self.rope, cache.layer(i), start)?;
-        }
+        let x = self.hidden(&mut [BatchSeq { tokens, cache }])?;
         super::output_logits(&x, want, &self.norm, eps, &self.lm_head)
+    }
+
+    fn forward_batch(&self, batch: &mut [BatchSeq]) -> Result<Tensor> {
+        let eps = self.config.rms_norm_eps as f32;
+        let x = self.hidden(batch)?;
+        last_logits(&x, batch, &self.norm, eps, &self.lm_head)
     }
 
     fn decode(&self, token: u32, cache: &mut SequenceCache, logits: &mut Vec<f32>) -> Result<()> {

@@ -29,6 +29,7 @@ use peregrine_tensor::ops::{rms_norm, with_f32};
 use peregrine_tensor::{QLinear, RotaryEmbedding, Tensor};
 
 use crate::config::MlaConfig;
+use crate::layers::batch::{Segment, per_segment};
 use crate::layers::decoder::SelfAttention;
 use crate::layers::norm_weight;
 use crate::layers::step::{MlaBuffers, StepBuffers, norm_rows_in_place};
@@ -69,6 +70,56 @@ impl Mla {
 
     fn params(&self) -> AttnParams {
         AttnParams::scaled(self.m.softmax_scale)
+    }
+
+    /// `x: [b, n, hidden]` at positions `start..start + n` → `[b, n, hidden]`. `rope` turns
+    /// `qk_rope_head_dim`-wide rows.
+    fn forward_one(
+        &self,
+        x: &Tensor,
+        rope: &RotaryEmbedding,
+        cache: &mut dyn LayerCache,
+        start: usize,
+    ) -> Result<Tensor> {
+        let (b, n, _) = x.dims3()?;
+        let m = &self.m;
+        let (nope, rd, vd, kvl) = (
+            m.qk_nope_head_dim,
+            m.qk_rope_head_dim,
+            m.v_head_dim,
+            m.kv_lora_rank,
+        );
+        let (q, kv_a) = match &self.q {
+            QueryPath::Direct(q_proj) => {
+                let [q, kv_a]: [Tensor; 2] = QLinear::forward_group(&[q_proj, &self.kv_a], x)?
+                    .try_into()
+                    .expect("two layers in, two out");
+                (q, kv_a)
+            }
+            QueryPath::LowRank { q_a, norm, q_b } => {
+                let [q_a, kv_a]: [Tensor; 2] = QLinear::forward_group(&[q_a, &self.kv_a], x)?
+                    .try_into()
+                    .expect("two layers in, two out");
+                (q_b.forward(&rms_norm(&q_a, norm, self.eps)?)?, kv_a)
+            }
+        };
+        let q = q.reshape((b, n, self.heads, nope + rd))?.transpose(1, 2)?; // [b, heads, n, ·]
+        let w_uk = self.kv_b.narrow(1, 0, nope)?; // [heads, nope, kvl]
+        let q_nope = q.narrow(3, 0, nope)?.contiguous()?;
+        let q_latent = q_nope.to_dtype(w_uk.dtype())?.broadcast_matmul(&w_uk)?;
+        let q_pe = rope.apply(&q.narrow(3, nope, rd)?.contiguous()?, start)?;
+        let q = Tensor::cat(&[q_latent.to_dtype(x.dtype())?, q_pe], 3)?.contiguous()?;
+        let latent = kv_a.narrow(2, 0, kvl)?.contiguous()?;
+        let latent = rms_norm(&latent, &self.kv_a_norm, self.eps)?.unsqueeze(1)?;
+        let k_pe = rope.apply(&kv_a.narrow(2, kvl, rd)?.unsqueeze(1)?.contiguous()?, start)?;
+        let k = Tensor::cat(&[&latent, &k_pe], 3)?; // [b, 1, n, kvl + rope]
+        cache.append(&k, &k)?;
+        let y = cache.attend(&q, &self.params())?; // [b, heads, n, kvl + rope]
+        let w_uv = self.kv_b.narrow(1, nope, vd)?.transpose(1, 2)?; // [heads, kvl, v]
+        let y = y.narrow(3, 0, kvl)?.to_dtype(w_uv.dtype())?.contiguous()?;
+        let y = y.broadcast_matmul(&w_uv)?.to_dtype(x.dtype())?; // [b, heads, n, v]
+        let y = y.transpose(1, 2)?.contiguous()?;
+        Ok(self.o_proj.forward(&y.reshape((b, n, self.heads * vd))?)?)
     }
 }
 
@@ -126,54 +177,21 @@ impl SelfAttention for Mla {
         LayerKind::FullKeysAsValues
     }
 
-    /// `x: [b, n, hidden]` at positions `start..start + n` → `[b, n, hidden]`. `rope` turns
-    /// `qk_rope_head_dim`-wide rows.
+    /// `x: [1, rows, hidden]`, the stacked rows of `segments`, one sequence at a time.
     fn forward(
         &self,
         x: &Tensor,
         rope: &RotaryEmbedding,
-        cache: &mut dyn LayerCache,
-        start: usize,
+        segments: &mut [Segment],
     ) -> Result<Tensor> {
-        let (b, n, _) = x.dims3()?;
-        let m = &self.m;
-        let (nope, rd, vd, kvl) = (
-            m.qk_nope_head_dim,
-            m.qk_rope_head_dim,
-            m.v_head_dim,
-            m.kv_lora_rank,
-        );
-        let (q, kv_a) = match &self.q {
-            QueryPath::Direct(q_proj) => {
-                let [q, kv_a]: [Tensor; 2] = QLinear::forward_group(&[q_proj, &self.kv_a], x)?
-                    .try_into()
-                    .expect("two layers in, two out");
-                (q, kv_a)
-            }
-            QueryPath::LowRank { q_a, norm, q_b } => {
-                let [q_a, kv_a]: [Tensor; 2] = QLinear::forward_group(&[q_a, &self.kv_a], x)?
-                    .try_into()
-                    .expect("two layers in, two out");
-                (q_b.forward(&rms_norm(&q_a, norm, self.eps)?)?, kv_a)
-            }
-        };
-        let q = q.reshape((b, n, self.heads, nope + rd))?.transpose(1, 2)?; // [b, heads, n, ·]
-        let w_uk = self.kv_b.narrow(1, 0, nope)?; // [heads, nope, kvl]
-        let q_nope = q.narrow(3, 0, nope)?.contiguous()?;
-        let q_latent = q_nope.to_dtype(w_uk.dtype())?.broadcast_matmul(&w_uk)?;
-        let q_pe = rope.apply(&q.narrow(3, nope, rd)?.contiguous()?, start)?;
-        let q = Tensor::cat(&[q_latent.to_dtype(x.dtype())?, q_pe], 3)?.contiguous()?;
-        let latent = kv_a.narrow(2, 0, kvl)?.contiguous()?;
-        let latent = rms_norm(&latent, &self.kv_a_norm, self.eps)?.unsqueeze(1)?;
-        let k_pe = rope.apply(&kv_a.narrow(2, kvl, rd)?.unsqueeze(1)?.contiguous()?, start)?;
-        let k = Tensor::cat(&[&latent, &k_pe], 3)?; // [b, 1, n, kvl + rope]
-        cache.append(&k, &k)?;
-        let y = cache.attend(&q, &self.params())?; // [b, heads, n, kvl + rope]
-        let w_uv = self.kv_b.narrow(1, nope, vd)?.transpose(1, 2)?; // [heads, kvl, v]
-        let y = y.narrow(3, 0, kvl)?.to_dtype(w_uv.dtype())?.contiguous()?;
-        let y = y.broadcast_matmul(&w_uv)?.to_dtype(x.dtype())?; // [b, heads, n, v]
-        let y = y.transpose(1, 2)?.contiguous()?;
-        Ok(self.o_proj.forward(&y.reshape((b, n, self.heads * vd))?)?)
+        per_segment(segments, |rows, s| {
+            self.forward_one(
+                &x.narrow(1, rows.start, rows.len())?,
+                rope,
+                s.cache,
+                s.start,
+            )
+        })
     }
 
     /// [`forward`](Self::forward) for one token at `pos` over a decode step's buffers: reads

@@ -1,6 +1,7 @@
 //! Building blocks shared by the architectures.
 
 pub mod attention;
+pub mod batch;
 pub mod decoder;
 pub mod mla;
 pub mod mlp;

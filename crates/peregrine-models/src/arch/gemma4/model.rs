@@ -12,6 +12,7 @@ use peregrine_tensor::{DType, Device, Embedding, QLinear, RopeScaling, RotaryEmb
 
 use crate::config::PerLayerInput;
 use crate::layers::attention::{Attention, KvProjections};
+use crate::layers::batch::{BatchSeq, Segment, check_batch, last_logits, run_layers, stacked_ids};
 use crate::layers::decoder::SelfAttention;
 use crate::layers::mlp::GatedMlp;
 use crate::layers::moe::MoeBlock;
@@ -216,6 +217,28 @@ impl GemmaLm {
         })
     }
 
+    /// The last layer's output `[1, rows, hidden]` for the stacked new tokens of `batch`.
+    fn hidden(&self, batch: &mut [BatchSeq]) -> Result<Tensor> {
+        check_batch(batch, self.rope_global.max_positions())?;
+        let eps = self.config.rms_norm_eps as f32;
+        let ids = Tensor::new(stacked_ids(batch), &self.device)?.unsqueeze(0)?; // [1, rows]
+        let x = self.embed_tokens.forward(&ids, self.dtype)?;
+        let x = x.broadcast_mul(&self.embed_scale)?; // [1, rows, hidden]
+        let layers = self.layers.len();
+        let inputs = (self.per_layer_inputs.as_ref())
+            .map(|p| p.forward(&ids, &x, layers, eps))
+            .transpose()?; // [1, rows, layers, width]
+        let slot = |i: usize| self.layers[i].slot;
+        run_layers(batch, x, layers, slot, |i, x, segments| {
+            let input = match &inputs {
+                Some(t) => Some(t.narrow(2, i, 1)?.squeeze(2)?),
+                None => None,
+            };
+            let layer = &self.layers[i];
+            layer.forward(x, input, eps, self.rope(layer), segments)
+        })
+    }
+
     fn rope(&self, layer: &Layer) -> &RotaryEmbedding {
         match layer.sliding {
             true => &self.rope_local,
@@ -257,19 +280,18 @@ impl PerLayerInputs {
 }
 
 impl Layer {
-    /// `x: [1, n, hidden]` at positions `start..`; `input`: this layer's per-layer input
-    /// `[1, n, width]`.
+    /// `x: [1, rows, hidden]`, the stacked rows of `segments`; `input`: this layer's
+    /// per-layer input `[1, rows, width]`.
     fn forward(
         &self,
         x: &Tensor,
         input: Option<Tensor>,
         eps: f32,
         rope: &RotaryEmbedding,
-        cache: &mut dyn LayerCache,
-        start: usize,
+        segments: &mut [Segment],
     ) -> Result<Tensor> {
         let normed = rms_norm(x, &self.input_layernorm, eps)?;
-        let attn = self.self_attn.forward(&normed, rope, cache, start)?;
+        let attn = self.self_attn.forward(&normed, rope, segments)?;
         let x = add_normed(x, &attn, &self.post_attention_layernorm, eps)?;
         let mut y = (self.mlp).forward(&rms_norm(&x, &self.pre_feedforward_layernorm, eps)?)?;
         if let Some(moe) = &self.moe {
@@ -359,26 +381,16 @@ impl CausalLm for GemmaLm {
     }
 
     fn forward(&self, tokens: &[u32], cache: &mut SequenceCache, want: Logits) -> Result<Tensor> {
-        let n = tokens.len();
-        let start = cache.len();
-        crate::layers::check_room(n, start, self.rope_global.max_positions())?;
         let eps = self.config.rms_norm_eps as f32;
-        let ids = Tensor::new(tokens, &self.device)?.unsqueeze(0)?; // [1, n]
-        let x = self.embed_tokens.forward(&ids, self.dtype)?;
-        let mut x = x.broadcast_mul(&self.embed_scale)?; // [1, n, hidden]
-        let layers = self.layers.len();
-        let inputs = (self.per_layer_inputs.as_ref())
-            .map(|p| p.forward(&ids, &x, layers, eps))
-            .transpose()?; // [1, n, layers, width]
-        for (i, layer) in self.layers.iter().enumerate() {
-            let input = match &inputs {
-                Some(t) => Some(t.narrow(2, i, 1)?.squeeze(2)?),
-                None => None,
-            };
-            let cache = cache.layer(layer.slot);
-            x = layer.forward(&x, input, eps, self.rope(layer), cache, start)?;
-        }
+        let x = self.hidden(&mut [BatchSeq { tokens, cache }])?;
         let logits = crate::layers::output_logits(&x, want, &self.norm, eps, &self.lm_head)?;
+        softcapped(logits, self.config.final_logit_softcapping)
+    }
+
+    fn forward_batch(&self, batch: &mut [BatchSeq]) -> Result<Tensor> {
+        let eps = self.config.rms_norm_eps as f32;
+        let x = self.hidden(batch)?;
+        let logits = last_logits(&x, batch, &self.norm, eps, &self.lm_head)?;
         softcapped(logits, self.config.final_logit_softcapping)
     }
 

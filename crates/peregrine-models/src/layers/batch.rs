@@ -1,0 +1,111 @@
+//! Several sequences in one forward pass: their new tokens' rows are stacked, so every matmul
+//! reads its weights once for all of them, while attention runs per sequence over its own cache
+//! ([`Segment`]). A single sequence's `forward` is the batch of one, so each layer is written
+//! once. Rows do not change each other's bits (the CPU kernels are batch-invariant), so a
+//! sequence's logits equal its solo run's.
+
+use peregrine_kv::{LayerCache, SequenceCache};
+use peregrine_tensor::ops::rms_norm;
+use peregrine_tensor::{DType, QLinear, Tensor};
+
+use crate::Result;
+
+/// One sequence of a batched forward pass: its next tokens and its cache.
+pub struct BatchSeq<'a> {
+    /// The tokens to run (at least one), the positions after those `cache` holds.
+    pub tokens: &'a [u32],
+    /// The sequence's cache; the pass appends the tokens' keys and values.
+    pub cache: &'a mut SequenceCache,
+}
+
+/// One sequence's rows in a layer of a batched pass: that layer's cache, the position of its
+/// first row, and how many rows it has. Rows of the stacked input follow the batch's order.
+pub struct Segment<'a> {
+    /// The layer's cache of this sequence.
+    pub cache: &'a mut dyn LayerCache,
+    /// The position of the sequence's first row.
+    pub start: usize,
+    /// Its rows.
+    pub len: usize,
+}
+
+/// Every token of `batch`, in order (the stacked rows' ids).
+pub fn stacked_ids(batch: &[BatchSeq]) -> Vec<u32> {
+    batch
+        .iter()
+        .flat_map(|s| s.tokens.iter().copied())
+        .collect()
+}
+
+/// Runs `layer(i, x, segments)` for `i` in `0..layers` over the stacked rows `x`
+/// (`[1, rows, hidden]`) of `batch`; `slot(i)` names the cache slot layer `i` uses. Returns
+/// the last layer's output.
+pub fn run_layers(
+    batch: &mut [BatchSeq],
+    mut x: Tensor,
+    layers: usize,
+    slot: impl Fn(usize) -> usize,
+    mut layer: impl FnMut(usize, &Tensor, &mut [Segment]) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let starts: Vec<usize> = batch.iter().map(|s| s.cache.len()).collect();
+    for i in 0..layers {
+        let mut segments: Vec<Segment> = (batch.iter_mut().zip(&starts))
+            .map(|(s, &start)| Segment {
+                len: s.tokens.len(),
+                cache: s.cache.layer(slot(i)),
+                start,
+            })
+            .collect();
+        x = layer(i, &x, &mut segments)?;
+    }
+    Ok(x)
+}
+
+/// `f(rows, segment)` for each sequence, `rows` its part of the stacked rows (a range along
+/// dimension 1), the outputs (`[1, len, d]` each) joined again in order: the per-sequence part
+/// of a layer (attention over each one's own cache).
+pub fn per_segment(
+    segments: &mut [Segment],
+    mut f: impl FnMut(std::ops::Range<usize>, &mut Segment) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let mut at = 0;
+    let mut parts = Vec::with_capacity(segments.len());
+    for s in segments.iter_mut() {
+        parts.push(f(at..at + s.len, s)?);
+        at += s.len;
+    }
+    match parts.len() {
+        1 => Ok(parts.remove(0)),
+        _ => Ok(Tensor::cat(&parts, 1)?),
+    }
+}
+
+/// The output head on each sequence's last row of `x` (`[1, rows, hidden]`): the final
+/// RMSNorm and `lm_head`, f32 `[sequences, vocab]`.
+pub fn last_logits(
+    x: &Tensor,
+    batch: &[BatchSeq],
+    norm: &Tensor,
+    eps: f32,
+    lm_head: &QLinear,
+) -> Result<Tensor> {
+    let mut end = 0u32;
+    let last: Vec<u32> = (batch.iter())
+        .map(|s| {
+            end += s.tokens.len() as u32;
+            end - 1
+        })
+        .collect();
+    let idx = Tensor::new(last.as_slice(), x.device())?;
+    let x = x.index_select(&idx, 1)?; // [1, sequences, hidden]
+    let logits = lm_head.forward(&rms_norm(&x, norm, eps)?)?;
+    Ok(logits.squeeze(0)?.to_dtype(DType::F32)?)
+}
+
+/// Fails unless every sequence of `batch` has tokens that fit its context of `max`.
+pub fn check_batch(batch: &[BatchSeq], max: usize) -> Result<()> {
+    for s in batch {
+        super::check_room(s.tokens.len(), s.cache.len(), max)?;
+    }
+    Ok(())
+}
