@@ -1,11 +1,11 @@
-//! The `Engine`: a loaded model, its tokenizer and chat template, and worker threads that run
-//! requests. `submit` returns a stream of events; dropping the stream cancels the request.
+//! The `Engine`: a loaded model, its tokenizer and chat template, and the scheduler thread
+//! that runs requests ([`crate::scheduler`]). `submit` returns a stream of events; dropping the stream cancels the request.
 
 use std::ops::Range;
 use std::path::Path;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
-use std::sync::{Arc, Mutex};
+use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
 use std::time::Instant;
 
 use peregrine_models::weights::MlxActivations;
@@ -16,8 +16,8 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use crate::api::{Event, KvRequest, Prompt, Request};
 use crate::chat_template::{ChatTemplate, fallback_template};
 use crate::error::EngineError;
-use crate::generate::{Choice, GenContext, generate, prefill};
 use crate::prompt_cache::{PromptCache, PromptCacheStats};
+use crate::sequence::prefill;
 use crate::tokenizer::Tokenizer;
 
 /// How the engine runs.
@@ -29,8 +29,12 @@ pub struct EngineConfig {
     pub max_context: Option<usize>,
     /// Prompt tokens per forward pass during prefill.
     pub prefill_size: usize,
-    /// Requests generating at once.
+    /// Sequences generating at once: their steps share one forward pass (continuous
+    /// batching).
     pub parallel: usize,
+    /// Tokens one forward pass may take: each decoding sequence's next token, then prompt
+    /// chunks (at most `prefill_size` each) in arrival order.
+    pub batch_tokens: usize,
     /// Requests that may wait for a free slot before `submit` refuses more.
     pub queue_size: usize,
     /// KV cache storage.
@@ -42,7 +46,7 @@ pub struct EngineConfig {
     /// Bytes of KV the prompt cache may hold.
     pub prompt_cache_bytes: usize,
     /// Test hook (fault injection): a generation whose prompt text contains this string panics
-    /// after its first token, so tests can see a worker survive a bug.
+    /// after its first token, so tests can see the scheduler survive a bug.
     #[doc(hidden)]
     pub panic_marker: Option<String>,
 }
@@ -54,6 +58,7 @@ impl Default for EngineConfig {
             max_context: None,
             prefill_size: 512,
             parallel: 1,
+            batch_tokens: 512,
             queue_size: 64,
             kv: KvOptions::default(),
             mlx_activations: MlxActivations::default(),
@@ -64,32 +69,59 @@ impl Default for EngineConfig {
     }
 }
 
-struct Job {
-    request: Request,
+pub(crate) struct Job {
+    pub request: Request,
     /// The request's KV options, resolved against the engine's.
-    kv: KvOptions,
-    ids: Vec<u32>,
-    submitted: Instant,
-    choices: Vec<ChoiceSink>,
+    pub kv: KvOptions,
+    pub ids: Vec<u32>,
+    pub submitted: Instant,
+    pub choices: Vec<ChoiceSink>,
 }
 
 /// Where one choice's events go.
-struct ChoiceSink {
-    events: UnboundedSender<Event>,
-    cancel: Arc<AtomicBool>,
+pub(crate) struct ChoiceSink {
+    pub events: UnboundedSender<Event>,
+    pub cancel: Arc<AtomicBool>,
 }
 
-struct Shared {
-    model: Arc<dyn CausalLm>,
-    tokenizer: Tokenizer,
+impl ChoiceSink {
+    /// Whether the caller dropped the choice's stream.
+    pub fn cancelled(&self) -> bool {
+        self.cancel.load(Ordering::Relaxed)
+    }
+}
+
+/// What the scheduler thread and the engine's handle share.
+pub(crate) struct Shared {
+    pub model: Arc<dyn CausalLm>,
+    pub tokenizer: Tokenizer,
     template: ChatTemplate,
-    prefill_size: usize,
-    max_context: usize,
+    pub prefill_size: usize,
+    pub max_context: usize,
     kv: KvOptions,
-    live_kv: AtomicUsize,
-    prompt_cache: PromptCache,
-    prefills: AtomicU64,
+    /// KV bytes held by every running sequence together.
+    pub live_kv: Arc<AtomicUsize>,
+    pub prompt_cache: PromptCache,
+    /// Prefills run, for `/metrics` (the `n` choices of a request share one).
+    pub prefills: AtomicU64,
+    /// Sequences running (prefilling or decoding) after the last step's admissions.
+    pub running: AtomicUsize,
+    /// Batched forward passes run, and the sequences they carried.
+    pub steps: AtomicU64,
+    pub step_rows: AtomicU64,
     panic_marker: Option<String>,
+}
+
+impl Shared {
+    /// Panics where the test hook says to, standing in for a bug in a forward pass.
+    pub fn fault_point(&self, req: &Request, generated: usize) {
+        if generated == 1
+            && let Some(marker) = self.panic_marker.as_deref()
+            && req.prompt.mentions(marker)
+        {
+            panic!("injected fault: the prompt mentions the panic marker `{marker}`");
+        }
+    }
 }
 
 /// A loaded model ready to serve requests.
@@ -153,7 +185,7 @@ impl Engine {
         Self::new(model, tokenizer, max_context, config)
     }
 
-    /// Builds an engine from parts and starts `config.parallel` workers.
+    /// Builds an engine from parts and starts its scheduler thread.
     pub fn new(
         model: Arc<dyn CausalLm>,
         tokenizer: Tokenizer,
@@ -186,20 +218,21 @@ impl Engine {
             prefill_size: config.prefill_size.max(1),
             max_context,
             kv: config.kv,
-            live_kv: AtomicUsize::new(0),
+            live_kv: Arc::new(AtomicUsize::new(0)),
             prompt_cache: PromptCache::new(config.prompt_cache_entries, config.prompt_cache_bytes),
             prefills: AtomicU64::new(0),
+            running: AtomicUsize::new(0),
+            steps: AtomicU64::new(0),
+            step_rows: AtomicU64::new(0),
             panic_marker: config.panic_marker,
         });
         let (jobs, queue) = sync_channel::<Job>(config.queue_size);
-        let queue = Arc::new(Mutex::new(queue));
-        for i in 0..config.parallel.max(1) {
-            let (shared, queue) = (shared.clone(), queue.clone());
-            std::thread::Builder::new()
-                .name(format!("peregrine-worker-{i}"))
-                .spawn(move || worker(&shared, &queue))
-                .map_err(|e| EngineError::Model(peregrine_models::ModelError::Tensor(e.into())))?;
-        }
+        let (parallel, batch_tokens) = (config.parallel.max(1), config.batch_tokens.max(1));
+        let scheduler = shared.clone();
+        std::thread::Builder::new()
+            .name("peregrine-scheduler".into())
+            .spawn(move || crate::scheduler::run(&scheduler, queue, parallel, batch_tokens))
+            .map_err(|e| EngineError::Model(peregrine_models::ModelError::Tensor(e.into())))?;
         Ok(Self {
             shared,
             jobs,
@@ -230,6 +263,21 @@ impl Engine {
     /// Prefills run since the engine started (the choices of one request share one).
     pub fn prefills(&self) -> u64 {
         self.shared.prefills.load(Ordering::Relaxed)
+    }
+
+    /// Sequences running now (prefilling or decoding).
+    pub fn running(&self) -> usize {
+        self.shared.running.load(Ordering::Relaxed)
+    }
+
+    /// Batched forward passes run, and the sequences they carried (a lone decode step is
+    /// not counted: it runs the allocation-free single-sequence step).
+    pub fn batch_steps(&self) -> (u64, u64) {
+        let s = &self.shared;
+        (
+            s.steps.load(Ordering::Relaxed),
+            s.step_rows.load(Ordering::Relaxed),
+        )
     }
 
     /// The prompt cache's counters and size.
@@ -357,70 +405,6 @@ impl Engine {
         Ok(all
             .narrow(0, positions.start.min(ids.len()), len)
             .map_err(peregrine_models::ModelError::from)?)
-    }
-}
-
-fn worker(shared: &Shared, queue: &Mutex<Receiver<Job>>) {
-    loop {
-        let job = match queue.lock().unwrap_or_else(|e| e.into_inner()).recv() {
-            Ok(job) => job,
-            Err(_) => return, // the engine was dropped
-        };
-        run_job(shared, job);
-    }
-}
-
-/// Runs one job to its end. A failure, or a panic (a bug), ends every choice not yet done with
-/// an error event; the worker then goes on to the next job.
-fn run_job(shared: &Shared, job: Job) {
-    let cancelled = |c: &ChoiceSink| c.cancel.load(Ordering::Relaxed);
-    if job.choices.iter().all(cancelled) {
-        return;
-    }
-    let ctx = GenContext {
-        model: shared.model.as_ref(),
-        tokenizer: &shared.tokenizer,
-        prefill_size: shared.prefill_size,
-        max_context: shared.max_context,
-        kv: job.kv,
-        live_kv: &shared.live_kv,
-        prompt_cache: &shared.prompt_cache,
-        prefills: &shared.prefills,
-        panic_marker: shared.panic_marker.as_deref(),
-    };
-    let mut sends: Vec<_> = (job.choices.iter())
-        .map(|c| move |event: Event| c.events.send(event).is_ok())
-        .collect();
-    let mut choices: Vec<Choice> = (job.choices.iter().zip(&mut sends))
-        .map(|(c, send)| Choice {
-            cancel: &c.cancel,
-            send,
-            done: false,
-        })
-        .collect();
-    let queued = job.submitted.elapsed();
-    let run = || generate(&ctx, &job.request, &job.ids, queued, &mut choices);
-    let failure = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)) {
-        Ok(Ok(())) => return,
-        Ok(Err(e)) => e,
-        Err(panic) => {
-            let what = (panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a panic".into());
-            tracing::error!("generation panicked: {what}");
-            EngineError::Internal(format!("generation failed: {what}"))
-        }
-    };
-    let mut failure = Some(failure);
-    for (sink, choice) in job.choices.iter().zip(&choices) {
-        if choice.done {
-            continue;
-        }
-        let e = match failure.take() {
-            Some(e) => e,
-            None => EngineError::Internal("another choice of this request failed".into()),
-        };
-        let _ = sink.events.send(Event::Error(e));
     }
 }
 

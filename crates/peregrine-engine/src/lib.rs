@@ -18,8 +18,9 @@ pub mod chat_template;
 pub mod detok;
 mod engine;
 mod error;
-mod generate;
 mod prompt_cache;
+mod scheduler;
+mod sequence;
 pub mod stop;
 pub mod tokenizer;
 

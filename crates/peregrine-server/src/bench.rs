@@ -36,6 +36,11 @@ pub struct BenchArgs {
     /// (then 16 of their own); reports both times to first token.
     #[arg(long, value_name = "N")]
     cached_prefix: Option<usize>,
+    /// Also measure continuous batching: `C` requests at once (the engine decodes up to `C`
+    /// together), each its own prompt of `--prompt-tokens` and `--gen-tokens`; reports the
+    /// aggregate and per-stream decode speed and times to first token.
+    #[arg(long, value_name = "C")]
+    concurrency: Option<usize>,
 }
 
 fn synthetic_prompt(engine: &Engine, n: usize) -> Result<Vec<u32>> {
@@ -91,12 +96,16 @@ pub fn run(args: BenchArgs, threads: Option<usize>) -> Result<()> {
     if args.cached_prefix.is_none() {
         config.prompt_cache_entries = 0;
     }
+    if let Some(c) = args.concurrency {
+        config.parallel = config.parallel.max(c);
+    }
     let engine = args.model.load_with(config)?;
     let load_ms = load_start.elapsed().as_secs_f64() * 1e3;
     // The prompt cache would serve a repeated prompt whole: it is off unless measured, and each
     // run's prompt starts one token further into the text, sharing no prefix with the others.
     let runs_total = args.warmup + args.repeat;
-    let text = synthetic_prompt(&engine, args.prompt_tokens + runs_total)?;
+    let streams = args.concurrency.unwrap_or(0);
+    let text = synthetic_prompt(&engine, args.prompt_tokens + runs_total + streams)?;
     let prompt = |r: usize| &text[r..r + args.prompt_tokens];
     for r in 0..args.warmup {
         run_once(&engine, prompt(r), args.gen_tokens.min(8))?;
@@ -135,8 +144,56 @@ pub fn run(args: BenchArgs, threads: Option<usize>) -> Result<()> {
     if let Some(cache) = prompt_cache {
         report["prompt_cache"] = cache;
     }
+    if streams > 0 {
+        let prompts = (0..streams)
+            .map(|i| prompt(runs_total + i).to_vec())
+            .collect();
+        report["concurrency"] = concurrency_report(&engine, prompts, args.gen_tokens)?;
+    }
     println!("{report}");
     Ok(())
+}
+
+/// All of `prompts` submitted at once, `gen_tokens` each: the sum of the streams' decode
+/// speeds (they run side by side), the median stream's, the wall-clock rate of all generated
+/// tokens, and times to first token.
+fn concurrency_report(
+    engine: &Engine,
+    prompts: Vec<Vec<u32>>,
+    gen_tokens: usize,
+) -> Result<serde_json::Value> {
+    let start = Instant::now();
+    let streams = prompts.len();
+    let runs = std::thread::scope(|scope| {
+        let handles: Vec<_> = (prompts.iter())
+            .map(|ids| scope.spawn(|| run_once(engine, ids, gen_tokens)))
+            .collect();
+        (handles.into_iter())
+            .map(|h| h.join().map_err(|_| anyhow::anyhow!("a stream panicked"))?)
+            .collect::<Result<Vec<_>>>()
+    })?;
+    let wall = start.elapsed().as_secs_f64();
+    let decode: Vec<f64> = runs.iter().map(|(_, t)| t.decode_tps()).collect();
+    let ttft: Vec<f64> = (runs.iter())
+        .map(|(_, t)| (t.queued + t.time_to_first_token).as_secs_f64() * 1e3)
+        .collect();
+    let generated: usize = runs.iter().map(|(u, _)| u.completion_tokens).sum();
+    let (steps, rows) = engine.batch_steps();
+    let percentile = |xs: &[f64], p: f64| {
+        let mut xs = xs.to_vec();
+        xs.sort_by(f64::total_cmp);
+        xs[((xs.len() - 1) as f64 * p).round() as usize]
+    };
+    Ok(json!({
+        "streams": streams,
+        "aggregate_decode_tps": decode.iter().sum::<f64>(),
+        "per_stream_decode_tps": median(decode.clone()),
+        "wall_tps": generated as f64 / wall,
+        "ttft_ms_p50": percentile(&ttft, 0.5),
+        "ttft_ms_p90": percentile(&ttft, 0.9),
+        "ttft_ms_max": percentile(&ttft, 1.0),
+        "mean_batch": rows as f64 / (steps.max(1)) as f64,
+    }))
 }
 
 /// Times to first token of `args.repeat` pairs of requests that share their first `n` tokens

@@ -6,7 +6,7 @@ mod support;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use peregrine_engine::{ChatMessage, Engine, EngineConfig, Event, Prompt, Request};
+use peregrine_engine::{ChatMessage, Engine, EngineConfig, Event, KvOptions, Prompt, Request};
 
 /// A tmux session running one command; killed on drop.
 struct Terminal(String);
@@ -113,7 +113,16 @@ fn chat_streams_stops_clears_and_leaves() {
     let screen = term.wait("the first reply ends", |s| {
         prompts(s) == 1 && s.matches("> ").count() >= 2
     });
-    let engine = Engine::load(&model, EngineConfig::default()).unwrap();
+    // The chat's KV cache is the CLI's default, f16: the same here, or near-ties may differ.
+    let kv = KvOptions {
+        dtype: Some(peregrine_engine::tensor::DType::F16),
+        ..KvOptions::default()
+    };
+    let config = EngineConfig {
+        kv,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::load(&model, config).unwrap();
     let question = [ChatMessage::text("user", "Name three colors.")];
     let first = greedy(&engine, &question);
     assert!(

@@ -79,6 +79,10 @@ pub struct EngineFigures {
     pub prefills: u64,
     /// The prompt cache's state.
     pub cache: PromptCacheStats,
+    /// Sequences the scheduler runs now (prefilling or decoding).
+    pub running: usize,
+    /// Batched forward passes, and the sequences they carried.
+    pub batch_steps: (u64, u64),
 }
 
 impl Metrics {
@@ -107,6 +111,8 @@ impl Metrics {
             kv_bytes,
             prefills,
             cache,
+            running,
+            batch_steps,
         } = engine;
         let count = |c: &AtomicU64| c.load(Ordering::Relaxed) as usize;
         let mut out = String::new();
@@ -138,6 +144,24 @@ impl Metrics {
                 "counter",
                 "Prompt prefills run (the choices of one request share one).",
                 prefills as usize,
+            ),
+            (
+                "running_sequences",
+                "gauge",
+                "Sequences the scheduler advances together (prefilling or decoding).",
+                running,
+            ),
+            (
+                "batch_steps_total",
+                "counter",
+                "Forward passes over several sequences (a lone decode takes the single step).",
+                batch_steps.0 as usize,
+            ),
+            (
+                "batch_sequences_total",
+                "counter",
+                "Sequences carried by those passes (divided by the steps: the mean batch).",
+                batch_steps.1 as usize,
             ),
             (
                 "connections",

@@ -46,9 +46,14 @@ pub struct ServeArgs {
     /// Port to listen on (0 picks a free one; the bound address is printed).
     #[arg(long, default_value_t = 5413)]
     port: u16,
-    /// Requests generating at once.
+    /// Sequences generating at once; their steps share one forward pass (continuous
+    /// batching: weights are read once per step for all of them).
     #[arg(long, default_value_t = 1)]
     parallel: usize,
+    /// Tokens one forward pass may take: a token for each decoding sequence, then chunks of
+    /// waiting prompts (so a long prompt never stalls the decodes).
+    #[arg(long, default_value_t = 512)]
+    batch_tokens: usize,
     /// Requests that may wait for a slot; more get 503.
     #[arg(long, default_value_t = 64)]
     queue_size: usize,
@@ -291,6 +296,7 @@ fn model_id(arg: &str) -> String {
 fn load(args: &ServeArgs, parallel: usize, queue_size: usize) -> Result<Engine> {
     let config = EngineConfig {
         parallel: parallel.max(1),
+        batch_tokens: args.batch_tokens.max(1),
         queue_size,
         panic_marker: args.test_panic_marker.clone(),
         ..args.model.engine_config()

@@ -196,6 +196,8 @@ fn simple_get(state: &State, route: &str, path: &str) -> Result<Response<Body>, 
                 kv_bytes: e.kv_bytes_in_use(),
                 prefills: e.prefills(),
                 cache: e.prompt_cache_stats(),
+                running: e.running(),
+                batch_steps: e.batch_steps(),
             });
             let text = state.metrics.render(state.parallel, figures);
             let mut response = Response::new(sse::full(text));

@@ -1,0 +1,214 @@
+//! The step scheduler (continuous batching): one thread advances every sequence in flight
+//! together, one forward pass per step. Each step admits waiting requests while fewer than
+//! `parallel` sequences run, gives every decoding choice its next token and the prompts
+//! being prefilled what is left of the step's token budget (`batch_tokens`, in arrival order,
+//! chunks of at most `prefill_size`), so a long prompt never stalls the decodes, and runs them
+//! all through [`CausalLm::forward_batch`](peregrine_models::CausalLm::forward_batch).
+//! Cancelled and finished sequences leave before the next pass, with their KV.
+
+use std::collections::VecDeque;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, TryRecvError};
+
+use peregrine_models::{BatchSeq, ModelError};
+use peregrine_tensor::device::in_compute_pool;
+
+use crate::api::{Event, FinishReason};
+use crate::engine::{Job, Shared};
+use crate::error::EngineError;
+use crate::sequence::{Decoding, Prefilling};
+
+/// Runs requests from `queue` until the engine is dropped and nothing is left to run.
+pub(crate) fn run(shared: &Shared, queue: Receiver<Job>, parallel: usize, batch_tokens: usize) {
+    let mut prefilling: VecDeque<Prefilling> = VecDeque::new();
+    let mut decoding: Vec<Decoding> = Vec::new();
+    let mut open = true;
+    loop {
+        while open && prefilling.len() + decoding.len() < parallel.max(1) {
+            let idle = prefilling.is_empty() && decoding.is_empty();
+            let job = match idle {
+                true => queue.recv().map_err(|_| TryRecvError::Disconnected),
+                false => queue.try_recv(),
+            };
+            match job {
+                Ok(job) => prefilling.push_back(Prefilling::start(shared, job)),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => open = false,
+            }
+        }
+        prefilling.retain(|p| !p.abandoned());
+        for d in std::mem::take(&mut decoding) {
+            match d.sink.cancelled() {
+                true => end(shared, d, Ok(FinishReason::Cancelled)),
+                false => decoding.push(d),
+            }
+        }
+        shared
+            .running
+            .store(prefilling.len() + decoding.len(), Ordering::Relaxed);
+        if prefilling.is_empty() && decoding.is_empty() {
+            if !open {
+                return;
+            }
+            continue;
+        }
+        step(shared, &mut prefilling, &mut decoding, batch_tokens);
+    }
+}
+
+/// One forward pass over every decoding choice and the prompt chunks the budget allows, then
+/// each sequence's next move.
+fn step(
+    shared: &Shared,
+    prefilling: &mut VecDeque<Prefilling>,
+    decoding: &mut Vec<Decoding>,
+    batch_tokens: usize,
+) {
+    // Decodes first, a token each; prompts share what is left, in arrival order.
+    let mut budget = batch_tokens.max(1).saturating_sub(decoding.len());
+    let chunks: Vec<usize> = (prefilling.iter())
+        .map(|p| {
+            let k = p.remaining().min(budget).min(shared.prefill_size);
+            budget -= k;
+            k
+        })
+        .collect();
+    let pass = catch_unwind(AssertUnwindSafe(|| {
+        forward(shared, prefilling, decoding, &chunks)
+    }));
+    let rows = match pass {
+        Ok(Ok(rows)) => rows,
+        failed => {
+            let why = match failed {
+                Ok(Err(e)) => e.to_string(),
+                Err(panic) => panic_text(panic),
+                Ok(Ok(_)) => unreachable!("handled above"),
+            };
+            tracing::error!("a forward pass failed: {why}");
+            let why = format!("generation failed: {why}");
+            // Every sequence of the pass is lost; prompts that sat it out go on.
+            for d in decoding.drain(..) {
+                end(shared, d, Err(EngineError::Internal(why.clone())));
+            }
+            let kept = (std::mem::take(prefilling).into_iter().zip(&chunks)).filter_map(
+                |(p, &k)| match k {
+                    0 => Some(p),
+                    _ => {
+                        fail_prompt(p, &why);
+                        None
+                    }
+                },
+            );
+            prefilling.extend(kept);
+            return;
+        }
+    };
+    let mut rows = rows.into_iter();
+    for mut d in std::mem::take(decoding) {
+        d.logits = rows.next().expect("one row per decoding choice");
+        d.stepped();
+        advance(shared, d, decoding);
+    }
+    for (p, k) in std::mem::take(prefilling).into_iter().zip(chunks) {
+        let mut p = p;
+        if k == 0 {
+            prefilling.push_back(p);
+            continue;
+        }
+        let logits = rows.next().expect("one row per prompt chunk");
+        p.fed(k);
+        if p.remaining() > 0 {
+            prefilling.push_back(p);
+            continue;
+        }
+        match p.into_choices(shared, logits) {
+            Ok(choices) => choices
+                .into_iter()
+                .for_each(|d| advance(shared, d, decoding)),
+            Err(e) => tracing::error!("a prompt's choices could not start: {e}"),
+        }
+    }
+}
+
+/// Runs the pass: each decoding choice's next token, then each prompt's chunk (`chunks[i]`
+/// tokens of prompt `i`; 0 sits this pass out). Returns the last position's logits of each,
+/// in that order.
+fn forward(
+    shared: &Shared,
+    prefilling: &mut VecDeque<Prefilling>,
+    decoding: &mut [Decoding],
+    chunks: &[usize],
+) -> Result<Vec<Vec<f32>>, EngineError> {
+    let model = shared.model.as_ref();
+    if let ([d], true) = (&mut *decoding, chunks.iter().all(|&k| k == 0)) {
+        // One sequence decoding alone: the allocation-free step (bit-identical to forward).
+        let mut logits = std::mem::take(&mut d.logits);
+        in_compute_pool(|| model.decode(d.next[0], &mut d.cache, &mut logits))?;
+        return Ok(vec![logits]);
+    }
+    let mut batch: Vec<BatchSeq> = Vec::with_capacity(decoding.len() + chunks.len());
+    for d in decoding.iter_mut() {
+        batch.push(BatchSeq {
+            tokens: &d.next,
+            cache: &mut d.cache,
+        });
+    }
+    for (p, &k) in prefilling.iter_mut().zip(chunks) {
+        if k > 0 {
+            batch.push(BatchSeq {
+                tokens: &p.job.ids[p.fed..p.fed + k],
+                cache: &mut p.cache,
+            });
+        }
+    }
+    shared.steps.fetch_add(1, Ordering::Relaxed);
+    shared
+        .step_rows
+        .fetch_add(batch.len() as u64, Ordering::Relaxed);
+    let logits = in_compute_pool(|| model.forward_batch(&mut batch))?;
+    Ok(logits.to_vec2::<f32>().map_err(ModelError::from)?)
+}
+
+/// Samples `d`'s next token; keeps it in `decoding` unless it is done.
+fn advance(shared: &Shared, mut d: Decoding, decoding: &mut Vec<Decoding>) {
+    match catch_unwind(AssertUnwindSafe(|| d.advance(shared))) {
+        Ok(Ok(None)) => decoding.push(d),
+        Ok(Ok(Some(finish))) => end(shared, d, Ok(finish)),
+        Ok(Err(e)) => end(shared, d, Err(e)),
+        Err(panic) => {
+            let why = panic_text(panic);
+            tracing::error!("generation panicked: {why}");
+            end(
+                shared,
+                d,
+                Err(EngineError::Internal(format!("generation failed: {why}"))),
+            );
+        }
+    }
+}
+
+/// Ends a choice: its last text and `Done`, or the error.
+fn end(shared: &Shared, d: Decoding, how: Result<FinishReason, EngineError>) {
+    let sink = d.sink.events.clone();
+    let result = match how {
+        Ok(finish) => d.finish(shared, finish),
+        Err(e) => Err(e),
+    };
+    if let Err(e) = result {
+        let _ = sink.send(Event::Error(e));
+    }
+}
+
+/// Ends every choice of a prompt whose pass failed.
+fn fail_prompt(p: Prefilling, why: &str) {
+    for c in &p.job.choices {
+        let _ = (c.events).send(Event::Error(EngineError::Internal(why.to_string())));
+    }
+}
+
+fn panic_text(panic: Box<dyn std::any::Any + Send>) -> String {
+    (panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".into())
+}

@@ -1,0 +1,306 @@
+//! A request's life as the scheduler ([`crate::scheduler`]) sees it: a [`Prefilling`] prompt,
+//! fed a chunk per step, that becomes one [`Decoding`] choice per `n` once its last position's
+//! logits arrive; each choice then samples a token per step, with stop strings and
+//! incremental detokenization, until EOS, a stop string, the token budget or cancellation.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use peregrine_models::{CausalLm, KvOptions, Logits, ModelError, SequenceCache};
+use peregrine_sampling::{Sampler, token_logprobs};
+use peregrine_tensor::Tensor;
+use peregrine_tensor::device::in_compute_pool;
+
+use crate::api::{Event, FinishReason, Request, Timings, Usage};
+use crate::detok::{IncrementalDetokenizer, PROMPT_TAIL};
+use crate::engine::{ChoiceSink, Job, Shared};
+use crate::error::EngineError;
+use crate::stop::StopMatcher;
+
+/// Runs the prompt through the model in chunks of `prefill_size`, returning the last
+/// position's logits (or every position's when `want` is `All`): the parity tool's path.
+pub(crate) fn prefill(
+    model: &dyn CausalLm,
+    ids: &[u32],
+    cache: &mut SequenceCache,
+    prefill_size: usize,
+    want: Logits,
+) -> Result<Tensor, EngineError> {
+    let chunks: Vec<&[u32]> = ids.chunks(prefill_size.max(1)).collect();
+    let mut parts = Vec::with_capacity(chunks.len());
+    for (i, chunk) in chunks.iter().enumerate() {
+        let last = i + 1 == chunks.len();
+        // Intermediate chunks only fill the cache; their last-position logits are cheap.
+        let want = if last || want == Logits::All {
+            want
+        } else {
+            Logits::Last
+        };
+        let logits = in_compute_pool(|| model.forward(chunk, cache, want))?;
+        if want == Logits::All || last {
+            parts.push(logits);
+        }
+    }
+    Ok(Tensor::cat(&parts, 0).map_err(ModelError::from)?)
+}
+
+/// This sequence's share of the engine's live KV bytes, kept current as its cache grows and
+/// given back when the sequence ends (however it ends).
+pub(crate) struct KvGauge {
+    total: Arc<AtomicUsize>,
+    mine: usize,
+}
+
+impl KvGauge {
+    fn new(total: &Arc<AtomicUsize>) -> Self {
+        Self {
+            total: total.clone(),
+            mine: 0,
+        }
+    }
+
+    fn set(&mut self, bytes: usize) {
+        if bytes >= self.mine {
+            self.total.fetch_add(bytes - self.mine, Ordering::Relaxed);
+        } else {
+            self.total.fetch_sub(self.mine - bytes, Ordering::Relaxed);
+        }
+        self.mine = bytes;
+    }
+}
+
+impl Drop for KvGauge {
+    fn drop(&mut self) {
+        self.set(0);
+    }
+}
+
+/// A request whose prompt is being prefilled, a chunk per step.
+pub(crate) struct Prefilling {
+    pub job: Job,
+    pub cache: SequenceCache,
+    /// Prompt tokens taken from the prompt cache.
+    cached: usize,
+    /// Prompt tokens in the cache so far.
+    pub fed: usize,
+    started: Instant,
+    queued: Duration,
+    gauge: KvGauge,
+}
+
+impl Prefilling {
+    /// Starts `job`, taking what the prompt cache holds of its prompt.
+    pub fn start(shared: &Shared, job: Job) -> Self {
+        let queued = job.submitted.elapsed();
+        let (cache, cached) = (shared.prompt_cache.lookup(&job.ids, &job.kv))
+            .unwrap_or_else(|| (SequenceCache::new(&shared.model.cache_spec(), &job.kv), 0));
+        let mut gauge = KvGauge::new(&shared.live_kv);
+        gauge.set(cache.bytes());
+        Self {
+            job,
+            cache,
+            cached,
+            fed: cached,
+            started: Instant::now(),
+            queued,
+            gauge,
+        }
+    }
+
+    /// Whether no choice listens any more.
+    pub fn abandoned(&self) -> bool {
+        self.job.choices.iter().all(ChoiceSink::cancelled)
+    }
+
+    /// The prompt tokens not yet in the cache.
+    pub fn remaining(&self) -> usize {
+        self.job.ids.len() - self.fed
+    }
+
+    /// Records `n` more prompt tokens in the cache.
+    pub fn fed(&mut self, n: usize) {
+        self.fed += n;
+        self.gauge.set(self.cache.bytes());
+    }
+
+    /// The prompt is in the cache and `logits` are its last position's: one choice per live
+    /// sink, each decoding from its own copy of the cache (the last from the cache itself).
+    pub fn into_choices(
+        self,
+        shared: &Shared,
+        logits: Vec<f32>,
+    ) -> Result<Vec<Decoding>, EngineError> {
+        shared.prefills.fetch_add(1, Ordering::Relaxed);
+        let Job {
+            request,
+            kv,
+            ids,
+            choices,
+            ..
+        } = self.job;
+        let (request, ids): (Arc<Request>, Arc<[u32]>) = (Arc::new(request), ids.into());
+        let timings = Timings {
+            queued: self.queued,
+            prefill: self.started.elapsed(),
+            ..Timings::default()
+        };
+        let live: Vec<(usize, ChoiceSink)> = (choices.into_iter().enumerate())
+            .filter(|(_, c)| !c.cancelled())
+            .collect();
+        let mut base = Some(self.cache);
+        let count = live.len();
+        let mut out = Vec::with_capacity(count);
+        for (k, (j, sink)) in live.into_iter().enumerate() {
+            let last = k + 1 == count;
+            let cache = match (last, &base) {
+                (true, _) => base.take(),
+                (false, Some(c)) => Some(c.snapshot().map_err(ModelError::from)?),
+                (false, None) => None,
+            };
+            let Some(cache) = cache else { break };
+            let mut sampling = request.sampling.clone();
+            sampling.seed = sampling.seed.map(|s| s.wrapping_add(j as u64));
+            let budget =
+                (request.max_tokens.unwrap_or(usize::MAX)).min(shared.max_context - ids.len());
+            let mut gauge = KvGauge::new(&shared.live_kv);
+            gauge.set(cache.bytes());
+            out.push(Decoding {
+                detok: IncrementalDetokenizer::new(&ids[ids.len().saturating_sub(PROMPT_TAIL)..]),
+                stop: StopMatcher::new(&request.stop),
+                sampler: Sampler::new(sampling),
+                request: request.clone(),
+                ids: ids.clone(),
+                sink,
+                cache,
+                kv,
+                gauge,
+                cached: self.cached,
+                budget,
+                logits: logits.clone(),
+                generated: Vec::new(),
+                next: [0],
+                timings,
+                started: self.started,
+                decode_started: None,
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// One choice generating: it holds the logits of its last position until the scheduler asks
+/// for the next token ([`advance`](Self::advance)).
+pub(crate) struct Decoding {
+    request: Arc<Request>,
+    ids: Arc<[u32]>,
+    pub sink: ChoiceSink,
+    pub cache: SequenceCache,
+    kv: KvOptions,
+    gauge: KvGauge,
+    cached: usize,
+    budget: usize,
+    /// The last position's logits (sampling rewrites them in place).
+    pub logits: Vec<f32>,
+    sampler: Sampler,
+    detok: IncrementalDetokenizer,
+    stop: StopMatcher,
+    generated: Vec<u32>,
+    /// The token the next step feeds.
+    pub next: [u32; 1],
+    timings: Timings,
+    started: Instant,
+    decode_started: Option<Instant>,
+}
+
+impl Decoding {
+    /// Samples a token from `self.logits` and sends it. `Ok(None)`: the token goes into the
+    /// next step (`self.next`); `Ok(Some(finish))`: the choice is over (not yet finished:
+    /// call [`finish`](Self::finish)).
+    pub fn advance(&mut self, shared: &Shared) -> Result<Option<FinishReason>, EngineError> {
+        if self.sink.cancelled() {
+            return Ok(Some(FinishReason::Cancelled));
+        }
+        let req = &self.request;
+        // Logprobs are reported on the raw distribution; sampling rewrites `logits` in place.
+        let raw = req.logprobs.map(|_| self.logits.clone());
+        let token = (self.sampler).sample(&mut self.logits, &self.ids, &self.generated);
+        self.generated.push(token);
+        if self.generated.len() == 1 {
+            self.timings.time_to_first_token = self.started.elapsed();
+            self.decode_started = Some(Instant::now());
+        }
+        let logprobs: Vec<_> = (raw.iter())
+            .map(|raw| token_logprobs(raw, token, req.logprobs.unwrap_or(0)))
+            .collect();
+        let is_eos = !req.ignore_eos && shared.tokenizer.is_eos(token);
+        let text = match is_eos {
+            true => String::new(),
+            false => (self.detok).step(token, |t| shared.tokenizer.decode(t, true))?,
+        };
+        let step = self.stop.push(&text);
+        let delta = Event::Delta {
+            text: step.emit,
+            tokens: vec![token],
+            logprobs,
+        };
+        if self.sink.events.send(delta).is_err() {
+            return Ok(Some(FinishReason::Cancelled));
+        }
+        if step.stopped || is_eos {
+            return Ok(Some(FinishReason::Stop));
+        }
+        if self.generated.len() >= self.budget {
+            return Ok(Some(FinishReason::Length));
+        }
+        shared.fault_point(req, self.generated.len());
+        self.next = [token];
+        Ok(None)
+    }
+
+    /// Records the fed token's new cache size.
+    pub fn stepped(&mut self) {
+        self.gauge.set(self.cache.bytes());
+    }
+
+    /// Sends the held-back text and `Done`, and leaves the cache to the prompt cache.
+    pub fn finish(mut self, shared: &Shared, finish: FinishReason) -> Result<(), EngineError> {
+        let decode = |t: &[u32]| shared.tokenizer.decode(t, true);
+        if finish != FinishReason::Cancelled && !self.stop.is_stopped() {
+            let tail = self.detok.finish(decode)?;
+            let mut text = self.stop.push(&tail).emit;
+            if !self.stop.is_stopped() {
+                text.push_str(&self.stop.finish());
+            }
+            if !text.is_empty() {
+                let _ = self.sink.events.send(Event::Delta {
+                    text,
+                    tokens: vec![],
+                    logprobs: vec![],
+                });
+            }
+        }
+        let mut timings = self.timings;
+        if let Some(t) = self.decode_started {
+            timings.decode = t.elapsed();
+            timings.decode_tokens = self.generated.len().saturating_sub(1);
+        }
+        timings.kv_bytes = self.cache.bytes();
+        let usage = Usage {
+            prompt_tokens: self.ids.len(),
+            completion_tokens: self.generated.len(),
+            cached_tokens: self.cached,
+        };
+        // The cache holds the prompt and every generated token but the last (never fed back).
+        let mut held: Vec<u32> = self.ids.iter().chain(&self.generated).copied().collect();
+        held.truncate(self.cache.len());
+        self.gauge.set(0);
+        shared.prompt_cache.store(held, self.cache, self.kv);
+        let _ = self.sink.events.send(Event::Done {
+            finish,
+            usage,
+            timings,
+        });
+        Ok(())
+    }
+}
