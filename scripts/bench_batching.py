@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""Continuous batching, Peregrine against llama.cpp's server, on one GGUF file in one run.
+
+Usage: scripts/bench_batching.py --model FILE [--llama-server PATH] [--streams 1,2,4,8,16]
+           [--prompt-tokens 64] [--gen-tokens 64] [--threads 2]
+
+For each N in --streams, starts `peregrine serve --parallel N` and `llama-server -np N` (continuous
+batching on, f16 KV as ours, the same threads and context per slot), sends N streamed
+/v1/completions requests at once (each its own prompt of about --prompt-tokens, greedy,
+end-of-sequence ignored, --gen-tokens each) and reads the token arrival times. Per stream:
+decode tok/s = (tokens - 1) / (last - first arrival); aggregate = their sum. Prints one JSON
+line per server and N, with times to first token (p50, max). Standard library only; loopback.
+"""
+import argparse
+import http.client
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+WORDS = ["river", "stone", "market", "violin", "winter", "lantern", "orbit", "garden", "copper",
+         "meadow", "harbor", "pencil", "thunder", "velvet", "canyon", "maple"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompt(i, words):
+    # About 1.3 tokens per word in both tokenizers; what it says does not matter.
+    return f"Story {i}: " + " ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(words))
+
+
+def wait_ready(port, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"server exited with {proc.returncode}")
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            c.request("GET", "/health")
+            if c.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    sys.exit("server did not become ready")
+
+
+def model_id(port):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    c.request("GET", "/v1/models")
+    return json.loads(c.getresponse().read())["data"][0]["id"]
+
+
+def stream(port, text, gen_tokens, out):
+    body = json.dumps({"model": model_id(port), "prompt": text, "max_tokens": gen_tokens, "temperature": 0,
+                       "stream": True, "ignore_eos": True})
+    start = time.time()
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    r = c.getresponse()
+    arrivals = []
+    for line in r:
+        line = line.strip()
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("choices") and chunk["choices"][0].get("text"):
+            arrivals.append(time.time())
+    out.append((start, arrivals))
+
+
+def measure(port, n, words, gen_tokens):
+    results, threads = [], []
+    for i in range(n):
+        t = threading.Thread(target=stream, args=(port, prompt(i, words), gen_tokens, results))
+        threads.append(t)
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    decode, ttft = [], []
+    for start, arrivals in results:
+        if len(arrivals) >= 2:
+            decode.append((len(arrivals) - 1) / (arrivals[-1] - arrivals[0]))
+        if arrivals:
+            ttft.append((arrivals[0] - start) * 1e3)
+    return {"streams": n, "aggregate_decode_tps": round(sum(decode), 1),
+            "per_stream_decode_tps": round(statistics.median(decode), 1) if decode else 0,
+            "ttft_ms_p50": round(statistics.median(ttft), 1) if ttft else None,
+            "ttft_ms_max": round(max(ttft), 1) if ttft else None,
+            "tokens": sum(len(a) for _, a in results)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--llama-server", help="llama.cpp's llama-server (omit: Peregrine only)")
+    ap.add_argument("--peregrine", default="target/release/peregrine")
+    ap.add_argument("--streams", default="1,2,4,8,16")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    words = max(1, a.prompt_tokens * 3 // 4)
+    per_slot = a.prompt_tokens + a.gen_tokens + 64
+    for n in [int(x) for x in a.streams.split(",")]:
+        for name in ("peregrine", "llama.cpp") if a.llama_server else ("peregrine",):
+            port = free_port()
+            if name == "peregrine":
+                cmd = [a.peregrine, "--threads", str(a.threads), "serve", "--model", a.model,
+                       "--port", str(port), "--parallel", str(n), "--prompt-cache-entries", "0"]
+            else:
+                # llama-server splits --ctx-size over its slots.
+                cmd = [a.llama_server, "-m", a.model, "--port", str(port), "-np", str(n),
+                       "-t", str(a.threads), "-c", str(per_slot * n), "-cb", "-ctk", "f16",
+                       "-ctv", "f16", "--cache-reuse", "0", "-fa", "off"]
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                wait_ready(port, proc)
+                measure(port, 1, words, 4)  # warm-up
+                row = measure(port, n, words, a.gen_tokens)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+            row["server"] = name
+            load = open("/proc/loadavg").read().split()[0]
+            row["load"] = float(load)
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
