@@ -63,6 +63,17 @@ pub struct Mla {
 }
 
 impl Mla {
+    /// `(qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank)`.
+    fn widths(&self) -> (usize, usize, usize, usize) {
+        let m = &self.m;
+        (
+            m.qk_nope_head_dim,
+            m.qk_rope_head_dim,
+            m.v_head_dim,
+            m.kv_lora_rank,
+        )
+    }
+
     /// Width of the one cached key head: the latent then the shared RoPE key.
     pub fn cache_head_dim(m: &MlaConfig) -> usize {
         m.qk_rope_head_dim + m.kv_lora_rank
@@ -82,13 +93,7 @@ impl Mla {
         start: usize,
     ) -> Result<Tensor> {
         let (b, n, _) = x.dims3()?;
-        let m = &self.m;
-        let (nope, rd, vd, kvl) = (
-            m.qk_nope_head_dim,
-            m.qk_rope_head_dim,
-            m.v_head_dim,
-            m.kv_lora_rank,
-        );
+        let (nope, rd, vd, kvl) = self.widths();
         let (q, kv_a) = match &self.q {
             QueryPath::Direct(q_proj) => {
                 let [q, kv_a]: [Tensor; 2] = QLinear::forward_group(&[q_proj, &self.kv_a], x)?
@@ -222,12 +227,7 @@ impl SelfAttention for Mla {
             o,
         } = mla;
         let m = &self.m;
-        let (nope, rd, vd, kvl) = (
-            m.qk_nope_head_dim,
-            m.qk_rope_head_dim,
-            m.v_head_dim,
-            m.kv_lora_rank,
-        );
+        let (nope, rd, vd, kvl) = self.widths();
         let width = Self::cache_head_dim(m);
         match &self.q {
             QueryPath::Direct(q_proj) => {
