@@ -98,6 +98,34 @@ def measure(port, n, words, gen_tokens):
             "tokens": sum(len(a) for _, a in results)}
 
 
+def gaps(arrivals, lo, hi):
+    """Inter-token gaps (ms) of `arrivals` between times lo and hi."""
+    return [(b - a) * 1e3 for a, b in zip(arrivals, arrivals[1:]) if lo <= a and b <= hi]
+
+
+def interference(port, streams, words, gen_tokens, long_words):
+    """`streams` decode; after a second a long prompt arrives. Their median inter-token gap
+    before it and while it is prefilled (until its first token)."""
+    results, long_result = [], []
+    threads = [threading.Thread(target=stream, args=(port, prompt(i, words), gen_tokens, results))
+               for i in range(streams)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    arrived = time.time()
+    long_t = threading.Thread(target=stream, args=(port, prompt(99, long_words), 2, long_result))
+    long_t.start()
+    for t in threads + [long_t]:
+        t.join()
+    first = long_result[0][1][0] if long_result and long_result[0][1] else time.time()
+    before = [g for _, a in results for g in gaps(a, 0, arrived)]
+    during = [g for _, a in results for g in gaps(a, arrived, first)]
+    return {"streams": streams, "gap_ms_before": round(statistics.median(before), 1),
+            "gap_ms_during": round(statistics.median(during), 1) if during else None,
+            "gap_ms_during_max": round(max(during), 1) if during else None,
+            "long_prompt_ttft_ms": round((first - arrived) * 1e3, 1)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
@@ -107,7 +135,27 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--interfere", type=int, metavar="TOKENS",
+                    help="instead: 4 streams decode and a prompt of TOKENS arrives (Peregrine)")
+    ap.add_argument("--prefill-while-decoding", type=int, default=512,
+                    help="Peregrine's --prefill-while-decoding for the second --interfere run")
     a = ap.parse_args()
+    if a.interfere:
+        for budget in sorted({512, a.prefill_while_decoding}, reverse=True):
+            port = free_port()
+            cmd = [a.peregrine, "--threads", str(a.threads), "serve", "--model", a.model, "--port",
+                   str(port), "--parallel", "5", "--prompt-cache-entries", "0",
+                   "--prefill-while-decoding", str(budget)]
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                wait_ready(port, proc)
+                row = interference(port, 4, 48, 400, a.interfere * 3 // 4)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+            row["prefill_while_decoding"] = budget
+            print(json.dumps(row), flush=True)
+        return
     words = max(1, a.prompt_tokens * 3 // 4)
     per_slot = a.prompt_tokens + a.gen_tokens + 64
     for n in [int(x) for x in a.streams.split(",")]:

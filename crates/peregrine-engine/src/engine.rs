@@ -35,6 +35,10 @@ pub struct EngineConfig {
     /// Tokens one forward pass may take: each decoding sequence's next token, then prompt
     /// chunks (at most `prefill_size` each) in arrival order.
     pub batch_tokens: usize,
+    /// Prompt tokens one pass may take while other sequences decode (at most `batch_tokens`):
+    /// small values keep the decodes' inter-token gap close to its unloaded value while a long
+    /// prompt is prefilled, at the cost of that prompt's time to first token.
+    pub prefill_while_decoding: usize,
     /// Requests that may wait for a free slot before `submit` refuses more.
     pub queue_size: usize,
     /// KV cache storage.
@@ -59,6 +63,7 @@ impl Default for EngineConfig {
             prefill_size: 512,
             parallel: 1,
             batch_tokens: 512,
+            prefill_while_decoding: 512,
             queue_size: 64,
             kv: KvOptions::default(),
             mlx_activations: MlxActivations::default(),
@@ -227,11 +232,15 @@ impl Engine {
             panic_marker: config.panic_marker,
         });
         let (jobs, queue) = sync_channel::<Job>(config.queue_size);
-        let (parallel, batch_tokens) = (config.parallel.max(1), config.batch_tokens.max(1));
+        let budget = crate::scheduler::Budget {
+            parallel: config.parallel.max(1),
+            batch_tokens: config.batch_tokens.max(1),
+            prefill_while_decoding: config.prefill_while_decoding.max(1),
+        };
         let scheduler = shared.clone();
         std::thread::Builder::new()
             .name("peregrine-scheduler".into())
-            .spawn(move || crate::scheduler::run(&scheduler, queue, parallel, batch_tokens))
+            .spawn(move || crate::scheduler::run(&scheduler, queue, budget))
             .map_err(|e| EngineError::Model(peregrine_models::ModelError::Tensor(e.into())))?;
         Ok(Self {
             shared,

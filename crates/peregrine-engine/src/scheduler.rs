@@ -1,8 +1,9 @@
 //! The step scheduler (continuous batching): one thread advances every sequence in flight
 //! together, one forward pass per step. Each step admits waiting requests while fewer than
 //! `parallel` sequences run, gives every decoding choice its next token and the prompts
-//! being prefilled what is left of the step's token budget (`batch_tokens`, in arrival order,
-//! chunks of at most `prefill_size`), so a long prompt never stalls the decodes, and runs them
+//! being prefilled what is left of the step's token budget (`batch_tokens`, and at most
+//! `prefill_while_decoding` while any choice decodes; in arrival order, chunks of at most
+//! `prefill_size`), so a long prompt does not stall the decodes for long, and runs them
 //! all through [`CausalLm::forward_batch`](peregrine_models::CausalLm::forward_batch).
 //! Cancelled and finished sequences leave before the next pass, with their KV.
 
@@ -19,8 +20,20 @@ use crate::engine::{Job, Shared};
 use crate::error::EngineError;
 use crate::sequence::{Decoding, Prefilling};
 
+/// How much one step may take.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Budget {
+    /// Sequences running at once.
+    pub parallel: usize,
+    /// Tokens per forward pass.
+    pub batch_tokens: usize,
+    /// Prompt tokens per pass while some sequence decodes.
+    pub prefill_while_decoding: usize,
+}
+
 /// Runs requests from `queue` until the engine is dropped and nothing is left to run.
-pub(crate) fn run(shared: &Shared, queue: Receiver<Job>, parallel: usize, batch_tokens: usize) {
+pub(crate) fn run(shared: &Shared, queue: Receiver<Job>, budget: Budget) {
+    let parallel = budget.parallel;
     let mut prefilling: VecDeque<Prefilling> = VecDeque::new();
     let mut decoding: Vec<Decoding> = Vec::new();
     let mut open = true;
@@ -53,7 +66,7 @@ pub(crate) fn run(shared: &Shared, queue: Receiver<Job>, parallel: usize, batch_
             }
             continue;
         }
-        step(shared, &mut prefilling, &mut decoding, batch_tokens);
+        step(shared, &mut prefilling, &mut decoding, budget);
     }
 }
 
@@ -63,10 +76,13 @@ fn step(
     shared: &Shared,
     prefilling: &mut VecDeque<Prefilling>,
     decoding: &mut Vec<Decoding>,
-    batch_tokens: usize,
+    limits: Budget,
 ) {
     // Decodes first, a token each; prompts share what is left, in arrival order.
-    let mut budget = batch_tokens.max(1).saturating_sub(decoding.len());
+    let mut budget = limits.batch_tokens.saturating_sub(decoding.len());
+    if !decoding.is_empty() {
+        budget = budget.min(limits.prefill_while_decoding);
+    }
     let chunks: Vec<usize> = (prefilling.iter())
         .map(|p| {
             let k = p.remaining().min(budget).min(shared.prefill_size);

@@ -54,6 +54,11 @@ pub struct ServeArgs {
     /// waiting prompts (so a long prompt never stalls the decodes).
     #[arg(long, default_value_t = 512)]
     batch_tokens: usize,
+    /// Prompt tokens one forward pass may take while other sequences decode. On a CPU each
+    /// prompt token costs about as much as a decode: a small value (e.g. 4) keeps streams
+    /// flowing while a long prompt arrives, and that prompt's first token comes later.
+    #[arg(long, default_value_t = 512)]
+    prefill_while_decoding: usize,
     /// Requests that may wait for a slot; more get 503.
     #[arg(long, default_value_t = 64)]
     queue_size: usize,
@@ -297,6 +302,7 @@ fn load(args: &ServeArgs, parallel: usize, queue_size: usize) -> Result<Engine> 
     let config = EngineConfig {
         parallel: parallel.max(1),
         batch_tokens: args.batch_tokens.max(1),
+        prefill_while_decoding: args.prefill_while_decoding.max(1),
         queue_size,
         panic_marker: args.test_panic_marker.clone(),
         ..args.model.engine_config()
