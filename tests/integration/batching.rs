@@ -113,4 +113,12 @@ fn a_cancelled_sequence_frees_its_kv_at_the_next_step() {
         one < both * 3 / 4,
         "KV in use went from {both} to {one} bytes: the cancelled sequence kept its cache"
     );
+    // And a sequence that finishes leaves the count too, though the engine then waits idle.
+    drop(kept);
+    tokens(engine.submit(request(0)).unwrap());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while engine.running() != 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(engine.running(), 0, "an idle engine runs no sequence");
 }

@@ -67,6 +67,10 @@ pub(crate) fn run(shared: &Shared, queue: Receiver<Job>, budget: Budget) {
             continue;
         }
         step(shared, &mut prefilling, &mut decoding, budget);
+        // Current before the next wait for a request, which may block while idle.
+        shared
+            .running
+            .store(prefilling.len() + decoding.len(), Ordering::Relaxed);
     }
 }
 
