@@ -57,9 +57,7 @@ pub(crate) fn run(shared: &Shared, queue: Receiver<Job>, budget: Budget) {
                 false => decoding.push(d),
             }
         }
-        shared
-            .running
-            .store(prefilling.len() + decoding.len(), Ordering::Relaxed);
+        publish_running(shared, &prefilling, &decoding);
         if prefilling.is_empty() && decoding.is_empty() {
             if !open {
                 return;
@@ -68,10 +66,13 @@ pub(crate) fn run(shared: &Shared, queue: Receiver<Job>, budget: Budget) {
         }
         step(shared, &mut prefilling, &mut decoding, budget);
         // Current before the next wait for a request, which may block while idle.
-        shared
-            .running
-            .store(prefilling.len() + decoding.len(), Ordering::Relaxed);
+        publish_running(shared, &prefilling, &decoding);
     }
+}
+
+/// Shows `/metrics` how many sequences are in flight.
+fn publish_running(shared: &Shared, prefilling: &VecDeque<Prefilling>, decoding: &[Decoding]) {
+    (shared.running).store(prefilling.len() + decoding.len(), Ordering::Relaxed);
 }
 
 /// One forward pass over every decoding choice and the prompt chunks the budget allows, then
@@ -137,7 +138,7 @@ fn step(
             continue;
         }
         let logits = rows.next().expect("one row per prompt chunk");
-        p.fed(k);
+        p.record_fed(k);
         if p.remaining() > 0 {
             prefilling.push_back(p);
             continue;

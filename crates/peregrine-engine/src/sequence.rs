@@ -53,11 +53,14 @@ pub(crate) struct KvGauge {
 }
 
 impl KvGauge {
-    fn new(total: &Arc<AtomicUsize>) -> Self {
-        Self {
+    /// A share of `total` holding `bytes` from the start.
+    fn holding(total: &Arc<AtomicUsize>, bytes: usize) -> Self {
+        let mut gauge = Self {
             total: total.clone(),
             mine: 0,
-        }
+        };
+        gauge.set(bytes);
+        gauge
     }
 
     fn set(&mut self, bytes: usize) {
@@ -95,8 +98,7 @@ impl Prefilling {
         let queued = job.submitted.elapsed();
         let (cache, cached) = (shared.prompt_cache.lookup(&job.ids, &job.kv))
             .unwrap_or_else(|| (SequenceCache::new(&shared.model.cache_spec(), &job.kv), 0));
-        let mut gauge = KvGauge::new(&shared.live_kv);
-        gauge.set(cache.bytes());
+        let gauge = KvGauge::holding(&shared.live_kv, cache.bytes());
         Self {
             job,
             cache,
@@ -119,7 +121,7 @@ impl Prefilling {
     }
 
     /// Records `n` more prompt tokens in the cache.
-    pub fn fed(&mut self, n: usize) {
+    pub fn record_fed(&mut self, n: usize) {
         self.fed += n;
         self.gauge.set(self.cache.bytes());
     }
@@ -163,8 +165,7 @@ impl Prefilling {
             sampling.seed = sampling.seed.map(|s| s.wrapping_add(j as u64));
             let budget =
                 (request.max_tokens.unwrap_or(usize::MAX)).min(shared.max_context - ids.len());
-            let mut gauge = KvGauge::new(&shared.live_kv);
-            gauge.set(cache.bytes());
+            let gauge = KvGauge::holding(&shared.live_kv, cache.bytes());
             out.push(Decoding {
                 detok: IncrementalDetokenizer::new(&ids[ids.len().saturating_sub(PROMPT_TAIL)..]),
                 stop: StopMatcher::new(&request.stop),
