@@ -1,6 +1,6 @@
 //! The server against hostile or unlucky clients and its own bugs: slow-loris and idle
 //! connections, the connection limit, a panicking generation, oversized fields, `n` sharing one
-//! prefill, and SIGTERM under load.
+//! prefill, SIGTERM under load, and disconnected streams giving back their KV.
 
 mod support;
 
@@ -296,4 +296,65 @@ fn sigterm_ends_every_stream_cleanly() {
         cancelled_streams > 0,
         "no stream was still running at the deadline"
     );
+}
+
+/// Polls `metric` until `done` holds of it, for at most 20 s; returns its last value.
+fn wait_for_metric(server: &Server, name: &str, done: impl Fn(f64) -> bool) -> f64 {
+    let start = Instant::now();
+    loop {
+        let value = metric(server, name);
+        if done(value) || start.elapsed() > Duration::from_secs(20) {
+            return value;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Disconnected streams give back their KV at the next step, as `/metrics` shows: with three
+/// SmolLM2 streams decoding together, closing two drops the running count to one and the live
+/// KV bytes below what three held; closing the last brings both to zero long before any stream
+/// could have finished its 2000 tokens.
+#[test]
+fn disconnected_streams_free_their_kv_at_the_next_step() {
+    let model = support::real_model("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let server = Server::start_model(&model, &["--parallel", "3", "--prompt-cache-entries", "0"]);
+    let body = chat(
+        "Tell me a long story",
+        json!({"stream": true, "max_tokens": 2000, "ignore_eos": true}),
+    );
+    let mut streams: Vec<_> = (0..3)
+        .map(|_| {
+            let stream = server.open(
+                "POST",
+                "/v1/chat/completions",
+                &[],
+                body.to_string().as_bytes(),
+                None,
+            );
+            let mut reader = std::io::BufReader::new(stream);
+            // The role chunk, then two tokens: this stream's prompt is in its cache.
+            let mut events = 0;
+            while events < 3 {
+                let mut line = String::new();
+                let n = std::io::BufRead::read_line(&mut reader, &mut line).unwrap();
+                assert!(n > 0, "the stream ended before its third event");
+                events += usize::from(line.starts_with("data: "));
+            }
+            reader
+        })
+        .collect();
+    let name = "peregrine_running_sequences";
+    assert_eq!(wait_for_metric(&server, name, |n| n == 3.0), 3.0);
+    let kv_three = metric(&server, "peregrine_kv_bytes");
+    assert!(kv_three > 0.0, "three decoding streams hold no KV");
+    streams.truncate(1);
+    assert_eq!(wait_for_metric(&server, name, |n| n == 1.0), 1.0);
+    let kv_one = metric(&server, "peregrine_kv_bytes");
+    assert!(
+        kv_one > 0.0 && kv_one < kv_three,
+        "one stream holds {kv_one} KV bytes, three held {kv_three}"
+    );
+    streams.clear();
+    assert_eq!(wait_for_metric(&server, name, |n| n == 0.0), 0.0);
+    assert_eq!(metric(&server, "peregrine_kv_bytes"), 0.0);
 }
