@@ -2,7 +2,8 @@
 //! Prints one JSON line per (format, kernel, batch) with giga multiply-adds per second over the
 //! threads rayon uses (set `RAYON_NUM_THREADS`). Shapes are SmolLM2's MLP (1536 × 576), or
 //! `GGUF_BENCH_SHAPE=OUTxIN` (e.g. `262144x640`, Gemma 3's output matrix; K-quants round IN up
-//! to a multiple of 256). `GGUF_BENCH_KERNEL=avx2` (etc.) runs one kernel only.
+//! to a multiple of 256). `GGUF_BENCH_KERNEL=avx2` (etc.) runs one kernel only;
+//! `GGUF_BENCH_BATCHES=1,4,8` sets the batch sizes (default 1 and 128).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -27,6 +28,10 @@ fn run() {
             Some((n.parse().ok()?, k.parse().ok()?))
         })
         .unwrap_or((1536, 576));
+    let batches: Vec<usize> = std::env::var("GGUF_BENCH_BATCHES")
+        .ok()
+        .map(|s| s.split(',').filter_map(|b| b.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![1, 128]);
     let formats = [
         GgmlDType::Q4_0,
         GgmlDType::Q4_1,
@@ -71,7 +76,7 @@ fn run() {
             } else {
                 "rows"
             };
-            for m in [1, 128] {
+            for &m in &batches {
                 let x: Vec<f32> = (0..m * k)
                     .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
                     .collect();
