@@ -4,7 +4,7 @@
 
 mod support;
 
-use std::io::{ErrorKind, Read, Write};
+use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
@@ -331,12 +331,12 @@ fn disconnected_streams_free_their_kv_at_the_next_step() {
                 body.to_string().as_bytes(),
                 None,
             );
-            let mut reader = std::io::BufReader::new(stream);
+            let mut reader = BufReader::new(stream);
             // The role chunk, then two tokens: this stream's prompt is in its cache.
             let mut events = 0;
             while events < 3 {
                 let mut line = String::new();
-                let n = std::io::BufRead::read_line(&mut reader, &mut line).unwrap();
+                let n = reader.read_line(&mut line).unwrap();
                 assert!(n > 0, "the stream ended before its third event");
                 events += usize::from(line.starts_with("data: "));
             }
