@@ -227,6 +227,20 @@ fn interleaved_rows_equal_the_file_layout() {
                     fast.matmul_with(&x, m, kernel).unwrap(),
                     rows.matmul_with(&x, m, kernel).unwrap(),
                 );
+                // Batch invariance: each input's outputs are its solo product's, bit for bit,
+                // whatever kernel tile it went through (continuous batching relies on it).
+                for (i, input) in x.chunks_exact(k).enumerate().filter(|_| m < 70) {
+                    let solo = fast.matmul_with(input, 1, kernel).unwrap();
+                    let batched = &a[i * n..][..n];
+                    let same = solo
+                        .iter()
+                        .zip(batched)
+                        .all(|(s, b)| s.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "{dtype:?} {kernel:?} m={m} input {i}: not its solo bits"
+                    );
+                }
                 for (i, (a, b)) in a.iter().zip(&b).enumerate() {
                     // Summation order only: 1e-5 of Σ|w·x|, as in the test above.
                     let (input, row) = (&x[i / n * k..][..k], &wf[i % n * k..][..k]);

@@ -14,6 +14,7 @@ use std::arch::x86_64::*;
 
 use super::act::{Q8Block, Refinement};
 use super::avx2::{Avx2, Isa, Vnni};
+use super::avx2_interleaved_k;
 use super::format::Format;
 use super::interleaved::ROWS;
 
@@ -114,8 +115,8 @@ unsafe fn dispatch<I: Isa, const T: usize>(format: Format, shared: usize, run: &
     // SAFETY: per this function's contract.
     unsafe {
         match format {
-            Format::Q4K => each_group!(run, gw => rows_q4k::<I, T>(gw, x)),
-            Format::Q6K => each_group!(run, gw => rows_q6k::<I, T>(gw, x)),
+            Format::Q4K => each_group!(run, gw => avx2_interleaved_k::rows_q4k::<I, T>(gw, x)),
+            Format::Q6K => each_group!(run, gw => avx2_interleaved_k::rows_q6k::<I, T>(gw, x)),
             Format::Q8_0 => each_group!(run, gw => rows_q8_0::<I, T>(gw, x, refined)),
             Format::Q4_1 if shared == 2 => {
                 each_group!(run, gw => rows::<I, true, false, 2, T>(gw, x, refined))
@@ -145,19 +146,35 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, 
     // SAFETY: per this function's contract; every load below stays inside block `b`.
     unsafe {
         // Two accumulator chains per input: one would wait on the FMA latency every block.
+        // Block `i` goes into chain `i % 2`; units go in pairs so that each chain is named
+        // statically (indexed by a runtime parity, the chains lived on the stack: a load and
+        // a store per FMA).
         let mut acc = [[_mm256_setzero_ps(); T]; 2];
         let mut mins = [[_mm256_setzero_ps(); T]; 2];
-        for (u, b) in w.chunks_exact(unit_bytes).enumerate() {
-            let p = b.as_ptr();
-            let (dw, mw) = heads::<MIN>(p);
-            for s in 0..SHARED {
-                let i = u * SHARED + s;
-                let codes = unpack::<I, FIFTH>(p, masks_at, head + 128 * s);
-                let (chain, min_chain) = (&mut acc[i % 2], &mut mins[i % 2]);
-                for t in 0..T {
-                    let (c, m) = (&mut chain[t], &mut min_chain[t]);
-                    terms::<I, MIN, FIFTH>(&codes, &x[t][i], dw, mw, offset, c, m);
-                }
+        let units = w.len() / unit_bytes;
+        let (a, m, p) = (&mut acc, &mut mins, w.as_ptr());
+        for u in (0..units).step_by(2) {
+            // The unit's first block is `u·SHARED`, even; the next unit's has `SHARED`'s parity.
+            unit_terms::<I, MIN, FIFTH, SHARED, T>(
+                p.add(u * unit_bytes),
+                u * SHARED,
+                0,
+                x,
+                head,
+                a,
+                m,
+            );
+            if u + 1 < units {
+                let (next, parity) = (p.add((u + 1) * unit_bytes), SHARED % 2);
+                unit_terms::<I, MIN, FIFTH, SHARED, T>(
+                    next,
+                    (u + 1) * SHARED,
+                    parity,
+                    x,
+                    head,
+                    a,
+                    m,
+                );
             }
         }
         // Each refined block once, for every input refining it (neighbouring tokens' outliers
@@ -182,6 +199,47 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, 
             *y = _mm256_add_ps(sum, _mm256_add_ps(mins[0][t], mins[1][t]));
         }
         y
+    }
+}
+
+/// One unit's terms (its `SHARED` blocks from block `first` on, the first into chain `parity`)
+/// for every input. `parity` is a constant where this inlines, so the chains stay in registers.
+///
+/// # Safety
+/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines; `p`
+/// is a unit of `head` bytes and `SHARED` code blocks, and each input holds blocks `first..`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn unit_terms<
+    I: Isa,
+    const MIN: bool,
+    const FIFTH: bool,
+    const SHARED: usize,
+    const T: usize,
+>(
+    p: *const u8,
+    first: usize,
+    parity: usize,
+    x: [&[Q8Block]; T],
+    head: usize,
+    acc: &mut [[__m256; T]; 2],
+    mins: &mut [[__m256; T]; 2],
+) {
+    let masks_at = if MIN { 32 } else { 16 };
+    // Codes without a minimum are offset by half their range.
+    let offset = if FIFTH { 16.0 } else { 8.0 };
+    // SAFETY: per this function's contract.
+    unsafe {
+        let (dw, mw) = heads::<MIN>(p);
+        for s in 0..SHARED {
+            let codes = unpack::<I, FIFTH>(p, masks_at, head + 128 * s);
+            let chain = (parity + s) % 2;
+            for t in 0..T {
+                let (c, m) = (&mut acc[chain][t], &mut mins[chain][t]);
+                let xb = x[t].get_unchecked(first + s);
+                terms::<I, MIN, FIFTH>(&codes, xb, dw, mw, offset, c, m);
+            }
+        }
     }
 }
 
@@ -381,7 +439,7 @@ unsafe fn term_q8_0<I: Isa>(
 /// # Safety
 /// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
 #[inline(always)]
-unsafe fn halves<I: Isa, const BITS: u32>(
+pub(super) unsafe fn halves<I: Isa, const BITS: u32>(
     codes: &[__m256i; 8],
     xb: &Q8Block,
 ) -> (__m256i, __m256i) {
@@ -419,7 +477,7 @@ unsafe fn halves<I: Isa, const BITS: u32>(
 /// # Safety
 /// As [`halves`].
 #[inline(always)]
-unsafe fn sum<I: Isa, const BITS: u32>(codes: &[__m256i; 8], xb: &Q8Block) -> __m256i {
+pub(super) unsafe fn sum<I: Isa, const BITS: u32>(codes: &[__m256i; 8], xb: &Q8Block) -> __m256i {
     // SAFETY: per this function's contract.
     unsafe {
         if !I::WIDE && BITS <= 4 {
@@ -433,125 +491,5 @@ unsafe fn sum<I: Isa, const BITS: u32>(codes: &[__m256i; 8], xb: &Q8Block) -> __
         }
         let (s0, s1) = halves::<I, BITS>(codes, xb);
         _mm256_add_epi32(s0, s1)
-    }
-}
-
-/// Q4_K: per sub-block the 8 rows' scales and minimums (bytes) widen to one vector each, so
-/// each input pays one multiply and two FMAs per 32 values for 8 rows, as the row kernel pays
-/// per row.
-///
-/// # Safety
-/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
-#[inline(always)]
-unsafe fn rows_q4k<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; T]) -> [__m256; T] {
-    use super::interleaved::q4k::{CODES, DMIN, MINS, SCALES};
-    let block_bytes = super::interleaved::group_block_bytes(Format::Q4K);
-    // SAFETY: per this function's contract; every load below stays inside super-block `b`.
-    unsafe {
-        let mask = _mm256_set1_epi8(0xF);
-        let widen =
-            |p: *const u8| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast())));
-        let mut acc = [_mm256_setzero_ps(); T];
-        let mut mins = [_mm256_setzero_ps(); T];
-        for (i, b) in w.chunks_exact(block_bytes).enumerate() {
-            let p = b.as_ptr();
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
-            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(p.add(DMIN).cast()));
-            for j in 0..8 {
-                // d·scale and dmin·minimum of sub-block j, for the 8 rows.
-                let scale = _mm256_mul_ps(d, widen(p.add(SCALES + 8 * j)));
-                let min = _mm256_mul_ps(dmin, widen(p.add(MINS + 8 * j)));
-                let mut codes = [_mm256_setzero_si256(); 8];
-                for (c, code) in codes.iter_mut().enumerate() {
-                    let q = _mm256_loadu_si256(p.add(CODES + 256 * (j / 2) + 32 * c).cast());
-                    let q = if j % 2 == 0 {
-                        q
-                    } else {
-                        _mm256_srli_epi16(q, 4)
-                    };
-                    *code = _mm256_and_si256(q, mask);
-                }
-                for t in 0..T {
-                    let xb = &x[t][8 * i + j];
-                    let sum = _mm256_cvtepi32_ps(sum::<I, 4>(&codes, xb));
-                    let scaled = _mm256_mul_ps(scale, _mm256_set1_ps(xb.d));
-                    acc[t] = _mm256_fmadd_ps(scaled, sum, acc[t]);
-                    mins[t] = _mm256_fmadd_ps(min, _mm256_set1_ps(xb.dsum), mins[t]);
-                }
-            }
-        }
-        let mut y = [_mm256_setzero_ps(); T];
-        for (t, y) in y.iter_mut().enumerate() {
-            *y = _mm256_sub_ps(acc[t], mins[t]);
-        }
-        y
-    }
-}
-
-/// Q6_K: low nibbles and high bit pairs unpack once per sub-block for 8 rows; the i8 scale of
-/// each 16 values multiplies that half's integer sum exactly (as the row kernel's `madd` does),
-/// and the codes' offset of 32 goes through the inputs' half sums in its own accumulator.
-///
-/// # Safety
-/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
-#[inline(always)]
-unsafe fn rows_q6k<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; T]) -> [__m256; T] {
-    use super::interleaved::q6k::{QH, QL, SCALES};
-    let block_bytes = super::interleaved::group_block_bytes(Format::Q6K);
-    // SAFETY: per this function's contract; every load below stays inside super-block `b`.
-    unsafe {
-        let (low_mask, high_mask) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(0x30));
-        let mut acc = [_mm256_setzero_ps(); T];
-        let mut offsets = [_mm256_setzero_ps(); T];
-        for (i, b) in w.chunks_exact(block_bytes).enumerate() {
-            let p = b.as_ptr();
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
-            for j in 0..8 {
-                let (n, t) = (j / 4, j % 4);
-                // The i8 scales of the sub-block's two halves, and −32·d·scale for the offsets.
-                let g = SCALES + 8 * (8 * n + 2 * t);
-                let sc_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(g).cast()));
-                let sc_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(g + 8).cast()));
-                let minus_32d = _mm256_mul_ps(_mm256_set1_ps(-32.0), d);
-                let off_lo = _mm256_mul_ps(minus_32d, _mm256_cvtepi32_ps(sc_lo));
-                let off_hi = _mm256_mul_ps(minus_32d, _mm256_cvtepi32_ps(sc_hi));
-                let mut codes = [_mm256_setzero_si256(); 8];
-                for (c, code) in codes.iter_mut().enumerate() {
-                    let ql = _mm256_loadu_si256(p.add(QL + 256 * (2 * n + t % 2) + 32 * c).cast());
-                    let low = if t < 2 { ql } else { _mm256_srli_epi16(ql, 4) };
-                    let qh = _mm256_loadu_si256(p.add(QH + 256 * n + 32 * c).cast());
-                    // Bits 2t, 2t + 1 to bits 4, 5.
-                    let high = match t {
-                        0 => _mm256_slli_epi16(qh, 4),
-                        1 => _mm256_slli_epi16(qh, 2),
-                        2 => qh,
-                        _ => _mm256_srli_epi16(qh, 2),
-                    };
-                    let low = _mm256_and_si256(low, low_mask);
-                    *code = _mm256_or_si256(low, _mm256_and_si256(high, high_mask));
-                }
-                for tt in 0..T {
-                    let xb = &x[tt][8 * i + j];
-                    let (s0, s1) = halves::<I, 6>(&codes, xb);
-                    let sum = _mm256_add_epi32(
-                        _mm256_mullo_epi32(s0, sc_lo),
-                        _mm256_mullo_epi32(s1, sc_hi),
-                    );
-                    let scaled = _mm256_mul_ps(d, _mm256_set1_ps(xb.d));
-                    acc[tt] = _mm256_fmadd_ps(scaled, _mm256_cvtepi32_ps(sum), acc[tt]);
-                    // Both halves' offsets, then the running sum (the row kernel's order).
-                    let o = _mm256_add_ps(
-                        _mm256_mul_ps(off_lo, _mm256_set1_ps(xb.dsum16[0])),
-                        _mm256_mul_ps(off_hi, _mm256_set1_ps(xb.dsum16[1])),
-                    );
-                    offsets[tt] = _mm256_add_ps(offsets[tt], o);
-                }
-            }
-        }
-        let mut y = [_mm256_setzero_ps(); T];
-        for (t, y) in y.iter_mut().enumerate() {
-            *y = _mm256_add_ps(acc[t], offsets[t]);
-        }
-        y
     }
 }

@@ -12,6 +12,8 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx2_interleaved;
 #[cfg(target_arch = "x86_64")]
+mod avx2_interleaved_k;
+#[cfg(target_arch = "x86_64")]
 mod avx2_panel;
 mod format;
 mod interleaved;

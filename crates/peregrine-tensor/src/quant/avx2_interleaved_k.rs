@@ -1,0 +1,130 @@
+//! x86 kernels for the K-quant [`Interleaved`](super::interleaved::Interleaved) formats (Q4_K,
+//! Q6_K): one group of 8 rows against `T` inputs, called by [`super::avx2_interleaved`]'s
+//! dispatch with the same integer sums ([`sum`], [`halves`]).
+
+use std::arch::x86_64::*;
+
+use super::act::Q8Block;
+use super::avx2::Isa;
+use super::avx2_interleaved::{halves, sum};
+use super::format::Format;
+
+/// Q4_K: per sub-block the 8 rows' scales and minimums (bytes) widen to one vector each, so
+/// each input pays one multiply and two FMAs per 32 values for 8 rows, as the row kernel pays
+/// per row.
+///
+/// # Safety
+/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
+#[inline(always)]
+pub(super) unsafe fn rows_q4k<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; T]) -> [__m256; T] {
+    use super::interleaved::q4k::{CODES, DMIN, MINS, SCALES};
+    let block_bytes = super::interleaved::group_block_bytes(Format::Q4K);
+    // SAFETY: per this function's contract; every load below stays inside super-block `b`.
+    unsafe {
+        let mask = _mm256_set1_epi8(0xF);
+        let widen =
+            |p: *const u8| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast())));
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut mins = [_mm256_setzero_ps(); T];
+        for (i, b) in w.chunks_exact(block_bytes).enumerate() {
+            let p = b.as_ptr();
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
+            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(p.add(DMIN).cast()));
+            for j in 0..8 {
+                // d·scale and dmin·minimum of sub-block j, for the 8 rows.
+                let scale = _mm256_mul_ps(d, widen(p.add(SCALES + 8 * j)));
+                let min = _mm256_mul_ps(dmin, widen(p.add(MINS + 8 * j)));
+                let mut codes = [_mm256_setzero_si256(); 8];
+                for (c, code) in codes.iter_mut().enumerate() {
+                    let q = _mm256_loadu_si256(p.add(CODES + 256 * (j / 2) + 32 * c).cast());
+                    let q = if j % 2 == 0 {
+                        q
+                    } else {
+                        _mm256_srli_epi16(q, 4)
+                    };
+                    *code = _mm256_and_si256(q, mask);
+                }
+                for t in 0..T {
+                    let xb = &x[t][8 * i + j];
+                    let sum = _mm256_cvtepi32_ps(sum::<I, 4>(&codes, xb));
+                    let scaled = _mm256_mul_ps(scale, _mm256_set1_ps(xb.d));
+                    acc[t] = _mm256_fmadd_ps(scaled, sum, acc[t]);
+                    mins[t] = _mm256_fmadd_ps(min, _mm256_set1_ps(xb.dsum), mins[t]);
+                }
+            }
+        }
+        let mut y = [_mm256_setzero_ps(); T];
+        for (t, y) in y.iter_mut().enumerate() {
+            *y = _mm256_sub_ps(acc[t], mins[t]);
+        }
+        y
+    }
+}
+
+/// Q6_K: low nibbles and high bit pairs unpack once per sub-block for 8 rows; the i8 scale of
+/// each 16 values multiplies that half's integer sum exactly (as the row kernel's `madd` does),
+/// and the codes' offset of 32 goes through the inputs' half sums in its own accumulator.
+///
+/// # Safety
+/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
+#[inline(always)]
+pub(super) unsafe fn rows_q6k<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; T]) -> [__m256; T] {
+    use super::interleaved::q6k::{QH, QL, SCALES};
+    let block_bytes = super::interleaved::group_block_bytes(Format::Q6K);
+    // SAFETY: per this function's contract; every load below stays inside super-block `b`.
+    unsafe {
+        let (low_mask, high_mask) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(0x30));
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut offsets = [_mm256_setzero_ps(); T];
+        for (i, b) in w.chunks_exact(block_bytes).enumerate() {
+            let p = b.as_ptr();
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
+            for j in 0..8 {
+                let (n, t) = (j / 4, j % 4);
+                // The i8 scales of the sub-block's two halves, and −32·d·scale for the offsets.
+                let g = SCALES + 8 * (8 * n + 2 * t);
+                let sc_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(g).cast()));
+                let sc_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(g + 8).cast()));
+                let minus_32d = _mm256_mul_ps(_mm256_set1_ps(-32.0), d);
+                let off_lo = _mm256_mul_ps(minus_32d, _mm256_cvtepi32_ps(sc_lo));
+                let off_hi = _mm256_mul_ps(minus_32d, _mm256_cvtepi32_ps(sc_hi));
+                let mut codes = [_mm256_setzero_si256(); 8];
+                for (c, code) in codes.iter_mut().enumerate() {
+                    let ql = _mm256_loadu_si256(p.add(QL + 256 * (2 * n + t % 2) + 32 * c).cast());
+                    let low = if t < 2 { ql } else { _mm256_srli_epi16(ql, 4) };
+                    let qh = _mm256_loadu_si256(p.add(QH + 256 * n + 32 * c).cast());
+                    // Bits 2t, 2t + 1 to bits 4, 5.
+                    let high = match t {
+                        0 => _mm256_slli_epi16(qh, 4),
+                        1 => _mm256_slli_epi16(qh, 2),
+                        2 => qh,
+                        _ => _mm256_srli_epi16(qh, 2),
+                    };
+                    let low = _mm256_and_si256(low, low_mask);
+                    *code = _mm256_or_si256(low, _mm256_and_si256(high, high_mask));
+                }
+                for tt in 0..T {
+                    let xb = &x[tt][8 * i + j];
+                    let (s0, s1) = halves::<I, 6>(&codes, xb);
+                    let sum = _mm256_add_epi32(
+                        _mm256_mullo_epi32(s0, sc_lo),
+                        _mm256_mullo_epi32(s1, sc_hi),
+                    );
+                    let scaled = _mm256_mul_ps(d, _mm256_set1_ps(xb.d));
+                    acc[tt] = _mm256_fmadd_ps(scaled, _mm256_cvtepi32_ps(sum), acc[tt]);
+                    // Both halves' offsets, then the running sum (the row kernel's order).
+                    let o = _mm256_add_ps(
+                        _mm256_mul_ps(off_lo, _mm256_set1_ps(xb.dsum16[0])),
+                        _mm256_mul_ps(off_hi, _mm256_set1_ps(xb.dsum16[1])),
+                    );
+                    offsets[tt] = _mm256_add_ps(offsets[tt], o);
+                }
+            }
+        }
+        let mut y = [_mm256_setzero_ps(); T];
+        for (t, y) in y.iter_mut().enumerate() {
+            *y = _mm256_add_ps(acc[t], offsets[t]);
+        }
+        y
+    }
+}
