@@ -105,7 +105,7 @@ def gaps(arrivals, lo, hi):
 
 def interference(port, streams, words, gen_tokens, long_words):
     """`streams` decode; after a second a long prompt arrives. Their median inter-token gap
-    before it and while it is prefilled (until its first token)."""
+    before it, while it is prefilled (until its first token; also p90 and max) and after."""
     results, long_result = [], []
     threads = [threading.Thread(target=stream, args=(port, prompt(i, words), gen_tokens, results))
                for i in range(streams)]
@@ -120,9 +120,14 @@ def interference(port, streams, words, gen_tokens, long_words):
     first = long_result[0][1][0] if long_result and long_result[0][1] else time.time()
     before = [g for _, a in results for g in gaps(a, 0, arrived)]
     during = [g for _, a in results for g in gaps(a, arrived, first)]
+    # After: the streams' contexts are longer, so their unloaded gap is too.
+    after = [g for _, a in results for g in gaps(a, first, float("inf"))]
+    p90 = sorted(during)[int(0.9 * (len(during) - 1))] if during else None
     return {"streams": streams, "gap_ms_before": round(statistics.median(before), 1),
             "gap_ms_during": round(statistics.median(during), 1) if during else None,
+            "gap_ms_during_p90": round(p90, 1) if during else None,
             "gap_ms_during_max": round(max(during), 1) if during else None,
+            "gap_ms_after": round(statistics.median(after), 1) if after else None,
             "long_prompt_ttft_ms": round((first - arrived) * 1e3, 1)}
 
 
@@ -137,23 +142,26 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--interfere", type=int, metavar="TOKENS",
                     help="instead: 4 streams decode and a prompt of TOKENS arrives (Peregrine)")
-    ap.add_argument("--prefill-while-decoding", type=int, default=512,
-                    help="Peregrine's --prefill-while-decoding for the second --interfere run")
+    ap.add_argument("--decode-stretch", type=float, default=1.5,
+                    help="Peregrine's --decode-stretch for the paced --interfere run (the other: 1, "
+                         "unpaced)")
+    ap.add_argument("--interfere-gen-tokens", type=int, default=400,
+                    help="tokens each of the 4 --interfere streams generates")
     a = ap.parse_args()
     if a.interfere:
-        for budget in sorted({512, a.prefill_while_decoding}, reverse=True):
+        for stretch in (1.0, a.decode_stretch):
             port = free_port()
             cmd = [a.peregrine, "--threads", str(a.threads), "serve", "--model", a.model, "--port",
                    str(port), "--parallel", "5", "--prompt-cache-entries", "0",
-                   "--prefill-while-decoding", str(budget)]
+                   "--decode-stretch", str(stretch)]
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             try:
                 wait_ready(port, proc)
-                row = interference(port, 4, 48, 400, a.interfere * 3 // 4)
+                row = interference(port, 4, 48, a.interfere_gen_tokens, a.interfere * 3 // 4)
             finally:
                 proc.terminate()
                 proc.wait(timeout=30)
-            row["prefill_while_decoding"] = budget
+            row["decode_stretch"] = stretch
             print(json.dumps(row), flush=True)
         return
     words = max(1, a.prompt_tokens * 3 // 4)

@@ -39,6 +39,11 @@ pub struct EngineConfig {
     /// small values keep the decodes' inter-token gap close to its unloaded value while a long
     /// prompt is prefilled, at the cost of that prompt's time to first token.
     pub prefill_while_decoding: usize,
+    /// How much longer than a step of decodes alone a step may take when it carries prompt
+    /// tokens beside them: the scheduler measures both costs as it runs and gives prompts as
+    /// many tokens as fit (at least one, at most `prefill_while_decoding`). 1 or less turns
+    /// pacing off.
+    pub decode_stretch: f64,
     /// Requests that may wait for a free slot before `submit` refuses more.
     pub queue_size: usize,
     /// KV cache storage.
@@ -64,6 +69,7 @@ impl Default for EngineConfig {
             parallel: 1,
             batch_tokens: 512,
             prefill_while_decoding: 512,
+            decode_stretch: 1.5,
             queue_size: 64,
             kv: KvOptions::default(),
             mlx_activations: MlxActivations::default(),
@@ -236,6 +242,7 @@ impl Engine {
             parallel: config.parallel.max(1),
             batch_tokens: config.batch_tokens.max(1),
             prefill_while_decoding: config.prefill_while_decoding.max(1),
+            decode_stretch: config.decode_stretch,
         };
         let scheduler = shared.clone();
         std::thread::Builder::new()

@@ -2,8 +2,9 @@
 //! together, one forward pass per step. Each step admits waiting requests while fewer than
 //! `parallel` sequences run, gives every decoding choice its next token and the prompts
 //! being prefilled what is left of the step's token budget (`batch_tokens`, and at most
-//! `prefill_while_decoding` while any choice decodes; in arrival order, chunks of at most
-//! `prefill_size`), so a long prompt does not stall the decodes for long, and runs them
+//! `prefill_while_decoding` while any choice decodes, fewer where the measured step times say
+//! they would stretch the decodes' steps past `decode_stretch` ([`Pacer`]); in arrival order,
+//! chunks of at most `prefill_size`), so a long prompt does not stall the decodes, and runs them
 //! all through [`CausalLm::forward_batch`](peregrine_models::CausalLm::forward_batch).
 //! Cancelled and finished sequences leave before the next pass, with their KV.
 
@@ -11,6 +12,7 @@ use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, TryRecvError};
+use std::time::Instant;
 
 use peregrine_models::{BatchSeq, ModelError};
 use peregrine_tensor::device::in_compute_pool;
@@ -18,6 +20,7 @@ use peregrine_tensor::device::in_compute_pool;
 use crate::api::{Event, FinishReason};
 use crate::engine::{Job, Shared};
 use crate::error::EngineError;
+use crate::pacing::Pacer;
 use crate::sequence::{Decoding, Prefilling};
 
 /// How much one step may take.
@@ -29,6 +32,8 @@ pub(crate) struct Budget {
     pub batch_tokens: usize,
     /// Prompt tokens per pass while some sequence decodes.
     pub prefill_while_decoding: usize,
+    /// Longest step with prompt tokens, as a multiple of a step of decodes alone.
+    pub decode_stretch: f64,
 }
 
 /// Runs requests from `queue` until the engine is dropped and nothing is left to run.
@@ -36,6 +41,7 @@ pub(crate) fn run(shared: &Shared, queue: Receiver<Job>, budget: Budget) {
     let parallel = budget.parallel;
     let mut prefilling: VecDeque<Prefilling> = VecDeque::new();
     let mut decoding: Vec<Decoding> = Vec::new();
+    let mut pacer = Pacer::new(budget.decode_stretch);
     let mut open = true;
     loop {
         while open && prefilling.len() + decoding.len() < parallel.max(1) {
@@ -64,7 +70,7 @@ pub(crate) fn run(shared: &Shared, queue: Receiver<Job>, budget: Budget) {
             }
             continue;
         }
-        step(shared, &mut prefilling, &mut decoding, budget);
+        step(shared, &mut prefilling, &mut decoding, budget, &mut pacer);
         // Current before the next wait for a request, which may block while idle.
         publish_running(shared, &prefilling, &decoding);
     }
@@ -82,11 +88,13 @@ fn step(
     prefilling: &mut VecDeque<Prefilling>,
     decoding: &mut Vec<Decoding>,
     limits: Budget,
+    pacer: &mut Pacer,
 ) {
     // Decodes first, a token each; prompts share what is left, in arrival order.
     let mut budget = limits.batch_tokens.saturating_sub(decoding.len());
     if !decoding.is_empty() {
-        budget = budget.min(limits.prefill_while_decoding);
+        let cap = budget.min(limits.prefill_while_decoding);
+        budget = pacer.prompt_budget(decoding.len(), cap);
     }
     let chunks: Vec<usize> = (prefilling.iter())
         .map(|p| {
@@ -95,9 +103,12 @@ fn step(
             k
         })
         .collect();
+    let start = Instant::now();
     let pass = catch_unwind(AssertUnwindSafe(|| {
         forward(shared, prefilling, decoding, &chunks)
     }));
+    let prompt_tokens = chunks.iter().sum();
+    pacer.record(decoding.len(), prompt_tokens, start.elapsed().as_secs_f64());
     let rows = match pass {
         Ok(Ok(rows)) => rows,
         failed => {

@@ -59,6 +59,11 @@ pub struct ServeArgs {
     /// flowing while a long prompt arrives, and that prompt's first token comes later.
     #[arg(long, default_value_t = 512)]
     prefill_while_decoding: usize,
+    /// While others decode, a step that also carries prompt tokens may take at most this many
+    /// times a step of decodes alone: the scheduler measures both and gives prompts the tokens
+    /// that fit (at least one per step, at most --prefill-while-decoding). 1 turns it off.
+    #[arg(long, default_value_t = 1.5)]
+    decode_stretch: f64,
     /// Requests that may wait for a slot; more get 503.
     #[arg(long, default_value_t = 64)]
     queue_size: usize,
@@ -303,6 +308,7 @@ fn load(args: &ServeArgs, parallel: usize, queue_size: usize) -> Result<Engine> 
         parallel: parallel.max(1),
         batch_tokens: args.batch_tokens.max(1),
         prefill_while_decoding: args.prefill_while_decoding.max(1),
+        decode_stretch: args.decode_stretch,
         queue_size,
         panic_marker: args.test_panic_marker.clone(),
         ..args.model.engine_config()

@@ -132,50 +132,76 @@ pub(super) unsafe fn interleaved_task(
     }
     #[cfg(target_arch = "x86_64")]
     {
-        let refined = |i: usize| xq.refined(i);
         let (g0, g1) = (r0 / interleaved::ROWS, r1.div_ceil(interleaved::ROWS));
-        let group_bytes = w.group_bytes();
+        let tiles = Tiles {
+            kernel,
+            w,
+            xq,
+            blocks,
+            out,
+        };
         for i0 in (0..m).step_by(INPUT_TILE) {
             let i1 = (i0 + INPUT_TILE).min(m);
-            let quads = (i1 - i0) / 4;
-            // Four inputs at a time, group by group (each group's weights stay in L1 for all
-            // the tile's inputs)...
-            if quads > 0 {
-                for g in g0..g1 {
-                    for q in 0..quads {
-                        let i = i0 + 4 * q;
-                        let run: Run<4> = Run {
-                            w: &w.bytes,
-                            group_bytes,
-                            groups: g..g + 1,
-                            x: std::array::from_fn(|t| input(i + t)),
-                            refined: std::array::from_fn(|t| refined(i + t)),
-                            // SAFETY: row i + t < m of the output.
-                            out: std::array::from_fn(|t| unsafe { out.row(i + t) }),
-                        };
-                        // SAFETY: the kernel runs here (contract) and has AVX2; the groups and
-                        // inputs hold `blocks` blocks, refinements name them; outputs
-                        // (i + t, 8g..8g + 8) are this task's.
-                        unsafe { group_kernel(kernel, w, &run) };
-                    }
+            let (quads, rest) = ((i1 - i0) / 4, (i1 - i0) % 4);
+            // SAFETY (each call below): the kernel runs here (contract); inputs < m, and the
+            // groups' output columns are this task's.
+            if quads == 0 {
+                // Fewer than four inputs (a decode step's one): each over all the task's groups
+                // in one call.
+                for i in i0..i1 {
+                    unsafe { tiles.run::<1>(i, g0..g1) };
+                }
+                continue;
+            }
+            // Four inputs at a time, then the rest together, group by group: each group's
+            // weights come from memory once and stay in L1 for all the tile's inputs.
+            let tail = i0 + 4 * quads;
+            for g in g0..g1 {
+                for q in 0..quads {
+                    unsafe { tiles.run::<4>(i0 + 4 * q, g..g + 1) };
+                }
+                match rest {
+                    1 => unsafe { tiles.run::<1>(tail, g..g + 1) },
+                    2 => unsafe { tiles.run::<2>(tail, g..g + 1) },
+                    3 => unsafe { tiles.run::<3>(tail, g..g + 1) },
+                    _ => {}
                 }
             }
-            // ...then each remaining input over all the task's groups in one call (the decode
-            // step's single input).
-            for i in i0 + 4 * quads..i1 {
-                let run = Run {
-                    w: &w.bytes,
-                    group_bytes,
-                    groups: g0..g1,
-                    x: [input(i)],
-                    refined: [refined(i)],
-                    // SAFETY: row i < m of the output.
-                    out: [unsafe { out.row(i) }],
-                };
-                // SAFETY: as above, for columns 8·g0..8·g1.
-                unsafe { group_kernel(kernel, w, &run) };
-            }
         }
+    }
+}
+
+/// What [`interleaved_task`]'s kernel calls share: `xq` holds inputs of `blocks` blocks.
+#[cfg(target_arch = "x86_64")]
+struct Tiles<'a> {
+    kernel: Kernel,
+    w: &'a Interleaved,
+    xq: &'a Q8Input,
+    blocks: usize,
+    out: &'a Columns,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Tiles<'_> {
+    /// Inputs `i..i + T` over `groups`, into their outputs.
+    ///
+    /// # Safety
+    /// `kernel` runs on this CPU and has AVX2; inputs `i..i + T` exist; no other thread writes
+    /// the groups' output columns.
+    unsafe fn run<const T: usize>(&self, i: usize, groups: std::ops::Range<usize>) {
+        let (xq, blocks) = (self.xq, self.blocks);
+        let run: Run<T> = Run {
+            w: &self.w.bytes,
+            group_bytes: self.w.group_bytes(),
+            groups,
+            x: std::array::from_fn(|t| &xq.blocks[(i + t) * blocks..][..blocks]),
+            refined: std::array::from_fn(|t| xq.refined(i + t)),
+            // SAFETY: row i + t < m of the output (contract).
+            out: std::array::from_fn(|t| unsafe { self.out.row(i + t) }),
+        };
+        // SAFETY: the groups and inputs hold `blocks` blocks, refinements name them; the
+        // outputs are the caller's (contract).
+        unsafe { group_kernel(self.kernel, self.w, &run) };
     }
 }
 
