@@ -8,7 +8,9 @@ For each N in --streams, starts `peregrine serve --parallel N` and `llama-server
 batching on, f16 KV as ours, the same threads and context per slot), sends N streamed
 /v1/completions requests at once (each its own prompt of about --prompt-tokens, greedy,
 end-of-sequence ignored, --gen-tokens each) and reads the token arrival times. Per stream:
-decode tok/s = (tokens - 1) / (last - first arrival); aggregate = their sum. Prints one JSON
+decode tok/s = (tokens - 1) / (last - first arrival); aggregate = all streams' tokens after
+their first over the span from the earliest first token to the latest last (and, apart, the
+sum of the per-stream rates, which overstates it where streams do not overlap). Prints one JSON
 line per server and N, with times to first token (p50, max). Standard library only; loopback.
 """
 import argparse
@@ -86,12 +88,19 @@ def measure(port, n, words, gen_tokens):
     for t in threads:
         t.join()
     decode, ttft = [], []
+    # Wall throughput: every token after each stream's first over the span from the first
+    # stream's first token to the last one's last (a sum of per-stream rates would overstate
+    # it where streams do not overlap).
+    spans = [a for _, a in results if len(a) >= 2]
+    wall = (sum(len(a) - 1 for a in spans) / (max(a[-1] for a in spans) - min(a[0] for a in spans))
+            if spans else 0)
     for start, arrivals in results:
         if len(arrivals) >= 2:
             decode.append((len(arrivals) - 1) / (arrivals[-1] - arrivals[0]))
         if arrivals:
             ttft.append((arrivals[0] - start) * 1e3)
-    return {"streams": n, "aggregate_decode_tps": round(sum(decode), 1),
+    return {"streams": n, "aggregate_decode_tps": round(wall, 1),
+            "sum_of_stream_tps": round(sum(decode), 1),
             "per_stream_decode_tps": round(statistics.median(decode), 1) if decode else 0,
             "ttft_ms_p50": round(statistics.median(ttft), 1) if ttft else None,
             "ttft_ms_max": round(max(ttft), 1) if ttft else None,
@@ -103,32 +112,54 @@ def gaps(arrivals, lo, hi):
     return [(b - a) * 1e3 for a, b in zip(arrivals, arrivals[1:]) if lo <= a and b <= hi]
 
 
-def interference(port, streams, words, gen_tokens, long_words):
-    """`streams` decode; after a second a long prompt arrives. Their median inter-token gap
-    before it, while it is prefilled (until its first token; also p90 and max) and after."""
-    results, long_result = [], []
-    threads = [threading.Thread(target=stream, args=(port, prompt(i, words), gen_tokens, results))
+def decode_streams(port, streams, words, gen_tokens, long_words=None):
+    """`streams` decode; after a second a prompt of `long_words` arrives (if given). Returns
+    each stream's token arrival times (by stream), the arrival and the first token time of
+    the long prompt."""
+    slots = [[] for _ in range(streams)]
+    threads = [threading.Thread(target=stream, args=(port, prompt(i, words), gen_tokens, slots[i]))
                for i in range(streams)]
     for t in threads:
         t.start()
     time.sleep(1.0)
-    arrived = time.time()
-    long_t = threading.Thread(target=stream, args=(port, prompt(99, long_words), 2, long_result))
-    long_t.start()
-    for t in threads + [long_t]:
+    arrived, long_result = time.time(), []
+    if long_words:
+        threads.append(threading.Thread(target=stream,
+                                        args=(port, prompt(99, long_words), 2, long_result)))
+        threads[-1].start()
+    for t in threads:
         t.join()
     first = long_result[0][1][0] if long_result and long_result[0][1] else time.time()
-    before = [g for _, a in results for g in gaps(a, 0, arrived)]
-    during = [g for _, a in results for g in gaps(a, arrived, first)]
-    # After: the streams' contexts are longer, so their unloaded gap is too.
-    after = [g for _, a in results for g in gaps(a, first, float("inf"))]
-    p90 = sorted(during)[int(0.9 * (len(during) - 1))] if during else None
-    return {"streams": streams, "gap_ms_before": round(statistics.median(before), 1),
-            "gap_ms_during": round(statistics.median(during), 1) if during else None,
-            "gap_ms_during_p90": round(p90, 1) if during else None,
-            "gap_ms_during_max": round(max(during), 1) if during else None,
-            "gap_ms_after": round(statistics.median(after), 1) if after else None,
-            "long_prompt_ttft_ms": round((first - arrived) * 1e3, 1)}
+    return [slot[0][1] for slot in slots], arrived, first
+
+
+def interference(port, streams, words, gen_tokens, long_words):
+    """The streams' inter-token gaps while a long prompt is prefilled (from its arrival to its
+    first token: median, p90, max), against the same streams' gaps at the same token
+    positions in a run without it (their contexts grow, and so does their unloaded gap), and
+    their gap before it arrives."""
+    base, _, _ = decode_streams(port, streams, words, gen_tokens)
+    loaded, arrived, first = decode_streams(port, streams, words, gen_tokens, long_words)
+    ms = lambda a, i: (a[i + 1] - a[i]) * 1e3
+    before, during, unloaded = [], [], []
+    for a, b in zip(loaded, base):
+        for i in range(len(a) - 1):
+            if a[i + 1] <= arrived:
+                before.append(ms(a, i))
+            elif a[i] >= arrived and a[i + 1] <= first and i + 1 < len(b):
+                during.append(ms(a, i))
+                unloaded.append(ms(b, i))
+    p90 = lambda xs: sorted(xs)[int(0.9 * (len(xs) - 1))]
+    row = {"streams": streams, "gap_ms_before": round(statistics.median(before), 1),
+           "long_prompt_ttft_ms": round((first - arrived) * 1e3, 1)}
+    if during:
+        row.update({"gap_ms_during": round(statistics.median(during), 1),
+                    "gap_ms_during_p90": round(p90(during), 1),
+                    "gap_ms_during_max": round(max(during), 1),
+                    "gap_ms_unloaded_same_positions": round(statistics.median(unloaded), 1),
+                    "gap_ms_unloaded_same_positions_p90": round(p90(unloaded), 1)})
+        row["ratio_median"] = round(row["gap_ms_during"] / row["gap_ms_unloaded_same_positions"], 2)
+    return row
 
 
 def main():

@@ -122,3 +122,109 @@ fn a_cancelled_sequence_frees_its_kv_at_the_next_step() {
     }
     assert_eq!(engine.running(), 0, "an idle engine runs no sequence");
 }
+
+/// The KV budget: with room for one request's reservation, three submitted together run one
+/// at a time (the others wait, nothing fails), each gives its solo tokens, the KV in use never
+/// passes what the running request reserved, and everything is given back at the end. A
+/// request that could never fit is refused, naming the field; one without `max_tokens` runs
+/// to the positions that fit and ends with `length`.
+#[test]
+fn requests_wait_for_the_kv_budget_and_never_pass_it() {
+    let file = "SmolLM2-135M-Instruct.Q4_1.gguf";
+    let solo = engine(file, 1);
+    let want: Vec<Vec<u32>> = (0..3)
+        .map(|i| tokens(solo.submit(request(i)).unwrap()))
+        .collect();
+    // One request's reservation, as the engine reckons it while the request runs.
+    let mut stream = solo.submit(request(2)).unwrap();
+    assert!(matches!(stream.next(), Some(Event::Delta { .. })));
+    let (one, _) = solo.kv_reserved();
+    assert!(one > 0, "a running request reserves KV");
+    tokens(stream);
+    drop(solo);
+
+    let budget = one * 3 / 2;
+    let config = EngineConfig {
+        parallel: 4,
+        kv_budget: Some(budget),
+        prompt_cache_entries: 0,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::load(&real_model(file), config).expect("model loads");
+    assert_eq!(engine.kv_reserved(), (0, budget));
+    let streams: Vec<_> = (0..3).map(|i| engine.submit(request(i)).unwrap()).collect();
+    let collect = std::thread::spawn(move || streams.into_iter().map(tokens).collect::<Vec<_>>());
+    let (mut most_running, mut most_reserved, mut most_in_use) = (0, 0, 0);
+    while !collect.is_finished() {
+        most_running = most_running.max(engine.running());
+        most_reserved = most_reserved.max(engine.kv_reserved().0);
+        most_in_use = most_in_use.max(engine.kv_bytes_in_use());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Request 2 has the longest prompt and budget: its reservation bounds every request's
+    // real cache (the estimate is an upper bound, or the budget means nothing).
+    assert!(
+        most_in_use > 0 && most_in_use <= one,
+        "{most_in_use} bytes in use, reserved {one}"
+    );
+    let got = collect.join().unwrap();
+    assert_eq!(
+        got, want,
+        "requests that waited for the budget give their solo tokens"
+    );
+    assert_eq!(
+        most_running, 1,
+        "only one request's reservation fits at a time"
+    );
+    assert!(
+        most_reserved <= budget,
+        "reserved {most_reserved} of {budget}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while engine.kv_reserved().0 != 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(
+        engine.kv_reserved().0,
+        0,
+        "finished requests give their reservation back"
+    );
+
+    // Never fits: refused up front, naming max_tokens.
+    let mut huge = request(0);
+    huge.max_tokens = Some(100_000);
+    let err = engine
+        .submit(huge)
+        .err()
+        .expect("a request over the budget is refused");
+    assert!(
+        matches!(
+            &err,
+            peregrine::EngineError::Kv {
+                param: "max_tokens",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        err.is_client_error() && err.to_string().contains("KV budget"),
+        "{err}"
+    );
+    // No max_tokens: runs to the positions that fit, then ends with `length`.
+    let mut open = request(0);
+    open.max_tokens = None;
+    let (mut reason, mut generated) = (None, 0);
+    for event in engine.submit(open).unwrap() {
+        match event {
+            Event::Delta { tokens, .. } => generated += tokens.len(),
+            Event::Done { finish, .. } => reason = Some(finish),
+            Event::Error(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(reason, Some(peregrine::FinishReason::Length));
+    assert!(
+        generated > 0 && generated < engine.max_context(),
+        "{generated} tokens"
+    );
+}

@@ -16,6 +16,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use crate::api::{Event, KvRequest, Prompt, Request};
 use crate::chat_template::{ChatTemplate, fallback_template};
 use crate::error::EngineError;
+use crate::kv_budget::{default_kv_budget, kv_bytes};
 use crate::prompt_cache::{PromptCache, PromptCacheStats};
 use crate::sequence::prefill;
 use crate::tokenizer::Tokenizer;
@@ -46,6 +47,10 @@ pub struct EngineConfig {
     pub decode_stretch: f64,
     /// Requests that may wait for a free slot before `submit` refuses more.
     pub queue_size: usize,
+    /// Bytes of KV cache all running requests together may grow to; `None`: half the memory
+    /// available when the engine starts. A request waits until what its prompt and token
+    /// budget can take fits beside the running ones' ([`crate::kv_budget`]).
+    pub kv_budget: Option<usize>,
     /// KV cache storage.
     pub kv: KvOptions,
     /// How MLX 4-bit weights are multiplied (8-bit activations by default).
@@ -71,6 +76,7 @@ impl Default for EngineConfig {
             prefill_while_decoding: 512,
             decode_stretch: 1.5,
             queue_size: 64,
+            kv_budget: None,
             kv: KvOptions::default(),
             mlx_activations: MlxActivations::default(),
             prompt_cache_entries: 4,
@@ -87,6 +93,9 @@ pub(crate) struct Job {
     pub ids: Vec<u32>,
     pub submitted: Instant,
     pub choices: Vec<ChoiceSink>,
+    /// KV bytes its choices can grow to, and the positions that bound holds.
+    pub reserve: usize,
+    pub positions: usize,
 }
 
 /// Where one choice's events go.
@@ -112,6 +121,9 @@ pub(crate) struct Shared {
     kv: KvOptions,
     /// KV bytes held by every running sequence together.
     pub live_kv: Arc<AtomicUsize>,
+    /// KV bytes the running requests may grow to together, and the most they may.
+    pub kv_reserved: Arc<AtomicUsize>,
+    pub kv_budget: usize,
     pub prompt_cache: PromptCache,
     /// Prefills run, for `/metrics` (the `n` choices of a request share one).
     pub prefills: AtomicU64,
@@ -230,6 +242,8 @@ impl Engine {
             max_context,
             kv: config.kv,
             live_kv: Arc::new(AtomicUsize::new(0)),
+            kv_reserved: Arc::new(AtomicUsize::new(0)),
+            kv_budget: config.kv_budget.unwrap_or_else(default_kv_budget),
             prompt_cache: PromptCache::new(config.prompt_cache_entries, config.prompt_cache_bytes),
             prefills: AtomicU64::new(0),
             running: AtomicUsize::new(0),
@@ -269,6 +283,13 @@ impl Engine {
     /// The context length in tokens.
     pub fn max_context(&self) -> usize {
         self.shared.max_context
+    }
+
+    /// KV bytes the running requests may grow to together (their reservations), and the
+    /// budget they share.
+    pub fn kv_reserved(&self) -> (usize, usize) {
+        let s = &self.shared;
+        (s.kv_reserved.load(Ordering::Relaxed), s.kv_budget)
     }
 
     /// KV-cache bytes held by all running sequences now (0 when idle).
@@ -344,6 +365,53 @@ impl Engine {
         }
     }
 
+    /// The KV bytes `choices` choices of `request` (a prompt of `prompt` tokens) can grow to,
+    /// and to how many positions. Without `max_tokens`, a request whose context would not fit
+    /// the budget gets the positions that do (it ends with `length` there); with it, or when
+    /// not even the prompt fits, an error naming the budget.
+    fn kv_reservation(
+        &self,
+        request: &Request,
+        prompt: usize,
+        kv: &KvOptions,
+        choices: usize,
+    ) -> Result<(usize, usize), EngineError> {
+        let s = &self.shared;
+        let (config, spec) = (s.model.config(), s.model.cache_spec());
+        let bytes = |positions| kv_bytes(config, &spec, kv, positions) * choices;
+        let wanted = request.max_tokens.map_or(s.max_context, |m| {
+            prompt.saturating_add(m).min(s.max_context)
+        });
+        if bytes(wanted) <= s.kv_budget {
+            return Ok((bytes(wanted), wanted));
+        }
+        let floor = prompt + 1;
+        if request.max_tokens.is_some() || bytes(floor) > s.kv_budget {
+            let mib = |b: usize| b.div_ceil(1 << 20);
+            let (param, need) = match request.max_tokens.is_some() {
+                true => ("max_tokens", wanted),
+                false => ("prompt", floor),
+            };
+            let message = format!(
+                "{choices} choice(s) of {need} positions ({prompt} prompt tokens) need up to \
+                 {} MiB of KV cache; the server's KV budget is {} MiB (--kv-budget-mb)",
+                mib(bytes(need)),
+                mib(s.kv_budget)
+            );
+            return Err(EngineError::Kv { param, message });
+        }
+        // The most positions that fit: bytes grow with positions.
+        let (mut fits, mut over) = (floor, wanted);
+        while over - fits > 1 {
+            let mid = fits + (over - fits) / 2;
+            match bytes(mid) <= s.kv_budget {
+                true => fits = mid,
+                false => over = mid,
+            }
+        }
+        Ok((bytes(fits), fits))
+    }
+
     /// Validates and queues a request. Errors found before generation (bad parameters, a
     /// prompt that does not fit, a full queue) are returned here; later ones arrive as events.
     pub fn submit(&self, request: Request) -> Result<EventStream, EngineError> {
@@ -371,6 +439,7 @@ impl Engine {
             });
         }
         let kv = self.request_kv(&request.kv)?;
+        let (reserve, positions) = self.kv_reservation(&request, ids.len(), &kv, n.max(1))?;
         let (choices, streams) = (0..n.max(1))
             .map(|_| {
                 let (tx, rx) = unbounded_channel();
@@ -388,6 +457,8 @@ impl Engine {
             ids,
             submitted: Instant::now(),
             choices,
+            reserve,
+            positions,
         };
         match self.jobs.try_send(job) {
             Ok(()) => Ok(streams),

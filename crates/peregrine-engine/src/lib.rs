@@ -18,6 +18,7 @@ pub mod chat_template;
 pub mod detok;
 mod engine;
 mod error;
+mod kv_budget;
 mod pacing;
 mod prompt_cache;
 mod scheduler;

@@ -6,7 +6,9 @@
 //! they would stretch the decodes' steps past `decode_stretch` ([`Pacer`]); in arrival order,
 //! chunks of at most `prefill_size`), so a long prompt does not stall the decodes, and runs them
 //! all through [`CausalLm::forward_batch`](peregrine_models::CausalLm::forward_batch).
-//! Cancelled and finished sequences leave before the next pass, with their KV.
+//! Cancelled and finished sequences leave before the next pass, with their KV. A request whose
+//! KV reservation does not fit the budget beside the running ones' waits, at the head of the
+//! queue ([`crate::kv_budget`]).
 
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -42,15 +44,25 @@ pub(crate) fn run(shared: &Shared, queue: Receiver<Job>, budget: Budget) {
     let mut prefilling: VecDeque<Prefilling> = VecDeque::new();
     let mut decoding: Vec<Decoding> = Vec::new();
     let mut pacer = Pacer::new(budget.decode_stretch);
+    // The next request, waiting for its KV reservation to fit the budget.
+    let mut held: Option<Job> = None;
     let mut open = true;
     loop {
-        while open && prefilling.len() + decoding.len() < parallel.max(1) {
+        while (open || held.is_some()) && prefilling.len() + decoding.len() < parallel.max(1) {
             let idle = prefilling.is_empty() && decoding.is_empty();
-            let job = match idle {
-                true => queue.recv().map_err(|_| TryRecvError::Disconnected),
-                false => queue.try_recv(),
+            let job = match (held.take(), idle) {
+                (Some(job), _) => Ok(job),
+                (None, true) => queue.recv().map_err(|_| TryRecvError::Disconnected),
+                (None, false) => queue.try_recv(),
             };
             match job {
+                // Its streams are gone: nothing to run it for.
+                Ok(job) if job.choices.iter().all(|c| c.cancelled()) => {}
+                // A request alone always runs (its reservation fit the budget when it came).
+                Ok(job) if !idle && !fits(shared, &job) => {
+                    held = Some(job);
+                    break;
+                }
                 Ok(job) => prefilling.push_back(Prefilling::start(shared, job)),
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => open = false,
@@ -65,7 +77,7 @@ pub(crate) fn run(shared: &Shared, queue: Receiver<Job>, budget: Budget) {
         }
         publish_running(shared, &prefilling, &decoding);
         if prefilling.is_empty() && decoding.is_empty() {
-            if !open {
+            if !open && held.is_none() {
                 return;
             }
             continue;
@@ -74,6 +86,12 @@ pub(crate) fn run(shared: &Shared, queue: Receiver<Job>, budget: Budget) {
         // Current before the next wait for a request, which may block while idle.
         publish_running(shared, &prefilling, &decoding);
     }
+}
+
+/// Whether `job`'s KV reservation fits beside the running requests'.
+fn fits(shared: &Shared, job: &Job) -> bool {
+    let reserved = shared.kv_reserved.load(Ordering::Relaxed);
+    reserved.saturating_add(job.reserve) <= shared.kv_budget
 }
 
 /// Shows `/metrics` how many sequences are in flight.
@@ -91,15 +109,30 @@ fn step(
     pacer: &mut Pacer,
 ) {
     // Decodes first, a token each; prompts share what is left, in arrival order.
-    let mut budget = limits.batch_tokens.saturating_sub(decoding.len());
+    // A prompt short enough for one chunk takes it at once (one step's bump, where pacing
+    // would hold it back for many); longer ones are paced.
+    let short = |p: &Prefilling| p.job.ids.len() - p.cached <= shared.prefill_size;
+    let waiting = prefilling.iter().any(|p| !short(p));
+    let mut room = limits.batch_tokens.saturating_sub(decoding.len());
+    let mut paced = room;
     if !decoding.is_empty() {
-        let cap = budget.min(limits.prefill_while_decoding);
-        budget = pacer.prompt_budget(decoding.len(), cap);
+        room = room.min(limits.prefill_while_decoding);
+        if waiting {
+            paced = pacer.prompt_budget(decoding.len(), room);
+        }
     }
+    let mut unpaced = 0;
     let chunks: Vec<usize> = (prefilling.iter())
         .map(|p| {
-            let k = p.remaining().min(budget).min(shared.prefill_size);
-            budget -= k;
+            let k = match short(p) {
+                true => p.remaining().min(room),
+                false => p.remaining().min(room).min(paced).min(shared.prefill_size),
+            };
+            room -= k;
+            match short(p) {
+                true => unpaced += k,
+                false => paced -= k,
+            }
             k
         })
         .collect();
@@ -107,8 +140,11 @@ fn step(
     let pass = catch_unwind(AssertUnwindSafe(|| {
         forward(shared, prefilling, decoding, &chunks)
     }));
-    let prompt_tokens = chunks.iter().sum();
-    pacer.record(decoding.len(), prompt_tokens, start.elapsed().as_secs_f64());
+    // The pacer learns from steps without short prompts (their bump is not its doing).
+    if unpaced == 0 {
+        let secs = start.elapsed().as_secs_f64();
+        pacer.record(decoding.len(), chunks.iter().sum(), waiting, secs);
+    }
     let rows = match pass {
         Ok(Ok(rows)) => rows,
         failed => {

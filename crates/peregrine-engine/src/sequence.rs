@@ -16,6 +16,7 @@ use crate::api::{Event, FinishReason, Request, Timings, Usage};
 use crate::detok::{IncrementalDetokenizer, PROMPT_TAIL};
 use crate::engine::{ChoiceSink, Job, Shared};
 use crate::error::EngineError;
+use crate::kv_budget::Reservation;
 use crate::stop::StopMatcher;
 
 /// Runs the prompt through the model in chunks of `prefill_size`, returning the last
@@ -84,12 +85,14 @@ pub(crate) struct Prefilling {
     pub job: Job,
     pub cache: SequenceCache,
     /// Prompt tokens taken from the prompt cache.
-    cached: usize,
+    pub cached: usize,
     /// Prompt tokens in the cache so far.
     pub fed: usize,
     started: Instant,
     queued: Duration,
     gauge: KvGauge,
+    /// The request's share of the KV budget, held until its last choice ends.
+    reservation: Arc<Reservation>,
 }
 
 impl Prefilling {
@@ -99,8 +102,10 @@ impl Prefilling {
         let (cache, cached) = (shared.prompt_cache.lookup(&job.ids, &job.kv))
             .unwrap_or_else(|| (SequenceCache::new(&shared.model.cache_spec(), &job.kv), 0));
         let gauge = KvGauge::holding(&shared.live_kv, cache.bytes());
+        let reservation = Arc::new(Reservation::take(&shared.kv_reserved, job.reserve));
         Self {
             job,
+            reservation,
             cache,
             cached,
             fed: cached,
@@ -139,6 +144,7 @@ impl Prefilling {
             kv,
             ids,
             choices,
+            positions,
             ..
         } = self.job;
         let (request, ids): (Arc<Request>, Arc<[u32]>) = (Arc::new(request), ids.into());
@@ -163,8 +169,9 @@ impl Prefilling {
             let Some(cache) = cache else { break };
             let mut sampling = request.sampling.clone();
             sampling.seed = sampling.seed.map(|s| s.wrapping_add(j as u64));
-            let budget =
-                (request.max_tokens.unwrap_or(usize::MAX)).min(shared.max_context - ids.len());
+            // The context, or the positions the request's KV reservation holds.
+            let room = shared.max_context.min(positions) - ids.len();
+            let budget = (request.max_tokens.unwrap_or(usize::MAX)).min(room);
             let gauge = KvGauge::holding(&shared.live_kv, cache.bytes());
             out.push(Decoding {
                 detok: IncrementalDetokenizer::new(&ids[ids.len().saturating_sub(PROMPT_TAIL)..]),
@@ -176,6 +183,7 @@ impl Prefilling {
                 cache,
                 kv,
                 gauge,
+                _reservation: self.reservation.clone(),
                 cached: self.cached,
                 budget,
                 logits: logits.clone(),
@@ -199,6 +207,7 @@ pub(crate) struct Decoding {
     pub cache: SequenceCache,
     kv: KvOptions,
     gauge: KvGauge,
+    _reservation: Arc<Reservation>,
     cached: usize,
     budget: usize,
     /// The last position's logits (sampling rewrites them in place).

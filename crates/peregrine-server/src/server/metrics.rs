@@ -75,6 +75,8 @@ pub struct Metrics {
 pub struct EngineFigures {
     /// KV cache held by running sequences.
     pub kv_bytes: usize,
+    /// KV the running requests may grow to (their reservations), and the budget.
+    pub kv_reserved: (usize, usize),
     /// Prefills run (a request's `n` choices share one).
     pub prefills: u64,
     /// The prompt cache's state.
@@ -109,6 +111,7 @@ impl Metrics {
     pub fn render(&self, parallel: usize, engine: EngineFigures) -> String {
         let EngineFigures {
             kv_bytes,
+            kv_reserved,
             prefills,
             cache,
             running,
@@ -210,6 +213,18 @@ impl Metrics {
                 "gauge",
                 "KV cache bytes held by running sequences.",
                 kv_bytes,
+            ),
+            (
+                "kv_reserved_bytes",
+                "gauge",
+                "KV cache bytes the running requests may grow to (their reservations).",
+                kv_reserved.0,
+            ),
+            (
+                "kv_budget_bytes",
+                "gauge",
+                "KV cache bytes all running requests together may grow to (--kv-budget-mb).",
+                kv_reserved.1,
             ),
             (
                 "prompt_cache_hits_total",

@@ -64,6 +64,11 @@ pub struct ServeArgs {
     /// that fit (at least one per step, at most --prefill-while-decoding). 1 turns it off.
     #[arg(long, default_value_t = 1.5)]
     decode_stretch: f64,
+    /// MiB of KV cache all running requests together may grow to (default: half the memory
+    /// available at start). A request waits until its prompt and max_tokens fit beside the
+    /// running ones'; one that could never fit gets 400.
+    #[arg(long)]
+    kv_budget_mb: Option<usize>,
     /// Requests that may wait for a slot; more get 503.
     #[arg(long, default_value_t = 64)]
     queue_size: usize,
@@ -309,6 +314,7 @@ fn load(args: &ServeArgs, parallel: usize, queue_size: usize) -> Result<Engine> 
         batch_tokens: args.batch_tokens.max(1),
         prefill_while_decoding: args.prefill_while_decoding.max(1),
         decode_stretch: args.decode_stretch,
+        kv_budget: args.kv_budget_mb.map(|mb| mb << 20),
         queue_size,
         panic_marker: args.test_panic_marker.clone(),
         ..args.model.engine_config()

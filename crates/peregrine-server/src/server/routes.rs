@@ -194,6 +194,7 @@ fn simple_get(state: &State, route: &str, path: &str) -> Result<Response<Body>, 
         "/metrics" => {
             let figures = (state.engine.get()).map_or_else(Default::default, |e| EngineFigures {
                 kv_bytes: e.kv_bytes_in_use(),
+                kv_reserved: e.kv_reserved(),
                 prefills: e.prefills(),
                 cache: e.prompt_cache_stats(),
                 running: e.running(),

@@ -1,0 +1,101 @@
+//! The KV budget (`--kv-budget-mb`): a request is admitted only when the KV its prompt and
+//! token budget can grow to fits beside what the running requests reserved, so a full machine
+//! makes requests wait in the queue (and, once that is full, get 503) instead of running out
+//! of memory. Reservations are upper bounds from the model's shape, held until the request's
+//! last choice ends.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use peregrine_models::{KvOptions, LayerKind, ModelConfig};
+use peregrine_tensor::DType;
+
+/// Positions a cache buffer may hold past its length (they grow in steps of this many).
+const GROWTH_SLACK: usize = 256;
+
+/// Bytes the caches of `spec` (one per layer) can take for `positions` positions with `kv`:
+/// every layer as wide as the widest (an upper bound where layers differ or share their KV),
+/// sliding layers no longer than their window.
+pub(crate) fn kv_bytes(
+    config: &ModelConfig,
+    spec: &[LayerKind],
+    kv: &KvOptions,
+    positions: usize,
+) -> usize {
+    let widest = (config.layer_specs.iter())
+        .map(|l| l.num_key_value_heads * l.head_dim)
+        .chain([config.num_key_value_heads * config.head_dim])
+        .chain(
+            config
+                .mla
+                .as_ref()
+                .map(|m| m.kv_lora_rank + m.qk_rope_head_dim),
+        )
+        .max()
+        .unwrap_or(0);
+    // Bytes per stored value, in thousandths (4-bit codes with f16 scales and biases).
+    let milli = match (kv.turbo, kv.quant, kv.dtype) {
+        (Some(_), ..) => 2000, // compressed old positions; recent ones f16
+        (None, Some(q), _) => 1000 * usize::from(q.bits) / 8 + 4000 / q.group_size,
+        (None, None, Some(DType::F16 | DType::BF16)) => 2000,
+        _ => 4000,
+    };
+    let row_bytes = (2 * widest * milli).div_ceil(1000);
+    let layer_positions = |kind: &LayerKind| match kind {
+        LayerKind::Sliding { window } => positions.min(*window) + GROWTH_SLACK,
+        _ => positions + GROWTH_SLACK,
+    };
+    spec.iter().map(|k| layer_positions(k) * row_bytes).sum()
+}
+
+/// A request's share of the budget, given back when dropped.
+#[derive(Debug)]
+pub(crate) struct Reservation {
+    total: Arc<AtomicUsize>,
+    bytes: usize,
+}
+
+impl Reservation {
+    /// Takes `bytes` of `total`.
+    pub fn take(total: &Arc<AtomicUsize>, bytes: usize) -> Self {
+        total.fetch_add(bytes, Ordering::Relaxed);
+        Self {
+            total: total.clone(),
+            bytes,
+        }
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.total.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+/// The default budget: half the memory the system reports available (after the weights
+/// were loaded), or 4 GiB where it reports none.
+pub(crate) fn default_kv_budget() -> usize {
+    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
+        let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kib * 1024)
+    });
+    available.map_or(4 << 30, |bytes| bytes / 2)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reservations_come_back_when_dropped() {
+        let total = Arc::new(AtomicUsize::new(0));
+        let a = Reservation::take(&total, 100);
+        let b = Reservation::take(&total, 50);
+        assert_eq!(total.load(Ordering::Relaxed), 150);
+        drop(a);
+        assert_eq!(total.load(Ordering::Relaxed), 50);
+        drop(b);
+        assert_eq!(total.load(Ordering::Relaxed), 0);
+    }
+}
