@@ -40,10 +40,10 @@ pub struct EngineConfig {
     /// small values keep the decodes' inter-token gap close to its unloaded value while a long
     /// prompt is prefilled, at the cost of that prompt's time to first token.
     pub prefill_while_decoding: usize,
-    /// How much longer than a step of decodes alone a step may take when it carries prompt
-    /// tokens beside them: the scheduler measures both costs as it runs and gives prompts as
-    /// many tokens as fit (at least one, at most `prefill_while_decoding`). 1 or less turns
-    /// pacing off.
+    /// How much longer than a step of decodes alone the mean step may be while prompts longer
+    /// than one chunk are prefilled beside decodes: the scheduler measures both and gives such
+    /// prompts as many tokens as fit (a fraction of a token per step where one costs more; at
+    /// most `prefill_while_decoding`). 1 or less turns pacing off.
     pub decode_stretch: f64,
     /// Requests that may wait for a free slot before `submit` refuses more.
     pub queue_size: usize,

@@ -2,9 +2,10 @@
 //! together, one forward pass per step. Each step admits waiting requests while fewer than
 //! `parallel` sequences run, gives every decoding choice its next token and the prompts
 //! being prefilled what is left of the step's token budget (`batch_tokens`, and at most
-//! `prefill_while_decoding` while any choice decodes, fewer where the measured step times say
-//! they would stretch the decodes' steps past `decode_stretch` ([`Pacer`]); in arrival order,
-//! chunks of at most `prefill_size`), so a long prompt does not stall the decodes, and runs them
+//! `prefill_while_decoding` while any choice decodes; prompts longer than one chunk get fewer,
+//! as many as keep the mean step within `decode_stretch` of a decode-only one ([`Pacer`]); in
+//! arrival order, chunks of at most `prefill_size`), so a long prompt does not stall the
+//! decodes, and runs them
 //! all through [`CausalLm::forward_batch`](peregrine_models::CausalLm::forward_batch).
 //! Cancelled and finished sequences leave before the next pass, with their KV. A request whose
 //! KV reservation does not fit the budget beside the running ones' waits, at the head of the
@@ -34,7 +35,8 @@ pub(crate) struct Budget {
     pub batch_tokens: usize,
     /// Prompt tokens per pass while some sequence decodes.
     pub prefill_while_decoding: usize,
-    /// Longest step with prompt tokens, as a multiple of a step of decodes alone.
+    /// Longest mean step while long prompts are paced, as a multiple of a step of decodes
+    /// alone.
     pub decode_stretch: f64,
 }
 

@@ -59,9 +59,9 @@ pub struct ServeArgs {
     /// flowing while a long prompt arrives, and that prompt's first token comes later.
     #[arg(long, default_value_t = 512)]
     prefill_while_decoding: usize,
-    /// While others decode, a step that also carries prompt tokens may take at most this many
-    /// times a step of decodes alone: the scheduler measures both and gives prompts the tokens
-    /// that fit (at least one per step, at most --prefill-while-decoding). 1 turns it off.
+    /// While others decode, prompts longer than one chunk get only the tokens that keep the
+    /// mean step within this many times a step of decodes alone (measured as it runs; shorter
+    /// prompts go at once). 1 turns it off: chunks of --prefill-while-decoding.
     #[arg(long, default_value_t = 1.5)]
     decode_stretch: f64,
     /// MiB of KV cache all running requests together may grow to (default: half the memory
