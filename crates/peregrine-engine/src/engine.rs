@@ -49,7 +49,7 @@ pub struct EngineConfig {
     pub queue_size: usize,
     /// Bytes of KV cache all running requests together may grow to; `None`: half the memory
     /// available when the engine starts. A request waits until what its prompt and token
-    /// budget can take fits beside the running ones' ([`crate::kv_budget`]).
+    /// budget can take fits beside the running ones'.
     pub kv_budget: Option<usize>,
     /// KV cache storage.
     pub kv: KvOptions,
