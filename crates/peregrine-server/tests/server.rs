@@ -47,7 +47,7 @@ fn assert_error(reply: &Reply, status: u16, param: Option<&str>, what: &str) {
 /// means 503) and `--max-body-mb 1`.
 #[test]
 fn every_error_row_has_status_type_and_param() {
-    let server = Server::start(&["--queue-size", "0", "--max-body-mb", "1"]);
+    let server = Server::start(&["--parallel", "1", "--queue-size", "0", "--max-body-mb", "1"]);
     // 503 first, while the only worker is idle: the first of two prompts takes the worker, the
     // second finds no room.
     let two = json!({"model": "tiny", "prompt": ["hi", "there"], "max_tokens": 12});

@@ -326,7 +326,7 @@ fn sixteen_concurrent_streams_match_their_solo_runs() {
 
 #[test]
 fn a_disconnected_stream_frees_its_slot() {
-    let server = Server::start(&["--queue-size", "0"]);
+    let server = Server::start(&["--parallel", "1", "--queue-size", "0"]);
     let body = with(
         completion("a", 240),
         json!({"ignore_eos": true, "stream": true}),

@@ -47,9 +47,10 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 5413)]
     port: u16,
     /// Sequences generating at once; their steps share one forward pass (continuous
-    /// batching: weights are read once per step for all of them).
-    #[arg(long, default_value_t = 1)]
-    parallel: usize,
+    /// batching: weights are read once per step for all of them). Default: twice the cores,
+    /// at most 16.
+    #[arg(long)]
+    parallel: Option<usize>,
     /// Tokens one forward pass may take: a token for each decoding sequence, then chunks of
     /// waiting prompts (so a long prompt never stalls the decodes).
     #[arg(long, default_value_t = 512)]
@@ -308,6 +309,16 @@ fn model_id(arg: &str) -> String {
     name.map_or_else(|| arg.to_string(), |n| n.to_string_lossy().into_owned())
 }
 
+/// `--parallel`, or twice the cores (at most 16): on a CPU a step of a few sequences costs
+/// little more than one, and the KV budget keeps more from outgrowing memory.
+fn parallel(args: &ServeArgs) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    match args.parallel {
+        Some(n) => n.max(1),
+        None => (2 * cores).min(16),
+    }
+}
+
 fn load(args: &ServeArgs, parallel: usize, queue_size: usize) -> Result<Engine> {
     let config = EngineConfig {
         parallel: parallel.max(1),
@@ -360,7 +371,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         stopping: tokio::sync::watch::channel(false).0,
         max_tokens: args.max_tokens,
         sampling,
-        parallel: args.parallel.max(1),
+        parallel: parallel(&args),
         keepalive: Duration::from_secs_f64(args.keepalive_secs),
         metrics: Default::default(),
     });
@@ -411,7 +422,7 @@ async fn serve(args: ServeArgs, state: Arc<State>) -> Result<()> {
         if !delay.is_zero() {
             std::thread::sleep(delay);
         }
-        match load(&args, args.parallel, args.queue_size) {
+        match load(&args, parallel(&args), args.queue_size) {
             Ok(engine) => {
                 let _ = loader.engine.set(Arc::new(engine));
                 eprintln!("peregrine: model `{}` ready", loader.model_id);
