@@ -48,27 +48,38 @@ pub(crate) fn kv_bytes(
     spec.iter().map(|k| layer_positions(k) * row_bytes).sum()
 }
 
-/// A request's share of the budget, given back when dropped.
-#[derive(Debug)]
-pub(crate) struct Reservation {
+/// A share of a total of KV bytes, given back when dropped: a sequence's live bytes (kept
+/// current as its cache grows) or a request's reservation (held until its last choice ends,
+/// however it ends).
+pub(crate) struct KvGauge {
     total: Arc<AtomicUsize>,
-    bytes: usize,
+    mine: usize,
 }
 
-impl Reservation {
-    /// Takes `bytes` of `total`.
-    pub fn take(total: &Arc<AtomicUsize>, bytes: usize) -> Self {
-        total.fetch_add(bytes, Ordering::Relaxed);
-        Self {
+impl KvGauge {
+    /// A share of `total` holding `bytes` from the start.
+    pub fn holding(total: &Arc<AtomicUsize>, bytes: usize) -> Self {
+        let mut gauge = Self {
             total: total.clone(),
-            bytes,
+            mine: 0,
+        };
+        gauge.set(bytes);
+        gauge
+    }
+
+    pub fn set(&mut self, bytes: usize) {
+        if bytes >= self.mine {
+            self.total.fetch_add(bytes - self.mine, Ordering::Relaxed);
+        } else {
+            self.total.fetch_sub(self.mine - bytes, Ordering::Relaxed);
         }
+        self.mine = bytes;
     }
 }
 
-impl Drop for Reservation {
+impl Drop for KvGauge {
     fn drop(&mut self) {
-        self.total.fetch_sub(self.bytes, Ordering::Relaxed);
+        self.set(0);
     }
 }
 
@@ -90,8 +101,8 @@ mod tests {
     #[test]
     fn reservations_come_back_when_dropped() {
         let total = Arc::new(AtomicUsize::new(0));
-        let a = Reservation::take(&total, 100);
-        let b = Reservation::take(&total, 50);
+        let a = KvGauge::holding(&total, 100);
+        let b = KvGauge::holding(&total, 50);
         assert_eq!(total.load(Ordering::Relaxed), 150);
         drop(a);
         assert_eq!(total.load(Ordering::Relaxed), 50);

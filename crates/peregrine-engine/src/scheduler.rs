@@ -127,14 +127,18 @@ fn step(
     let chunks: Vec<usize> = (prefilling.iter())
         .map(|p| {
             let k = match short(p) {
-                true => p.remaining().min(room),
-                false => p.remaining().min(room).min(paced).min(shared.prefill_size),
+                true => {
+                    let k = p.remaining().min(room);
+                    unpaced += k;
+                    k
+                }
+                false => {
+                    let k = p.remaining().min(room).min(paced).min(shared.prefill_size);
+                    paced -= k;
+                    k
+                }
             };
             room -= k;
-            match short(p) {
-                true => unpaced += k,
-                false => paced -= k,
-            }
             k
         })
         .collect();

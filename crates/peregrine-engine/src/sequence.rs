@@ -4,7 +4,7 @@
 //! incremental detokenization, until EOS, a stop string, the token budget or cancellation.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use peregrine_models::{CausalLm, KvOptions, Logits, ModelError, SequenceCache};
@@ -16,7 +16,7 @@ use crate::api::{Event, FinishReason, Request, Timings, Usage};
 use crate::detok::{IncrementalDetokenizer, PROMPT_TAIL};
 use crate::engine::{ChoiceSink, Job, Shared};
 use crate::error::EngineError;
-use crate::kv_budget::Reservation;
+use crate::kv_budget::KvGauge;
 use crate::stop::StopMatcher;
 
 /// Runs the prompt through the model in chunks of `prefill_size`, returning the last
@@ -46,40 +46,6 @@ pub(crate) fn prefill(
     Ok(Tensor::cat(&parts, 0).map_err(ModelError::from)?)
 }
 
-/// This sequence's share of the engine's live KV bytes, kept current as its cache grows and
-/// given back when the sequence ends (however it ends).
-pub(crate) struct KvGauge {
-    total: Arc<AtomicUsize>,
-    mine: usize,
-}
-
-impl KvGauge {
-    /// A share of `total` holding `bytes` from the start.
-    fn holding(total: &Arc<AtomicUsize>, bytes: usize) -> Self {
-        let mut gauge = Self {
-            total: total.clone(),
-            mine: 0,
-        };
-        gauge.set(bytes);
-        gauge
-    }
-
-    fn set(&mut self, bytes: usize) {
-        if bytes >= self.mine {
-            self.total.fetch_add(bytes - self.mine, Ordering::Relaxed);
-        } else {
-            self.total.fetch_sub(self.mine - bytes, Ordering::Relaxed);
-        }
-        self.mine = bytes;
-    }
-}
-
-impl Drop for KvGauge {
-    fn drop(&mut self) {
-        self.set(0);
-    }
-}
-
 /// A request whose prompt is being prefilled, a chunk per step.
 pub(crate) struct Prefilling {
     pub job: Job,
@@ -92,7 +58,7 @@ pub(crate) struct Prefilling {
     queued: Duration,
     gauge: KvGauge,
     /// The request's share of the KV budget, held until its last choice ends.
-    reservation: Arc<Reservation>,
+    reservation: Arc<KvGauge>,
 }
 
 impl Prefilling {
@@ -102,7 +68,7 @@ impl Prefilling {
         let (cache, cached) = (shared.prompt_cache.lookup(&job.ids, &job.kv))
             .unwrap_or_else(|| (SequenceCache::new(&shared.model.cache_spec(), &job.kv), 0));
         let gauge = KvGauge::holding(&shared.live_kv, cache.bytes());
-        let reservation = Arc::new(Reservation::take(&shared.kv_reserved, job.reserve));
+        let reservation = Arc::new(KvGauge::holding(&shared.kv_reserved, job.reserve));
         Self {
             job,
             reservation,
@@ -207,7 +173,7 @@ pub(crate) struct Decoding {
     pub cache: SequenceCache,
     kv: KvOptions,
     gauge: KvGauge,
-    _reservation: Arc<Reservation>,
+    _reservation: Arc<KvGauge>,
     cached: usize,
     budget: usize,
     /// The last position's logits (sampling rewrites them in place).

@@ -155,26 +155,10 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, 
         let (a, m, p) = (&mut acc, &mut mins, w.as_ptr());
         for u in (0..units).step_by(2) {
             // The unit's first block is `u·SHARED`, even; the next unit's has `SHARED`'s parity.
-            unit_terms::<I, MIN, FIFTH, SHARED, T>(
-                p.add(u * unit_bytes),
-                u * SHARED,
-                0,
-                x,
-                head,
-                a,
-                m,
-            );
+            unit_terms::<I, MIN, FIFTH, SHARED, T>(p.add(u * unit_bytes), u * SHARED, 0, x, a, m);
             if u + 1 < units {
                 let (next, parity) = (p.add((u + 1) * unit_bytes), SHARED % 2);
-                unit_terms::<I, MIN, FIFTH, SHARED, T>(
-                    next,
-                    (u + 1) * SHARED,
-                    parity,
-                    x,
-                    head,
-                    a,
-                    m,
-                );
+                unit_terms::<I, MIN, FIFTH, SHARED, T>(next, (u + 1) * SHARED, parity, x, a, m);
             }
         }
         // Each refined block once, for every input refining it (neighbouring tokens' outliers
@@ -207,9 +191,9 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, 
 ///
 /// # Safety
 /// The CPU must support `I`'s features; the caller is compiled with them, so all inlines; `p`
-/// is a unit of `head` bytes and `SHARED` code blocks, and each input holds blocks `first..`.
+/// is a unit (scales, minimums and masks as `MIN` and `FIFTH` say, then `SHARED` code blocks),
+/// and each input holds blocks `first..`.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 unsafe fn unit_terms<
     I: Isa,
     const MIN: bool,
@@ -221,11 +205,11 @@ unsafe fn unit_terms<
     first: usize,
     parity: usize,
     x: [&[Q8Block]; T],
-    head: usize,
     acc: &mut [[__m256; T]; 2],
     mins: &mut [[__m256; T]; 2],
 ) {
     let masks_at = if MIN { 32 } else { 16 };
+    let head = masks_at + if FIFTH { 32 } else { 0 };
     // Codes without a minimum are offset by half their range.
     let offset = if FIFTH { 16.0 } else { 8.0 };
     // SAFETY: per this function's contract.
