@@ -7,6 +7,7 @@ use peregrine_sampling::{SamplingParams, TokenLogprob};
 use serde_json::{Map, Value};
 
 use crate::chat_template::ChatMessage;
+use crate::constraint::Constraint;
 use crate::error::EngineError;
 
 /// What to continue.
@@ -55,6 +56,8 @@ pub struct Request {
     pub ignore_eos: bool,
     /// How this request's KV cache is stored, where it differs from the engine's default.
     pub kv: KvRequest,
+    /// Hold the output to this grammar ([`Engine::compile`](crate::Engine::compile) makes one).
+    pub constraint: Option<Constraint>,
 }
 
 /// A request's KV storage choices (the API's `kv_bits`, `kv_group_size`, `turbo_kv`); what it
@@ -102,6 +105,7 @@ impl Request {
             logprobs: None,
             ignore_eos: false,
             kv: KvRequest::default(),
+            constraint: None,
         }
     }
 }

@@ -15,6 +15,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use crate::api::{Event, KvRequest, Prompt, Request};
 use crate::chat_template::{ChatTemplate, fallback_template};
+use crate::constraint::{Compiler, Constraint, Grammar};
 use crate::error::EngineError;
 use crate::kv_budget::{default_kv_budget, kv_bytes};
 use crate::prompt_cache::{PromptCache, PromptCacheStats};
@@ -133,6 +134,7 @@ pub(crate) struct Shared {
     pub steps: AtomicU64,
     pub step_rows: AtomicU64,
     panic_marker: Option<String>,
+    grammars: Compiler,
 }
 
 impl Shared {
@@ -250,6 +252,7 @@ impl Engine {
             steps: AtomicU64::new(0),
             step_rows: AtomicU64::new(0),
             panic_marker: config.panic_marker,
+            grammars: Compiler::default(),
         });
         let (jobs, queue) = sync_channel::<Job>(config.queue_size);
         let budget = crate::scheduler::Budget {
@@ -278,6 +281,13 @@ impl Engine {
     /// The model.
     pub fn model(&self) -> &Arc<dyn CausalLm> {
         &self.shared.model
+    }
+
+    /// Compiles `grammar` for [`Request::constraint`]; a grammar or schema that does not
+    /// compile is [`EngineError::Grammar`]. The first call builds the token trie.
+    pub fn compile(&self, grammar: &Grammar) -> Result<Constraint, EngineError> {
+        let s = &self.shared;
+        s.grammars.compile(&s.tokenizer, grammar)
     }
 
     /// The context length in tokens.

@@ -50,6 +50,9 @@ pub enum EngineError {
         /// Why.
         message: String,
     },
+    /// A grammar or JSON schema for constrained output does not compile.
+    #[error("the grammar does not compile: {0}")]
+    Grammar(String),
     /// Too many requests are waiting.
     #[error("the request queue is full ({0} waiting); retry later")]
     QueueFull(usize),
@@ -72,6 +75,7 @@ impl EngineError {
                 | Self::EmptyPrompt
                 | Self::TokenOutOfRange { .. }
                 | Self::Kv { .. }
+                | Self::Grammar(_)
         )
     }
 }

@@ -15,6 +15,7 @@
 
 pub mod api;
 pub mod chat_template;
+pub mod constraint;
 pub mod detok;
 mod engine;
 mod error;
@@ -28,6 +29,7 @@ pub mod tokenizer;
 
 pub use api::{Event, FinishReason, KvRequest, Prompt, Request, Timings, Usage};
 pub use chat_template::{ChatMessage, ChatTemplate};
+pub use constraint::{Constraint, Grammar};
 pub use engine::{Engine, EngineConfig, EventStream};
 pub use error::EngineError;
 pub use peregrine_models::weights::MlxActivations;

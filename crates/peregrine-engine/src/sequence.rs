@@ -13,6 +13,7 @@ use peregrine_tensor::Tensor;
 use peregrine_tensor::device::in_compute_pool;
 
 use crate::api::{Event, FinishReason, Request, Timings, Usage};
+use crate::constraint::{ChoiceMatcher, Constraint};
 use crate::detok::{IncrementalDetokenizer, PROMPT_TAIL};
 use crate::engine::{ChoiceSink, Job, Shared};
 use crate::error::EngineError;
@@ -143,6 +144,7 @@ impl Prefilling {
                 detok: IncrementalDetokenizer::new(&ids[ids.len().saturating_sub(PROMPT_TAIL)..]),
                 stop: StopMatcher::new(&request.stop),
                 sampler: Sampler::new(sampling),
+                matcher: request.constraint.as_ref().map(Constraint::start),
                 request: request.clone(),
                 ids: ids.clone(),
                 sink,
@@ -179,6 +181,8 @@ pub(crate) struct Decoding {
     /// The last position's logits (sampling rewrites them in place).
     pub logits: Vec<f32>,
     sampler: Sampler,
+    /// Where the choice stands in its grammar, for constrained output.
+    matcher: Option<ChoiceMatcher>,
     detok: IncrementalDetokenizer,
     stop: StopMatcher,
     generated: Vec<u32>,
@@ -200,6 +204,9 @@ impl Decoding {
         let req = &self.request;
         // Logprobs are reported on the raw distribution; sampling rewrites `logits` in place.
         let raw = req.logprobs.map(|_| self.logits.clone());
+        if let Some(m) = &mut self.matcher {
+            m.mask(&mut self.logits)?;
+        }
         let token = (self.sampler).sample(&mut self.logits, &self.ids, &self.generated);
         self.generated.push(token);
         if self.generated.len() == 1 {
@@ -210,6 +217,11 @@ impl Decoding {
             .map(|raw| token_logprobs(raw, token, req.logprobs.unwrap_or(0)))
             .collect();
         let is_eos = !req.ignore_eos && shared.tokenizer.is_eos(token);
+        let mut complete = false;
+        if let Some(m) = self.matcher.as_mut().filter(|_| !is_eos) {
+            m.consume(token)?;
+            complete = m.is_done();
+        }
         let text = match is_eos {
             true => String::new(),
             false => (self.detok).step(token, |t| shared.tokenizer.decode(t, true))?,
@@ -223,7 +235,7 @@ impl Decoding {
         if self.sink.events.send(delta).is_err() {
             return Ok(Some(FinishReason::Cancelled));
         }
-        if step.stopped || is_eos {
+        if step.stopped || is_eos || complete {
             return Ok(Some(FinishReason::Stop));
         }
         if self.generated.len() >= self.budget {

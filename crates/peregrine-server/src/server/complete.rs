@@ -111,7 +111,7 @@ fn prompt_param(endpoint: Endpoint) -> &'static str {
 }
 
 fn prepare(state: &State, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, ApiError> {
-    let decoded = openai::decode(body, endpoint, state.max_tokens, &state.sampling)?;
+    let mut decoded = openai::decode(body, endpoint, state.max_tokens, &state.sampling)?;
     if let Some(model) = &decoded.model
         && model != &state.model_id
         && model != &state.model_arg
@@ -127,6 +127,12 @@ fn prepare(state: &State, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, A
         .code("model_not_found"));
     }
     let engine = state.engine()?;
+    if let Some((grammar, param)) = &decoded.grammar {
+        let constraint = (engine.compile(grammar)).map_err(|e| ApiError::from_engine(&e, param))?;
+        for request in &mut decoded.requests {
+            request.constraint = Some(constraint.clone());
+        }
+    }
     let mut streams = Vec::with_capacity(decoded.requests.len() * decoded.n);
     let mut echo = vec![];
     for request in &decoded.requests {

@@ -70,6 +70,16 @@ impl ApiError {
         self
     }
 
+    /// The same error about a field of the object at `prefix` (`prefix.param`).
+    pub fn within(mut self, prefix: &str) -> Self {
+        self.param = Some(match self.param.take() {
+            Some(p) if p.starts_with('[') => format!("{prefix}{p}"),
+            Some(p) => format!("{prefix}.{p}"),
+            None => prefix.to_string(),
+        });
+        self
+    }
+
     /// Maps an engine error; `prompt_param` names the field holding the prompt.
     pub fn from_engine(e: &EngineError, prompt_param: &str) -> Self {
         match e {

@@ -5,8 +5,8 @@
 //! does. Unknown fields are ignored; `null` counts as absent; known fields with a wrong type or
 //! out of range are errors.
 
-use peregrine_engine::{KvRequest, Prompt, Request, SamplingParams};
-use serde_json::{Map, Value};
+use peregrine_engine::{Grammar, KvRequest, Prompt, Request, SamplingParams};
+use serde_json::{Map, Value, json};
 
 use super::error::ApiError;
 use super::prompt::{chat_prompt, completion_prompts};
@@ -58,6 +58,8 @@ pub struct Decoded {
     pub include_usage: bool,
     /// Whether logprobs were asked for (the response then carries them).
     pub logprobs: bool,
+    /// The grammar the output must match, and the field that asked for it.
+    pub grammar: Option<(Grammar, &'static str)>,
 }
 
 /// Parses and validates a body. `default_max_tokens` and `defaults` apply to fields the body
@@ -115,7 +117,7 @@ pub fn decode(
             (top.is_some(), top.unwrap_or(0))
         }
     };
-    response_format(&f)?;
+    let grammar = output_grammar(&f)?;
     let ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
     let kv = kv_request(&f)?;
     let template = Prompt::Tokens(vec![]);
@@ -158,6 +160,7 @@ pub fn decode(
         stream,
         include_usage,
         logprobs,
+        grammar,
     })
 }
 
@@ -345,19 +348,56 @@ fn limit_count(f: &Fields, key: &str, max: usize) -> Result<(), ApiError> {
     Ok(())
 }
 
-fn response_format(f: &Fields) -> Result<(), ApiError> {
+/// `response_format` (`text`, `json_object`, `json_schema`) and the `grammar` extension (Lark,
+/// as llguidance takes it) as the grammar the output must match, with the field it came from.
+fn output_grammar(f: &Fields) -> Result<Option<(Grammar, &'static str)>, ApiError> {
+    if let Some(lark) = f.string("grammar")? {
+        if f.get("response_format")
+            .is_some_and(|v| v.get("type") != Some(&json!("text")))
+        {
+            let message =
+                "`grammar` and a JSON `response_format` both constrain the output: give one";
+            return Err(ApiError::invalid("grammar", message));
+        }
+        return Ok(Some((Grammar::Lark(lark.to_string()), "grammar")));
+    }
     let Some(v) = f.get("response_format") else {
-        return Ok(());
+        return Ok(None);
     };
-    let kind = v.get("type").and_then(Value::as_str);
-    match kind {
-        Some("text" | "json_object") => Ok(()),
-        Some("json_schema") => Err(ApiError::invalid(
-            "response_format",
-            "`response_format` of type `json_schema` is not supported yet (structured output)",
-        )),
+    let Value::Object(format) = v else {
+        return Err(type_error("response_format", "an object"));
+    };
+    let format = Fields(format);
+    let param = "response_format";
+    match format.string("type").map_err(|e| e.within(param))? {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some((Grammar::JsonObject, param))),
+        Some("json_schema") => {
+            let spec = match format.get("json_schema") {
+                Some(Value::Object(spec)) => Fields(spec),
+                Some(_) => return Err(type_error("response_format.json_schema", "an object")),
+                None => {
+                    let message =
+                        "`response_format.json_schema` is required for type `json_schema`";
+                    return Err(ApiError::invalid("response_format.json_schema", message));
+                }
+            };
+            let named = |e: ApiError| e.within("response_format.json_schema");
+            spec.string("name").map_err(named)?;
+            spec.bool("strict").map_err(named)?;
+            match spec.get("schema") {
+                None => Ok(Some((Grammar::JsonObject, param))),
+                Some(schema @ Value::Object(_)) => {
+                    Ok(Some((Grammar::JsonSchema(schema.clone()), param)))
+                }
+                Some(_) => Err(type_error(
+                    "response_format.json_schema.schema",
+                    "an object",
+                )),
+            }
+        }
         _ => Err(ApiError::invalid(
-            "response_format",
+            "response_format.type",
             "`response_format.type` must be `text`, `json_object` or `json_schema`",
         )),
     }
