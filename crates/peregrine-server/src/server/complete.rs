@@ -7,13 +7,17 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use hyper::{Response, StatusCode};
-use peregrine_engine::{Engine, EngineError, Event, EventStream, Prompt, Usage};
+use peregrine_engine::{
+    Engine, EngineError, Event, EventStream, Prompt, TokenLogprob, Tokenizer, Usage,
+};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 use super::error::ApiError;
 use super::openai::{self, Decoded, Endpoint};
 use super::reasoning::ThinkSplitter;
 use super::sse::{self, Body, Closed, SseSender};
+use super::tool_calls::{CallFormat, CallParser, Piece};
+use super::tools;
 use super::wire::{Choice, Delta, Envelope};
 use super::{RequestLog, State, json_response};
 
@@ -37,6 +41,8 @@ struct Prepared {
     echo: Vec<String>,
     /// `Some(starts inside)` when the output's think block goes to `reasoning_content`.
     think: Option<bool>,
+    /// The call syntax to look for, when the request has tools.
+    calls: Option<CallFormat>,
 }
 
 /// Decodes `body`, submits every choice (`n` per prompt, sharing the prompt's prefill) and
@@ -58,6 +64,7 @@ pub async fn run(
         streams,
         echo,
         think,
+        calls,
     } = prepared;
     let created = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -75,6 +82,7 @@ pub async fn run(
     let events = merge(&state, streams);
     let job = Job {
         think,
+        calls,
         state: state.clone(),
         env,
         n: decoded.n,
@@ -127,6 +135,19 @@ fn prepare(state: &State, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, A
         .code("model_not_found"));
     }
     let engine = state.engine()?;
+    let template = engine.tokenizer().chat_template();
+    let calls = decoded
+        .tools
+        .as_ref()
+        .map(|_| CallFormat::of_template(template));
+    if let (Some(tools), Some(format)) = (&decoded.tools, calls) {
+        for request in &mut decoded.requests {
+            tools::apply(&mut request.prompt, tools, template);
+        }
+        if let Some(grammar) = tools.grammar(format) {
+            decoded.grammar = Some((grammar, "tool_choice"));
+        }
+    }
     if let Some((grammar, param)) = &decoded.grammar {
         let constraint = (engine.compile(grammar)).map_err(|e| ApiError::from_engine(&e, param))?;
         for request in &mut decoded.requests {
@@ -160,6 +181,7 @@ fn prepare(state: &State, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, A
         streams,
         echo,
         think,
+        calls,
     })
 }
 
@@ -200,6 +222,8 @@ fn opens_think(engine: &Engine, prompt: &Prompt) -> bool {
 struct Job {
     /// `Some(starts inside)` when the output's think block goes to `reasoning_content`.
     think: Option<bool>,
+    /// The call syntax to look for, when the request has tools.
+    calls: Option<CallFormat>,
     state: Arc<State>,
     env: Envelope,
     n: usize,
@@ -297,6 +321,19 @@ impl Job {
                 c.reasoning = (!reasoning.is_empty()).then_some(reasoning);
             }
         }
+        if let Some(format) = self.calls {
+            for c in &mut choices {
+                let mut parser = CallParser::new(format);
+                let mut pieces = parser.push(&std::mem::take(&mut c.text));
+                pieces.extend(parser.finish());
+                for piece in pieces {
+                    match piece {
+                        Piece::Text(t) => c.text.push_str(&t),
+                        Piece::Call(call) => c.tool_calls.push(call),
+                    }
+                }
+            }
+        }
         let engine = self.state.engine()?;
         let body = self.env.response(
             &choices,
@@ -305,6 +342,35 @@ impl Job {
             self.decoded.logprobs,
         );
         Ok((body, totals))
+    }
+
+    /// Sends choice `i`'s decided text and calls; `lp` goes with the first chunk (alone, when
+    /// the text is held back).
+    async fn send_pieces(
+        &self,
+        sse: &SseSender,
+        i: usize,
+        pieces: Vec<Piece>,
+        mut lp: Option<(&[TokenLogprob], &Tokenizer)>,
+        called: &mut usize,
+    ) -> Result<(), Closed> {
+        lp = lp.filter(|(l, _)| !l.is_empty());
+        if pieces.is_empty() && lp.is_some() {
+            return sse.data(&self.env.chunk(i, Delta::Text(""), lp)).await;
+        }
+        for piece in pieces {
+            let chunk = match &piece {
+                Piece::Text(t) if t.is_empty() && lp.is_none() => continue,
+                Piece::Text(t) => self.env.chunk(i, Delta::Text(t), lp.take()),
+                Piece::Call(call) => {
+                    *called += 1;
+                    self.env
+                        .chunk(i, Delta::ToolCall(*called - 1, call), lp.take())
+                }
+            };
+            sse.data(&chunk).await?;
+        }
+        Ok(())
     }
 
     /// Streams every choice's chunks, then the usage chunk when asked, then `[DONE]`.
@@ -339,6 +405,10 @@ impl Job {
         let mut splitters: Vec<_> = (0..choices)
             .map(|_| self.think.map(ThinkSplitter::new))
             .collect();
+        let mut parsers: Vec<_> = (0..choices)
+            .map(|_| self.calls.map(CallParser::new))
+            .collect();
+        let mut called = vec![0; choices];
         let mut finished = vec![false; choices];
         let mut stopping = std::pin::pin!(self.state.stopping());
         loop {
@@ -377,24 +447,35 @@ impl Job {
                         }
                         None => text,
                     };
-                    if text.is_empty() && logprobs.is_empty() {
-                        continue;
-                    }
-                    self.env.chunk(i, Delta::Text(&text), lp)
+                    let pieces = match &mut parsers[i] {
+                        Some(parser) => parser.push(&text),
+                        None => vec![Piece::Text(text)],
+                    };
+                    self.send_pieces(sse, i, pieces, lp, &mut called[i]).await?;
+                    continue;
                 }
                 Event::Done { finish, .. } => {
+                    let mut rest = String::new();
                     if let Some(splitter) = &mut splitters[i] {
-                        let rest = splitter.finish();
-                        if !rest.reasoning.is_empty() {
-                            let delta = Delta::Reasoning(&rest.reasoning);
+                        let tail = splitter.finish();
+                        if !tail.reasoning.is_empty() {
+                            let delta = Delta::Reasoning(&tail.reasoning);
                             sse.data(&self.env.chunk(i, delta, None)).await?;
                         }
-                        if !rest.content.is_empty() {
-                            let delta = Delta::Text(&rest.content);
-                            sse.data(&self.env.chunk(i, delta, None)).await?;
-                        }
+                        rest = tail.content;
                     }
-                    self.env.chunk(i, Delta::Finish(finish), None)
+                    let pieces = match &mut parsers[i] {
+                        Some(parser) => {
+                            let mut pieces = parser.push(&rest);
+                            pieces.extend(parser.finish());
+                            pieces
+                        }
+                        None => vec![Piece::Text(rest)],
+                    };
+                    self.send_pieces(sse, i, pieces, None, &mut called[i])
+                        .await?;
+                    self.env
+                        .chunk(i, Delta::Finish(finish, called[i] > 0), None)
                 }
                 Event::Error(e) => {
                     sse.data(&self.failed(&e).body()).await?;

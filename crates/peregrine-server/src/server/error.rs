@@ -73,6 +73,7 @@ impl ApiError {
     /// The same error about a field of the object at `prefix` (`prefix.param`).
     pub fn within(mut self, prefix: &str) -> Self {
         self.param = Some(match self.param.take() {
+            Some(p) if p.is_empty() => prefix.to_string(),
             Some(p) if p.starts_with('[') => format!("{prefix}{p}"),
             Some(p) => format!("{prefix}.{p}"),
             None => prefix.to_string(),

@@ -16,6 +16,8 @@ mod prompt;
 mod reasoning;
 mod routes;
 mod sse;
+mod tool_calls;
+mod tools;
 mod wire;
 
 use std::net::SocketAddr;

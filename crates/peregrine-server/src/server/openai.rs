@@ -10,6 +10,7 @@ use serde_json::{Map, Value, json};
 
 use super::error::ApiError;
 use super::prompt::{chat_prompt, completion_prompts};
+use super::tools::{self, Tools};
 
 /// Which endpoint a body was sent to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,7 +33,7 @@ pub const MAX_STOP_BYTES: usize = 1024;
 pub const MAX_MESSAGES: usize = 4096;
 /// Most content parts in one message.
 pub const MAX_CONTENT_PARTS: usize = 1024;
-/// Most `tools` (accepted, and not yet used: tool calling is to come).
+/// Most `tools`.
 pub const MAX_TOOLS: usize = 256;
 /// Most entries of `logit_bias`.
 pub const MAX_LOGIT_BIAS: usize = 1024;
@@ -60,6 +61,8 @@ pub struct Decoded {
     pub logprobs: bool,
     /// The grammar the output must match, and the field that asked for it.
     pub grammar: Option<(Grammar, &'static str)>,
+    /// The tools the model is shown (chat).
+    pub tools: Option<Tools>,
 }
 
 /// Parses and validates a body. `default_max_tokens` and `defaults` apply to fields the body
@@ -98,7 +101,10 @@ pub fn decode(
     let n = f.uint("n", 1, MAX_N)?.unwrap_or(1) as usize;
     let sampling = sampling(&f, defaults)?;
     let stop = stop(&f)?;
-    limit_count(&f, "tools", MAX_TOOLS)?;
+    let tools = match endpoint {
+        Endpoint::Chat => tools::decode(&f)?,
+        Endpoint::Completions => None,
+    };
     limit_count(&f, "logit_bias", MAX_LOGIT_BIAS)?;
     let (logprobs, top) = match endpoint {
         Endpoint::Chat => {
@@ -161,6 +167,7 @@ pub fn decode(
         include_usage,
         logprobs,
         grammar,
+        tools,
     })
 }
 

@@ -4,6 +4,7 @@ use peregrine_engine::{FinishReason, TokenLogprob, Tokenizer, Usage};
 use serde_json::{Value, json};
 
 use super::openai::Endpoint;
+use super::tool_calls::ToolCall;
 
 /// What every object of one response shares: one `id` and `created` for a whole stream.
 #[derive(Debug, Clone)]
@@ -29,14 +30,28 @@ pub struct Choice {
     pub finish: Option<FinishReason>,
     /// The think block's text, for reasoning models.
     pub reasoning: Option<String>,
+    /// The tool calls found in the output (the text is what is left).
+    pub tool_calls: Vec<ToolCall>,
 }
 
-/// OpenAI's name for a finish reason.
-pub fn finish_name(finish: FinishReason) -> &'static str {
+/// OpenAI's name for a finish reason; `called`: the output held tool calls.
+pub fn finish_name(finish: FinishReason, called: bool) -> &'static str {
     match finish {
         FinishReason::Length => "length",
+        FinishReason::Stop if called => "tool_calls",
         FinishReason::Stop | FinishReason::Cancelled => "stop",
     }
+}
+
+/// A call's id: unique per request, choice and call.
+pub fn call_id(prefix: &str, request: &str, choice: usize, call: usize) -> String {
+    format!("{prefix}{request}{choice:02x}{call:02x}")
+}
+
+/// A call in chat's `tool_calls` shape.
+fn call_json(id: &str, call: &ToolCall) -> Value {
+    json!({"id": id, "type": "function",
+           "function": {"name": call.name, "arguments": call.arguments}})
 }
 
 /// The `usage` object.
@@ -82,7 +97,7 @@ impl Envelope {
             .iter()
             .enumerate()
             .map(|(index, c)| {
-                let finish = c.finish.map(finish_name);
+                let finish = c.finish.map(|f| finish_name(f, !c.tool_calls.is_empty()));
                 let lp = logprobs.then(|| self.logprobs(&c.logprobs, tok));
                 match self.endpoint {
                     Endpoint::Chat => {
@@ -90,6 +105,14 @@ impl Envelope {
                             json!({"role": "assistant", "content": c.text, "refusal": null});
                         if let Some(r) = &c.reasoning {
                             message["reasoning_content"] = json!(r);
+                        }
+                        if !c.tool_calls.is_empty() {
+                            let calls = (c.tool_calls.iter().enumerate())
+                                .map(|(k, call)| call_json(&self.call_id(index, k), call));
+                            message["tool_calls"] = Value::Array(calls.collect());
+                            if c.text.is_empty() {
+                                message["content"] = Value::Null;
+                            }
                         }
                         json!({
                             "index": index, "message": message, "logprobs": lp, "finish_reason": finish,
@@ -120,8 +143,8 @@ impl Envelope {
         let (finish, text) = match delta {
             Delta::Role => (None, None),
             Delta::Text(t) => (None, Some(t)),
-            Delta::Reasoning(_) => (None, None),
-            Delta::Finish(f) => (Some(finish_name(f)), None),
+            Delta::Reasoning(_) | Delta::ToolCall(..) => (None, None),
+            Delta::Finish(f, called) => (Some(finish_name(f, called)), None),
         };
         let choice = match self.endpoint {
             Endpoint::Chat => {
@@ -129,7 +152,12 @@ impl Envelope {
                     Delta::Role => json!({"role": "assistant", "content": ""}),
                     Delta::Text(t) => json!({"content": t}),
                     Delta::Reasoning(r) => json!({"reasoning_content": r}),
-                    Delta::Finish(_) => json!({}),
+                    Delta::ToolCall(k, call) => {
+                        let mut c = call_json(&self.call_id(index, k), call);
+                        c["index"] = json!(k);
+                        json!({"tool_calls": [c]})
+                    }
+                    Delta::Finish(..) => json!({}),
                 };
                 json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish})
             }
@@ -138,6 +166,12 @@ impl Envelope {
             }),
         };
         self.wrap(true, vec![choice])
+    }
+
+    /// The id of choice `index`'s call `k`.
+    fn call_id(&self, index: usize, k: usize) -> String {
+        let request = self.id.rsplit('-').next().unwrap_or_default();
+        call_id("call_", request, index, k)
     }
 
     /// The final usage chunk (`choices: []`), for `stream_options.include_usage`.
@@ -203,6 +237,8 @@ pub enum Delta<'a> {
     Text(&'a str),
     /// New text of the think block (chat, reasoning models).
     Reasoning(&'a str),
-    /// The end, with its reason.
-    Finish(FinishReason),
+    /// The choice's call number `.0`, whole.
+    ToolCall(usize, &'a ToolCall),
+    /// The end, with its reason and whether the choice made calls.
+    Finish(FinishReason, bool),
 }
