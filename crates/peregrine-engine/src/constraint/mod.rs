@@ -28,7 +28,7 @@ pub enum Grammar {
 
 /// The JSON layout constrained output uses: OpenAI's separators and no free whitespace, which a
 /// small model at high temperature would otherwise fill until `max_tokens`.
-pub fn json_layout() -> Value {
+fn json_layout() -> Value {
     json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
 }
 

@@ -16,7 +16,7 @@ use super::error::ApiError;
 use super::openai::{self, Decoded, Endpoint};
 use super::reasoning::ThinkSplitter;
 use super::sse::{self, Body, Closed, SseSender};
-use super::tool_calls::{CallFormat, CallParser, Piece};
+use super::tool_calls::{CallFormat, CallParser, Piece, split_calls};
 use super::tools;
 use super::wire::{Choice, Delta, Envelope};
 use super::{RequestLog, State, json_response};
@@ -323,15 +323,7 @@ impl Job {
         }
         if let Some(format) = self.calls {
             for c in &mut choices {
-                let mut parser = CallParser::new(format);
-                let mut pieces = parser.push(&std::mem::take(&mut c.text));
-                pieces.extend(parser.finish());
-                for piece in pieces {
-                    match piece {
-                        Piece::Text(t) => c.text.push_str(&t),
-                        Piece::Call(call) => c.tool_calls.push(call),
-                    }
-                }
+                (c.text, c.tool_calls) = split_calls(format, &c.text);
             }
         }
         let engine = self.state.engine()?;

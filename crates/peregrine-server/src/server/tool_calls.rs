@@ -197,6 +197,21 @@ impl CallParser {
     }
 }
 
+/// Splits a whole output into its text and its calls.
+pub fn split_calls(format: CallFormat, output: &str) -> (String, Vec<ToolCall>) {
+    let mut parser = CallParser::new(format);
+    let mut pieces = parser.push(output);
+    pieces.extend(parser.finish());
+    let (mut text, mut calls) = (String::new(), vec![]);
+    for piece in pieces {
+        match piece {
+            Piece::Text(t) => text.push_str(&t),
+            Piece::Call(c) => calls.push(c),
+        }
+    }
+    (text, calls)
+}
+
 /// The calls in one marker's body.
 fn parse_body(start: &str, body: &str) -> Option<Vec<ToolCall>> {
     match start {
@@ -288,32 +303,26 @@ mod tests {
 
     /// Parses `text` whole and streamed one char at a time; both must agree.
     fn parse(format: CallFormat, text: &str) -> (String, Vec<ToolCall>) {
-        let collect = |pieces: Vec<Piece>| {
-            let (mut text, mut calls) = (String::new(), vec![]);
-            for p in pieces {
-                match p {
-                    Piece::Text(t) => text.push_str(&t),
-                    Piece::Call(c) => calls.push(c),
-                }
-            }
-            (text, calls)
-        };
-        let mut whole = CallParser::new(format);
-        let mut pieces = whole.push(text);
-        pieces.extend(whole.finish());
-        let a = collect(pieces);
+        let whole = split_calls(format, text);
         let mut streamed = CallParser::new(format);
+        let (mut streamed_text, mut streamed_calls) = (String::new(), vec![]);
         let mut pieces = vec![];
         for c in text.chars() {
             pieces.extend(streamed.push(&c.to_string()));
         }
         pieces.extend(streamed.finish());
+        for p in pieces {
+            match p {
+                Piece::Text(t) => streamed_text.push_str(&t),
+                Piece::Call(c) => streamed_calls.push(c),
+            }
+        }
         assert_eq!(
-            a,
-            collect(pieces),
+            whole,
+            (streamed_text, streamed_calls),
             "streamed and whole disagree on {text:?}"
         );
-        a
+        whole
     }
 
     fn call(name: &str, arguments: &str) -> ToolCall {

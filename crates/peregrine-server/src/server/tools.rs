@@ -143,16 +143,12 @@ pub fn decode(f: &Fields) -> Result<Option<Tools>, ApiError> {
         }
     };
     let parallel = f.bool("parallel_tool_calls")?.unwrap_or(true);
-    checked(list, choice, parallel, "tool_choice")
+    checked(list, choice, parallel)
 }
 
 /// Checks that a forced choice has something to call.
-pub fn checked(
-    list: Vec<Tool>,
-    choice: ToolChoice,
-    parallel: bool,
-    choice_param: &str,
-) -> Result<Option<Tools>, ApiError> {
+fn checked(list: Vec<Tool>, choice: ToolChoice, parallel: bool) -> Result<Option<Tools>, ApiError> {
+    let choice_param = "tool_choice";
     if let ToolChoice::Function(name) = &choice
         && !list.iter().any(|t| &t.name == name)
     {
@@ -194,9 +190,9 @@ fn openai_tool(v: &Value) -> Result<Tool, ApiError> {
     function_tool(&Fields(function)).map_err(|e| e.within("function"))
 }
 
-/// A function's `name`, `description` and `parameters` (Responses' flat tools, Anthropic's
-/// tools with `parameters_key` = `input_schema`).
-pub fn function_tool_with(f: &Fields, parameters_key: &str) -> Result<Tool, ApiError> {
+/// A function's `name`, `description` and `parameters`.
+fn function_tool(f: &Fields) -> Result<Tool, ApiError> {
+    let parameters_key = "parameters";
     let name = match f.string("name")? {
         Some(n) if valid_name(n) => n.to_string(),
         Some(_) => {
@@ -215,10 +211,6 @@ pub fn function_tool_with(f: &Fields, parameters_key: &str) -> Result<Tool, ApiE
         description: f.string("description")?.map(str::to_string),
         parameters,
     })
-}
-
-fn function_tool(f: &Fields) -> Result<Tool, ApiError> {
-    function_tool_with(f, "parameters")
 }
 
 fn valid_name(n: &str) -> bool {

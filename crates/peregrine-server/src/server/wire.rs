@@ -43,11 +43,6 @@ pub fn finish_name(finish: FinishReason, called: bool) -> &'static str {
     }
 }
 
-/// A call's id: unique per request, choice and call.
-pub fn call_id(prefix: &str, request: &str, choice: usize, call: usize) -> String {
-    format!("{prefix}{request}{choice:02x}{call:02x}")
-}
-
 /// A call in chat's `tool_calls` shape.
 fn call_json(id: &str, call: &ToolCall) -> Value {
     json!({"id": id, "type": "function",
@@ -168,10 +163,10 @@ impl Envelope {
         self.wrap(true, vec![choice])
     }
 
-    /// The id of choice `index`'s call `k`.
+    /// The id of choice `index`'s call `k`: unique per request, choice and call.
     fn call_id(&self, index: usize, k: usize) -> String {
         let request = self.id.rsplit('-').next().unwrap_or_default();
-        call_id("call_", request, index, k)
+        format!("call_{request}{index:02x}{k:02x}")
     }
 
     /// The final usage chunk (`choices: []`), for `stream_options.include_usage`.
