@@ -142,7 +142,7 @@ def test_responses_validate_against_the_client_types(base_url, model):
         ({"top_p": 2}, "top_p"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
         ({"messages": [{"role": "user", "content": "word " * 10000}]}, "messages"),
     ],
 )

@@ -119,11 +119,11 @@ fn every_error_row_has_status_type_and_param() {
         ),
         (
             json!({"response_format": {"type": "json_schema", "json_schema": {}}}),
-            "response_format",
+            "response_format.json_schema.name",
         ),
         (
             json!({"response_format": {"type": "xml"}}),
-            "response_format",
+            "response_format.type",
         ),
         (json!({"chat_template_kwargs": []}), "chat_template_kwargs"),
         (json!({"kv_bits": 5}), "kv_bits"),

@@ -32,7 +32,7 @@ fn json_layout() -> Value {
     json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
 }
 
-/// `schema` with [`json_layout`] attached, unless it chooses its own.
+/// `schema` with `json_layout` attached, unless it chooses its own.
 pub fn with_layout(mut schema: Value) -> Value {
     if let Some(obj) = schema.as_object_mut() {
         obj.entry("x-guidance").or_insert_with(json_layout);
@@ -54,7 +54,7 @@ impl Grammar {
     }
 }
 
-/// A compiled grammar; each choice starts its own [`ChoiceMatcher`] from it.
+/// A compiled grammar; each choice starts its own `ChoiceMatcher` from it.
 #[derive(Clone)]
 pub struct Constraint {
     parser: TokenParser,

@@ -390,7 +390,13 @@ fn output_grammar(f: &Fields) -> Result<Option<(Grammar, &'static str)>, ApiErro
                 }
             };
             let named = |e: ApiError| e.within("response_format.json_schema");
-            spec.string("name").map_err(named)?;
+            if spec.string("name").map_err(named)?.is_none() {
+                let message = "`response_format.json_schema.name` is required";
+                return Err(ApiError::invalid(
+                    "response_format.json_schema.name",
+                    message,
+                ));
+            }
             spec.bool("strict").map_err(named)?;
             match spec.get("schema") {
                 None => Ok(Some((Grammar::JsonObject, param))),
