@@ -15,11 +15,12 @@ use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 use super::error::ApiError;
 use super::openai::{self, Decoded, Endpoint};
 use super::reasoning::ThinkSplitter;
+use super::semantic::{Part, Reader};
 use super::sse::{self, Body, Closed, SseSender};
-use super::tool_calls::{CallFormat, CallParser, Piece, split_calls};
+use super::tool_calls::{CallFormat, split_calls};
 use super::tools;
 use super::wire::{Choice, Delta, Envelope};
-use super::{RequestLog, State, json_response};
+use super::{RequestLog, State, anthropic, json_response};
 
 /// Totals over a request's choices, for `usage`, the log line and metrics.
 #[derive(Debug, Default, Clone, Copy)]
@@ -43,6 +44,8 @@ struct Prepared {
     think: Option<bool>,
     /// The call syntax to look for, when the request has tools.
     calls: Option<CallFormat>,
+    /// The prompt's length in tokens, for an Anthropic stream's `message_start`.
+    prompt_tokens: usize,
 }
 
 /// Decodes `body`, submits every choice (`n` per prompt, sharing the prompt's prefill) and
@@ -65,6 +68,7 @@ pub async fn run(
         echo,
         think,
         calls,
+        prompt_tokens,
     } = prepared;
     let created = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -72,9 +76,14 @@ pub async fn run(
     let prefix = match endpoint {
         Endpoint::Chat => "chatcmpl",
         Endpoint::Completions => "cmpl",
+        Endpoint::Messages => "msg",
     };
     let env = Envelope {
-        id: format!("{prefix}-{}", log.id()),
+        // Anthropic's ids read `msg_…`, OpenAI's `chatcmpl-…`.
+        id: match endpoint {
+            Endpoint::Messages => format!("{prefix}_{}", log.id()),
+            _ => format!("{prefix}-{}", log.id()),
+        },
         created,
         model: state.model_id.clone(),
         endpoint,
@@ -90,11 +99,15 @@ pub async fn run(
         decoded,
         prompt_param: prompt_param(endpoint),
         request_id: log.id().to_string(),
+        prompt_tokens,
     };
     if job.decoded.stream {
         let (tx, body) = sse::channel(state.body_timeout);
         tokio::spawn(async move {
-            let (totals, outcome) = job.stream(events, &tx).await;
+            let (totals, outcome) = match endpoint {
+                Endpoint::Messages => job.stream_messages(events, &tx).await,
+                _ => job.stream(events, &tx).await,
+            };
             let status = if outcome.is_err() { 499 } else { 200 };
             log.finish(status, Some(totals));
         });
@@ -105,7 +118,11 @@ pub async fn run(
             .map_err(|e| ApiError::internal(e.to_string()))?;
         Ok(response)
     } else {
-        let (body, totals) = job.collect(events).await?;
+        let (choices, totals) = job.collect(events).await?;
+        let body = match endpoint {
+            Endpoint::Messages => job.message(&choices[0].text, choices[0].finish, totals.usage),
+            _ => job.openai_response(choices, totals.usage)?,
+        };
         log.finish(200, Some(totals));
         Ok(json_response(200, &body))
     }
@@ -113,41 +130,67 @@ pub async fn run(
 
 fn prompt_param(endpoint: Endpoint) -> &'static str {
     match endpoint {
-        Endpoint::Chat => "messages",
+        Endpoint::Chat | Endpoint::Messages => "messages",
         Endpoint::Completions => "prompt",
     }
 }
 
-fn prepare(state: &State, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, ApiError> {
-    let mut decoded = openai::decode(body, endpoint, state.max_tokens, &state.sampling)?;
-    if let Some(model) = &decoded.model
-        && model != &state.model_id
-        && model != &state.model_arg
-    {
-        return Err(ApiError::invalid(
-            "model",
-            format!(
-                "the model `{model}` does not exist; this server serves `{}`",
-                state.model_id
-            ),
-        )
-        .status(StatusCode::NOT_FOUND)
-        .code("model_not_found"));
+/// Decodes a body of `endpoint` (an Anthropic one through its translation) and checks `model`.
+fn decode(
+    state: &State,
+    endpoint: Endpoint,
+    body: &[u8],
+    count_only: bool,
+) -> Result<Decoded, ApiError> {
+    let decoded = match endpoint {
+        Endpoint::Messages => {
+            let chat = anthropic::translate(body, count_only)?;
+            openai::decode(&chat, Endpoint::Chat, state.max_tokens, &state.sampling)
+                .map_err(anthropic::rename)?
+        }
+        _ => openai::decode(body, endpoint, state.max_tokens, &state.sampling)?,
+    };
+    if !state.serves(&decoded.model) {
+        return Err(state.unknown_model(&decoded.model));
     }
-    let engine = state.engine()?;
+    Ok(decoded)
+}
+
+/// Shows a request's tools to the model (through its template) and holds a forced choice to a
+/// call; returns the call syntax to parse, when there are tools.
+fn apply_tools(engine: &Engine, decoded: &mut Decoded) -> Option<CallFormat> {
     let template = engine.tokenizer().chat_template();
-    let calls = decoded
-        .tools
-        .as_ref()
-        .map(|_| CallFormat::of_template(template));
-    if let (Some(tools), Some(format)) = (&decoded.tools, calls) {
-        for request in &mut decoded.requests {
-            tools::apply(&mut request.prompt, tools, template);
-        }
-        if let Some(grammar) = tools.grammar(format) {
-            decoded.grammar = Some((grammar, "tool_choice"));
-        }
+    let tools = decoded.tools.as_ref()?;
+    let format = CallFormat::of_template(template);
+    for request in &mut decoded.requests {
+        tools::apply(&mut request.prompt, tools, template);
     }
+    if let Some(grammar) = tools.grammar(format) {
+        decoded.grammar = Some((grammar, "tool_choice"));
+    }
+    Some(format)
+}
+
+/// Anthropic's `/v1/messages/count_tokens`: the prompt's length as the model would see it.
+pub async fn count_tokens(state: Arc<State>, body: Bytes) -> Result<Response<Body>, ApiError> {
+    let counted = tokio::task::spawn_blocking(move || {
+        let mut decoded = decode(&state, Endpoint::Messages, &body, true)?;
+        let engine = state.engine()?;
+        apply_tools(engine, &mut decoded);
+        let ids = (engine.prompt_ids(&decoded.requests[0].prompt))
+            .map_err(|e| ApiError::from_engine(&e, "messages"))?;
+        Ok::<_, ApiError>(ids.len())
+    });
+    let n = counted
+        .await
+        .map_err(|e| ApiError::internal(format!("counting tokens failed: {e}")))??;
+    Ok(json_response(200, &serde_json::json!({"input_tokens": n})))
+}
+
+fn prepare(state: &State, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, ApiError> {
+    let mut decoded = decode(state, endpoint, body, false)?;
+    let engine = state.engine()?;
+    let calls = apply_tools(engine, &mut decoded);
     if let Some((grammar, param)) = &decoded.grammar {
         let constraint = (engine.compile(grammar)).map_err(|e| ApiError::from_engine(&e, param))?;
         for request in &mut decoded.requests {
@@ -171,10 +214,16 @@ fn prepare(state: &State, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, A
         });
     }
     let think = match (endpoint, engine.tokenizer().chat_template()) {
-        (Endpoint::Chat, Some(t)) if t.contains("</think>") => {
+        (Endpoint::Chat | Endpoint::Messages, Some(t)) if t.contains("</think>") => {
             Some(opens_think(engine, &decoded.requests[0].prompt))
         }
         _ => None,
+    };
+    let prompt_tokens = match endpoint {
+        Endpoint::Messages if decoded.stream => engine
+            .prompt_ids(&decoded.requests[0].prompt)
+            .map_or(0, |ids| ids.len()),
+        _ => 0,
     };
     Ok(Prepared {
         decoded,
@@ -182,6 +231,7 @@ fn prepare(state: &State, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, A
         echo,
         think,
         calls,
+        prompt_tokens,
     })
 }
 
@@ -219,29 +269,31 @@ fn opens_think(engine: &Engine, prompt: &Prompt) -> bool {
 }
 
 /// A submitted request being answered.
-struct Job {
+pub(super) struct Job {
     /// `Some(starts inside)` when the output's think block goes to `reasoning_content`.
-    think: Option<bool>,
+    pub(super) think: Option<bool>,
     /// The call syntax to look for, when the request has tools.
-    calls: Option<CallFormat>,
-    state: Arc<State>,
-    env: Envelope,
+    pub(super) calls: Option<CallFormat>,
+    pub(super) state: Arc<State>,
+    pub(super) env: Envelope,
     n: usize,
     /// Text prepended to each prompt's choices (`echo`), per prompt.
     echo: Vec<String>,
-    decoded: Decoded,
+    pub(super) decoded: Decoded,
     prompt_param: &'static str,
     /// For the log line of a failure.
     request_id: String,
+    /// The prompt's length in tokens (Anthropic streams only).
+    pub(super) prompt_tokens: usize,
 }
 
 /// A stream that ended without its last event: a bug, never a client's doing.
-fn unfinished() -> EngineError {
+pub(super) fn unfinished() -> EngineError {
     EngineError::Internal("generation ended without finishing".into())
 }
 
 /// Running requests are cancelled because the server is going away.
-fn shutting_down() -> ApiError {
+pub(super) fn shutting_down() -> ApiError {
     ApiError::with_status(
         StatusCode::SERVICE_UNAVAILABLE,
         "the server is shutting down; the request was cancelled",
@@ -251,7 +303,7 @@ fn shutting_down() -> ApiError {
 
 impl Job {
     /// The error answering `e`; server faults are counted and logged with the request id.
-    fn failed(&self, e: &EngineError) -> ApiError {
+    pub(super) fn failed(&self, e: &EngineError) -> ApiError {
         let error = ApiError::from_engine(e, self.prompt_param);
         if error.status.is_server_error() {
             (self.state.metrics.internal_errors).fetch_add(1, Ordering::Relaxed);
@@ -260,7 +312,7 @@ impl Job {
         error
     }
 
-    fn record(&self, totals: &mut Totals, choice: usize, event: &Event) {
+    pub(super) fn record(&self, totals: &mut Totals, choice: usize, event: &Event) {
         if let Event::Done { usage, timings, .. } = event {
             if choice.is_multiple_of(self.n) {
                 totals.usage.prompt_tokens += usage.prompt_tokens;
@@ -280,11 +332,11 @@ impl Job {
         }
     }
 
-    /// Waits for every choice and builds the whole response.
+    /// Waits for every choice's whole output.
     async fn collect(
         &self,
         mut events: UnboundedReceiver<(usize, Event)>,
-    ) -> Result<(serde_json::Value, Totals), ApiError> {
+    ) -> Result<(Vec<Choice>, Totals), ApiError> {
         let mut totals = Totals::default();
         let mut choices: Vec<Choice> = (0..self.echo.len() * self.n)
             .map(|i| Choice {
@@ -312,6 +364,15 @@ impl Job {
         if choices.iter().any(|c| c.finish.is_none()) {
             return Err(self.failed(&unfinished()));
         }
+        Ok((choices, totals))
+    }
+
+    /// The whole chat or completions response.
+    fn openai_response(
+        &self,
+        mut choices: Vec<Choice>,
+        usage: Usage,
+    ) -> Result<serde_json::Value, ApiError> {
         if let Some(inside) = self.think {
             for c in &mut choices {
                 let mut splitter = ThinkSplitter::new(inside);
@@ -327,34 +388,31 @@ impl Job {
             }
         }
         let engine = self.state.engine()?;
-        let body = self.env.response(
-            &choices,
-            totals.usage,
-            engine.tokenizer(),
-            self.decoded.logprobs,
-        );
-        Ok((body, totals))
+        let tok = engine.tokenizer();
+        Ok(self
+            .env
+            .response(&choices, usage, tok, self.decoded.logprobs))
     }
 
-    /// Sends choice `i`'s decided text and calls; `lp` goes with the first chunk (alone, when
-    /// the text is held back).
-    async fn send_pieces(
+    /// Sends choice `i`'s decided parts; `lp` goes with the first chunk (alone, when the text
+    /// is held back).
+    async fn send_parts(
         &self,
         sse: &SseSender,
         i: usize,
-        pieces: Vec<Piece>,
+        parts: Vec<Part>,
         mut lp: Option<(&[TokenLogprob], &Tokenizer)>,
         called: &mut usize,
     ) -> Result<(), Closed> {
         lp = lp.filter(|(l, _)| !l.is_empty());
-        if pieces.is_empty() && lp.is_some() {
+        if parts.is_empty() && lp.is_some() {
             return sse.data(&self.env.chunk(i, Delta::Text(""), lp)).await;
         }
-        for piece in pieces {
-            let chunk = match &piece {
-                Piece::Text(t) if t.is_empty() && lp.is_none() => continue,
-                Piece::Text(t) => self.env.chunk(i, Delta::Text(t), lp.take()),
-                Piece::Call(call) => {
+        for part in parts {
+            let chunk = match &part {
+                Part::Text(t) => self.env.chunk(i, Delta::Text(t), lp.take()),
+                Part::Reasoning(r) => self.env.chunk(i, Delta::Reasoning(r), lp.take()),
+                Part::Call(call) => {
                     *called += 1;
                     self.env
                         .chunk(i, Delta::ToolCall(*called - 1, call), lp.take())
@@ -394,11 +452,8 @@ impl Job {
                     .await?;
             }
         }
-        let mut splitters: Vec<_> = (0..choices)
-            .map(|_| self.think.map(ThinkSplitter::new))
-            .collect();
-        let mut parsers: Vec<_> = (0..choices)
-            .map(|_| self.calls.map(CallParser::new))
+        let mut readers: Vec<_> = (0..choices)
+            .map(|_| Reader::new(self.think, self.calls))
             .collect();
         let mut called = vec![0; choices];
         let mut finished = vec![false; choices];
@@ -424,48 +479,13 @@ impl Job {
             let chunk = match event {
                 Event::Delta { text, logprobs, .. } => {
                     let lp = self.decoded.logprobs.then_some((&logprobs[..], tok));
-                    let text = match &mut splitters[i] {
-                        Some(splitter) => {
-                            let split = splitter.push(&text);
-                            if !split.reasoning.is_empty() {
-                                let delta = Delta::Reasoning(&split.reasoning);
-                                let lp = lp.filter(|_| split.content.is_empty());
-                                sse.data(&self.env.chunk(i, delta, lp)).await?;
-                                if split.content.is_empty() {
-                                    continue;
-                                }
-                            }
-                            split.content
-                        }
-                        None => text,
-                    };
-                    let pieces = match &mut parsers[i] {
-                        Some(parser) => parser.push(&text),
-                        None => vec![Piece::Text(text)],
-                    };
-                    self.send_pieces(sse, i, pieces, lp, &mut called[i]).await?;
+                    let parts = readers[i].push(&text);
+                    self.send_parts(sse, i, parts, lp, &mut called[i]).await?;
                     continue;
                 }
                 Event::Done { finish, .. } => {
-                    let mut rest = String::new();
-                    if let Some(splitter) = &mut splitters[i] {
-                        let tail = splitter.finish();
-                        if !tail.reasoning.is_empty() {
-                            let delta = Delta::Reasoning(&tail.reasoning);
-                            sse.data(&self.env.chunk(i, delta, None)).await?;
-                        }
-                        rest = tail.content;
-                    }
-                    let pieces = match &mut parsers[i] {
-                        Some(parser) => {
-                            let mut pieces = parser.push(&rest);
-                            pieces.extend(parser.finish());
-                            pieces
-                        }
-                        None => vec![Piece::Text(rest)],
-                    };
-                    self.send_pieces(sse, i, pieces, None, &mut called[i])
-                        .await?;
+                    let parts = readers[i].finish();
+                    self.send_parts(sse, i, parts, None, &mut called[i]).await?;
                     self.env
                         .chunk(i, Delta::Finish(finish, called[i] > 0), None)
                 }

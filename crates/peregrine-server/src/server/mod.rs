@@ -5,6 +5,8 @@
 //! answered as JSON or server-sent events (`wire`, `sse`); every failure is an OpenAI-shaped
 //! error (`error`). SIGINT/SIGTERM stop accepting connections and let open ones finish briefly.
 
+mod anthropic;
+mod anthropic_wire;
 mod complete;
 mod conn;
 #[cfg(test)]
@@ -15,6 +17,7 @@ pub mod openai;
 mod prompt;
 mod reasoning;
 mod routes;
+mod semantic;
 mod sse;
 mod tool_calls;
 mod tools;
@@ -106,9 +109,10 @@ pub struct ServeArgs {
     /// Largest request body in MiB; larger ones get 413.
     #[arg(long, default_value_t = 16)]
     max_body_mb: usize,
-    /// The model id clients use (default: the file or folder name).
+    /// A model id clients may use; repeat for more names. The first is the id the server
+    /// reports (default: the file or folder name).
     #[arg(long)]
-    alias: Option<String>,
+    alias: Vec<String>,
     /// Print the model, its memory estimate and context length, and exit.
     #[arg(long)]
     info: bool,
@@ -161,8 +165,8 @@ fn positive_secs(s: &str) -> Result<f64, String> {
 pub struct State {
     engine: OnceLock<Arc<Engine>>,
     model_id: String,
-    /// The `--model` argument, also accepted as the `model` field.
-    model_arg: String,
+    /// The `--model` argument and every `--alias`, also accepted as the `model` field.
+    model_names: Vec<String>,
     api_key: Option<ApiKey>,
     cors: bool,
     max_body: usize,
@@ -200,6 +204,22 @@ impl std::fmt::Debug for ApiKey {
 }
 
 impl State {
+    /// Whether `name` (a request's `model`) names the served model.
+    fn serves(&self, name: &str) -> bool {
+        name == self.model_id || self.model_names.iter().any(|n| n == name)
+    }
+
+    /// The 404 for a `model` this server does not serve.
+    fn unknown_model(&self, name: &str) -> ApiError {
+        let message = format!(
+            "the model `{name}` does not exist; this server serves `{}`",
+            self.model_id
+        );
+        ApiError::invalid("model", message)
+            .status(hyper::StatusCode::NOT_FOUND)
+            .code("model_not_found")
+    }
+
     /// Resolves once running requests must end (at once if they already must).
     async fn stopping(&self) {
         let mut rx = self.stopping.subscribe();
@@ -361,11 +381,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
     sampling.validate().context("default sampling flags")?;
     let state = Arc::new(State {
         engine: OnceLock::new(),
-        model_id: args
-            .alias
-            .clone()
-            .unwrap_or_else(|| model_id(&args.model.model)),
-        model_arg: args.model.model.clone(),
+        model_id: (args.alias.first().cloned()).unwrap_or_else(|| model_id(&args.model.model)),
+        model_names: [&args.model.model]
+            .into_iter()
+            .chain(&args.alias)
+            .cloned()
+            .collect(),
         api_key: api_key(&args)?,
         cors: args.cors,
         max_body: args.max_body_mb.saturating_mul(1 << 20),

@@ -19,6 +19,8 @@ pub enum Endpoint {
     Chat,
     /// `/v1/completions`.
     Completions,
+    /// `/v1/messages` (Anthropic), translated into a chat request.
+    Messages,
 }
 
 /// Most choices one request may ask for (`n`).
@@ -45,8 +47,8 @@ pub const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"
 /// A decoded request: one engine request per prompt, and how to answer.
 #[derive(Debug, Clone)]
 pub struct Decoded {
-    /// The `model` field, if given.
-    pub model: Option<String>,
+    /// The `model` field (required, as in OpenAI's spec).
+    pub model: String,
     /// One request per prompt (completions take a list); each runs `n` times.
     pub requests: Vec<Request>,
     /// Prepend the prompt to the text (completions' `echo`).
@@ -79,7 +81,10 @@ pub fn decode(
         return Err(ApiError::bad_request("the body must be a JSON object"));
     };
     let f = Fields(&obj);
-    let model = f.string("model")?.map(str::to_string);
+    let model = match f.string("model")? {
+        Some(m) => m.to_string(),
+        None => return Err(ApiError::invalid("model", "`model` is required")),
+    };
     f.string("user")?;
     let stream = f.bool("stream")?.unwrap_or(false);
     let include_usage = match f.get("stream_options") {
@@ -91,7 +96,9 @@ pub fn decode(
         Some(_) => return Err(type_error("stream_options", "an object")),
     };
     let max_tokens = match endpoint {
-        Endpoint::Chat => f.uint("max_completion_tokens", 1, u32::MAX as u64)?,
+        Endpoint::Chat | Endpoint::Messages => {
+            f.uint("max_completion_tokens", 1, u32::MAX as u64)?
+        }
         Endpoint::Completions => None,
     };
     let max_tokens = match max_tokens {
@@ -102,12 +109,12 @@ pub fn decode(
     let sampling = sampling(&f, defaults)?;
     let stop = stop(&f)?;
     let tools = match endpoint {
-        Endpoint::Chat => tools::decode(&f)?,
+        Endpoint::Chat | Endpoint::Messages => tools::decode(&f)?,
         Endpoint::Completions => None,
     };
     limit_count(&f, "logit_bias", MAX_LOGIT_BIAS)?;
     let (logprobs, top) = match endpoint {
-        Endpoint::Chat => {
+        Endpoint::Chat | Endpoint::Messages => {
             let on = f.bool("logprobs")?.unwrap_or(false);
             let top = f.uint("top_logprobs", 0, MAX_TOP_LOGPROBS)?;
             if top.is_some() && !on {
@@ -137,7 +144,7 @@ pub fn decode(
         ..Request::new(template)
     };
     let (prompts, echo) = match endpoint {
-        Endpoint::Chat => (vec![chat_prompt(&f)?], false),
+        Endpoint::Chat | Endpoint::Messages => (vec![chat_prompt(&f)?], false),
         Endpoint::Completions => {
             if let Some(suffix) = f.string("suffix")?
                 && !suffix.is_empty()

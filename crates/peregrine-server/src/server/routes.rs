@@ -13,17 +13,24 @@ use super::error::ApiError;
 use super::metrics::EngineFigures;
 use super::openai::Endpoint;
 use super::sse::{self, Body};
-use super::{RequestLog, State, complete, json_response};
+use super::{RequestLog, State, anthropic_wire, complete, json_response};
 
 /// The routes and the methods each accepts; the name doubles as the metrics label.
-const ROUTES: [(&str, Method); 6] = [
+const ROUTES: [(&str, Method); 8] = [
     ("/health", Method::GET),
     ("/metrics", Method::GET),
     ("/v1/models", Method::GET),
     ("/v1/models/{id}", Method::GET),
     ("/v1/chat/completions", Method::POST),
     ("/v1/completions", Method::POST),
+    ("/v1/messages", Method::POST),
+    ("/v1/messages/count_tokens", Method::POST),
 ];
+
+/// Routes of Anthropic's API, whose errors take Anthropic's shape.
+fn anthropic_route(route: Option<&str>) -> bool {
+    route.is_some_and(|r| r.starts_with("/v1/messages"))
+}
 
 fn route_of(path: &str) -> Option<&'static str> {
     let path = path.trim_end_matches('/');
@@ -47,7 +54,11 @@ pub async fn handle(
         Ok(response) => response,
         Err(e) => {
             log.finish(e.status.as_u16(), None);
-            let mut response = json_response(e.status.as_u16(), &e.body());
+            let body = match anthropic_route(route) {
+                true => anthropic_wire::error_body(&e),
+                false => e.body(),
+            };
+            let mut response = json_response(e.status.as_u16(), &body);
             if e.status == StatusCode::METHOD_NOT_ALLOWED
                 && let Some(allow) = route.and_then(allowed)
             {
@@ -93,7 +104,7 @@ async fn dispatch(
         );
         h.insert(
             "access-control-allow-headers",
-            HeaderValue::from_static("authorization, content-type"),
+            HeaderValue::from_static("authorization, content-type, x-api-key, anthropic-version"),
         );
         h.insert("access-control-max-age", HeaderValue::from_static("86400"));
         return Ok(response);
@@ -110,6 +121,14 @@ async fn dispatch(
     let endpoint = match route {
         "/v1/chat/completions" => Endpoint::Chat,
         "/v1/completions" => Endpoint::Completions,
+        "/v1/messages" => Endpoint::Messages,
+        "/v1/messages/count_tokens" => {
+            let body = read_body(state, req).await?;
+            state.engine()?;
+            let response = complete::count_tokens(state.clone(), body).await?;
+            log.finish(200, None);
+            return Ok(response);
+        }
         _ => {
             let response = simple_get(state, route, &path)?;
             log.finish(response.status().as_u16(), None);
@@ -130,12 +149,15 @@ fn authorize(state: &State, req: &Request<Incoming>) -> Result<(), ApiError> {
         .get(AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
     let token = given.and_then(|v| v.strip_prefix("Bearer "));
-    if token.is_some_and(|t| key.matches(t.as_bytes())) {
+    // Anthropic's clients send the key as `x-api-key`.
+    let anthropic = req.headers().get("x-api-key").map(|v| v.as_bytes());
+    if token.is_some_and(|t| key.matches(t.as_bytes())) || anthropic.is_some_and(|t| key.matches(t))
+    {
         return Ok(());
     }
     Err(ApiError::with_status(
         StatusCode::UNAUTHORIZED,
-        "missing or incorrect API key (send `Authorization: Bearer KEY`)",
+        "missing or incorrect API key (send `Authorization: Bearer KEY` or `x-api-key: KEY`)",
     )
     .code("invalid_api_key"))
 }
@@ -211,12 +233,8 @@ fn simple_get(state: &State, route: &str, path: &str) -> Result<Response<Body>, 
         "/v1/models" => json!({"object": "list", "data": [model]}),
         _ => {
             let id = path.trim_end_matches('/').trim_start_matches("/v1/models/");
-            if id != state.model_id && id != state.model_arg {
-                return Err(
-                    ApiError::invalid("model", format!("the model `{id}` does not exist"))
-                        .status(StatusCode::NOT_FOUND)
-                        .code("model_not_found"),
-                );
+            if !state.serves(id) {
+                return Err(state.unknown_model(id));
             }
             model
         }

@@ -50,6 +50,11 @@ impl SseSender {
         self.raw(format!("data: {value}\n\n")).await
     }
 
+    /// Sends `event: {name}` with `data: {json}` (Anthropic's named events).
+    pub async fn event(&self, name: &str, value: &Value) -> Result<(), Closed> {
+        self.raw(format!("event: {name}\ndata: {value}\n\n")).await
+    }
+
     /// Sends `data: [DONE]`.
     pub async fn done(&self) -> Result<(), Closed> {
         self.raw("data: [DONE]\n\n".into()).await
