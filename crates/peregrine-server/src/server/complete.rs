@@ -15,6 +15,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 use super::error::ApiError;
 use super::openai::{self, Decoded, Endpoint};
 use super::reasoning::ThinkSplitter;
+use super::responses::{self, Context};
 use super::semantic::{Part, Reader};
 use super::sse::{self, Body, Closed, SseSender};
 use super::tool_calls::{CallFormat, split_calls};
@@ -46,6 +47,8 @@ struct Prepared {
     calls: Option<CallFormat>,
     /// The prompt's length in tokens, for an Anthropic stream's `message_start`.
     prompt_tokens: usize,
+    /// What a Responses answer repeats of its request.
+    responses: Context,
 }
 
 /// Decodes `body`, submits every choice (`n` per prompt, sharing the prompt's prefill) and
@@ -69,6 +72,7 @@ pub async fn run(
         think,
         calls,
         prompt_tokens,
+        responses,
     } = prepared;
     let created = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -77,11 +81,12 @@ pub async fn run(
         Endpoint::Chat => "chatcmpl",
         Endpoint::Completions => "cmpl",
         Endpoint::Messages => "msg",
+        Endpoint::Responses => "resp",
     };
     let env = Envelope {
         // Anthropic's ids read `msg_…`, OpenAI's `chatcmpl-…`.
         id: match endpoint {
-            Endpoint::Messages => format!("{prefix}_{}", log.id()),
+            Endpoint::Messages | Endpoint::Responses => format!("{prefix}_{}", log.id()),
             _ => format!("{prefix}-{}", log.id()),
         },
         created,
@@ -100,12 +105,14 @@ pub async fn run(
         prompt_param: prompt_param(endpoint),
         request_id: log.id().to_string(),
         prompt_tokens,
+        responses,
     };
     if job.decoded.stream {
         let (tx, body) = sse::channel(state.body_timeout);
         tokio::spawn(async move {
             let (totals, outcome) = match endpoint {
                 Endpoint::Messages => job.stream_messages(events, &tx).await,
+                Endpoint::Responses => job.stream_responses(events, &tx).await,
                 _ => job.stream(events, &tx).await,
             };
             let status = if outcome.is_err() { 499 } else { 200 };
@@ -121,6 +128,9 @@ pub async fn run(
         let (choices, totals) = job.collect(events).await?;
         let body = match endpoint {
             Endpoint::Messages => job.message(&choices[0].text, choices[0].finish, totals.usage),
+            Endpoint::Responses => {
+                job.response_object(&choices[0].text, choices[0].finish, totals.usage)
+            }
             _ => job.openai_response(choices, totals.usage)?,
         };
         log.finish(200, Some(totals));
@@ -131,29 +141,39 @@ pub async fn run(
 fn prompt_param(endpoint: Endpoint) -> &'static str {
     match endpoint {
         Endpoint::Chat | Endpoint::Messages => "messages",
+        Endpoint::Responses => "input",
         Endpoint::Completions => "prompt",
     }
 }
 
-/// Decodes a body of `endpoint` (an Anthropic one through its translation) and checks `model`.
+/// Decodes a body of `endpoint` (Anthropic and Responses ones through their translations)
+/// and checks `model`.
 fn decode(
     state: &State,
     endpoint: Endpoint,
     body: &[u8],
     count_only: bool,
-) -> Result<Decoded, ApiError> {
-    let decoded = match endpoint {
+) -> Result<(Decoded, Context), ApiError> {
+    let chat =
+        |body: &[u8]| openai::decode(body, Endpoint::Chat, state.max_tokens, &state.sampling);
+    let (decoded, context) = match endpoint {
         Endpoint::Messages => {
-            let chat = anthropic::translate(body, count_only)?;
-            openai::decode(&chat, Endpoint::Chat, state.max_tokens, &state.sampling)
-                .map_err(anthropic::rename)?
+            let body = anthropic::translate(body, count_only)?;
+            (chat(&body).map_err(anthropic::rename)?, Context::default())
         }
-        _ => openai::decode(body, endpoint, state.max_tokens, &state.sampling)?,
+        Endpoint::Responses => {
+            let (body, context) = responses::translate(body, &state.responses)?;
+            (chat(&body).map_err(responses::rename)?, context)
+        }
+        _ => {
+            let decoded = openai::decode(body, endpoint, state.max_tokens, &state.sampling)?;
+            (decoded, Context::default())
+        }
     };
     if !state.serves(&decoded.model) {
         return Err(state.unknown_model(&decoded.model));
     }
-    Ok(decoded)
+    Ok((decoded, context))
 }
 
 /// Shows a request's tools to the model (through its template) and holds a forced choice to a
@@ -174,7 +194,7 @@ fn apply_tools(engine: &Engine, decoded: &mut Decoded) -> Option<CallFormat> {
 /// Anthropic's `/v1/messages/count_tokens`: the prompt's length as the model would see it.
 pub async fn count_tokens(state: Arc<State>, body: Bytes) -> Result<Response<Body>, ApiError> {
     let counted = tokio::task::spawn_blocking(move || {
-        let mut decoded = decode(&state, Endpoint::Messages, &body, true)?;
+        let (mut decoded, _) = decode(&state, Endpoint::Messages, &body, true)?;
         let engine = state.engine()?;
         apply_tools(engine, &mut decoded);
         let ids = (engine.prompt_ids(&decoded.requests[0].prompt))
@@ -188,7 +208,7 @@ pub async fn count_tokens(state: Arc<State>, body: Bytes) -> Result<Response<Bod
 }
 
 fn prepare(state: &State, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, ApiError> {
-    let mut decoded = decode(state, endpoint, body, false)?;
+    let (mut decoded, responses) = decode(state, endpoint, body, false)?;
     let engine = state.engine()?;
     let calls = apply_tools(engine, &mut decoded);
     if let Some((grammar, param)) = &decoded.grammar {
@@ -214,7 +234,9 @@ fn prepare(state: &State, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, A
         });
     }
     let think = match (endpoint, engine.tokenizer().chat_template()) {
-        (Endpoint::Chat | Endpoint::Messages, Some(t)) if t.contains("</think>") => {
+        (Endpoint::Chat | Endpoint::Messages | Endpoint::Responses, Some(t))
+            if t.contains("</think>") =>
+        {
             Some(opens_think(engine, &decoded.requests[0].prompt))
         }
         _ => None,
@@ -232,6 +254,7 @@ fn prepare(state: &State, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, A
         think,
         calls,
         prompt_tokens,
+        responses,
     })
 }
 
@@ -285,6 +308,8 @@ pub(super) struct Job {
     request_id: String,
     /// The prompt's length in tokens (Anthropic streams only).
     pub(super) prompt_tokens: usize,
+    /// What a Responses answer repeats of its request.
+    pub(super) responses: Context,
 }
 
 /// A stream that ended without its last event: a bug, never a client's doing.

@@ -16,6 +16,8 @@ mod metrics;
 pub mod openai;
 mod prompt;
 mod reasoning;
+mod responses;
+mod responses_wire;
 mod routes;
 mod semantic;
 mod sse;
@@ -161,6 +163,9 @@ fn positive_secs(s: &str) -> Result<f64, String> {
     }
 }
 
+/// Most Responses answers kept in memory; the oldest go first.
+const RESPONSES_KEPT: usize = 1024;
+
 /// What every handler shares.
 pub struct State {
     engine: OnceLock<Arc<Engine>>,
@@ -179,6 +184,8 @@ pub struct State {
     parallel: usize,
     /// Silence after which a stream gets a keep-alive comment.
     keepalive: Duration,
+    /// Finished Responses answers, for `GET`, `DELETE` and `previous_response_id`.
+    responses: responses::Store,
     metrics: metrics::Metrics,
 }
 
@@ -396,6 +403,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         sampling,
         parallel: parallel(&args),
         keepalive: Duration::from_secs_f64(args.keepalive_secs),
+        responses: responses::Store::new(RESPONSES_KEPT),
         metrics: Default::default(),
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()

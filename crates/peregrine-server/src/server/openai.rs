@@ -21,6 +21,8 @@ pub enum Endpoint {
     Completions,
     /// `/v1/messages` (Anthropic), translated into a chat request.
     Messages,
+    /// `/v1/responses` (OpenAI Responses), translated into a chat request.
+    Responses,
 }
 
 /// Most choices one request may ask for (`n`).
@@ -96,7 +98,7 @@ pub fn decode(
         Some(_) => return Err(type_error("stream_options", "an object")),
     };
     let max_tokens = match endpoint {
-        Endpoint::Chat | Endpoint::Messages => {
+        Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => {
             f.uint("max_completion_tokens", 1, u32::MAX as u64)?
         }
         Endpoint::Completions => None,
@@ -109,12 +111,12 @@ pub fn decode(
     let sampling = sampling(&f, defaults)?;
     let stop = stop(&f)?;
     let tools = match endpoint {
-        Endpoint::Chat | Endpoint::Messages => tools::decode(&f)?,
+        Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => tools::decode(&f)?,
         Endpoint::Completions => None,
     };
     limit_count(&f, "logit_bias", MAX_LOGIT_BIAS)?;
     let (logprobs, top) = match endpoint {
-        Endpoint::Chat | Endpoint::Messages => {
+        Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => {
             let on = f.bool("logprobs")?.unwrap_or(false);
             let top = f.uint("top_logprobs", 0, MAX_TOP_LOGPROBS)?;
             if top.is_some() && !on {
@@ -144,7 +146,9 @@ pub fn decode(
         ..Request::new(template)
     };
     let (prompts, echo) = match endpoint {
-        Endpoint::Chat | Endpoint::Messages => (vec![chat_prompt(&f)?], false),
+        Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => {
+            (vec![chat_prompt(&f)?], false)
+        }
         Endpoint::Completions => {
             if let Some(suffix) = f.string("suffix")?
                 && !suffix.is_empty()

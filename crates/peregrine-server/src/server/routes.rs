@@ -13,33 +13,40 @@ use super::error::ApiError;
 use super::metrics::EngineFigures;
 use super::openai::Endpoint;
 use super::sse::{self, Body};
-use super::{RequestLog, State, anthropic_wire, complete, json_response};
+use super::{RequestLog, State, anthropic_wire, complete, json_response, responses};
 
 /// The routes and the methods each accepts; the name doubles as the metrics label.
-const ROUTES: [(&str, Method); 8] = [
-    ("/health", Method::GET),
-    ("/metrics", Method::GET),
-    ("/v1/models", Method::GET),
-    ("/v1/models/{id}", Method::GET),
-    ("/v1/chat/completions", Method::POST),
-    ("/v1/completions", Method::POST),
-    ("/v1/messages", Method::POST),
-    ("/v1/messages/count_tokens", Method::POST),
+const ROUTES: [(&str, &[Method]); 10] = [
+    ("/health", &[Method::GET]),
+    ("/metrics", &[Method::GET]),
+    ("/v1/models", &[Method::GET]),
+    ("/v1/models/{id}", &[Method::GET]),
+    ("/v1/chat/completions", &[Method::POST]),
+    ("/v1/completions", &[Method::POST]),
+    ("/v1/messages", &[Method::POST]),
+    ("/v1/messages/count_tokens", &[Method::POST]),
+    ("/v1/responses", &[Method::POST]),
+    ("/v1/responses/{id}", &[Method::GET, Method::DELETE]),
 ];
+
+fn route_of(path: &str) -> Option<&'static str> {
+    let path = path.trim_end_matches('/');
+    for (prefix, route) in [
+        ("/v1/models/", "/v1/models/{id}"),
+        ("/v1/responses/", "/v1/responses/{id}"),
+    ] {
+        if let Some(id) = path.strip_prefix(prefix)
+            && !id.is_empty()
+        {
+            return Some(route);
+        }
+    }
+    ROUTES.iter().map(|(r, _)| *r).find(|r| *r == path)
+}
 
 /// Routes of Anthropic's API, whose errors take Anthropic's shape.
 fn anthropic_route(route: Option<&str>) -> bool {
     route.is_some_and(|r| r.starts_with("/v1/messages"))
-}
-
-fn route_of(path: &str) -> Option<&'static str> {
-    let path = path.trim_end_matches('/');
-    if let Some(id) = path.strip_prefix("/v1/models/")
-        && !id.is_empty()
-    {
-        return Some("/v1/models/{id}");
-    }
-    ROUTES.iter().map(|(r, _)| *r).find(|r| *r == path)
 }
 
 /// Answers one request; never fails (errors become OpenAI error bodies).
@@ -75,8 +82,15 @@ pub async fn handle(
 }
 
 fn allowed(route: &str) -> Option<HeaderValue> {
-    let (_, method) = ROUTES.iter().find(|(r, _)| *r == route)?;
-    HeaderValue::from_str(method.as_str()).ok()
+    let (_, methods) = ROUTES.iter().find(|(r, _)| *r == route)?;
+    let names: Vec<&str> = methods.iter().map(Method::as_str).collect();
+    HeaderValue::from_str(&names.join(", ")).ok()
+}
+
+fn accepts(route: &str, method: &Method) -> bool {
+    ROUTES
+        .iter()
+        .any(|(r, methods)| *r == route && methods.contains(method))
 }
 
 async fn dispatch(
@@ -87,11 +101,16 @@ async fn dispatch(
 ) -> Result<Response<Body>, ApiError> {
     let method = req.method().clone();
     let path = req.uri().path().to_string();
-    let Some(route) = route else {
-        return Err(ApiError::with_status(
+    let no_route = || {
+        ApiError::with_status(
             StatusCode::NOT_FOUND,
             format!("no route for {method} {path}"),
-        ));
+        )
+    };
+    // A POST under `/v1/responses/` is an endpoint we lack (`compact`), not a stored response.
+    let route = route.filter(|r| !(*r == "/v1/responses/{id}" && method == Method::POST));
+    let Some(route) = route else {
+        return Err(drained(state, req, no_route()).await);
     };
     if method == Method::OPTIONS && state.cors {
         log.finish(204, None);
@@ -100,7 +119,7 @@ async fn dispatch(
         let h = response.headers_mut();
         h.insert(
             "access-control-allow-methods",
-            HeaderValue::from_static("GET, POST, OPTIONS"),
+            HeaderValue::from_static("GET, POST, DELETE, OPTIONS"),
         );
         h.insert(
             "access-control-allow-headers",
@@ -109,19 +128,23 @@ async fn dispatch(
         h.insert("access-control-max-age", HeaderValue::from_static("86400"));
         return Ok(response);
     }
-    if route.starts_with("/v1/") {
-        authorize(state, &req)?;
+    if route.starts_with("/v1/")
+        && let Err(e) = authorize(state, &req)
+    {
+        return Err(drained(state, req, e).await);
     }
-    if allowed(route) != HeaderValue::from_str(method.as_str()).ok() {
-        return Err(ApiError::with_status(
+    if !accepts(route, &method) {
+        let e = ApiError::with_status(
             StatusCode::METHOD_NOT_ALLOWED,
             format!("{path} does not accept {method}"),
-        ));
+        );
+        return Err(drained(state, req, e).await);
     }
     let endpoint = match route {
         "/v1/chat/completions" => Endpoint::Chat,
         "/v1/completions" => Endpoint::Completions,
         "/v1/messages" => Endpoint::Messages,
+        "/v1/responses" => Endpoint::Responses,
         "/v1/messages/count_tokens" => {
             let body = read_body(state, req).await?;
             state.engine()?;
@@ -130,7 +153,7 @@ async fn dispatch(
             return Ok(response);
         }
         _ => {
-            let response = simple_get(state, route, &path)?;
+            let response = simple_get(state, route, &method, &path)?;
             log.finish(response.status().as_u16(), None);
             return Ok(response);
         }
@@ -138,6 +161,13 @@ async fn dispatch(
     let body = read_body(state, req).await?;
     state.engine()?;
     complete::run(state.clone(), endpoint, body, log).await
+}
+
+/// Reads and drops the body of a request refused before its body was needed, so the connection
+/// stays usable for the client's next request (within the usual size and time limits).
+async fn drained(state: &State, req: Request<Incoming>, e: ApiError) -> ApiError {
+    let _ = read_body(state, req).await;
+    e
 }
 
 fn authorize(state: &State, req: &Request<Incoming>) -> Result<(), ApiError> {
@@ -198,7 +228,30 @@ async fn read_body(state: &State, req: Request<Incoming>) -> Result<bytes::Bytes
     }
 }
 
-fn simple_get(state: &State, route: &str, path: &str) -> Result<Response<Body>, ApiError> {
+/// `GET` or `DELETE` of a stored Responses answer.
+fn stored_response(state: &State, method: &Method, path: &str) -> Result<Response<Body>, ApiError> {
+    let id = path
+        .trim_end_matches('/')
+        .trim_start_matches("/v1/responses/");
+    let body = match *method {
+        Method::DELETE if state.responses.delete(id) => {
+            json!({"id": id, "object": "response.deleted", "deleted": true})
+        }
+        Method::GET => match state.responses.get(id) {
+            Some(stored) => stored.resource,
+            None => return Err(responses::not_found(id, "response_id")),
+        },
+        _ => return Err(responses::not_found(id, "response_id")),
+    };
+    Ok(json_response(200, &body))
+}
+
+fn simple_get(
+    state: &State,
+    route: &str,
+    method: &Method,
+    path: &str,
+) -> Result<Response<Body>, ApiError> {
     let model = json!({
         "id": state.model_id, "object": "model", "created": 0, "owned_by": "peregrine",
     });
@@ -231,6 +284,7 @@ fn simple_get(state: &State, route: &str, path: &str) -> Result<Response<Body>, 
             return Ok(response);
         }
         "/v1/models" => json!({"object": "list", "data": [model]}),
+        "/v1/responses/{id}" => return stored_response(state, method, path),
         _ => {
             let id = path.trim_end_matches('/').trim_start_matches("/v1/models/");
             if !state.serves(id) {

@@ -62,8 +62,10 @@ pub fn usage_json(usage: Usage) -> Value {
 impl Envelope {
     fn object(&self, chunk: bool) -> &'static str {
         match (self.endpoint, chunk) {
-            (Endpoint::Chat | Endpoint::Messages, false) => "chat.completion",
-            (Endpoint::Chat | Endpoint::Messages, true) => "chat.completion.chunk",
+            (Endpoint::Chat | Endpoint::Messages | Endpoint::Responses, false) => "chat.completion",
+            (Endpoint::Chat | Endpoint::Messages | Endpoint::Responses, true) => {
+                "chat.completion.chunk"
+            }
             (Endpoint::Completions, _) => "text_completion",
         }
     }
@@ -95,7 +97,7 @@ impl Envelope {
                 let finish = c.finish.map(|f| finish_name(f, !c.tool_calls.is_empty()));
                 let lp = logprobs.then(|| self.logprobs(&c.logprobs, tok));
                 match self.endpoint {
-                    Endpoint::Chat | Endpoint::Messages => {
+                    Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => {
                         let mut message =
                             json!({"role": "assistant", "content": c.text, "refusal": null, "annotations": []});
                         if let Some(r) = &c.reasoning {
@@ -142,7 +144,7 @@ impl Envelope {
             Delta::Finish(f, called) => (Some(finish_name(f, called)), None),
         };
         let choice = match self.endpoint {
-            Endpoint::Chat | Endpoint::Messages => {
+            Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => {
                 let delta = match delta {
                     Delta::Role => json!({"role": "assistant", "content": ""}),
                     Delta::Text(t) => json!({"content": t}),
@@ -183,7 +185,7 @@ impl Envelope {
         // uses -9999.0 for "very unlikely".
         let finite = |lp: f32| if lp.is_finite() { lp } else { -9999.0 };
         match self.endpoint {
-            Endpoint::Chat | Endpoint::Messages => {
+            Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => {
                 let entry = |id: u32, lp: f32| {
                     let t = text(id);
                     json!({"token": t, "logprob": finite(lp), "bytes": t.as_bytes()})
