@@ -172,8 +172,20 @@ fn every_error_row_has_status_type_and_param() {
     ];
     for (body, param) in bad_completions {
         let what = body.to_string();
+        let body = with(json!({"model": "tiny"}), body);
         assert_error(&server.post(COMPLETIONS, &body), 400, Some(param), &what);
     }
+    // OpenAI's spec requires `model`; a request without one is refused, not guessed.
+    let reply = server.post(COMPLETIONS, &json!({"prompt": "a"}));
+    assert_error(&reply, 400, Some("model"), "no model");
+    let mut no_model = chat("hi");
+    no_model.as_object_mut().unwrap().remove("model");
+    assert_error(
+        &server.post(CHAT, &no_model),
+        400,
+        Some("model"),
+        "no model",
+    );
 
     for (body, what) in [
         ("{not json", "malformed"),

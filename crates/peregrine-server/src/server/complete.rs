@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use hyper::{Response, StatusCode};
 use peregrine_engine::{
-    Engine, EngineError, Event, EventStream, Prompt, TokenLogprob, Tokenizer, Usage,
+    Engine, EngineError, Event, EventStream, Prompt, SamplingParams, TokenLogprob, Tokenizer, Usage,
 };
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
@@ -154,26 +154,38 @@ fn decode(
     body: &[u8],
     count_only: bool,
 ) -> Result<(Decoded, Context), ApiError> {
-    let chat =
-        |body: &[u8]| openai::decode(body, Endpoint::Chat, state.max_tokens, &state.sampling);
-    let (decoded, context) = match endpoint {
+    let defaults = (state.max_tokens, &state.sampling);
+    let (decoded, context) = decode_body(endpoint, body, count_only, defaults, &state.responses)?;
+    if !state.serves(&decoded.model) {
+        return Err(state.unknown_model(&decoded.model));
+    }
+    Ok((decoded, context))
+}
+
+/// Decodes a body of any endpoint; `defaults`: `max_tokens` and sampling for fields left out;
+/// `store`: the stored responses `previous_response_id` may name.
+pub(super) fn decode_body(
+    endpoint: Endpoint,
+    body: &[u8],
+    count_only: bool,
+    (max_tokens, sampling): (usize, &SamplingParams),
+    store: &responses::Store,
+) -> Result<(Decoded, Context), ApiError> {
+    let chat = |body: &[u8]| openai::decode(body, Endpoint::Chat, max_tokens, sampling);
+    Ok(match endpoint {
         Endpoint::Messages => {
             let body = anthropic::translate(body, count_only)?;
             (chat(&body).map_err(anthropic::rename)?, Context::default())
         }
         Endpoint::Responses => {
-            let (body, context) = responses::translate(body, &state.responses)?;
+            let (body, context) = responses::translate(body, store)?;
             (chat(&body).map_err(responses::rename)?, context)
         }
-        _ => {
-            let decoded = openai::decode(body, endpoint, state.max_tokens, &state.sampling)?;
-            (decoded, Context::default())
-        }
-    };
-    if !state.serves(&decoded.model) {
-        return Err(state.unknown_model(&decoded.model));
-    }
-    Ok((decoded, context))
+        _ => (
+            openai::decode(body, endpoint, max_tokens, sampling)?,
+            Context::default(),
+        ),
+    })
 }
 
 /// Shows a request's tools to the model (through its template) and holds a forced choice to a

@@ -1,4 +1,5 @@
-//! Property test of the request decoder: random structural mutations of valid bodies and random
+//! Property test of the request decoders (chat, completions, and the Anthropic Messages and
+//! Responses translations onto chat): random structural mutations of valid bodies and random
 //! byte edits of their text never panic; every accepted body yields requests the engine's own
 //! validation accepts, and every rejection is a 400 `invalid_request_error` naming a field or
 //! none. The case count is fixed (`CASES` per endpoint) and the generator is seeded, so a failure
@@ -6,14 +7,16 @@
 
 use serde_json::{Map, Value, json};
 
-use super::openai::{Endpoint, MAX_N, decode};
+use super::complete::decode_body;
+use super::openai::{Endpoint, MAX_N};
+use super::responses::Store;
 use peregrine_engine::{Prompt, SamplingParams};
 
 /// Mutated bodies decoded per endpoint (structural and byte-level, half each).
 const CASES: usize = 20_000;
 
 /// Field names the mutator draws from: every field the decoder reads, plus some it ignores.
-const KEYS: [&str; 34] = [
+const KEYS: &[&str] = &[
     "model",
     "messages",
     "prompt",
@@ -48,6 +51,24 @@ const KEYS: [&str; 34] = [
     "tools",
     "name",
     "unknown",
+    "system",
+    "stop_sequences",
+    "tool_choice",
+    "input_schema",
+    "tool_use_id",
+    "id",
+    "input",
+    "thinking",
+    "disable_parallel_tool_use",
+    "instructions",
+    "max_output_tokens",
+    "previous_response_id",
+    "call_id",
+    "arguments",
+    "output",
+    "parameters",
+    "format",
+    "store",
 ];
 
 /// xorshift64*: small, seeded, good enough to drive mutations.
@@ -89,6 +110,15 @@ fn random_value(rng: &mut Rng, depth: usize) -> Value {
         json!("json_schema"),
         json!("héllo 🌍"),
         json!("tiny"),
+        json!("tool_use"),
+        json!("tool_result"),
+        json!("function_call"),
+        json!("function_call_output"),
+        json!("message"),
+        json!("input_text"),
+        json!("any"),
+        json!("auto"),
+        json!("required"),
     ];
     match rng.below(if depth > 2 { 1 } else { 4 }) {
         0 => scalars[rng.below(scalars.len())].clone(),
@@ -136,6 +166,35 @@ fn mutate(rng: &mut Rng, v: &mut Value, depth: usize) {
 }
 
 fn seed_body(endpoint: Endpoint) -> Value {
+    let tool = json!({"type": "object", "properties": {"city": {"type": "string"}}});
+    match endpoint {
+        Endpoint::Messages => {
+            return json!({
+                "model": "tiny", "max_tokens": 16, "system": [{"type": "text", "text": "brief"}],
+                "temperature": 0.5, "top_k": 5, "stop_sequences": ["END"], "stream": true,
+                "messages": [
+                    {"role": "user", "content": "weather?"},
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "w", "input": {}}]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sun"}]},
+                ],
+                "tools": [{"name": "w", "description": "weather", "input_schema": tool}],
+                "tool_choice": {"type": "auto"}, "thinking": {"type": "disabled"},
+            });
+        }
+        Endpoint::Responses => {
+            return json!({
+                "model": "tiny", "instructions": "brief", "max_output_tokens": 16, "top_p": 0.9,
+                "input": [
+                    {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                    {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c1", "output": "sun"},
+                ],
+                "tools": [{"type": "function", "name": "w", "parameters": tool}],
+                "tool_choice": "auto", "text": {"format": {"type": "json_object"}}, "store": false,
+            });
+        }
+        _ => {}
+    }
     let common = json!({
         "model": "tiny", "stream": true, "stream_options": {"include_usage": true},
         "max_tokens": 16, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05,
@@ -144,24 +203,25 @@ fn seed_body(endpoint: Endpoint) -> Value {
     });
     let mut body = common.as_object().unwrap().clone();
     let extra = match endpoint {
-        Endpoint::Chat => json!({
+        Endpoint::Completions => json!({"prompt": ["a", "b"], "echo": true, "logprobs": 3}),
+        _ => json!({
             "messages": [{"role": "system", "content": "be brief"},
                          {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
             "logprobs": true, "top_logprobs": 2, "response_format": {"type": "json_object"},
             "chat_template_kwargs": {"enable_thinking": false},
         }),
-        Endpoint::Completions => json!({"prompt": ["a", "b"], "echo": true, "logprobs": 3}),
     };
     body.extend(extra.as_object().unwrap().clone());
     Value::Object(body)
 }
 
-fn check(bytes: &[u8], endpoint: Endpoint) -> bool {
-    let result = decode(bytes, endpoint, 64, &SamplingParams::default());
-    let again = decode(bytes, endpoint, 64, &SamplingParams::default());
+fn check(bytes: &[u8], endpoint: Endpoint, store: &Store) -> bool {
+    let defaults = SamplingParams::default();
+    let decode = || decode_body(endpoint, bytes, false, (64, &defaults), store);
+    let (result, again) = (decode(), decode());
     assert_eq!(result.is_ok(), again.is_ok(), "decoding is deterministic");
     match result {
-        Ok(d) => {
+        Ok((d, _)) => {
             assert!(!d.requests.is_empty());
             assert!((1..=MAX_N as usize).contains(&d.n));
             for r in &d.requests {
@@ -173,6 +233,11 @@ fn check(bytes: &[u8], endpoint: Endpoint) -> bool {
                 }
             }
             true
+        }
+        // The one 404 a body can cause: a `previous_response_id` the store does not hold.
+        Err(e) if e.status.as_u16() == 404 => {
+            assert_eq!(e.param.as_deref(), Some("previous_response_id"), "{e}");
+            false
         }
         Err(e) => {
             assert_eq!(e.status.as_u16(), 400, "{e}");
@@ -186,11 +251,18 @@ fn check(bytes: &[u8], endpoint: Endpoint) -> bool {
 
 #[test]
 fn decoder_survives_random_mutations() {
-    for endpoint in [Endpoint::Chat, Endpoint::Completions] {
+    let store = Store::new(4);
+    let endpoints = [
+        Endpoint::Chat,
+        Endpoint::Completions,
+        Endpoint::Messages,
+        Endpoint::Responses,
+    ];
+    for endpoint in endpoints {
         let mut rng = Rng(0x5eed_1234_abcd_0001);
         let seed = seed_body(endpoint);
         assert!(
-            check(seed.to_string().as_bytes(), endpoint),
+            check(seed.to_string().as_bytes(), endpoint, &store),
             "the seed body is valid"
         );
         let (mut accepted, mut rejected) = (0, 0);
@@ -212,7 +284,7 @@ fn decoder_survives_random_mutations() {
                     }
                 }
             }
-            if check(&bytes, endpoint) {
+            if check(&bytes, endpoint, &store) {
                 accepted += 1;
             } else {
                 rejected += 1;
