@@ -2,9 +2,11 @@
 
 use std::time::Instant;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use clap::Args;
-use peregrine_engine::{Engine, Event, Prompt, Request, SamplingParams, Timings, Usage};
+use peregrine_engine::{
+    Constraint, Engine, Event, Grammar, Prompt, Request, SamplingParams, Timings, Usage,
+};
 use serde_json::json;
 
 use crate::cli::ModelArgs;
@@ -41,6 +43,11 @@ pub struct BenchArgs {
     /// aggregate and per-stream decode speed and times to first token.
     #[arg(long, value_name = "C")]
     concurrency: Option<usize>,
+    /// Also measure constrained decoding: the same runs with the output held to this JSON
+    /// schema; reports decode speed against the unconstrained runs and the token mask's cost
+    /// per token (median, p99), timed by replaying the generated tokens through the grammar.
+    #[arg(long, value_name = "FILE")]
+    schema: Option<std::path::PathBuf>,
 }
 
 fn synthetic_prompt(engine: &Engine, n: usize) -> Result<Vec<u32>> {
@@ -52,7 +59,20 @@ fn synthetic_prompt(engine: &Engine, n: usize) -> Result<Vec<u32>> {
 }
 
 fn run_once(engine: &Engine, ids: &[u32], gen_tokens: usize) -> Result<(Usage, Timings)> {
+    let (usage, timings, _) = run_with(engine, ids, gen_tokens, None)?;
+    Ok((usage, timings))
+}
+
+/// One greedy run, optionally constrained; also returns the generated token ids.
+fn run_with(
+    engine: &Engine,
+    ids: &[u32],
+    gen_tokens: usize,
+    constraint: Option<&Constraint>,
+) -> Result<(Usage, Timings, Vec<u32>)> {
+    let mut generated = vec![];
     let request = Request {
+        constraint: constraint.cloned(),
         sampling: SamplingParams {
             temperature: 0.0,
             ..Default::default()
@@ -63,9 +83,9 @@ fn run_once(engine: &Engine, ids: &[u32], gen_tokens: usize) -> Result<(Usage, T
     };
     for event in engine.submit(request)? {
         match event {
-            Event::Done { usage, timings, .. } => return Ok((usage, timings)),
+            Event::Done { usage, timings, .. } => return Ok((usage, timings, generated)),
             Event::Error(e) => return Err(e.into()),
-            Event::Delta { .. } => {}
+            Event::Delta { tokens, .. } => generated.extend(tokens),
         }
     }
     bail!("the request ended without a result")
@@ -150,8 +170,60 @@ pub fn run(args: BenchArgs, threads: Option<usize>) -> Result<()> {
             .collect();
         report["concurrency"] = concurrency_report(&engine, prompts, args.gen_tokens)?;
     }
+    if let Some(path) = &args.schema {
+        let prompts: Vec<&[u32]> = (args.warmup..runs_total).map(prompt).collect();
+        report["constrained"] = constrained_report(&engine, &prompts, args.gen_tokens, path)?;
+    }
     println!("{report}");
     Ok(())
+}
+
+/// Decode speed with the output held to the schema in `path` against plain runs of the same
+/// prompts, interleaved (plain, constrained, plain, …) so that a noisy host skews both alike;
+/// and the mask's cost per token: each run's tokens replayed through a fresh matcher, timing
+/// the mask over a vocabulary-sized row plus the advance.
+fn constrained_report(
+    engine: &Engine,
+    prompts: &[&[u32]],
+    gen_tokens: usize,
+    path: &std::path::Path,
+) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the schema {}", path.display()))?;
+    let schema: serde_json::Value =
+        (serde_json::from_str(&text)).with_context(|| format!("{} is not JSON", path.display()))?;
+    let constraint = engine.compile(&Grammar::JsonSchema(schema))?;
+    let vocab = engine.tokenizer().vocab_size();
+    let (mut plain, mut tps, mut tokens, mut mask_us) = (vec![], vec![], vec![], vec![]);
+    for ids in prompts {
+        plain.push(run_once(engine, ids, gen_tokens)?.1.decode_tps());
+        let (_, timings, generated) = run_with(engine, ids, gen_tokens, Some(&constraint))?;
+        tps.push(timings.decode_tps());
+        tokens.push(generated.len() as f64);
+        let mut matcher = constraint.start();
+        let mut logits = vec![0.0f32; vocab];
+        for &token in &generated {
+            let start = Instant::now();
+            matcher.mask(&mut logits)?;
+            if !engine.tokenizer().is_eos(token) {
+                matcher.consume(token)?;
+            }
+            mask_us.push(start.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    mask_us.sort_by(f64::total_cmp);
+    let at = |p: f64| mask_us[((mask_us.len() - 1) as f64 * p).round() as usize];
+    let (decode_tps, plain_tps) = (median(tps), median(plain));
+    Ok(json!({
+        "schema": path.display().to_string(),
+        "decode_tps": decode_tps,
+        "plain_decode_tps": plain_tps,
+        "ratio_to_plain": decode_tps / plain_tps.max(1e-9),
+        "gen_tokens": median(tokens),
+        "mask_us_p50": at(0.5),
+        "mask_us_p99": at(0.99),
+        "mask_us_max": at(1.0),
+    }))
 }
 
 /// All of `prompts` submitted at once, `gen_tokens` each: the sum of the streams' decode

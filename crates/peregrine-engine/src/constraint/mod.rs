@@ -54,7 +54,7 @@ impl Grammar {
     }
 }
 
-/// A compiled grammar; each choice starts its own `ChoiceMatcher` from it.
+/// A compiled grammar; each choice starts its own [`ChoiceMatcher`] from it.
 #[derive(Clone)]
 pub struct Constraint {
     parser: TokenParser,
@@ -67,13 +67,16 @@ impl std::fmt::Debug for Constraint {
 }
 
 impl Constraint {
-    pub(crate) fn start(&self) -> ChoiceMatcher {
+    /// A matcher at the grammar's start, for one sequence.
+    pub fn start(&self) -> ChoiceMatcher {
         ChoiceMatcher(Matcher::new(Ok(self.parser.deep_clone())))
     }
 }
 
-/// One choice's position in its grammar.
-pub(crate) struct ChoiceMatcher(Matcher);
+/// One sequence's position in its grammar: [`mask`](Self::mask) the logits, sample, then
+/// [`consume`](Self::consume) the token. The engine does this for requests with a
+/// [`Constraint`]; it is public for callers that sample themselves (and the benchmark).
+pub struct ChoiceMatcher(Matcher);
 
 impl ChoiceMatcher {
     /// Sets the logits of every token the grammar forbids next to -inf (ids past the
