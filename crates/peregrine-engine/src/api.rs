@@ -58,6 +58,9 @@ pub struct Request {
     pub kv: KvRequest,
     /// Hold the output to this grammar ([`Engine::compile`](crate::Engine::compile) makes one).
     pub constraint: Option<Constraint>,
+    /// Keep control tokens in the text (some families' tool-call markers, such as Mistral's
+    /// `[TOOL_CALLS]`, are control tokens that plain decoding drops).
+    pub special_tokens: bool,
 }
 
 /// A request's KV storage choices (the API's `kv_bits`, `kv_group_size`, `turbo_kv`); what it
@@ -106,6 +109,7 @@ impl Request {
             ignore_eos: false,
             kv: KvRequest::default(),
             constraint: None,
+            special_tokens: false,
         }
     }
 }

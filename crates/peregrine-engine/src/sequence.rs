@@ -224,7 +224,10 @@ impl Decoding {
         }
         let text = match is_eos {
             true => String::new(),
-            false => (self.detok).step(token, |t| shared.tokenizer.decode(t, true))?,
+            false => {
+                let skip = !req.special_tokens;
+                (self.detok).step(token, |t| shared.tokenizer.decode(t, skip))?
+            }
         };
         let step = self.stop.push(&text);
         let delta = Event::Delta {
@@ -253,7 +256,8 @@ impl Decoding {
 
     /// Sends the held-back text and `Done`, and leaves the cache to the prompt cache.
     pub fn finish(mut self, shared: &Shared, finish: FinishReason) -> Result<(), EngineError> {
-        let decode = |t: &[u32]| shared.tokenizer.decode(t, true);
+        let skip = !self.request.special_tokens;
+        let decode = |t: &[u32]| shared.tokenizer.decode(t, skip);
         if finish != FinishReason::Cancelled && !self.stop.is_stopped() {
             let tail = self.detok.finish(decode)?;
             let mut text = self.stop.push(&tail).emit;

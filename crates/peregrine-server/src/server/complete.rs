@@ -196,6 +196,7 @@ fn apply_tools(engine: &Engine, decoded: &mut Decoded) -> Option<CallFormat> {
     let format = CallFormat::of_template(template);
     for request in &mut decoded.requests {
         tools::apply(&mut request.prompt, tools, template);
+        request.special_tokens = format.markers_are_special();
     }
     if let Some(grammar) = tools.grammar(format) {
         decoded.grammar = Some((grammar, "tool_choice"));

@@ -58,6 +58,11 @@ impl CallFormat {
         }
     }
 
+    /// Whether the format's markers are control tokens, which the text keeps only when asked.
+    pub fn markers_are_special(self) -> bool {
+        matches!(self, Self::Mistral | Self::DeepSeek)
+    }
+
     /// The key holding a call's arguments.
     pub fn arguments_key(self) -> &'static str {
         match self {
