@@ -532,7 +532,16 @@ def summarize(ctx, elapsed):
     }
 
 
+def served_model(url):
+    """The first id /v1/models lists: requests must name a model."""
+    import urllib.request
+    with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=30) as r:
+        return json.load(r)["data"][0]["id"]
+
+
 async def run(args):
+    if not args.model:
+        args.model = served_model(args.url)
     ctx = Ctx(args, *loopback_target(args.url))
     ctx.start = asyncio.get_running_loop().time()
     rng = random.Random(args.seed)
@@ -570,7 +579,8 @@ def main():
                                 formatter_class=HelpFormat)
     p.add_argument("--url", required=True, default=argparse.SUPPRESS,
                    help="http://127.0.0.1:PORT (loopback only)")
-    p.add_argument("--model", metavar="NAME", help="the `model` field to send")
+    p.add_argument("--model", metavar="NAME",
+                   help="the `model` field to send (default: the first id of /v1/models)")
     for flag, kind, default, text in [
         ("--clients", bounded(int, 1, 1024), 64, "client loops sending requests back to back"),
         ("--duration", bounded(float, 0.1, 86400), 600.0, "seconds"),

@@ -12,7 +12,7 @@ use serde_json::{Value, json};
 use support::{Reply, Server};
 
 fn chat(content: &str, extra: Value) -> Value {
-    let mut body = json!({"messages": [{"role": "user", "content": content}], "max_tokens": 8});
+    let mut body = json!({"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 8});
     body.as_object_mut()
         .unwrap()
         .extend(extra.as_object().unwrap().clone());
@@ -196,11 +196,14 @@ fn oversized_fields_are_rejected_by_name() {
         assert_eq!(reply.json()["error"]["param"], param);
     }
     let many = vec![json!({"role": "user", "content": "x"}); 5000];
-    let reply = server.post("/v1/chat/completions", &json!({"messages": many}));
+    let reply = server.post(
+        "/v1/chat/completions",
+        &json!({"model": "tiny", "messages": many}),
+    );
     assert_eq!(reply.status, 400);
     assert_eq!(reply.json()["error"]["param"], "messages");
     let parts = vec![json!({"type": "text", "text": "x"}); 2000];
-    let body = json!({"messages": [{"role": "user", "content": parts}]});
+    let body = json!({"model": "tiny", "messages": [{"role": "user", "content": parts}]});
     let reply = server.post("/v1/chat/completions", &body);
     assert_eq!(reply.status, 400);
     assert_eq!(reply.json()["error"]["param"], "messages[0].content");

@@ -104,20 +104,15 @@ fn block_type(block: &Value) -> Option<&str> {
 /// `messages`: user and assistant turns of text, `tool_use` and `tool_result` blocks, as chat
 /// messages (a tool result becomes a `tool` message ahead of the user's text).
 fn conversation(f: &Fields) -> Result<Vec<Value>, ApiError> {
-    let items = match f.get("messages") {
+    let items = match f.array("messages", MAX_MESSAGES, "an array of messages")? {
         None => return Err(ApiError::invalid("messages", "`messages` is required")),
-        Some(Value::Array(items)) if items.is_empty() => {
+        Some(items) if items.is_empty() => {
             return Err(ApiError::invalid(
                 "messages",
                 "`messages` must not be empty",
             ));
         }
-        Some(Value::Array(items)) if items.len() > MAX_MESSAGES => {
-            let message = format!("`messages` holds at most {MAX_MESSAGES} messages");
-            return Err(ApiError::invalid("messages", message));
-        }
-        Some(Value::Array(items)) => items,
-        Some(_) => return Err(type_error("messages", "an array of messages")),
+        Some(items) => items,
     };
     let mut out = vec![];
     for (i, item) in items.iter().enumerate() {
@@ -219,14 +214,8 @@ fn message(i: usize, item: &Value) -> Result<Vec<Value>, ApiError> {
 
 /// `tools`: `{name, description, input_schema}` as chat's function tools.
 fn tools(f: &Fields) -> Result<Option<Value>, ApiError> {
-    let items = match f.get("tools") {
-        None => return Ok(None),
-        Some(Value::Array(items)) if items.len() > MAX_TOOLS => {
-            let message = format!("`tools` holds at most {MAX_TOOLS} entries");
-            return Err(ApiError::invalid("tools", message));
-        }
-        Some(Value::Array(items)) => items,
-        Some(_) => return Err(type_error("tools", "an array of tools")),
+    let Some(items) = f.array("tools", MAX_TOOLS, "an array of tools")? else {
+        return Ok(None);
     };
     let mut out = vec![];
     for (i, tool) in items.iter().enumerate() {

@@ -238,6 +238,24 @@ impl<'a> Fields<'a> {
         }
     }
 
+    /// An array of at most `max` entries; `expected` names its type for the error.
+    pub(super) fn array(
+        &self,
+        key: &str,
+        max: usize,
+        expected: &str,
+    ) -> Result<Option<&'a Vec<Value>>, ApiError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Array(items)) if items.len() > max => {
+                let message = format!("`{key}` holds at most {max} entries");
+                Err(ApiError::invalid(key, message))
+            }
+            Some(Value::Array(items)) => Ok(Some(items)),
+            Some(_) => Err(type_error(key, expected)),
+        }
+    }
+
     /// A number in `[lo, hi]` (`open_lo` excludes `lo`).
     pub(super) fn number(
         &self,

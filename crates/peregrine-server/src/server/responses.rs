@@ -323,14 +323,8 @@ fn content_text(at: &str, parts: &[Value]) -> Result<String, ApiError> {
 
 /// `tools`: function tools (`{type, name, description, parameters, strict}`), normalised.
 fn tools(f: &Fields) -> Result<Option<Value>, ApiError> {
-    let items = match f.get("tools") {
-        None => return Ok(None),
-        Some(Value::Array(items)) if items.len() > MAX_TOOLS => {
-            let message = format!("`tools` holds at most {MAX_TOOLS} entries");
-            return Err(ApiError::invalid("tools", message));
-        }
-        Some(Value::Array(items)) => items,
-        Some(_) => return Err(type_error("tools", "an array of tools")),
+    let Some(items) = f.array("tools", MAX_TOOLS, "an array of tools")? else {
+        return Ok(None);
     };
     let mut out = vec![];
     for (i, tool) in items.iter().enumerate() {

@@ -105,19 +105,14 @@ fn lark_str(s: &str) -> String {
 
 /// Decodes `tools`, `tool_choice` and `parallel_tool_calls` of a chat completion request.
 pub fn decode(f: &Fields) -> Result<Option<Tools>, ApiError> {
-    let list = match f.get("tools") {
+    let list = match f.array("tools", MAX_TOOLS, "an array of tools")? {
         None => vec![],
-        Some(Value::Array(items)) => {
-            if items.len() > MAX_TOOLS {
-                let message = format!("`tools` holds at most {MAX_TOOLS} entries");
-                return Err(ApiError::invalid("tools", message));
-            }
+        Some(items) => {
             let tools: Result<Vec<Tool>, ApiError> = (items.iter().enumerate())
                 .map(|(i, t)| openai_tool(t).map_err(|e| e.within(&format!("tools[{i}]"))))
                 .collect();
             tools?
         }
-        Some(_) => return Err(type_error("tools", "an array of tools")),
     };
     let choice = match f.get("tool_choice") {
         None if list.is_empty() => ToolChoice::None,
