@@ -28,6 +28,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 finish,
                 usage,
                 timings,
+                ..
             } => eprintln!(
                 "\n[{finish:?}: {} prompt tokens, {} generated, {:.1} tok/s]",
                 usage.prompt_tokens,

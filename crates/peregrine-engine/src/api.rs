@@ -186,6 +186,8 @@ pub enum Event {
         usage: Usage,
         /// Timings.
         timings: Timings,
+        /// The stop string that ended generation, if one did (not part of the text).
+        stop_string: Option<String>,
     },
     /// The request failed; the last event.
     Error(EngineError),

@@ -287,11 +287,13 @@ impl Decoding {
         let mut held: Vec<u32> = self.ids.iter().chain(&self.generated).copied().collect();
         held.truncate(self.cache.len());
         self.gauge.set(0);
+        let stop_string = self.stop.matched().map(str::to_string);
         shared.prompt_cache.store(held, self.cache, self.kv);
         let _ = self.sink.events.send(Event::Done {
             finish,
             usage,
             timings,
+            stop_string,
         });
         Ok(())
     }

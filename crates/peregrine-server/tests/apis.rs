@@ -55,6 +55,13 @@ fn anthropic_messages_whole_and_streamed_agree() {
     let (_, delta) = &events[events.len() - 2];
     assert_eq!(delta["delta"]["stop_reason"], "max_tokens");
     assert_eq!(delta["usage"]["output_tokens"], 6);
+    // A stop string taken from the answer itself ends the same request early, and is named.
+    let stop: String = text.chars().skip(1).take(2).collect();
+    let mut stopped = message_body(6);
+    stopped["stop_sequences"] = json!([stop]);
+    let stopped = server.post("/v1/messages", &stopped).json();
+    assert_eq!(stopped["stop_reason"], "stop_sequence", "{stopped}");
+    assert_eq!(stopped["stop_sequence"], stop.as_str());
     let start = &events[0].1["message"]["usage"]["input_tokens"];
     let counted = server.post("/v1/messages/count_tokens", &message_body(6));
     assert_eq!(

@@ -11,14 +11,17 @@ use super::complete::{Job, Totals, shutting_down, unfinished};
 use super::error::ApiError;
 use super::semantic::{Part, Reader};
 use super::sse::{Closed, SseSender};
+use super::wire::Choice;
 
-/// Anthropic's `stop_reason`; `called`: the output held tool calls.
-fn stop_reason(finish: FinishReason, called: bool) -> &'static str {
-    match finish {
+/// Anthropic's `stop_reason` and `stop_sequence`; `called`: the output held tool calls.
+fn stop_fields(finish: FinishReason, called: bool, stop_string: Option<&str>) -> (Value, Value) {
+    let reason = match finish {
         FinishReason::Length => "max_tokens",
         FinishReason::Stop if called => "tool_use",
+        FinishReason::Stop if stop_string.is_some() => "stop_sequence",
         FinishReason::Stop | FinishReason::Cancelled => "end_turn",
-    }
+    };
+    (json!(reason), json!(stop_string))
 }
 
 /// The `usage` object; prompt tokens read from the prompt cache count apart, as Anthropic's do.
@@ -83,19 +86,21 @@ impl Job {
                "container": null})
     }
 
-    /// The whole non-streaming answer for the output `text`.
-    pub(super) fn message(&self, text: &str, finish: Option<FinishReason>, usage: Usage) -> Value {
-        let parts = Reader::new(self.think, self.calls).read_all(text);
+    /// The whole non-streaming answer for one finished choice.
+    pub(super) fn message(&self, choice: &Choice, usage: Usage) -> Value {
+        let parts = Reader::new(self.think, self.calls).read_all(&choice.text);
         let mut calls = 0;
         let mut content = vec![];
         for part in &parts {
             content.push(self.block(part, calls));
             calls += usize::from(matches!(part, Part::Call(_)));
         }
+        let finish = choice.finish.unwrap_or(FinishReason::Stop);
+        let (reason, sequence) = stop_fields(finish, calls > 0, choice.stop_string.as_deref());
         let mut message = self.message_head();
         message["content"] = Value::Array(content);
-        message["stop_reason"] =
-            json!(stop_reason(finish.unwrap_or(FinishReason::Stop), calls > 0));
+        message["stop_reason"] = reason;
+        message["stop_sequence"] = sequence;
         message["usage"] = usage_json(usage);
         message
     }
@@ -145,14 +150,21 @@ impl Job {
                         blocks.send(self, sse, part).await?;
                     }
                 }
-                Event::Done { finish, usage, .. } => {
+                Event::Done {
+                    finish,
+                    usage,
+                    stop_string,
+                    ..
+                } => {
                     for part in reader.finish() {
                         blocks.send(self, sse, part).await?;
                     }
                     blocks.close(sse).await?;
+                    let (reason, sequence) =
+                        stop_fields(finish, blocks.calls > 0, stop_string.as_deref());
                     let delta = json!({
                         "type": "message_delta",
-                        "delta": {"stop_reason": stop_reason(finish, blocks.calls > 0), "stop_sequence": null},
+                        "delta": {"stop_reason": reason, "stop_sequence": sequence},
                         "usage": usage_json(usage),
                     });
                     sse.event("message_delta", &delta).await?;

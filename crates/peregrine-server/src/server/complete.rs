@@ -127,7 +127,7 @@ pub async fn run(
     } else {
         let (choices, totals) = job.collect(events).await?;
         let body = match endpoint {
-            Endpoint::Messages => job.message(&choices[0].text, choices[0].finish, totals.usage),
+            Endpoint::Messages => job.message(&choices[0], totals.usage),
             Endpoint::Responses => {
                 job.response_object(&choices[0].text, choices[0].finish, totals.usage)
             }
@@ -395,7 +395,14 @@ impl Job {
                     choices[i].text.push_str(&text);
                     choices[i].logprobs.extend(logprobs);
                 }
-                Event::Done { finish, .. } => choices[i].finish = Some(finish),
+                Event::Done {
+                    finish,
+                    stop_string,
+                    ..
+                } => {
+                    choices[i].finish = Some(finish);
+                    choices[i].stop_string = stop_string;
+                }
                 Event::Error(e) => return Err(self.failed(&e)),
             }
         }

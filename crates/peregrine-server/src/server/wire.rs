@@ -32,6 +32,8 @@ pub struct Choice {
     pub reasoning: Option<String>,
     /// The tool calls found in the output (the text is what is left).
     pub tool_calls: Vec<ToolCall>,
+    /// The stop string that ended it, if one did.
+    pub stop_string: Option<String>,
 }
 
 /// OpenAI's name for a finish reason; `called`: the output held tool calls.
