@@ -78,9 +78,10 @@ impl Tools {
         }
         let calls: Vec<Value> = (self.callable())
             .map(|t| {
+                let arguments = closed(t.parameters.clone());
                 json!({"type": "object", "additionalProperties": false,
                        "required": ["name", format.arguments_key()],
-                       "properties": {"name": {"const": t.name}, format.arguments_key(): t.parameters}})
+                       "properties": {"name": {"const": t.name}, format.arguments_key(): arguments}})
             })
             .collect();
         let schema = with_layout(json!({"anyOf": calls}));
@@ -93,6 +94,29 @@ impl Tools {
             "start: call{repeat}\ncall: {call}\n"
         )))
     }
+}
+
+/// `schema` with every object that lists its `properties` closed to others (unless it says
+/// otherwise), as OpenAI's strict mode reads a function's parameters: a forced call then ends
+/// instead of a small model inventing argument after argument until `max_tokens`.
+fn closed(mut schema: Value) -> Value {
+    match &mut schema {
+        Value::Object(obj) => {
+            if obj.contains_key("properties") && !obj.contains_key("additionalProperties") {
+                obj.insert("additionalProperties".into(), json!(false));
+            }
+            for v in obj.values_mut() {
+                *v = closed(std::mem::take(v));
+            }
+        }
+        Value::Array(items) => {
+            for v in items.iter_mut() {
+                *v = closed(std::mem::take(v));
+            }
+        }
+        _ => {}
+    }
+    schema
 }
 
 /// A Lark string literal (JSON's escapes are Lark's).
@@ -311,5 +335,28 @@ pub fn content_text(content: &Value) -> String {
             .filter_map(|p| p.get("text").and_then(Value::as_str))
             .collect(),
         _ => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn forced_call_arguments_admit_no_invented_keys() {
+        let schema = json!({"type": "object", "properties": {
+            "city": {"type": "string"},
+            "where": {"type": "object", "properties": {"zip": {"type": "integer"}}},
+            "extra": {"type": "object", "properties": {}, "additionalProperties": true},
+        }});
+        let closed = closed(schema);
+        assert_eq!(closed["additionalProperties"], false);
+        assert_eq!(closed["properties"]["where"]["additionalProperties"], false);
+        assert_eq!(closed["properties"]["extra"]["additionalProperties"], true);
+        assert!(
+            closed["properties"]["city"]
+                .get("additionalProperties")
+                .is_none()
+        );
     }
 }
