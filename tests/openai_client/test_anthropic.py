@@ -8,7 +8,7 @@ WEATHER = {
     "description": "Get the current weather for a city.",
     "input_schema": {
         "type": "object",
-        "properties": {"city": {"type": "string"}},
+        "properties": {"city": {"type": "string", "maxLength": 40}},
         "required": ["city"],
     },
 }

@@ -12,7 +12,7 @@ WEATHER = {
     "description": "Get the current weather for a city.",
     "parameters": {
         "type": "object",
-        "properties": {"city": {"type": "string"}},
+        "properties": {"city": {"type": "string", "maxLength": 40}},
         "required": ["city"],
     },
 }
@@ -74,7 +74,11 @@ def test_function_call_and_its_output(client, model):
 def test_json_schema_format(client, model):
     schema = {
         "type": "object",
-        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        # Bounded fields: a 135M model at temperature 1 may otherwise write digits until the limit.
+        "properties": {
+            "name": {"type": "string", "maxLength": 40},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        },
         "required": ["name", "age"],
         "additionalProperties": False,
     }
