@@ -7,7 +7,7 @@ use peregrine_engine::{Event, FinishReason, Usage};
 use serde_json::{Value, json};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use super::complete::{Job, Totals, shutting_down, unfinished};
+use super::complete::{Job, Next, Totals, shutting_down, unfinished};
 use super::error::ApiError;
 use super::semantic::{Part, Reader};
 use super::sse::{Closed, SseSender};
@@ -108,18 +108,6 @@ impl Job {
     /// Streams the answer as Anthropic's event sequence.
     pub(super) async fn stream_messages(
         &self,
-        mut events: UnboundedReceiver<(usize, Event)>,
-        sse: &SseSender,
-    ) -> (Totals, Result<(), Closed>) {
-        let mut totals = Totals::default();
-        let outcome = self
-            .stream_messages_inner(&mut events, sse, &mut totals)
-            .await;
-        (totals, outcome)
-    }
-
-    async fn stream_messages_inner(
-        &self,
         events: &mut UnboundedReceiver<(usize, Event)>,
         sse: &SseSender,
         totals: &mut Totals,
@@ -133,17 +121,15 @@ impl Job {
         let mut blocks = Blocks::default();
         let mut stopping = std::pin::pin!(self.state.stopping());
         loop {
-            let next = tokio::select! {
-                next = events.recv() => next,
-                () = tokio::time::sleep(self.state.keepalive) => {
+            let event = match self.next(events, sse, &mut stopping, totals).await? {
+                Next::Event(_, event) => event,
+                Next::Quiet => {
                     sse.event("ping", &json!({"type": "ping"})).await?;
                     continue;
                 }
-                () = sse.closed() => return Err(Closed),
-                () = &mut stopping => return send_error(sse, &shutting_down()).await,
+                Next::Stopping => return send_error(sse, &shutting_down()).await,
+                Next::End => break,
             };
-            let Some((i, event)) = next else { break };
-            self.record(totals, i, &event);
             match event {
                 Event::Delta { text, .. } => {
                     for part in reader.push(&text) {

@@ -14,11 +14,10 @@ use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 use super::error::ApiError;
 use super::openai::{self, Decoded, Endpoint};
-use super::reasoning::ThinkSplitter;
 use super::responses::{self, Context};
 use super::semantic::{Part, Reader};
 use super::sse::{self, Body, Closed, SseSender};
-use super::tool_calls::{CallFormat, split_calls};
+use super::tool_calls::CallFormat;
 use super::tools;
 use super::wire::{Choice, Delta, Envelope};
 use super::{RequestLog, State, anthropic, json_response};
@@ -110,10 +109,11 @@ pub async fn run(
     if job.decoded.stream {
         let (tx, body) = sse::channel(state.body_timeout);
         tokio::spawn(async move {
-            let (totals, outcome) = match endpoint {
-                Endpoint::Messages => job.stream_messages(events, &tx).await,
-                Endpoint::Responses => job.stream_responses(events, &tx).await,
-                _ => job.stream(events, &tx).await,
+            let (mut events, mut totals) = (events, Totals::default());
+            let outcome = match endpoint {
+                Endpoint::Messages => job.stream_messages(&mut events, &tx, &mut totals).await,
+                Endpoint::Responses => job.stream_responses(&mut events, &tx, &mut totals).await,
+                _ => job.stream(&mut events, &tx, &mut totals).await,
             };
             let status = if outcome.is_err() { 499 } else { 200 };
             log.finish(status, Some(totals));
@@ -339,7 +339,42 @@ pub(super) fn shutting_down() -> ApiError {
     .code("server_shutting_down")
 }
 
+/// What a stream gets while it waits.
+pub(super) enum Next {
+    /// Choice `.0`'s next event (already counted in the totals).
+    Event(usize, Event),
+    /// Nothing for `--keepalive-secs`: time for a keep-alive.
+    Quiet,
+    /// The server is shutting down.
+    Stopping,
+    /// Every choice's events have been received.
+    End,
+}
+
 impl Job {
+    /// Waits for the next event, a quiet spell, shutdown or the client leaving (`Closed`);
+    /// an event is recorded into `totals`.
+    pub(super) async fn next(
+        &self,
+        events: &mut UnboundedReceiver<(usize, Event)>,
+        sse: &SseSender,
+        stopping: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
+        totals: &mut Totals,
+    ) -> Result<Next, Closed> {
+        tokio::select! {
+            next = events.recv() => Ok(match next {
+                Some((i, event)) => {
+                    self.record(totals, i, &event);
+                    Next::Event(i, event)
+                }
+                None => Next::End,
+            }),
+            () = tokio::time::sleep(self.state.keepalive) => Ok(Next::Quiet),
+            () = sse.closed() => Err(Closed),
+            () = stopping.as_mut() => Ok(Next::Stopping),
+        }
+    }
+
     /// The error answering `e`; server faults are counted and logged with the request id.
     pub(super) fn failed(&self, e: &EngineError) -> ApiError {
         let error = ApiError::from_engine(e, self.prompt_param);
@@ -350,7 +385,7 @@ impl Job {
         error
     }
 
-    pub(super) fn record(&self, totals: &mut Totals, choice: usize, event: &Event) {
+    fn record(&self, totals: &mut Totals, choice: usize, event: &Event) {
         if let Event::Done { usage, timings, .. } = event {
             if choice.is_multiple_of(self.n) {
                 totals.usage.prompt_tokens += usage.prompt_tokens;
@@ -418,18 +453,18 @@ impl Job {
         mut choices: Vec<Choice>,
         usage: Usage,
     ) -> Result<serde_json::Value, ApiError> {
-        if let Some(inside) = self.think {
+        if self.think.is_some() || self.calls.is_some() {
             for c in &mut choices {
-                let mut splitter = ThinkSplitter::new(inside);
-                let (a, b) = (splitter.push(&c.text), splitter.finish());
-                c.text = a.content + &b.content;
-                let reasoning = a.reasoning + &b.reasoning;
+                let (mut reasoning, mut text) = (String::new(), String::new());
+                for part in Reader::new(self.think, self.calls).read_all(&c.text) {
+                    match part {
+                        Part::Reasoning(r) => reasoning.push_str(&r),
+                        Part::Text(t) => text.push_str(&t),
+                        Part::Call(call) => c.tool_calls.push(call),
+                    }
+                }
+                c.text = text;
                 c.reasoning = (!reasoning.is_empty()).then_some(reasoning);
-            }
-        }
-        if let Some(format) = self.calls {
-            for c in &mut choices {
-                (c.text, c.tool_calls) = split_calls(format, &c.text);
             }
         }
         let engine = self.state.engine()?;
@@ -471,16 +506,6 @@ impl Job {
     /// Streams every choice's chunks, then the usage chunk when asked, then `[DONE]`.
     async fn stream(
         &self,
-        mut events: UnboundedReceiver<(usize, Event)>,
-        sse: &SseSender,
-    ) -> (Totals, Result<(), Closed>) {
-        let mut totals = Totals::default();
-        let outcome = self.stream_inner(&mut events, sse, &mut totals).await;
-        (totals, outcome)
-    }
-
-    async fn stream_inner(
-        &self,
         events: &mut UnboundedReceiver<(usize, Event)>,
         sse: &SseSender,
         totals: &mut Totals,
@@ -504,23 +529,21 @@ impl Job {
         let mut finished = vec![false; choices];
         let mut stopping = std::pin::pin!(self.state.stopping());
         loop {
-            let next = tokio::select! {
-                next = events.recv() => next,
-                () = tokio::time::sleep(self.state.keepalive) => {
+            let (i, event) = match self.next(events, sse, &mut stopping, totals).await? {
+                Next::Event(i, event) => (i, event),
+                Next::Quiet => {
                     sse.comment("keep-alive").await?;
                     continue;
                 }
-                () = sse.closed() => return Err(Closed),
-                () = &mut stopping => {
+                Next::Stopping => {
                     sse.data(&shutting_down().body()).await?;
                     return sse.done().await;
                 }
+                Next::End => break,
             };
-            let Some((i, event)) = next else { break };
             if matches!(event, Event::Done { .. }) {
                 finished[i] = true;
             }
-            self.record(totals, i, &event);
             let chunk = match event {
                 Event::Delta { text, logprobs, .. } => {
                     let lp = self.decoded.logprobs.then_some((&logprobs[..], tok));

@@ -8,7 +8,7 @@ use peregrine_engine::{Event, FinishReason, Usage};
 use serde_json::{Value, json};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use super::complete::{Job, Totals, shutting_down, unfinished};
+use super::complete::{Job, Next, Totals, shutting_down, unfinished};
 use super::error::ApiError;
 use super::responses::Stored;
 use super::semantic::{Part, Reader};
@@ -178,37 +178,30 @@ impl Job {
         usage: Usage,
     ) -> Value {
         let items = items(Reader::new(self.think, self.calls).read_all(text));
+        self.finished(&items, finish.unwrap_or(FinishReason::Stop), usage)
+    }
+
+    /// The finished response object for `items`, kept in the store when asked.
+    fn finished(&self, items: &[Item], finish: FinishReason, usage: Usage) -> Value {
         let output = (items.iter().enumerate())
             .map(|(k, item)| {
                 let (id, call_id) = self.item_ids(k, item);
                 item.json(&id, &call_id, true)
             })
             .collect();
-        let resource = self.resource(output, Some((finish.unwrap_or(FinishReason::Stop), usage)));
-        self.keep(&resource, &items);
+        let resource = self.resource(output, Some((finish, usage)));
+        self.keep(&resource, items);
         resource
     }
 
     /// Streams the answer as the Responses event sequence.
     pub(super) async fn stream_responses(
         &self,
-        mut events: UnboundedReceiver<(usize, Event)>,
-        sse: &SseSender,
-    ) -> (Totals, Result<(), Closed>) {
-        let mut totals = Totals::default();
-        let mut out = Emitter { sse, seq: 0 };
-        let outcome = self
-            .stream_responses_inner(&mut events, &mut out, &mut totals)
-            .await;
-        (totals, outcome)
-    }
-
-    async fn stream_responses_inner(
-        &self,
         events: &mut UnboundedReceiver<(usize, Event)>,
-        out: &mut Emitter<'_>,
+        sse: &SseSender,
         totals: &mut Totals,
     ) -> Result<(), Closed> {
+        let out = &mut Emitter { sse, seq: 0 };
         let head = self.resource(vec![], None);
         out.send("response.created", json!({"response": head}))
             .await?;
@@ -218,17 +211,15 @@ impl Job {
         let mut items: Vec<Item> = vec![];
         let mut stopping = std::pin::pin!(self.state.stopping());
         loop {
-            let next = tokio::select! {
-                next = events.recv() => next,
-                () = tokio::time::sleep(self.state.keepalive) => {
-                    out.sse.comment("keep-alive").await?;
+            let event = match self.next(events, sse, &mut stopping, totals).await? {
+                Next::Event(_, event) => event,
+                Next::Quiet => {
+                    sse.comment("keep-alive").await?;
                     continue;
                 }
-                () = out.sse.closed() => return Err(Closed),
-                () = &mut stopping => return out.error(&shutting_down()).await,
+                Next::Stopping => return out.error(&shutting_down()).await,
+                Next::End => break,
             };
-            let Some((i, event)) = next else { break };
-            self.record(totals, i, &event);
             match event {
                 Event::Delta { text, .. } => {
                     for part in reader.push(&text) {
@@ -242,14 +233,7 @@ impl Job {
                     if !items.is_empty() {
                         self.close_item(out, &items).await?;
                     }
-                    let output = (items.iter().enumerate())
-                        .map(|(k, item)| {
-                            let (id, call_id) = self.item_ids(k, item);
-                            item.json(&id, &call_id, true)
-                        })
-                        .collect();
-                    let resource = self.resource(output, Some((finish, usage)));
-                    self.keep(&resource, &items);
+                    let resource = self.finished(&items, finish, usage);
                     let kind = match finish {
                         FinishReason::Length => "response.incomplete",
                         _ => "response.completed",

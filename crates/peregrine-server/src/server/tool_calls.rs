@@ -202,21 +202,6 @@ impl CallParser {
     }
 }
 
-/// Splits a whole output into its text and its calls.
-pub fn split_calls(format: CallFormat, output: &str) -> (String, Vec<ToolCall>) {
-    let mut parser = CallParser::new(format);
-    let mut pieces = parser.push(output);
-    pieces.extend(parser.finish());
-    let (mut text, mut calls) = (String::new(), vec![]);
-    for piece in pieces {
-        match piece {
-            Piece::Text(t) => text.push_str(&t),
-            Piece::Call(c) => calls.push(c),
-        }
-    }
-    (text, calls)
-}
-
 /// The calls in one marker's body.
 fn parse_body(start: &str, body: &str) -> Option<Vec<ToolCall>> {
     match start {
@@ -305,6 +290,21 @@ fn deepseek(body: &str) -> Option<Vec<ToolCall>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Splits a whole output into its text and its calls.
+    fn split_calls(format: CallFormat, output: &str) -> (String, Vec<ToolCall>) {
+        let mut parser = CallParser::new(format);
+        let mut pieces = parser.push(output);
+        pieces.extend(parser.finish());
+        let (mut text, mut calls) = (String::new(), vec![]);
+        for piece in pieces {
+            match piece {
+                Piece::Text(t) => text.push_str(&t),
+                Piece::Call(c) => calls.push(c),
+            }
+        }
+        (text, calls)
+    }
 
     /// Parses `text` whole and streamed one char at a time; both must agree.
     fn parse(format: CallFormat, text: &str) -> (String, Vec<ToolCall>) {
