@@ -6,11 +6,13 @@
 #![warn(missing_docs)]
 
 mod buffer;
+mod recurrent;
 mod rotating;
 mod sequence;
 mod simple;
 pub mod turbo;
 
+pub use recurrent::{DEFAULT_RECURRENT_ROLLBACK, RecurrentCache};
 pub use rotating::RotatingCache;
 pub use sequence::{KvOptions, KvQuant, LayerKind, SequenceCache};
 pub use simple::SimpleCache;
@@ -84,4 +86,8 @@ pub trait LayerCache: Send + Sync {
     fn bytes(&self) -> usize;
     /// An independent copy (for prompt-cache entries).
     fn snapshot(&self) -> Result<Box<dyn LayerCache>>;
+    /// The recurrent state, for layers that keep one instead of keys and values.
+    fn recurrent(&mut self) -> Option<&mut RecurrentCache> {
+        None
+    }
 }

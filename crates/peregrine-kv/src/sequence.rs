@@ -3,7 +3,7 @@
 use peregrine_tensor::{DType, Result};
 
 use crate::turbo::{TurboCache, TurboOptions};
-use crate::{LayerCache, RotatingCache, SimpleCache};
+use crate::{DEFAULT_RECURRENT_ROLLBACK, LayerCache, RecurrentCache, RotatingCache, SimpleCache};
 
 /// What kind of memory a layer needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,6 +18,11 @@ pub enum LayerKind {
         /// Window width (query `q` sees key `k` when `q - k < window`).
         window: usize,
     },
+    /// A fixed-size recurrent state (Mamba 2's conv and SSM states), whatever the length.
+    Recurrent {
+        /// f32 values of the state.
+        state: usize,
+    },
 }
 
 /// Per-request cache choices.
@@ -31,6 +36,9 @@ pub struct KvOptions {
     /// TurboQuant compression of old positions (then `dtype` and `quant` are unused; keys
     /// stored as values, DeepSeek's latent, keep their plain cache).
     pub turbo: Option<TurboOptions>,
+    /// Positions a recurrent layer can roll back ([`RecurrentCache`]; each costs a copy of its
+    /// state); `None`: [`DEFAULT_RECURRENT_ROLLBACK`].
+    pub recurrent_rollback: Option<usize>,
 }
 
 /// Affine quantization of cached keys and values (`--kv-bits`, as mlx-lm's): each group of
@@ -99,7 +107,12 @@ impl SequenceCache {
             .iter()
             .map(|kind| -> Box<dyn LayerCache> {
                 let (dtype, quant) = (options.dtype, options.quant);
+                let depth = options.recurrent_rollback;
                 match (*kind, options.turbo) {
+                    (LayerKind::Recurrent { state }, _) => Box::new(RecurrentCache::new(
+                        state,
+                        depth.unwrap_or(DEFAULT_RECURRENT_ROLLBACK),
+                    )),
                     (LayerKind::Full, Some(turbo)) => {
                         Box::new(TurboCache::new(turbo, None, DEFAULT_ROLLBACK))
                     }

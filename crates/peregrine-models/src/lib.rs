@@ -16,7 +16,9 @@ pub mod weights;
 pub use config::ModelConfig;
 pub use error::{ModelError, Result};
 pub use layers::batch::BatchSeq;
-pub use peregrine_kv::{KvOptions, KvQuant, LayerKind, SequenceCache, TurboOptions};
+pub use peregrine_kv::{
+    DEFAULT_RECURRENT_ROLLBACK, KvOptions, KvQuant, LayerKind, SequenceCache, TurboOptions,
+};
 pub use registry::{
     LoadOptions, LoadedModel, OpenModel, load_model, open_model, supported_architectures,
 };

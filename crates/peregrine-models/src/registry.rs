@@ -33,6 +33,11 @@ fn gemma(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn Caus
     Ok(Arc::new(GemmaLm::load(c, w, max_context)?))
 }
 
+/// Mamba 2: an attention-free model.
+fn mamba2(c: ModelConfig, w: &Weights, _max_context: usize) -> Result<Arc<dyn CausalLm>> {
+    Ok(Arc::new(arch::mamba2::Mamba2Lm::load(c, w)?))
+}
+
 /// Registered architectures: name (HF `model_type`, also GGUF `general.architecture`), its
 /// config adjustments and the model it builds (the llama-family decoder unless it differs).
 const ARCHITECTURES: &[(&str, Configure, Build)] = &[
@@ -41,6 +46,7 @@ const ARCHITECTURES: &[(&str, Configure, Build)] = &[
     ("gemma3", arch::gemma3::configure, gemma),
     ("gemma4_text", arch::gemma4::configure, gemma),
     ("llama", arch::llama::configure, decoder),
+    ("mamba2", arch::mamba2::configure, mamba2),
     ("mistral", arch::mistral::configure, decoder),
     ("mixtral", arch::mixtral::configure, decoder),
     ("phi3", arch::phi3::configure, decoder),
@@ -199,11 +205,16 @@ pub fn open_model(path: &Path, opts: &LoadOptions) -> Result<OpenModel> {
     }
     let (config, weights, build) = if meta.is_dir() {
         let config_path = path.join("config.json");
-        let map = read_json_object(&config_path)?;
+        let mut map = read_json_object(&config_path)?;
+        let model_type = Fields::new(&config_path, &map)
+            .opt_str("model_type")?
+            .ok_or_else(|| ModelError::config(&config_path, "missing required field `model_type`"))?
+            .to_string();
+        if model_type == "mamba2" {
+            map = arch::mamba2::shared_keys(&map);
+        }
         let fields = Fields::new(&config_path, &map);
-        let model_type = fields.opt_str("model_type")?.ok_or_else(|| {
-            ModelError::config(&config_path, "missing required field `model_type`")
-        })?;
+        let model_type = model_type.as_str();
         let (_, configure, build) =
             find_architecture(model_type).ok_or_else(|| unsupported(&config_path, model_type))?;
         let text_model = TEXT_MODELS.iter().find(|(name, _)| *name == model_type);

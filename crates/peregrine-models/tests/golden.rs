@@ -118,6 +118,7 @@ golden!(
     gemma4_text,
     gemma4_text_moe,
     llama,
+    mamba2,
     mistral,
     mixtral,
     phi3,

@@ -5,6 +5,7 @@ pub mod gemma2;
 pub mod gemma3;
 pub mod gemma4;
 pub mod llama;
+pub mod mamba2;
 pub mod mistral;
 pub mod mixtral;
 pub mod phi3;

@@ -91,6 +91,8 @@ pub struct ModelConfig {
     /// How each layer departs from the fields above (Gemma 4: wider global heads, KV shared
     /// with an earlier layer, wider MLPs); empty: every layer is as the fields say.
     pub layer_specs: Vec<LayerSpec>,
+    /// The state-space mixer's sizes, for attention-free models (Mamba 2).
+    pub ssm: Option<crate::arch::mamba2::SsmConfig>,
 }
 
 /// Gemma 4's per-layer input embeddings: a second embedding table of `vocab` rows holding
@@ -293,6 +295,7 @@ impl ModelConfig {
             v_norm: false,
             per_layer_input: None,
             layer_specs: vec![],
+            ssm: None,
         };
         config.validate(&fields.file)?;
         Ok(config)

@@ -266,6 +266,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         v_norm: false,
         per_layer_input: None,
         layer_specs: vec![],
+        ssm: None,
     };
     if let Some(experts) = meta.opt_usize("expert_count")? {
         // llama.cpp makes every layer of these families sparse and renormalises the chosen
