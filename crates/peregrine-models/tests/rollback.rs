@@ -81,3 +81,62 @@ fn generate_trim_regenerate_equals_never_having_generated() {
         }
     }
 }
+
+/// A recurrent model (Mamba 2) rolls back exactly: generate 20 tokens greedily, trim the last
+/// `k`, regenerate greedily; the logits and ids are bit-identical to a sequence that stopped
+/// after `20 - k` tokens and went on (the restored state is the very state that sequence had).
+/// Past the rollback depth the trim is refused and the cache is unchanged.
+#[test]
+fn recurrent_state_rolls_back_exactly() {
+    let model = load_model(&fixture("mamba2/hf"), &LoadOptions::default())
+        .unwrap()
+        .model;
+    let kv = KvOptions {
+        recurrent_rollback: Some(20),
+        ..KvOptions::default()
+    };
+    let prompt: Vec<u32> = (0..7).map(|i| 3 + 11 * i).collect();
+    let argmax = |l: &[f32]| (0..l.len()).max_by(|&a, &b| l[a].total_cmp(&l[b])).unwrap() as u32;
+    // Greedy ids and logits of `n` tokens after `start` from `cache`.
+    let generate = |cache: &mut SequenceCache, mut logits: Vec<f32>, n: usize| {
+        let mut steps = vec![];
+        for _ in 0..n {
+            let id = argmax(&logits);
+            model.decode(id, cache, &mut logits).unwrap();
+            steps.push((id, logits.clone()));
+        }
+        steps
+    };
+    let start = |cache: &mut SequenceCache| {
+        let l = model.forward(&prompt, cache, Logits::Last).unwrap();
+        l.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    };
+    for k in [1, 5, 19] {
+        let mut long = SequenceCache::new(&model.cache_spec(), &kv);
+        let first = start(&mut long);
+        let generated = generate(&mut long, first.clone(), 20);
+        long.trim(k).unwrap();
+        let kept = &generated[..20 - k];
+        let resume = kept.last().map_or(first.clone(), |(_, l)| l.clone());
+        let again = generate(&mut long, resume.clone(), 10);
+
+        let mut fresh = SequenceCache::new(&model.cache_spec(), &kv);
+        let fresh_first = start(&mut fresh);
+        let fresh_kept = generate(&mut fresh, fresh_first, 20 - k);
+        assert_eq!(fresh_kept, kept, "k {k}: the same first {} tokens", 20 - k);
+        let want = generate(&mut fresh, resume, 10);
+        assert_eq!(again, want, "k {k}: regenerated after the trim");
+    }
+    let mut cache = SequenceCache::new(&model.cache_spec(), &kv);
+    let first = start(&mut cache);
+    generate(&mut cache, first, 25);
+    assert!(
+        cache.trim(21).is_err(),
+        "21 positions back, past a depth of 20"
+    );
+    assert_eq!(
+        cache.len(),
+        prompt.len() + 25,
+        "a refused trim changes nothing"
+    );
+}
