@@ -104,6 +104,29 @@ pub(crate) fn default_kv_budget() -> usize {
 mod tests {
     use super::*;
 
+    /// A recurrent layer costs its state and one copy per rollback position, whatever the
+    /// context; an attention layer grows with it.
+    #[test]
+    fn recurrent_layers_count_their_state_not_positions() {
+        let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/llama/hf");
+        let options = peregrine_models::LoadOptions::default();
+        let loaded = peregrine_models::load_model(fixture.as_ref(), &options).unwrap();
+        let config = loaded.model.config();
+        assert_eq!((config.num_key_value_heads, config.head_dim), (2, 16));
+        let kv = KvOptions {
+            recurrent_rollback: Some(3),
+            ..KvOptions::default()
+        };
+        let spec = [LayerKind::Recurrent { state: 1000 }, LayerKind::Full];
+        let at = |n| kv_bytes(config, &spec, &kv, n);
+        let full_row = 2 * 2 * 16 * 4;
+        assert_eq!(
+            at(32_768),
+            4 * 1000 * 4 + (32_768 + GROWTH_SLACK) * full_row
+        );
+        assert_eq!(at(32_768) - at(0), 32_768 * full_row);
+    }
+
     #[test]
     fn reservations_come_back_when_dropped() {
         let total = Arc::new(AtomicUsize::new(0));

@@ -92,7 +92,7 @@ fn argmax(v: &[f32]) -> usize {
 /// `forward_batch` over sequences of different lengths, prefill chunks and single decode
 /// tokens mixed in each pass, gives each sequence the logits of its own `forward` calls: bit
 /// for bit on the two real GGUF models (f16 KV), within [`DENSE_TOLERANCE`] and with the same
-/// top token on a MoE and a sliding-window fixture (f32 weights).
+/// top token on a MoE, a sliding-window and a recurrent fixture (f32 weights).
 #[test]
 fn a_batched_pass_equals_each_sequences_own() {
     let f16 = KvOptions {
@@ -104,6 +104,8 @@ fn a_batched_pass_equals_each_sequences_own() {
         (real_model("gemma-3-270m-q4_k_m.gguf"), true),
         (common::fixture("qwen3_moe/hf"), false),
         (common::fixture("mistral/hf"), false),
+        // Recurrent layers: each sequence's rows run on its own state.
+        (common::fixture("mamba2/hf"), false),
     ];
     for (path, exact) in models {
         let model = peregrine_models::load_model(&path, &LoadOptions::default())

@@ -79,6 +79,10 @@ pub struct ModelArgs {
     /// Tokens a sequence holds before TurboQuant compresses anything.
     #[arg(long, default_value_t = 2048)]
     pub turbo_threshold: usize,
+    /// Positions a recurrent layer (Mamba 2) can roll back exactly: each keeps a copy of the
+    /// layer's state, so memory is `(1 + N) ×` the state.
+    #[arg(long, default_value_t = peregrine_models::DEFAULT_RECURRENT_ROLLBACK)]
+    pub recurrent_rollback: usize,
     /// MLX 4- and 8-bit weights: q8 rounds activations to 8 bits per 32 values and runs the
     /// integer kernels (as llama.cpp does for its block formats); f32 computes as mlx-lm does
     /// (slower).
@@ -114,6 +118,7 @@ impl ModelArgs {
                     hot_window: self.turbo_hot_window,
                     threshold: self.turbo_threshold,
                 }),
+                recurrent_rollback: Some(self.recurrent_rollback),
             },
             mlx_activations: match self.mlx_activations.as_str() {
                 "f32" => MlxActivations::F32,
