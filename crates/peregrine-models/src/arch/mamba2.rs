@@ -139,6 +139,7 @@ pub struct Mamba2Lm {
     layers: Vec<Mixer>,
     norm_f: Tensor,
     lm_head: QLinear,
+    untied_head: bool,
     device: Device,
     dtype: DType,
 }
@@ -188,7 +189,8 @@ impl Mamba2Lm {
             })
             .collect::<Result<Vec<_>>>()?;
         let embed = w.embedding("backbone.embeddings.weight", config.vocab_size, h)?;
-        let lm_head = match w.contains("lm_head.weight") {
+        let untied_head = w.contains("lm_head.weight");
+        let lm_head = match untied_head {
             true => w.linear("lm_head", config.vocab_size, h, false)?,
             false => embed.as_linear()?,
         };
@@ -198,6 +200,7 @@ impl Mamba2Lm {
             embed,
             layers,
             lm_head,
+            untied_head,
             device: w.device().clone(),
             dtype: w.dtype(),
             config,
@@ -357,9 +360,10 @@ impl CausalLm for Mamba2Lm {
                 .sum::<usize>()
                 + 4 * (m.conv_w.len() + m.gate_norm.len())
         });
-        let head = match self.config.tie_word_embeddings {
-            true => 0,
-            false => self.lm_head.weight_bytes(),
+        // A tied head is the embedding table, already counted.
+        let head = match self.untied_head {
+            true => self.lm_head.weight_bytes(),
+            false => 0,
         };
         linears.sum::<usize>() + self.embed.weight_bytes() + head
     }
