@@ -7,7 +7,8 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use peregrine_models::{DEFAULT_RECURRENT_ROLLBACK, KvOptions, LayerKind, ModelConfig};
+use peregrine_kv::RecurrentCache;
+use peregrine_models::{KvOptions, LayerKind, ModelConfig};
 use peregrine_tensor::DType;
 
 /// Positions a cache buffer may hold past its length (they grow in steps of this many).
@@ -45,10 +46,9 @@ pub(crate) fn kv_bytes(
         LayerKind::Sliding { window } => positions.min(*window) + GROWTH_SLACK,
         _ => positions + GROWTH_SLACK,
     };
-    let depth = kv.recurrent_rollback.unwrap_or(DEFAULT_RECURRENT_ROLLBACK);
     let layer_bytes = |kind: &LayerKind| match kind {
         // A fixed state, and a copy per position it can roll back.
-        LayerKind::Recurrent { state } => 4 * state * (1 + depth),
+        LayerKind::Recurrent { state } => RecurrentCache::max_bytes(*state, kv.recurrent_depth()),
         _ => layer_positions(kind) * row_bytes,
     };
     spec.iter().map(layer_bytes).sum()

@@ -36,6 +36,11 @@ impl RecurrentCache {
         }
     }
 
+    /// Bytes a cache of `state` values rolling back `depth` positions holds at most.
+    pub fn max_bytes(state: usize, depth: usize) -> usize {
+        4 * state * (1 + depth)
+    }
+
     /// The state after the last position.
     pub fn state(&self) -> &[f32] {
         &self.state
@@ -93,7 +98,7 @@ impl LayerCache for RecurrentCache {
     }
 
     fn bytes(&self) -> usize {
-        4 * self.state.len() * (1 + self.history.len())
+        Self::max_bytes(self.state.len(), self.history.len())
     }
 
     fn snapshot(&self) -> Result<Box<dyn LayerCache>> {

@@ -69,6 +69,12 @@ impl KvQuant {
 }
 
 impl KvOptions {
+    /// Positions a recurrent layer can roll back with these options.
+    pub fn recurrent_depth(&self) -> usize {
+        self.recurrent_rollback
+            .unwrap_or(DEFAULT_RECURRENT_ROLLBACK)
+    }
+
     /// Why these options cannot serve the layers `spec` with attention rows `head_dim` wide,
     /// if they cannot (TurboQuant that would compress no layer is refused, not ignored).
     pub fn check(&self, head_dim: usize, spec: &[LayerKind]) -> std::result::Result<(), String> {
@@ -107,12 +113,10 @@ impl SequenceCache {
             .iter()
             .map(|kind| -> Box<dyn LayerCache> {
                 let (dtype, quant) = (options.dtype, options.quant);
-                let depth = options.recurrent_rollback;
                 match (*kind, options.turbo) {
-                    (LayerKind::Recurrent { state }, _) => Box::new(RecurrentCache::new(
-                        state,
-                        depth.unwrap_or(DEFAULT_RECURRENT_ROLLBACK),
-                    )),
+                    (LayerKind::Recurrent { state }, _) => {
+                        Box::new(RecurrentCache::new(state, options.recurrent_depth()))
+                    }
                     (LayerKind::Full, Some(turbo)) => {
                         Box::new(TurboCache::new(turbo, None, DEFAULT_ROLLBACK))
                     }

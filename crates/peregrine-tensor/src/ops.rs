@@ -82,7 +82,8 @@ fn silu_mul_chunks(g: &[f32], u: &[f32]) -> Vec<f32> {
     gated(g, u, silu)
 }
 
-fn silu(g: f32) -> f32 {
+/// `g · sigmoid(g)`.
+pub fn silu(g: f32) -> f32 {
     g / (1.0 + (-g).exp())
 }
 

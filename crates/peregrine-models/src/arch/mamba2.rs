@@ -19,7 +19,7 @@
 
 use serde_json::{Map, Value};
 
-use peregrine_tensor::ops::rms_norm;
+use peregrine_tensor::ops::{rms_norm, rms_norm_rows_in_place, silu};
 use peregrine_tensor::{DType, Device, Embedding, QLinear, Tensor};
 
 use crate::config::Fields;
@@ -229,6 +229,7 @@ impl Mamba2Lm {
         let (z, xbc, dt) = (z?, xbc?, dt?);
         let (inner, conv) = (self.ssm.inner(), self.ssm.conv_dim());
         let mut y = vec![0f32; z.len()];
+        let mut conv_out = vec![0f32; conv];
         let mut row = 0;
         for s in segments.iter_mut() {
             let Some(cache) = s.cache.recurrent() else {
@@ -243,6 +244,7 @@ impl Mamba2Lm {
                     state,
                     &xbc[row * conv..][..conv],
                     &dt[row * self.ssm.heads..][..self.ssm.heads],
+                    &mut conv_out,
                     out,
                 );
                 gated_norm(
@@ -259,13 +261,21 @@ impl Mamba2Lm {
         Ok((x + m.out_proj.forward(&y)?)?)
     }
 
-    /// One position through the conv and the SSM: `state` is updated, `out` gets `y`.
-    fn step(&self, m: &Mixer, state: &mut [f32], xbc_in: &[f32], dt: &[f32], out: &mut [f32]) {
+    /// One position through the conv (into `xbc`, `conv_dim` wide) and the SSM: `state` is
+    /// updated, `out` gets `y`.
+    fn step(
+        &self,
+        m: &Mixer,
+        state: &mut [f32],
+        xbc_in: &[f32],
+        dt: &[f32],
+        xbc: &mut [f32],
+        out: &mut [f32],
+    ) {
         let c = self.ssm;
         let (conv, k) = (c.conv_dim(), c.conv_kernel);
         let (window, s) = state.split_at_mut(conv * (k - 1));
         // The conv over the window (`k - 1` earlier inputs per channel) and this input.
-        let mut xbc = vec![0f32; conv];
         for ch in 0..conv {
             let w = &m.conv_w[ch * k..][..k];
             let past = &mut window[ch * (k - 1)..][..k - 1];
@@ -302,10 +312,6 @@ impl Mamba2Lm {
     }
 }
 
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
-
 /// PyTorch's softplus (linear above 20).
 fn softplus(x: f32) -> f32 {
     if x > 20.0 { x } else { x.exp().ln_1p() }
@@ -318,11 +324,7 @@ fn gated_norm(y: &mut [f32], z: &[f32], w: &[f32], groups: usize, eps: f32) {
     }
     let size = y.len() / groups;
     for (ys, ws) in y.chunks_exact_mut(size).zip(w.chunks_exact(size)) {
-        let mean = ys.iter().map(|v| v * v).sum::<f32>() / size as f32;
-        let r = 1.0 / (mean + eps).sqrt();
-        for (v, w) in ys.iter_mut().zip(ws) {
-            *v *= r * w;
-        }
+        rms_norm_rows_in_place(ys, ws, eps);
     }
 }
 
