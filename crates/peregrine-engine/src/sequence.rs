@@ -124,6 +124,7 @@ impl Prefilling {
             .filter(|(_, c)| !c.cancelled())
             .collect();
         let mut base = Some(self.cache);
+        let mut prefill_gauge = Some(self.gauge);
         let count = live.len();
         let mut out = Vec::with_capacity(count);
         for (k, (j, sink)) in live.into_iter().enumerate() {
@@ -139,7 +140,18 @@ impl Prefilling {
             // The context, or the positions the request's KV reservation holds.
             let room = shared.max_context.min(positions) - ids.len();
             let budget = (request.max_tokens.unwrap_or(usize::MAX)).min(room);
-            let gauge = KvGauge::holding(&shared.live_kv, cache.bytes());
+            // The last choice takes over the prefill's gauge: counting its cache twice, even
+            // for a moment, would report more KV in use than is held.
+            let gauge = match (last, prefill_gauge.take()) {
+                (true, Some(mut g)) => {
+                    g.set(cache.bytes());
+                    g
+                }
+                (_, g) => {
+                    prefill_gauge = g;
+                    KvGauge::holding(&shared.live_kv, cache.bytes())
+                }
+            };
             out.push(Decoding {
                 detok: IncrementalDetokenizer::new(&ids[ids.len().saturating_sub(PROMPT_TAIL)..]),
                 stop: StopMatcher::new(&request.stop),
