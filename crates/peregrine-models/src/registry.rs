@@ -7,6 +7,7 @@ use peregrine_tensor::Device;
 use peregrine_tensor::device::compute_dtype;
 
 use crate::arch::gemma4::model::GemmaLm;
+use crate::arch::qwen3_next::HybridMixer;
 use crate::config::{Fields, read_json_object};
 use crate::layers::attention::Attention;
 use crate::layers::decoder::DecoderLm;
@@ -33,6 +34,11 @@ fn gemma(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn Caus
     Ok(Arc::new(GemmaLm::load(c, w, max_context)?))
 }
 
+/// Qwen3-Next and Qwen3.5: delta-net and full-attention layers in one decoder.
+fn hybrid(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn CausalLm>> {
+    Ok(Arc::new(DecoderLm::<HybridMixer>::load(c, w, max_context)?))
+}
+
 /// Mamba 2: an attention-free model.
 fn mamba2(c: ModelConfig, w: &Weights, _max_context: usize) -> Result<Arc<dyn CausalLm>> {
     Ok(Arc::new(arch::mamba2::Mamba2Lm::load(c, w)?))
@@ -53,29 +59,39 @@ const ARCHITECTURES: &[(&str, Configure, Build)] = &[
     ("qwen2", arch::qwen2::configure, decoder),
     ("qwen3", arch::qwen3::configure, decoder),
     ("qwen3_moe", arch::qwen3_moe::configure, decoder),
+    ("qwen3_next", arch::qwen3_next::configure, hybrid),
 ];
 
 /// Names registered under another one: Gemma 3's text-only HF checkpoints are `gemma3_text`
 /// (its GGUF architecture is `gemma3`); llama.cpp calls Qwen3-MoE `qwen3moe` and DeepSeek-V2/V3
-/// `deepseek2`; a multimodal `gemma4` checkpoint loads its text model ([`TEXT_MODELS`]).
+/// `deepseek2`; Qwen3.5 (dense and MoE) is Qwen3-Next's decoder with its projections apart;
+/// multimodal `gemma4` and `qwen3_5` checkpoints load their text model ([`TEXT_MODELS`]).
 const ALIASES: &[(&str, &str)] = &[
     ("deepseek2", "deepseek_v3"),
     ("gemma3_text", "gemma3"),
     ("gemma4", "gemma4_text"),
+    ("qwen3_5", "qwen3_next"),
+    ("qwen3_5_moe", "qwen3_next"),
+    ("qwen3_5_moe_text", "qwen3_next"),
+    ("qwen3_5_text", "qwen3_next"),
     ("qwen3moe", "qwen3_moe"),
 ];
 
 /// Multimodal checkpoints whose text model loads on its own: the `text_config` is read and the
 /// language model's tensors are found under these prefixes (HF's, then MLX's) as `model.…`;
 /// the vision and audio towers are skipped.
-const TEXT_MODELS: &[(&str, &[(&str, &str)])] = &[(
-    "gemma4",
-    &[
-        ("model.language_model.", "model."),
-        ("language_model.model.", "model."),
-        ("language_model.lm_head.", "lm_head."),
-    ],
-)];
+const TEXT_MODELS: &[(&str, &[(&str, &str)])] = &[
+    ("gemma4", LANGUAGE_MODEL),
+    ("qwen3_5", LANGUAGE_MODEL),
+    ("qwen3_5_moe", LANGUAGE_MODEL),
+];
+
+/// Where HF and MLX keep a multimodal checkpoint's language model.
+const LANGUAGE_MODEL: &[(&str, &str)] = &[
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+];
 
 /// The architecture names this build can load (GGUF `general.architecture`, HF `model_type`;
 /// HF `gemma3_text` loads as `gemma3`).

@@ -124,7 +124,10 @@ golden!(
     phi3,
     qwen2,
     qwen3,
-    qwen3_moe
+    qwen3_5,
+    qwen3_5_moe,
+    qwen3_moe,
+    qwen3_next
 );
 
 /// One tensor of `tests/fixtures/phi3/hf/reference.safetensors` (see make_hf.py's PHI3_EXTRA).

@@ -156,10 +156,14 @@ pub fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<Option<R>>
     Ok(Some(f(&cpu.as_slice::<f32>()?[start..end])))
 }
 
+/// `1 / (1 + exp(-x))` elementwise, from plain ops.
+pub fn sigmoid(x: &Tensor) -> Result<Tensor> {
+    (x.neg()?.exp()? + 1.0)?.recip()
+}
+
 /// Reference `silu(gate) * up`: `gate * sigmoid(gate) * up` from plain ops.
 pub fn silu_mul_ref(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    let sigmoid = (gate.neg()?.exp()? + 1.0)?.recip()?;
-    (gate * sigmoid)? * up
+    (gate * sigmoid(gate)?)? * up
 }
 
 /// Largest absolute elementwise difference of two same-shaped tensors, as f32: the measure every

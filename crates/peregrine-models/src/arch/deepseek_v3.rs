@@ -102,6 +102,7 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
         shared_intermediate_size: fields
             .opt_usize("n_shared_experts")?
             .map(|n| n * moe_intermediate),
+        shared_gated: false,
     });
     Ok(())
 }

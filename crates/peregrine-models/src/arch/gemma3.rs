@@ -30,7 +30,7 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
     config.query_pre_attn_scalar = Some(fields.opt_f64("query_pre_attn_scalar")?.unwrap_or(256.0));
     config.sliding_window = Some(fields.opt_usize("sliding_window")?.unwrap_or(4096));
     let layers = config.num_hidden_layers;
-    config.sliding_layers = Some(match layer_types(fields, layers)? {
+    config.sliding_layers = Some(match layer_types(fields, layers, "sliding_attention")? {
         Some(types) => types,
         None => {
             let pattern = fields.opt_usize("sliding_window_pattern")?.unwrap_or(6);
@@ -62,15 +62,20 @@ pub(crate) fn check_gemma(fields: &Fields) -> Result<()> {
     Ok(())
 }
 
-/// Which layers slide, from `layer_types` (`sliding_attention` / `full_attention`); `None`
-/// when the config has no such list.
-pub(crate) fn layer_types(fields: &Fields, layers: usize) -> Result<Option<Vec<bool>>> {
+/// Which layers are of kind `other` rather than `full_attention`, from `layer_types` (Gemma's
+/// `sliding_attention`, Qwen3-Next's `linear_attention`); `None` when the config has no such
+/// list.
+pub(crate) fn layer_types(
+    fields: &Fields,
+    layers: usize,
+    other: &str,
+) -> Result<Option<Vec<bool>>> {
     let Some(types) = fields.get("layer_types") else {
         return Ok(None);
     };
     let bad = || {
         fields.err(format!(
-            "field `layer_types` must list {layers} of `sliding_attention` / `full_attention`"
+            "field `layer_types` must list {layers} of `{other}` / `full_attention`"
         ))
     };
     let types = types
@@ -78,8 +83,8 @@ pub(crate) fn layer_types(fields: &Fields, layers: usize) -> Result<Option<Vec<b
         .filter(|t| t.len() == layers)
         .ok_or_else(bad)?;
     let types = types.iter().map(|t| match t.as_str() {
-        Some("sliding_attention") => Ok(true),
         Some("full_attention") => Ok(false),
+        Some(t) if t == other => Ok(true),
         _ => Err(bad()),
     });
     types.collect::<Result<_>>().map(Some)

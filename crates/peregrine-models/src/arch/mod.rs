@@ -12,3 +12,4 @@ pub mod phi3;
 pub mod qwen2;
 pub mod qwen3;
 pub mod qwen3_moe;
+pub mod qwen3_next;

@@ -93,6 +93,10 @@ pub struct ModelConfig {
     pub layer_specs: Vec<LayerSpec>,
     /// The state-space mixer's sizes, for attention-free models (Mamba 2).
     pub ssm: Option<crate::arch::mamba2::SsmConfig>,
+    /// The gated delta-net layers' sizes and which layers they are (Qwen3-Next, Qwen3.5).
+    pub delta_net: Option<crate::layers::delta_net::DeltaNetConfig>,
+    /// `q_proj` also gives a per-head output gate, `o_proj(attn · sigmoid(gate))` (Qwen3-Next).
+    pub attn_output_gate: bool,
 }
 
 /// Gemma 4's per-layer input embeddings: a second embedding table of `vocab` rows holding
@@ -164,6 +168,9 @@ pub struct MoeConfig {
     pub sigmoid: Option<SigmoidRouting>,
     /// Width of the always-on shared experts' MLP (`mlp.shared_experts`), when there are any.
     pub shared_intermediate_size: Option<usize>,
+    /// The shared expert is `mlp.shared_expert` behind a sigmoid `mlp.shared_expert_gate`
+    /// (Qwen3-Next), not DeepSeek's ungated `mlp.shared_experts`.
+    pub shared_gated: bool,
 }
 
 /// DeepSeek-V3's router beyond its sigmoid scores.
@@ -227,6 +234,7 @@ impl MoeConfig {
             naming,
             sigmoid: None,
             shared_intermediate_size: None,
+            shared_gated: false,
         })
     }
 }
@@ -296,6 +304,8 @@ impl ModelConfig {
             per_layer_input: None,
             layer_specs: vec![],
             ssm: None,
+            delta_net: None,
+            attn_output_gate: false,
         };
         config.validate(&fields.file)?;
         Ok(config)

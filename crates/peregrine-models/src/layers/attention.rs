@@ -4,7 +4,7 @@
 //! (KV sharing: no k/v projections; the caller hands them that layer's cache).
 
 use peregrine_kv::{AttnParams, LayerCache};
-use peregrine_tensor::ops::rms_norm;
+use peregrine_tensor::ops::{rms_norm, sigmoid};
 use peregrine_tensor::{QLinear, RotaryEmbedding, Tensor};
 
 use crate::layers::batch::{Segment, per_segment};
@@ -45,6 +45,8 @@ pub struct Attention {
     scale: f64,
     softcap: Option<f32>,
     eps: f32,
+    /// `q_proj` gives each head's query then its output gate (Qwen3-Next's gated attention).
+    output_gate: bool,
 }
 
 impl Attention {
@@ -59,7 +61,9 @@ impl Attention {
         let (q_dim, kv_dim) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
         let bias = c.attention_bias;
         let linear = |name: &str, out: usize| w.linear(&format!("{prefix}.{name}"), out, h, bias);
-        let q = linear("q_proj", q_dim)?;
+        // A gated layer's q_proj also gives each head's output gate.
+        let q_rows = q_dim * (1 + usize::from(c.attn_output_gate));
+        let q = linear("q_proj", q_rows)?;
         let (k, v) = match kv {
             KvProjections::Own => (
                 Some(linear("k_proj", kv_dim)?),
@@ -130,6 +134,7 @@ impl Attention {
             scale: c.query_pre_attn_scalar.unwrap_or(hd as f64).powf(-0.5),
             softcap: c.attn_logit_softcapping.map(|cap| cap as f32),
             eps: c.rms_norm_eps as f32,
+            output_gate: c.attn_output_gate,
         })
     }
 
@@ -157,10 +162,11 @@ impl Attention {
 
 impl SelfAttention for Attention {
     /// Phi-3 fuses q/k/v: split at load, the layer stays the same.
-    fn load(c: &ModelConfig, w: &Weights, prefix: &str) -> Result<Self> {
+    fn load(c: &ModelConfig, w: &Weights, layer: usize) -> Result<Self> {
+        let prefix = format!("model.layers.{layer}.self_attn");
         match w.contains(&format!("{prefix}.qkv_proj.weight")) {
-            true => Attention::load_fused(c, w, prefix),
-            false => Attention::load(c, w, prefix),
+            true => Attention::load_fused(c, w, &prefix),
+            false => Attention::load(c, w, &prefix),
         }
     }
 
@@ -174,12 +180,18 @@ impl SelfAttention for Attention {
     ) -> Result<Tensor> {
         let (projections, n_proj) = self.projections();
         let qkv = QLinear::forward_group(&projections[..n_proj], x)?; // [1, rows, _] each
+        let hd = self.head_dim;
+        // A gated q_proj's rows hold each head's query then its gate.
+        let q_width = hd * (1 + usize::from(self.output_gate));
         let y = per_segment(segments, |rows, s| {
             let n = rows.len();
             // This sequence's rows, [1, n, heads * hd] → [1, heads, n, hd].
             let split = |i: usize, heads: usize, norm: &Option<Tensor>| -> Result<Tensor> {
                 let t = qkv[i].narrow(1, rows.start, n)?;
-                let t = t.reshape((1, n, heads, self.head_dim))?;
+                let t = match i {
+                    0 => t.reshape((1, n, heads, q_width))?.narrow(3, 0, hd)?,
+                    _ => t.reshape((1, n, heads, hd))?,
+                };
                 let t = match norm {
                     Some(w) => rms_norm(&t, w, self.eps)?,
                     None => t,
@@ -197,6 +209,15 @@ impl SelfAttention for Attention {
             Ok(y.transpose(1, 2)?
                 .reshape((1, n, self.heads * self.head_dim))?)
         })?;
+        let y = match self.output_gate {
+            true => {
+                let rows = y.dim(1)?;
+                let q = qkv[0].reshape((1, rows, self.heads, q_width))?;
+                let gate = q.narrow(3, hd, hd)?.reshape((1, rows, self.heads * hd))?;
+                (y * sigmoid(&gate)?)?
+            }
+            false => y,
+        };
         Ok(self.o_proj.forward(&y)?)
     }
 
@@ -220,6 +241,10 @@ impl SelfAttention for Attention {
             attention,
             ..
         } = b;
+        if self.output_gate {
+            let why = "gated attention has no decode step: its model decodes through forward";
+            return Err(peregrine_tensor::candle::Error::Msg(why.into()).into());
+        }
         // Buffers are sized for the widest layer; this one uses their front.
         let (q_dim, kv_dim) = (self.heads * self.head_dim, self.kv_heads * self.head_dim);
         let (q, attn) = (&mut q[..q_dim], &mut attn[..q_dim]);

@@ -19,14 +19,14 @@ use crate::{CausalLm, Logits, ModelConfig, Result};
 
 /// A decoder layer's attention: what [`DecoderLm`] needs of it.
 pub trait SelfAttention: Sized + Send + Sync {
-    /// Loads `{prefix}.*` (`model.layers.{i}.self_attn`).
-    fn load(c: &ModelConfig, w: &Weights, prefix: &str) -> Result<Self>;
+    /// Loads layer `layer`'s mixer (`model.layers.{layer}.self_attn.*`).
+    fn load(c: &ModelConfig, w: &Weights, layer: usize) -> Result<Self>;
     /// The RoPE table's `(head width, rotated dimensions)`.
     fn rope_dims(c: &ModelConfig) -> (usize, usize) {
         (c.head_dim, c.rotary_dim())
     }
-    /// The cache each layer keeps.
-    fn cache_kind(c: &ModelConfig) -> LayerKind {
+    /// The cache layer `layer` keeps.
+    fn cache_kind(c: &ModelConfig, _layer: usize) -> LayerKind {
         match c.sliding_window {
             Some(window) => LayerKind::Sliding { window },
             None => LayerKind::Full,
@@ -50,6 +50,10 @@ pub trait SelfAttention: Sized + Send + Sync {
     ) -> Result<()>;
     /// Bytes of weights.
     fn weight_bytes(&self) -> usize;
+    /// Whether [`step`](Self::step) runs this model's layers (else decode runs `forward`).
+    fn steps(_c: &ModelConfig) -> bool {
+        true
+    }
 }
 
 struct DecoderLayer<A> {
@@ -85,7 +89,7 @@ impl<A: SelfAttention> DecoderLm<A> {
                 let mlp = format!("{p}.mlp");
                 Ok(DecoderLayer {
                     input_layernorm: norm_weight(c, w, &format!("{p}.input_layernorm.weight"), h)?,
-                    self_attn: A::load(c, w, &format!("{p}.self_attn"))?,
+                    self_attn: A::load(c, w, i)?,
                     post_attention_layernorm: norm_weight(
                         c,
                         w,
@@ -184,7 +188,9 @@ impl<A: SelfAttention + 'static> CausalLm for DecoderLm<A> {
     }
 
     fn cache_spec(&self) -> Vec<LayerKind> {
-        vec![A::cache_kind(&self.config); self.layers.len()]
+        (0..self.layers.len())
+            .map(|i| A::cache_kind(&self.config, i))
+            .collect()
     }
 
     fn forward(&self, tokens: &[u32], cache: &mut SequenceCache, want: Logits) -> Result<Tensor> {
@@ -200,7 +206,7 @@ impl<A: SelfAttention + 'static> CausalLm for DecoderLm<A> {
     }
 
     fn decode(&self, token: u32, cache: &mut SequenceCache, logits: &mut Vec<f32>) -> Result<()> {
-        if !self.device.is_cpu() {
+        if !self.device.is_cpu() || !A::steps(&self.config) {
             return crate::decode_with_forward(self, token, cache, logits);
         }
         let pos = cache.len();

@@ -129,8 +129,9 @@ impl Mla {
 }
 
 impl SelfAttention for Mla {
-    /// Loads `{prefix}.*` for the config's MLA shapes.
-    fn load(c: &ModelConfig, w: &Weights, prefix: &str) -> Result<Self> {
+    /// Loads `model.layers.{layer}.self_attn.*` for the config's MLA shapes.
+    fn load(c: &ModelConfig, w: &Weights, layer: usize) -> Result<Self> {
+        let prefix = format!("model.layers.{layer}.self_attn");
         let m = c.mla.clone().expect("an MLA config");
         let (h, heads, bias) = (c.hidden_size, c.num_attention_heads, c.attention_bias);
         let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
@@ -178,7 +179,7 @@ impl SelfAttention for Mla {
     }
 
     /// One `[latent | rope]` key per position, which is its own value.
-    fn cache_kind(_: &ModelConfig) -> LayerKind {
+    fn cache_kind(_: &ModelConfig, _: usize) -> LayerKind {
         LayerKind::FullKeysAsValues
     }
 

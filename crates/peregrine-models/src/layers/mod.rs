@@ -3,6 +3,7 @@
 pub mod attention;
 pub mod batch;
 pub mod decoder;
+pub mod delta_net;
 pub mod mla;
 pub mod mlp;
 pub mod moe;

@@ -7,7 +7,7 @@
 //! reuses and allocates nothing.
 
 use peregrine_moe::{ExpertStore, ResidentExperts, Router, Scoring, tokens_by_expert};
-use peregrine_tensor::ops::rms_norm;
+use peregrine_tensor::ops::{rms_norm, sigmoid};
 use peregrine_tensor::{DType, QLinear, Tensor};
 
 use crate::config::{ExpertNaming, MoeConfig};
@@ -75,6 +75,8 @@ pub struct MoeBlock {
     experts: Box<dyn ExpertStore<GatedMlp>>,
     /// Always-on experts added to the routed output (DeepSeek-V3's `shared_experts`).
     shared: Option<GatedMlp>,
+    /// The shared expert's sigmoid gate, `[1, hidden]` (Qwen3-Next's `shared_expert_gate`).
+    shared_gate: Option<QLinear>,
     /// RMSNorm weight of the router's input, when the router sees a normed copy of the
     /// block's input (Gemma 4: `router.scale · hidden^-0.5`, folded at load).
     router_norm: Option<Tensor>,
@@ -175,7 +177,10 @@ impl MoeBlock {
         }
         let shared = match moe.shared_intermediate_size {
             Some(si) => {
-                let p = format!("{prefix}.shared_experts");
+                let p = match moe.shared_gated {
+                    true => format!("{prefix}.shared_expert"),
+                    false => format!("{prefix}.shared_experts"),
+                };
                 Some(GatedMlp::new(
                     w.linear(&format!("{p}.gate_proj"), si, h, false)?,
                     w.linear(&format!("{p}.up_proj"), si, h, false)?,
@@ -185,11 +190,15 @@ impl MoeBlock {
             }
             None => None,
         };
+        let shared_gate = (moe.shared_gated)
+            .then(|| w.linear(&format!("{prefix}.shared_expert_gate"), 1, h, false))
+            .transpose()?;
         Ok(Self {
             gate: w.linear(&format!("{prefix}.gate"), n, h, false)?,
             router,
             experts: Box::new(ResidentExperts::new(experts, bytes)),
             shared,
+            shared_gate,
             router_norm: None,
             input_norm: None,
             eps: c.rms_norm_eps as f32,
@@ -214,6 +223,7 @@ impl MoeBlock {
             router,
             experts: Box::new(ResidentExperts::new(experts, bytes)),
             shared: None,
+            shared_gate: None,
             router_norm: Some((router_norm * (h as f64).powf(-0.5))?),
             input_norm: Some(norm_weight(c, w, &input_norm, h)?),
             eps: c.rms_norm_eps as f32,
@@ -257,7 +267,12 @@ impl MoeBlock {
             out = out.index_add(&idx, &y.broadcast_mul(&w)?, 0)?;
         }
         if let Some(shared) = &self.shared {
-            out = (out + shared.forward(&flat)?)?;
+            let mut y = shared.forward(&flat)?;
+            if let Some(gate) = &self.shared_gate {
+                let g = sigmoid(&gate.forward(&flat)?)?;
+                y = y.broadcast_mul(&g)?;
+            }
+            out = (out + y)?;
         }
         Ok(out.reshape((b, n, h))?)
     }
@@ -310,6 +325,12 @@ impl MoeBlock {
         }
         if let Some(shared) = &self.shared {
             shared.row_into(x, gate, up, expert_out, linear)?;
+            if let Some(g) = &self.shared_gate {
+                let mut logit = [0f32];
+                QLinear::forward_group_into(&[g], x, &mut [&mut logit[..]], linear)?;
+                let g = 1.0 / (1.0 + (-logit[0]).exp());
+                expert_out.iter_mut().for_each(|y| *y *= g);
+            }
             add_into(out, expert_out);
         }
         Ok(())
@@ -317,7 +338,8 @@ impl MoeBlock {
 
     /// Bytes of weights: the router and every expert.
     pub fn weight_bytes(&self) -> usize {
-        let shared = self.shared.as_ref().map_or(0, GatedMlp::weight_bytes);
+        let shared = self.shared.as_ref().map_or(0, GatedMlp::weight_bytes)
+            + self.shared_gate.as_ref().map_or(0, QLinear::weight_bytes);
         self.gate.weight_bytes() + self.experts.weight_bytes() + shared
     }
 }

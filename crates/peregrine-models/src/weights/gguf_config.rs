@@ -267,6 +267,8 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         per_layer_input: None,
         layer_specs: vec![],
         ssm: None,
+        delta_net: None,
+        attn_output_gate: false,
     };
     if let Some(experts) = meta.opt_usize("expert_count")? {
         // llama.cpp makes every layer of these families sparse and renormalises the chosen
@@ -282,6 +284,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
             naming: crate::config::ExpertNaming::Qwen,
             sigmoid: None,
             shared_intermediate_size: None,
+            shared_gated: false,
         });
     }
     if arch == "gemma3" {

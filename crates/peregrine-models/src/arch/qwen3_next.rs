@@ -1,0 +1,117 @@
+//! Qwen3-Next and Qwen3.5 (text): hybrids of gated delta-net linear attention and gated full
+//! attention, over dense or routed-expert MLPs.
+//! <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen3_next/modeling_qwen3_next.py>
+//! <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen3_5/modeling_qwen3_5.py>
+//!
+//! The llama-family decoder with a per-layer mixer: `layer_types` names each layer
+//! `linear_attention` ([`GatedDeltaNet`], a recurrent state) or `full_attention` (Qwen3's
+//! q/k-normed attention whose `q_proj` also gives an output gate, `o_proj(attn ·
+//! sigmoid(gate))`, with partial rotary). Every RMSNorm but the delta-net's is `1 + w`. MoE
+//! layers add a shared expert behind a sigmoid gate. Qwen3.5 projects the delta-net's inputs
+//! apart (`in_proj_qkv`, `_z`, `_b`, `_a`) where Qwen3-Next groups them per key head.
+
+use peregrine_kv::{LayerCache, LayerKind};
+use peregrine_tensor::{RotaryEmbedding, Tensor};
+
+use crate::config::{ExpertNaming, Fields, MoeConfig};
+use crate::layers::attention::Attention;
+use crate::layers::batch::Segment;
+use crate::layers::decoder::SelfAttention;
+use crate::layers::delta_net::{DeltaNetConfig, GatedDeltaNet};
+use crate::layers::step::StepBuffers;
+use crate::weights::Weights;
+use crate::{ModelConfig, Result};
+
+/// Qwen3-Next: Qwen3's attention flags, gated, `1 + w` norms, the delta-net layers, and
+/// (with `num_experts`) routed experts plus a gated shared expert (Qwen3.5's router always
+/// renormalises its top k, Qwen3-Next's by default).
+pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
+    super::qwen3::configure(fields, config)?;
+    config.norm_weight_offset = 1.0;
+    config.attn_output_gate = true;
+    config.delta_net = Some(DeltaNetConfig::from_hf(fields, config.num_hidden_layers)?);
+    if fields.opt_usize("num_experts")?.unwrap_or(0) > 0 {
+        let mut moe = MoeConfig::from_hf(fields, config, ExpertNaming::Qwen, true)?;
+        moe.shared_intermediate_size = fields.opt_usize("shared_expert_intermediate_size")?;
+        moe.shared_gated = true;
+        config.moe = Some(moe);
+    }
+    Ok(())
+}
+
+/// A hybrid layer's token mixer.
+pub enum HybridMixer {
+    /// Gated full attention over a KV cache.
+    Attention(Attention),
+    /// Gated delta-net linear attention over a recurrent state.
+    Linear(GatedDeltaNet),
+}
+
+fn is_linear(c: &ModelConfig, layer: usize) -> bool {
+    c.delta_net.as_ref().is_some_and(|d| d.layers[layer])
+}
+
+impl SelfAttention for HybridMixer {
+    /// `model.layers.{layer}.linear_attn` or `.self_attn`, as `layer_types` says.
+    fn load(c: &ModelConfig, w: &Weights, layer: usize) -> Result<Self> {
+        match is_linear(c, layer) {
+            true => Ok(Self::Linear(GatedDeltaNet::load(
+                c,
+                w,
+                &format!("model.layers.{layer}.linear_attn"),
+            )?)),
+            false => Ok(Self::Attention(<Attention as SelfAttention>::load(
+                c, w, layer,
+            )?)),
+        }
+    }
+
+    fn cache_kind(c: &ModelConfig, layer: usize) -> LayerKind {
+        match &c.delta_net {
+            Some(d) if d.layers[layer] => LayerKind::Recurrent {
+                state: d.state_len(),
+            },
+            _ => LayerKind::Full,
+        }
+    }
+
+    fn forward(
+        &self,
+        x: &Tensor,
+        rope: &RotaryEmbedding,
+        segments: &mut [Segment],
+    ) -> Result<Tensor> {
+        match self {
+            Self::Attention(a) => a.forward(x, rope, segments),
+            Self::Linear(l) => l.forward(x, segments),
+        }
+    }
+
+    /// Unreachable: [`steps`](SelfAttention::steps) is false, decode runs `forward`.
+    fn step(
+        &self,
+        b: &mut StepBuffers,
+        rope: &RotaryEmbedding,
+        cache: &mut dyn LayerCache,
+        pos: usize,
+    ) -> Result<()> {
+        match self {
+            Self::Attention(a) => a.step(b, rope, cache, pos),
+            Self::Linear(_) => {
+                let why = "gated delta-net has no decode step: its model decodes through forward";
+                Err(peregrine_tensor::candle::Error::Msg(why.into()).into())
+            }
+        }
+    }
+
+    fn weight_bytes(&self) -> usize {
+        match self {
+            Self::Attention(a) => a.weight_bytes(),
+            Self::Linear(l) => l.weight_bytes(),
+        }
+    }
+
+    fn steps(_c: &ModelConfig) -> bool {
+        false
+    }
+}

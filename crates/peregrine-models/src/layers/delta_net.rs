@@ -1,0 +1,310 @@
+//! Gated delta-net linear attention (Qwen3-Next's and Qwen3.5's `linear_attn`): a recurrent
+//! layer whose state is a `[key, value]` matrix per value head, updated by the delta rule.
+//! <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen3_next/modeling_qwen3_next.py>
+//!
+//! Per token: `q`, `k`, `v` go through a causal depthwise conv (no bias) and SiLU; `q` and `k`
+//! are L2-normed per head (`q` also scaled by `key_dim^-0.5`). Per value head `h` (its key head
+//! `h / (v_heads / k_heads)`), with `g = -exp(A_log) · softplus(a + dt_bias)` and
+//! `β = sigmoid(b)`: `S = S · exp(g)`, `S += k ⊗ β (v - Sᵀk)`, `o = Sᵀq`; the output is
+//! RMS-normed per head, times its weight and `silu(z)`, then `out_proj`.
+//!
+//! Prompts run the recurrence token by token (transformers' chunked form is the same sums in
+//! another order); the state lives in the sequence's
+//! [`RecurrentCache`](peregrine_kv::RecurrentCache).
+
+use peregrine_tensor::ops::{rms_norm_rows_in_place, silu};
+use peregrine_tensor::{DType, QLinear, Tensor};
+
+use crate::arch::gemma3::layer_types;
+use crate::config::Fields;
+use crate::layers::batch::Segment;
+use crate::weights::Weights;
+use crate::{ModelConfig, ModelError, Result};
+
+/// The sizes of a gated delta-net layer (HF `linear_*` fields).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeltaNetConfig {
+    /// Query/key heads (`linear_num_key_heads`).
+    pub k_heads: usize,
+    /// Value heads (`linear_num_value_heads`), a multiple of `k_heads`.
+    pub v_heads: usize,
+    /// Width of a query/key head (`linear_key_head_dim`).
+    pub k_dim: usize,
+    /// Width of a value head (`linear_value_head_dim`).
+    pub v_dim: usize,
+    /// The causal conv's width (`linear_conv_kernel_dim`).
+    pub conv_kernel: usize,
+    /// Which layers are delta-net layers (`layer_types[i] == "linear_attention"`).
+    pub layers: Vec<bool>,
+}
+
+impl DeltaNetConfig {
+    /// Reads the `linear_*` fields and `layer_types` (else every `full_attention_interval`-th
+    /// layer is full attention, 4 by default, as transformers derives it).
+    pub fn from_hf(fields: &Fields, num_layers: usize) -> Result<Self> {
+        let every = fields.opt_usize("full_attention_interval")?.unwrap_or(4).max(1);
+        let layers = match layer_types(fields, num_layers, "linear_attention")? {
+            Some(layers) => layers,
+            None => (0..num_layers).map(|i| (i + 1) % every != 0).collect(),
+        };
+        let c = Self {
+            k_heads: fields.usize("linear_num_key_heads")?,
+            v_heads: fields.usize("linear_num_value_heads")?,
+            k_dim: fields.usize("linear_key_head_dim")?,
+            v_dim: fields.usize("linear_value_head_dim")?,
+            conv_kernel: fields.opt_usize("linear_conv_kernel_dim")?.unwrap_or(4),
+            layers,
+        };
+        if c.k_heads == 0 || !c.v_heads.is_multiple_of(c.k_heads) || c.conv_kernel < 2 {
+            return Err(fields.err(format!(
+                "`linear_num_key_heads` {} must divide `linear_num_value_heads` {}, and \
+                 `linear_conv_kernel_dim` {} be at least 2",
+                c.k_heads, c.v_heads, c.conv_kernel
+            )));
+        }
+        Ok(c)
+    }
+
+    fn key_width(&self) -> usize {
+        self.k_heads * self.k_dim
+    }
+
+    fn value_width(&self) -> usize {
+        self.v_heads * self.v_dim
+    }
+
+    /// Channels of the conv: `q`, `k` and `v`.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_width() + self.value_width()
+    }
+
+    /// f32 values of one layer's state: the conv's window, then each value head's `S`.
+    pub fn state_len(&self) -> usize {
+        self.conv_dim() * (self.conv_kernel - 1) + self.v_heads * self.k_dim * self.v_dim
+    }
+}
+
+/// How the checkpoint lays out the input projections.
+enum Projections {
+    /// Qwen3-Next: `in_proj_qkvz` and `in_proj_ba`, grouped per key head (`[q, k, v, z]` and
+    /// `[b, a]` of each, the value heads of a key head together).
+    Grouped { qkvz: QLinear, ba: QLinear },
+    /// Qwen3.5: `in_proj_qkv` (`[q; k; v]`), `in_proj_z`, `in_proj_b`, `in_proj_a`.
+    Split([QLinear; 4]),
+}
+
+/// One gated delta-net layer.
+pub struct GatedDeltaNet {
+    c: DeltaNetConfig,
+    projections: Projections,
+    /// `[conv_dim, conv_kernel]`.
+    conv_w: Vec<f32>,
+    dt_bias: Vec<f32>,
+    /// `-exp(A_log)`.
+    a: Vec<f32>,
+    norm: Vec<f32>,
+    out_proj: QLinear,
+    eps: f32,
+}
+
+fn f32s(t: Tensor) -> Result<Vec<f32>> {
+    Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+}
+
+/// One token's inputs in the canonical order: `qkv` `[q; k; v]`, then `z`, `b`, `a`.
+struct Inputs {
+    qkv: Vec<f32>,
+    z: Vec<f32>,
+    b: Vec<f32>,
+    a: Vec<f32>,
+}
+
+impl GatedDeltaNet {
+    /// Loads `{prefix}.*` (`model.layers.{i}.linear_attn`) in either projection layout.
+    pub fn load(c: &ModelConfig, w: &Weights, prefix: &str) -> Result<Self> {
+        let d = c.delta_net.clone().ok_or_else(|| {
+            ModelError::config(w.path(), "a linear-attention layer without its `linear_*` fields")
+        })?;
+        let h = c.hidden_size;
+        let (kw, vw, conv) = (d.key_width(), d.value_width(), d.conv_dim());
+        let name = |n: &str| format!("{prefix}.{n}");
+        let projections = match w.contains(&name("in_proj_qkvz.weight")) {
+            true => Projections::Grouped {
+                qkvz: w.linear(&name("in_proj_qkvz"), 2 * kw + 2 * vw, h, false)?,
+                ba: w.linear(&name("in_proj_ba"), 2 * d.v_heads, h, false)?,
+            },
+            false => Projections::Split([
+                w.linear(&name("in_proj_qkv"), conv, h, false)?,
+                w.linear(&name("in_proj_z"), vw, h, false)?,
+                w.linear(&name("in_proj_b"), d.v_heads, h, false)?,
+                w.linear(&name("in_proj_a"), d.v_heads, h, false)?,
+            ]),
+        };
+        let vec = |n: &str, shape: &[usize]| f32s(w.tensor(&name(n), shape)?);
+        Ok(Self {
+            projections,
+            conv_w: vec("conv1d.weight", &[conv, 1, d.conv_kernel])?,
+            dt_bias: vec("dt_bias", &[d.v_heads])?,
+            a: (vec("A_log", &[d.v_heads])?.iter())
+                .map(|a| -a.exp())
+                .collect(),
+            norm: vec("norm.weight", &[d.v_dim])?,
+            out_proj: w.linear(&name("out_proj"), h, vw, false)?,
+            eps: c.rms_norm_eps as f32,
+            c: d,
+        })
+    }
+
+    /// Every row's inputs, reordered to the canonical layout.
+    fn inputs(&self, x: &Tensor) -> Result<Vec<Inputs>> {
+        let c = &self.c;
+        let (kd, vd, per) = (c.k_dim, c.v_dim, c.v_heads / c.k_heads);
+        let (kw, vw) = (c.key_width(), c.value_width());
+        match &self.projections {
+            Projections::Split(p) => {
+                let outs = QLinear::forward_group(&[&p[0], &p[1], &p[2], &p[3]], x)?;
+                let [qkv, z, b, a] = [0, 1, 2, 3].map(|i| f32s(outs[i].clone()));
+                let (qkv, z, b, a) = (qkv?, z?, b?, a?);
+                let rows = qkv.len() / c.conv_dim();
+                Ok((0..rows)
+                    .map(|r| Inputs {
+                        qkv: qkv[r * c.conv_dim()..][..c.conv_dim()].to_vec(),
+                        z: z[r * vw..][..vw].to_vec(),
+                        b: b[r * c.v_heads..][..c.v_heads].to_vec(),
+                        a: a[r * c.v_heads..][..c.v_heads].to_vec(),
+                    })
+                    .collect())
+            }
+            Projections::Grouped { qkvz, ba } => {
+                let outs = QLinear::forward_group(&[qkvz, ba], x)?;
+                let (qkvz, ba) = (f32s(outs[0].clone())?, f32s(outs[1].clone())?);
+                let (group, rows) = (2 * kd + 2 * per * vd, ba.len() / (2 * c.v_heads));
+                Ok((0..rows)
+                    .map(|r| {
+                        let mut i = Inputs {
+                            qkv: vec![0.0; c.conv_dim()],
+                            z: vec![0.0; vw],
+                            b: vec![0.0; c.v_heads],
+                            a: vec![0.0; c.v_heads],
+                        };
+                        for g in 0..c.k_heads {
+                            let src = &qkvz[(r * c.k_heads + g) * group..][..group];
+                            let (q, rest) = src.split_at(kd);
+                            let (k, rest) = rest.split_at(kd);
+                            let (v, z) = rest.split_at(per * vd);
+                            i.qkv[g * kd..][..kd].copy_from_slice(q);
+                            i.qkv[kw + g * kd..][..kd].copy_from_slice(k);
+                            i.qkv[2 * kw + g * per * vd..][..per * vd].copy_from_slice(v);
+                            i.z[g * per * vd..][..per * vd].copy_from_slice(z);
+                            let src = &ba[(r * c.k_heads + g) * 2 * per..][..2 * per];
+                            i.b[g * per..][..per].copy_from_slice(&src[..per]);
+                            i.a[g * per..][..per].copy_from_slice(&src[per..]);
+                        }
+                        i
+                    })
+                    .collect())
+            }
+        }
+    }
+
+    /// `x: [1, rows, hidden]` (normed), the stacked rows of `segments` → `[1, rows, hidden]`.
+    pub fn forward(&self, x: &Tensor, segments: &mut [Segment]) -> Result<Tensor> {
+        let inputs = self.inputs(x)?;
+        let vw = self.c.value_width();
+        let mut y = vec![0f32; inputs.len() * vw];
+        let mut conv_out = vec![0f32; self.c.conv_dim()];
+        let mut row = 0;
+        for s in segments.iter_mut() {
+            let Some(cache) = s.cache.recurrent() else {
+                let why = "gated delta-net: a layer's cache holds no recurrent state";
+                return Err(peregrine_tensor::candle::Error::Msg(why.into()).into());
+            };
+            for _ in 0..s.len {
+                let out = &mut y[row * vw..][..vw];
+                self.step(cache.advance(), &inputs[row], &mut conv_out, out);
+                row += 1;
+            }
+        }
+        let y = Tensor::from_vec(y, (1, row, vw), x.device())?.to_dtype(x.dtype())?;
+        Ok(self.out_proj.forward(&y)?)
+    }
+
+    /// One position: `state` (conv window, then every head's `S`) is updated, `out` gets the
+    /// gated, normed output heads. `qkv` is the conv's output buffer.
+    fn step(&self, state: &mut [f32], x: &Inputs, qkv: &mut [f32], out: &mut [f32]) {
+        let c = &self.c;
+        let (conv, k) = (c.conv_dim(), c.conv_kernel);
+        let (window, s) = state.split_at_mut(conv * (k - 1));
+        for ch in 0..conv {
+            let w = &self.conv_w[ch * k..][..k];
+            let past = &mut window[ch * (k - 1)..][..k - 1];
+            let mut acc = w[k - 1] * x.qkv[ch];
+            for (j, p) in past.iter().enumerate() {
+                acc += w[j] * p;
+            }
+            past.rotate_left(1);
+            past[k - 2] = x.qkv[ch];
+            qkv[ch] = silu(acc);
+        }
+        let (kd, vd, kw) = (c.k_dim, c.v_dim, c.key_width());
+        let (q, rest) = qkv.split_at_mut(kw);
+        let (keys, v) = rest.split_at_mut(kw);
+        let scale = (kd as f32).powf(-0.5);
+        for (qh, kh) in q.chunks_exact_mut(kd).zip(keys.chunks_exact_mut(kd)) {
+            l2_normalize(qh, scale);
+            l2_normalize(kh, 1.0);
+        }
+        let per = c.v_heads / c.k_heads;
+        let mut delta = vec![0f32; vd];
+        for h in 0..c.v_heads {
+            let g = h / per;
+            let (qh, kh, vh) = (&q[g * kd..][..kd], &keys[g * kd..][..kd], &v[h * vd..][..vd]);
+            let sh = &mut s[h * kd * vd..][..kd * vd];
+            let decay = (self.a[h] * softplus(x.a[h] + self.dt_bias[h])).exp();
+            let beta = sigmoid(x.b[h]);
+            sh.iter_mut().for_each(|s| *s *= decay);
+            delta.copy_from_slice(vh);
+            for (i, row) in sh.chunks_exact(vd).enumerate() {
+                delta.iter_mut().zip(row).for_each(|(d, s)| *d -= s * kh[i]);
+            }
+            delta.iter_mut().for_each(|d| *d *= beta);
+            let oh = &mut out[h * vd..][..vd];
+            oh.fill(0.0);
+            for (i, row) in sh.chunks_exact_mut(vd).enumerate() {
+                for ((s, d), o) in row.iter_mut().zip(&delta).zip(oh.iter_mut()) {
+                    *s += kh[i] * d;
+                    *o += *s * qh[i];
+                }
+            }
+            rms_norm_rows_in_place(oh, &self.norm, self.eps);
+            for (o, z) in oh.iter_mut().zip(&x.z[h * vd..][..vd]) {
+                *o *= silu(*z);
+            }
+        }
+    }
+
+    /// Bytes of weights.
+    pub fn weight_bytes(&self) -> usize {
+        let projections = match &self.projections {
+            Projections::Grouped { qkvz, ba } => qkvz.weight_bytes() + ba.weight_bytes(),
+            Projections::Split(p) => p.iter().map(QLinear::weight_bytes).sum(),
+        };
+        projections + self.out_proj.weight_bytes() + 4 * (self.conv_w.len() + self.norm.len())
+    }
+}
+
+/// `x · scale / sqrt(Σx² + 1e-6)` (the FLA library's L2 norm, as transformers writes it).
+fn l2_normalize(x: &mut [f32], scale: f32) {
+    let sum: f32 = x.iter().map(|v| v * v).sum();
+    let inv = scale / (sum + 1e-6).sqrt();
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// PyTorch's softplus (linear above 20).
+pub(crate) fn softplus(x: f32) -> f32 {
+    if x > 20.0 { x } else { x.exp().ln_1p() }
+}
