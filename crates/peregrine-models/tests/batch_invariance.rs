@@ -106,6 +106,8 @@ fn a_batched_pass_equals_each_sequences_own() {
         (common::fixture("mistral/hf"), false),
         // Recurrent layers: each sequence's rows run on its own state.
         (common::fixture("mamba2/hf"), false),
+        (common::fixture("qwen3_next/hf"), false),
+        (common::fixture("qwen3_5/hf"), false),
     ];
     for (path, exact) in models {
         let model = peregrine_models::load_model(&path, &LoadOptions::default())

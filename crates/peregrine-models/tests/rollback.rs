@@ -82,13 +82,20 @@ fn generate_trim_regenerate_equals_never_having_generated() {
     }
 }
 
-/// A recurrent model (Mamba 2) rolls back exactly: generate 20 tokens greedily, trim the last
-/// `k`, regenerate greedily; the logits and ids are bit-identical to a sequence that stopped
-/// after `20 - k` tokens and went on (the restored state is the very state that sequence had).
-/// Past the rollback depth the trim is refused and the cache is unchanged.
+/// Every recurrent fixture (Mamba 2; the Qwen3-Next and Qwen3.5 hybrids, whose attention
+/// layers trim beside the recurrent ones) rolls back exactly: generate 20 tokens greedily, trim
+/// the last `k`, regenerate greedily; the logits and ids are bit-identical to a sequence that
+/// stopped after `20 - k` tokens and went on (the restored state is the very state that
+/// sequence had). Past the rollback depth the trim is refused and the cache is unchanged.
 #[test]
 fn recurrent_state_rolls_back_exactly() {
-    let model = load_model(&fixture("mamba2/hf"), &LoadOptions::default())
+    for arch in ["mamba2", "qwen3_next", "qwen3_5", "qwen3_5_moe"] {
+        check_rollback(arch);
+    }
+}
+
+fn check_rollback(arch: &str) {
+    let model = load_model(&fixture(&format!("{arch}/hf")), &LoadOptions::default())
         .unwrap()
         .model;
     let kv = KvOptions {
@@ -123,9 +130,14 @@ fn recurrent_state_rolls_back_exactly() {
         let mut fresh = SequenceCache::new(&model.cache_spec(), &kv);
         let fresh_first = start(&mut fresh);
         let fresh_kept = generate(&mut fresh, fresh_first, 20 - k);
-        assert_eq!(fresh_kept, kept, "k {k}: the same first {} tokens", 20 - k);
+        assert_eq!(
+            fresh_kept,
+            kept,
+            "{arch} k {k}: the same first {} tokens",
+            20 - k
+        );
         let want = generate(&mut fresh, resume, 10);
-        assert_eq!(again, want, "k {k}: regenerated after the trim");
+        assert_eq!(again, want, "{arch} k {k}: regenerated after the trim");
     }
     let mut cache = SequenceCache::new(&model.cache_spec(), &kv);
     let first = start(&mut cache);

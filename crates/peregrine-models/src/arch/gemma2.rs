@@ -27,8 +27,10 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
     config.query_pre_attn_scalar = Some(fields.opt_f64("query_pre_attn_scalar")?.unwrap_or(256.0));
     config.sliding_window = Some(fields.opt_usize("sliding_window")?.unwrap_or(4096));
     let layers = config.num_hidden_layers;
-    config.sliding_layers =
-        Some(layer_types(fields, layers, "sliding_attention")?.unwrap_or_else(|| sliding_pattern(layers, 2)));
+    config.sliding_layers = Some(
+        layer_types(fields, layers, "sliding_attention")?
+            .unwrap_or_else(|| sliding_pattern(layers, 2)),
+    );
     let cap = |key: &str, default: f64| -> Result<Option<f64>> {
         let cap = match fields.contains(key) {
             true => fields.opt_f64(key)?,

@@ -41,7 +41,8 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
     config.tie_word_embeddings = fields.opt_bool("tie_word_embeddings")?.unwrap_or(true);
     config.sliding_window = Some(fields.opt_usize("sliding_window")?.unwrap_or(512));
     let layers = config.num_hidden_layers;
-    let mut sliding = layer_types(fields, layers, "sliding_attention")?.unwrap_or_else(|| sliding_pattern(layers, 6));
+    let mut sliding = layer_types(fields, layers, "sliding_attention")?
+        .unwrap_or_else(|| sliding_pattern(layers, 6));
     // transformers forces the last layer to be full.
     sliding[layers - 1] = false;
     if fields.get("rope_parameters").is_none() {

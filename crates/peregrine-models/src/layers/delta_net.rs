@@ -42,7 +42,10 @@ impl DeltaNetConfig {
     /// Reads the `linear_*` fields and `layer_types` (else every `full_attention_interval`-th
     /// layer is full attention, 4 by default, as transformers derives it).
     pub fn from_hf(fields: &Fields, num_layers: usize) -> Result<Self> {
-        let every = fields.opt_usize("full_attention_interval")?.unwrap_or(4).max(1);
+        let every = fields
+            .opt_usize("full_attention_interval")?
+            .unwrap_or(4)
+            .max(1);
         let layers = match layer_types(fields, num_layers, "linear_attention")? {
             Some(layers) => layers,
             None => (0..num_layers).map(|i| (i + 1) % every != 0).collect(),
@@ -123,7 +126,10 @@ impl GatedDeltaNet {
     /// Loads `{prefix}.*` (`model.layers.{i}.linear_attn`) in either projection layout.
     pub fn load(c: &ModelConfig, w: &Weights, prefix: &str) -> Result<Self> {
         let d = c.delta_net.clone().ok_or_else(|| {
-            ModelError::config(w.path(), "a linear-attention layer without its `linear_*` fields")
+            ModelError::config(
+                w.path(),
+                "a linear-attention layer without its `linear_*` fields",
+            )
         })?;
         let h = c.hidden_size;
         let (kw, vw, conv) = (d.key_width(), d.value_width(), d.conv_dim());
@@ -258,7 +264,11 @@ impl GatedDeltaNet {
         let mut delta = vec![0f32; vd];
         for h in 0..c.v_heads {
             let g = h / per;
-            let (qh, kh, vh) = (&q[g * kd..][..kd], &keys[g * kd..][..kd], &v[h * vd..][..vd]);
+            let (qh, kh, vh) = (
+                &q[g * kd..][..kd],
+                &keys[g * kd..][..kd],
+                &v[h * vd..][..vd],
+            );
             let sh = &mut s[h * kd * vd..][..kd * vd];
             let decay = (self.a[h] * softplus(x.a[h] + self.dt_bias[h])).exp();
             let beta = sigmoid(x.b[h]);
