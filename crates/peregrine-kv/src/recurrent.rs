@@ -1,9 +1,10 @@
-//! A recurrent layer's memory (Mamba 2's conv and SSM states, later gated delta-net's): a
-//! fixed-size state instead of keys and values, so it cannot be cut back like a KV cache.
-//! Rollback keeps the states after each of the last `depth` positions (a ring of copies):
-//! `trim(n)` for `n ≤ depth` restores one exactly. Each position costs one copy of the state
-//! (memory `(1 + depth) · state`); the alternative, a snapshot every k tokens plus re-running
-//! up to k of them, needs the model inside the cache and saves memory only for deep rollbacks.
+//! A recurrent layer's memory (Mamba 2's conv and SSM states, gated delta-net's conv and delta
+//! states): a fixed-size state instead of keys and values, so it cannot be cut back like a KV
+//! cache. Rollback keeps the states before each of the last `depth` positions (a ring of
+//! copies): `trim(n)` for `n ≤ depth` restores one exactly. Memory is `(1 + depth) · state`;
+//! time one state copy per decoded position, and at most `depth` per prompt pass however long.
+//! The alternative, a snapshot every k tokens plus re-running up to k of them, needs the model
+//! inside the cache and saves memory only for deep rollbacks.
 
 use std::collections::VecDeque;
 
@@ -47,9 +48,14 @@ impl RecurrentCache {
     }
 
     /// Starts the next position: the current state is kept for rollback and returned to be
-    /// updated in place.
-    pub fn advance(&mut self) -> &mut [f32] {
-        if self.depth > 0 {
+    /// updated in place. `after` is how many more positions the same pass runs: a state that
+    /// would fall out of the last `depth` by the pass's end is not copied (the older copies
+    /// are dropped instead, since rollback needs an unbroken run), so a long prompt costs at
+    /// most `depth` copies.
+    pub fn advance(&mut self, after: usize) -> &mut [f32] {
+        if after >= self.depth {
+            self.history.clear();
+        } else {
             let mut kept = match self.history.len() == self.depth {
                 true => self.history.pop_front().expect("depth > 0"),
                 false => Vec::with_capacity(self.state.len()),
@@ -116,7 +122,7 @@ mod tests {
 
     /// Position `p`'s update: a state that depends on every earlier position's.
     fn step(cache: &mut RecurrentCache, p: usize) {
-        for (i, s) in cache.advance().iter_mut().enumerate() {
+        for (i, s) in cache.advance(0).iter_mut().enumerate() {
             *s = *s * 0.5 + (p * 7 + i) as f32;
         }
     }
@@ -138,6 +144,24 @@ mod tests {
             short.state(),
             "a refused trim changes nothing"
         );
+    }
+
+    /// A pass of many positions keeps only the states its last `depth` positions need, and
+    /// rolls back as one of single positions does.
+    #[test]
+    fn a_long_pass_keeps_only_the_last_states() {
+        let (mut pass, mut single) = (RecurrentCache::new(3, 4), RecurrentCache::new(3, 4));
+        for p in 0..10 {
+            for (i, s) in pass.advance(9 - p).iter_mut().enumerate() {
+                *s = *s * 0.5 + (p * 7 + i) as f32;
+            }
+            step(&mut single, p);
+        }
+        assert_eq!(pass.bytes(), single.bytes(), "4 states kept, not 10");
+        assert!(pass.can_trim(4) && !pass.can_trim(5));
+        pass.trim(4).unwrap();
+        single.trim(4).unwrap();
+        assert_eq!(pass.state(), single.state());
     }
 
     #[test]

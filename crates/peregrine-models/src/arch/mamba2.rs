@@ -236,8 +236,8 @@ impl Mamba2Lm {
                 let why = "mamba2: a layer's cache holds no recurrent state";
                 return Err(peregrine_tensor::candle::Error::Msg(why.into()).into());
             };
-            for _ in 0..s.len {
-                let state = cache.advance();
+            for j in 0..s.len {
+                let state = cache.advance(s.len - 1 - j);
                 let out = &mut y[row * inner..][..inner];
                 self.step(
                     m,

@@ -225,9 +225,10 @@ impl GatedDeltaNet {
                 let why = "gated delta-net: a layer's cache holds no recurrent state";
                 return Err(peregrine_tensor::candle::Error::Msg(why.into()).into());
             };
-            for _ in 0..s.len {
+            for j in 0..s.len {
                 let out = &mut y[row * vw..][..vw];
-                self.step(cache.advance(), &inputs[row], &mut conv_out, out);
+                let state = cache.advance(s.len - 1 - j);
+                self.step(state, &inputs[row], &mut conv_out, out);
                 row += 1;
             }
         }
