@@ -14,15 +14,23 @@ use peregrine_tensor::DType;
 /// Positions a cache buffer may hold past its length (they grow in steps of this many).
 const GROWTH_SLACK: usize = 256;
 
-/// Bytes the caches of `spec` (one per layer) can take for `positions` positions with `kv`:
-/// every layer as wide as the widest (an upper bound where layers differ or share their KV),
-/// sliding layers no longer than their window.
+/// Bytes the caches of `spec` (one per layer) can take for `positions` positions with `kv`,
+/// with room for the buffers' growth: the reservation a request holds.
 pub(crate) fn kv_bytes(
     config: &ModelConfig,
     spec: &[LayerKind],
     kv: &KvOptions,
     positions: usize,
 ) -> usize {
+    let rows = row_bytes(config, kv);
+    (spec.iter())
+        .map(|kind| layer_bytes(kind, rows, kv, positions, GROWTH_SLACK))
+        .sum()
+}
+
+/// One attention position's keys and values in bytes: every layer as wide as the widest (an
+/// upper bound where layers differ or share their KV).
+fn row_bytes(config: &ModelConfig, kv: &KvOptions) -> usize {
     let widest = (config.layer_specs.iter())
         .map(|l| l.num_key_value_heads * l.head_dim)
         .chain([config.num_key_value_heads * config.head_dim])
@@ -41,17 +49,66 @@ pub(crate) fn kv_bytes(
         (None, None, Some(DType::F16 | DType::BF16)) => 2000,
         _ => 4000,
     };
-    let row_bytes = (2 * widest * milli).div_ceil(1000);
-    let layer_positions = |kind: &LayerKind| match kind {
-        LayerKind::Sliding { window } => positions.min(*window) + GROWTH_SLACK,
-        _ => positions + GROWTH_SLACK,
-    };
-    let layer_bytes = |kind: &LayerKind| match kind {
-        // A fixed state, and a copy per position it can roll back.
+    (2 * widest * milli).div_ceil(1000)
+}
+
+/// One layer's cache at `positions` positions, `slack` more for attention buffers' growth; a
+/// recurrent layer holds its state and a copy per position it can roll back, whatever the
+/// context.
+fn layer_bytes(
+    kind: &LayerKind,
+    row_bytes: usize,
+    kv: &KvOptions,
+    positions: usize,
+    slack: usize,
+) -> usize {
+    match kind {
         LayerKind::Recurrent { state } => RecurrentCache::max_bytes(*state, kv.recurrent_depth()),
-        _ => layer_positions(kind) * row_bytes,
-    };
-    spec.iter().map(layer_bytes).sum()
+        LayerKind::Sliding { window } => (positions.min(*window) + slack) * row_bytes,
+        _ => (positions + slack) * row_bytes,
+    }
+}
+
+/// What one kind of layer holds at a context length ([`cache_memory`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerMemory {
+    /// `full`, `sliding` (with its window) or `recurrent`.
+    pub kind: String,
+    /// Layers of this kind.
+    pub layers: usize,
+    /// Bytes they hold together.
+    pub bytes: usize,
+}
+
+/// KV and recurrent-state bytes one sequence of `positions` positions holds with `kv`, per
+/// kind of layer in the order they first appear: full attention grows with the context,
+/// sliding layers stop at their window, recurrent layers are fixed. Never every layer counted
+/// as full attention.
+pub fn cache_memory(
+    config: &ModelConfig,
+    spec: &[LayerKind],
+    kv: &KvOptions,
+    positions: usize,
+) -> Vec<LayerMemory> {
+    let rows = row_bytes(config, kv);
+    let mut out: Vec<LayerMemory> = Vec::new();
+    for layer in spec {
+        let kind = match layer {
+            LayerKind::Recurrent { .. } => "recurrent".to_string(),
+            LayerKind::Sliding { window } => format!("sliding (window {window})"),
+            _ => "full".to_string(),
+        };
+        let bytes = layer_bytes(layer, rows, kv, positions, 0);
+        match out.iter_mut().find(|m| m.kind == kind) {
+            Some(m) => (m.layers, m.bytes) = (m.layers + 1, m.bytes + bytes),
+            None => out.push(LayerMemory {
+                kind,
+                layers: 1,
+                bytes,
+            }),
+        }
+    }
+    out
 }
 
 /// A share of a total of KV bytes, given back when dropped: a sequence's live bytes (kept

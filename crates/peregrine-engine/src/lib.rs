@@ -32,6 +32,7 @@ pub use chat_template::{ChatMessage, ChatTemplate};
 pub use constraint::{Constraint, Grammar};
 pub use engine::{Engine, EngineConfig, EventStream};
 pub use error::EngineError;
+pub use kv_budget::{LayerMemory, cache_memory};
 pub use peregrine_models::weights::MlxActivations;
 pub use peregrine_models::{KvOptions, KvQuant, TurboOptions};
 pub use peregrine_sampling::{SamplingParams, TokenLogprob};

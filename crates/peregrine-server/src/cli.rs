@@ -1,4 +1,4 @@
-//! Command-line interface: `generate`, `chat`, `logits`, `bench`, `serve`, `quantize`.
+//! Command-line interface: `generate`, `chat`, `logits`, `bench`, `info`, `serve`, `quantize`.
 
 use std::io::Write;
 use std::ops::Range;
@@ -36,6 +36,9 @@ enum Command {
     Logits(LogitsArgs),
     /// Measure prefill and decode speed; prints one JSON object.
     Bench(crate::bench::BenchArgs),
+    /// Print the model's weight bytes and the KV cache and recurrent state one sequence holds
+    /// at the context length (`--ctx-size`), per kind of layer.
+    Info(crate::info::InfoArgs),
     /// Serve the model over an OpenAI-compatible HTTP API.
     Serve(crate::server::ServeArgs),
     /// Write an MLX affine-quantized checkpoint (mlx-lm loads it) or a GGUF file (`--format gguf`)
@@ -79,7 +82,7 @@ pub struct ModelArgs {
     /// Tokens a sequence holds before TurboQuant compresses anything.
     #[arg(long, default_value_t = 2048)]
     pub turbo_threshold: usize,
-    /// Positions a recurrent layer (Mamba 2) can roll back exactly: each keeps a copy of the
+    /// Positions a recurrent layer (Mamba 2, gated delta-net) can roll back exactly: each keeps a copy of the
     /// layer's state, so memory is `(1 + N) ×` the state.
     #[arg(long, default_value_t = peregrine_models::DEFAULT_RECURRENT_ROLLBACK)]
     pub recurrent_rollback: usize,
@@ -234,6 +237,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Chat(args) => crate::chat::run(args),
         Command::Logits(args) => logits(args),
         Command::Bench(args) => crate::bench::run(args, cli.threads),
+        Command::Info(args) => crate::info::run(args),
         Command::Serve(args) => crate::server::run(args),
         Command::Quantize(args) => crate::quantize::run(args),
     }

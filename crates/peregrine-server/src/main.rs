@@ -4,6 +4,7 @@ mod bench;
 mod chat;
 mod cli;
 mod hub;
+mod info;
 mod quantize;
 mod server;
 

@@ -115,7 +115,8 @@ pub struct ServeArgs {
     /// reports (default: the file or folder name).
     #[arg(long)]
     alias: Vec<String>,
-    /// Print the model, its memory estimate and context length, and exit.
+    /// Print the model, its weight and cache bytes and context length as JSON, and exit (as
+    /// `peregrine info --json`).
     #[arg(long)]
     info: bool,
     /// Shut down when stdin reaches end-of-file (for supervisors and tests: the server goes
@@ -328,7 +329,7 @@ fn json_response(status: u16, body: &serde_json::Value) -> Response<Body> {
     response
 }
 
-fn model_id(arg: &str) -> String {
+pub(crate) fn model_id(arg: &str) -> String {
     let path = Path::new(arg.trim_end_matches('/'));
     let name = if path.is_dir() {
         path.file_name()
@@ -368,12 +369,7 @@ fn load(args: &ServeArgs, parallel: usize, queue_size: usize) -> Result<Engine> 
 pub fn run(args: ServeArgs) -> Result<()> {
     if args.info {
         let engine = load(&args, 1, 1)?;
-        let info = serde_json::json!({
-            "model": model_id(&args.model.model),
-            "weight_bytes": engine.model().weight_bytes(),
-            "context_length": engine.max_context(),
-            "vocab_size": engine.tokenizer().vocab_size(),
-        });
+        let info = crate::info::report(&engine, &model_id(&args.model.model), &args.model);
         println!("{info:#}");
         return Ok(());
     }

@@ -1,0 +1,100 @@
+//! `peregrine info` (and `serve --info`): what a model is and what it will hold in memory —
+//! its weights, and the KV cache and recurrent state one sequence takes at the context length,
+//! counted per kind of layer (full attention grows with the context, sliding layers stop at
+//! their window, recurrent layers keep a fixed state).
+
+use anyhow::Result;
+use clap::Args;
+use peregrine_engine::{Engine, LayerMemory, cache_memory};
+use serde_json::{Value, json};
+
+use crate::cli::ModelArgs;
+
+#[derive(Debug, Args)]
+pub struct InfoArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The report as JSON: `weight_bytes`, `context_length`, `cache_bytes` (KV + recurrent state
+/// of one sequence at that context) and `layers` (`kind`, `layers`, `bytes` per kind).
+pub fn report(engine: &Engine, model_id: &str, args: &ModelArgs) -> Value {
+    let model = engine.model();
+    let kv = args.engine_config().kv;
+    let memory = cache_memory(
+        model.config(),
+        &model.cache_spec(),
+        &kv,
+        engine.max_context(),
+    );
+    let layers: Vec<Value> = (memory.iter())
+        .map(
+            |LayerMemory {
+                 kind,
+                 layers,
+                 bytes,
+             }| { json!({"kind": kind, "layers": layers, "bytes": bytes}) },
+        )
+        .collect();
+    json!({
+        "model": model_id,
+        "architecture": model.config().model_type,
+        "weight_bytes": model.weight_bytes(),
+        "context_length": engine.max_context(),
+        "vocab_size": engine.tokenizer().vocab_size(),
+        "kv_cache": kv_label(args),
+        "cache_bytes": memory.iter().map(|m| m.bytes).sum::<usize>(),
+        "layers": layers,
+    })
+}
+
+/// The KV storage the flags choose, as `--cache-type` names it (or `q4`/`q8`, `turbo`).
+fn kv_label(args: &ModelArgs) -> String {
+    match (args.turbo_kv, args.kv_bits) {
+        (true, _) => "turbo".into(),
+        (false, Some(bits)) => format!("q{bits}"),
+        (false, None) => args.cache_type.as_deref().unwrap_or("f16").into(),
+    }
+}
+
+fn mib(bytes: &Value) -> String {
+    format!(
+        "{:.1} MiB",
+        bytes.as_u64().unwrap_or(0) as f64 / (1 << 20) as f64
+    )
+}
+
+/// Runs `peregrine info`.
+pub fn run(args: InfoArgs) -> Result<()> {
+    let engine = args.model.load()?;
+    let r = report(
+        &engine,
+        &crate::server::model_id(&args.model.model),
+        &args.model,
+    );
+    if args.json {
+        println!("{r:#}");
+        return Ok(());
+    }
+    let text = |key: &str| r[key].as_str().unwrap_or("").to_string();
+    println!("model         {} ({})", text("model"), text("architecture"));
+    println!("weights       {}", mib(&r["weight_bytes"]));
+    println!(
+        "cache         {} for one sequence of {} positions ({} KV)",
+        mib(&r["cache_bytes"]),
+        r["context_length"],
+        text("kv_cache")
+    );
+    for layer in r["layers"].as_array().into_iter().flatten() {
+        println!(
+            "  {:<22} {:>4} layers  {}",
+            layer["kind"].as_str().unwrap_or(""),
+            layer["layers"],
+            mib(&layer["bytes"])
+        );
+    }
+    Ok(())
+}
