@@ -51,6 +51,22 @@ pub fn report(engine: &Engine, model_id: &str, args: &ModelArgs) -> Value {
     })
 }
 
+/// One line for the server's startup log: weights, and the cache of one sequence at the
+/// context length by kind of layer.
+pub fn summary(engine: &Engine, args: &ModelArgs) -> String {
+    let r = report(engine, "", args);
+    let kinds: Vec<String> = (r["layers"].as_array().into_iter().flatten())
+        .map(|l| format!("{} {}", l["layers"], l["kind"].as_str().unwrap_or("")))
+        .collect();
+    format!(
+        "weights {}; KV + state per sequence at {} positions {} ({})",
+        mib(&r["weight_bytes"]),
+        r["context_length"],
+        mib(&r["cache_bytes"]),
+        kinds.join(", ")
+    )
+}
+
 /// The KV storage the flags choose, as `--cache-type` names it (or `q4`/`q8`, `turbo`).
 fn kv_label(args: &ModelArgs) -> String {
     match (args.turbo_kv, args.kv_bits) {

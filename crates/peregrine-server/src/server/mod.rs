@@ -451,8 +451,9 @@ async fn serve(args: ServeArgs, state: Arc<State>) -> Result<()> {
         }
         match load(&args, parallel(&args), args.queue_size) {
             Ok(engine) => {
+                let memory = crate::info::summary(&engine, &args.model);
                 let _ = loader.engine.set(Arc::new(engine));
-                eprintln!("peregrine: model `{}` ready", loader.model_id);
+                eprintln!("peregrine: model `{}` ready ({memory})", loader.model_id);
             }
             Err(e) => {
                 eprintln!("error: {e:#}");
