@@ -42,6 +42,21 @@ impl RecurrentCache {
         4 * state * (1 + depth)
     }
 
+    /// Positions it can roll back at most.
+    pub fn depth(&self) -> usize {
+        self.depth
+    }
+
+    /// Starts `n` positions run at once (a prompt's bulk, in a chunked form): no state within
+    /// them is kept, so rollback reaches back to their end only (older copies are dropped).
+    pub fn advance_span(&mut self, n: usize) -> &mut [f32] {
+        if n > 0 {
+            self.history.clear();
+            self.len += n;
+        }
+        &mut self.state
+    }
+
     /// The state after the last position.
     pub fn state(&self) -> &[f32] {
         &self.state

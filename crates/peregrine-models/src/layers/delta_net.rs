@@ -17,7 +17,10 @@ use peregrine_tensor::{DType, QLinear, Tensor};
 
 use crate::arch::gemma3::layer_types;
 use crate::config::Fields;
+use rayon::prelude::*;
+
 use crate::layers::batch::Segment;
+use crate::layers::delta_rule::{self, HeadInputs};
 use crate::weights::Weights;
 use crate::{ModelConfig, ModelError, Result};
 
@@ -63,6 +66,14 @@ impl DeltaNetConfig {
                 "`linear_num_key_heads` {} must divide `linear_num_value_heads` {}, and \
                  `linear_conv_kernel_dim` {} be at least 2",
                 c.k_heads, c.v_heads, c.conv_kernel
+            )));
+        }
+        if c.v_dim == 0 || c.v_dim > delta_rule::MAX_V_DIM || c.k_dim == 0 {
+            return Err(fields.err(format!(
+                "`linear_value_head_dim` {} must be 1 to {} and `linear_key_head_dim` {} positive",
+                c.v_dim,
+                delta_rule::MAX_V_DIM,
+                c.k_dim
             )));
         }
         Ok(c)
@@ -214,21 +225,31 @@ impl GatedDeltaNet {
     }
 
     /// `x: [1, rows, hidden]` (normed), the stacked rows of `segments` → `[1, rows, hidden]`.
+    /// A sequence's positions beyond the last `depth` (those no rollback returns to) run in
+    /// the chunked form; the rest one at a time, each state kept for rollback.
     pub fn forward(&self, x: &Tensor, segments: &mut [Segment]) -> Result<Tensor> {
         let inputs = self.inputs(x)?;
         let vw = self.c.value_width();
         let mut y = vec![0f32; inputs.len() * vw];
-        let mut conv_out = vec![0f32; self.c.conv_dim()];
         let mut row = 0;
         for s in segments.iter_mut() {
             let Some(cache) = s.cache.recurrent() else {
                 let why = "gated delta-net: a layer's cache holds no recurrent state";
                 return Err(peregrine_tensor::candle::Error::Msg(why.into()).into());
             };
-            for j in 0..s.len {
-                let out = &mut y[row * vw..][..vw];
+            let bulk = s.len.saturating_sub(cache.depth());
+            if bulk > 0 {
+                let rows = &inputs[row..row + bulk];
+                self.span(
+                    cache.advance_span(bulk),
+                    rows,
+                    &mut y[row * vw..][..bulk * vw],
+                );
+                row += bulk;
+            }
+            for j in bulk..s.len {
                 let state = cache.advance(s.len - 1 - j);
-                self.step(state, &inputs[row], &mut conv_out, out);
+                self.span(state, &inputs[row..=row], &mut y[row * vw..][..vw]);
                 row += 1;
             }
         }
@@ -236,61 +257,87 @@ impl GatedDeltaNet {
         Ok(self.out_proj.forward(&y)?)
     }
 
-    /// One position: `state` (conv window, then every head's `S`) is updated, `out` gets the
-    /// gated, normed output heads. `qkv` is the conv's output buffer.
-    fn step(&self, state: &mut [f32], x: &Inputs, qkv: &mut [f32], out: &mut [f32]) {
+    /// `rows` consecutive positions from `state` (conv window, then every head's `S`): the
+    /// conv, then each value head (in parallel) through the delta rule — one position by
+    /// recurrence, more in the chunked form — and the gated norm into `out` `[rows, v_width]`.
+    fn span(&self, state: &mut [f32], rows: &[Inputs], out: &mut [f32]) {
         let c = &self.c;
-        let (conv, k) = (c.conv_dim(), c.conv_kernel);
-        let (window, s) = state.split_at_mut(conv * (k - 1));
-        for ch in 0..conv {
+        let (n, conv, k) = (rows.len(), c.conv_dim(), c.conv_kernel);
+        let (kd, vd, kw, vw) = (c.k_dim, c.v_dim, c.key_width(), c.value_width());
+        let (window, heads) = state.split_at_mut(conv * (k - 1));
+        let mut qkv = vec![0f32; n * conv];
+        for (x, o) in rows.iter().zip(qkv.chunks_exact_mut(conv)) {
+            self.conv(window, &x.qkv, o);
+        }
+        let per = c.v_heads / c.k_heads;
+        let head_out: Vec<Vec<f32>> = (heads.par_chunks_mut(kd * vd).enumerate())
+            .map(|(h, s)| {
+                let g = h / per;
+                let gather = |at: usize, w: usize| -> Vec<f32> {
+                    (qkv.chunks_exact(conv))
+                        .flat_map(|r| r[at..at + w].iter().copied())
+                        .collect()
+                };
+                let (q, keys) = (gather(g * kd, kd), gather(kw + g * kd, kd));
+                let v = gather(2 * kw + h * vd, vd);
+                let decay: Vec<f32> = (rows.iter())
+                    .map(|x| self.a[h] * softplus(x.a[h] + self.dt_bias[h]))
+                    .collect();
+                let beta: Vec<f32> = rows.iter().map(|x| sigmoid(x.b[h])).collect();
+                let mut o = vec![0f32; n * vd];
+                match n {
+                    1 => delta_rule::step(s, &q, &keys, &v, decay[0], beta[0], &mut o),
+                    _ => {
+                        let x = HeadInputs {
+                            q: &q,
+                            k: &keys,
+                            v: &v,
+                            g: &decay,
+                            beta: &beta,
+                        };
+                        delta_rule::chunked(s, &x, &mut o);
+                    }
+                }
+                o
+            })
+            .collect();
+        for (t, x) in rows.iter().enumerate() {
+            for (h, o) in head_out.iter().enumerate() {
+                let oh = &mut out[t * vw + h * vd..][..vd];
+                oh.copy_from_slice(&o[t * vd..][..vd]);
+                rms_norm_rows_in_place(oh, &self.norm, self.eps);
+                for (o, z) in oh.iter_mut().zip(&x.z[h * vd..][..vd]) {
+                    *o *= silu(*z);
+                }
+            }
+        }
+    }
+
+    /// One position through the causal conv and SiLU (`window` shifts in its input), `q` and
+    /// `k` L2-normed per head (`q` scaled by `k_dim^-0.5`): `out` is `[q; k; v]`.
+    fn conv(&self, window: &mut [f32], input: &[f32], out: &mut [f32]) {
+        let c = &self.c;
+        let k = c.conv_kernel;
+        for (ch, o) in out.iter_mut().enumerate() {
             let w = &self.conv_w[ch * k..][..k];
             let past = &mut window[ch * (k - 1)..][..k - 1];
-            let mut acc = w[k - 1] * x.qkv[ch];
+            let mut acc = w[k - 1] * input[ch];
             for (j, p) in past.iter().enumerate() {
                 acc += w[j] * p;
             }
             past.rotate_left(1);
-            past[k - 2] = x.qkv[ch];
-            qkv[ch] = silu(acc);
+            past[k - 2] = input[ch];
+            *o = silu(acc);
         }
-        let (kd, vd, kw) = (c.k_dim, c.v_dim, c.key_width());
-        let (q, rest) = qkv.split_at_mut(kw);
-        let (keys, v) = rest.split_at_mut(kw);
-        let scale = (kd as f32).powf(-0.5);
-        for (qh, kh) in q.chunks_exact_mut(kd).zip(keys.chunks_exact_mut(kd)) {
+        let (q, rest) = out.split_at_mut(c.key_width());
+        let keys = &mut rest[..c.key_width()];
+        let scale = (c.k_dim as f32).powf(-0.5);
+        for (qh, kh) in q
+            .chunks_exact_mut(c.k_dim)
+            .zip(keys.chunks_exact_mut(c.k_dim))
+        {
             l2_normalize(qh, scale);
             l2_normalize(kh, 1.0);
-        }
-        let per = c.v_heads / c.k_heads;
-        let mut delta = vec![0f32; vd];
-        for h in 0..c.v_heads {
-            let g = h / per;
-            let (qh, kh, vh) = (
-                &q[g * kd..][..kd],
-                &keys[g * kd..][..kd],
-                &v[h * vd..][..vd],
-            );
-            let sh = &mut s[h * kd * vd..][..kd * vd];
-            let decay = (self.a[h] * softplus(x.a[h] + self.dt_bias[h])).exp();
-            let beta = sigmoid(x.b[h]);
-            sh.iter_mut().for_each(|s| *s *= decay);
-            delta.copy_from_slice(vh);
-            for (i, row) in sh.chunks_exact(vd).enumerate() {
-                delta.iter_mut().zip(row).for_each(|(d, s)| *d -= s * kh[i]);
-            }
-            delta.iter_mut().for_each(|d| *d *= beta);
-            let oh = &mut out[h * vd..][..vd];
-            oh.fill(0.0);
-            for (i, row) in sh.chunks_exact_mut(vd).enumerate() {
-                for ((s, d), o) in row.iter_mut().zip(&delta).zip(oh.iter_mut()) {
-                    *s += kh[i] * d;
-                    *o += *s * qh[i];
-                }
-            }
-            rms_norm_rows_in_place(oh, &self.norm, self.eps);
-            for (o, z) in oh.iter_mut().zip(&x.z[h * vd..][..vd]) {
-                *o *= silu(*z);
-            }
         }
     }
 

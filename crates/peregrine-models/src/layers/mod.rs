@@ -4,6 +4,7 @@ pub mod attention;
 pub mod batch;
 pub mod decoder;
 pub mod delta_net;
+pub mod delta_rule;
 pub mod mla;
 pub mod mlp;
 pub mod moe;

@@ -22,7 +22,7 @@ pub enum Ffn {
     /// One gated MLP.
     Dense(GatedMlp),
     /// Routed experts.
-    Moe(MoeBlock),
+    Moe(Box<MoeBlock>),
 }
 
 impl Ffn {
@@ -31,7 +31,7 @@ impl Ffn {
     pub fn load(c: &ModelConfig, w: &Weights, layer: usize) -> Result<Self> {
         match &c.moe {
             Some(moe) if moe.sparse_layers[layer] => {
-                Ok(Self::Moe(MoeBlock::load(c, w, layer, moe)?))
+                Ok(Self::Moe(Box::new(MoeBlock::load(c, w, layer, moe)?)))
             }
             _ => Ok(Self::Dense(GatedMlp::load(
                 c,
