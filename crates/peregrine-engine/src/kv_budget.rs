@@ -64,6 +64,10 @@ fn layer_bytes(
 ) -> usize {
     match kind {
         LayerKind::Recurrent { state } => RecurrentCache::max_bytes(*state, kv.recurrent_depth()),
+        LayerKind::FullAndRecurrent { state } => {
+            RecurrentCache::max_bytes(*state, kv.recurrent_depth())
+                + (positions + slack) * row_bytes
+        }
         LayerKind::Sliding { window } => (positions.min(*window) + slack) * row_bytes,
         _ => (positions + slack) * row_bytes,
     }
@@ -95,6 +99,7 @@ pub fn cache_memory(
     for layer in spec {
         let kind = match layer {
             LayerKind::Recurrent { .. } => "recurrent".to_string(),
+            LayerKind::FullAndRecurrent { .. } => "full + recurrent".to_string(),
             LayerKind::Sliding { window } => format!("sliding (window {window})"),
             _ => "full".to_string(),
         };

@@ -6,12 +6,14 @@
 #![warn(missing_docs)]
 
 mod buffer;
+mod parallel;
 mod recurrent;
 mod rotating;
 mod sequence;
 mod simple;
 pub mod turbo;
 
+pub use parallel::ParallelCache;
 pub use recurrent::{DEFAULT_RECURRENT_ROLLBACK, RecurrentCache};
 pub use rotating::RotatingCache;
 pub use sequence::{KvOptions, KvQuant, LayerKind, SequenceCache};

@@ -3,7 +3,10 @@
 use peregrine_tensor::{DType, Result};
 
 use crate::turbo::{TurboCache, TurboOptions};
-use crate::{DEFAULT_RECURRENT_ROLLBACK, LayerCache, RecurrentCache, RotatingCache, SimpleCache};
+use crate::{
+    DEFAULT_RECURRENT_ROLLBACK, LayerCache, ParallelCache, RecurrentCache, RotatingCache,
+    SimpleCache,
+};
 
 /// What kind of memory a layer needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,6 +23,12 @@ pub enum LayerKind {
     },
     /// A fixed-size recurrent state (Mamba 2's conv and SSM states), whatever the length.
     Recurrent {
+        /// f32 values of the state.
+        state: usize,
+    },
+    /// [`Full`](Self::Full) attention and a recurrent mixer side by side in one layer
+    /// (Falcon-H1): a KV cache and a state.
+    FullAndRecurrent {
         /// f32 values of the state.
         state: usize,
     },
@@ -124,6 +133,13 @@ impl SequenceCache {
                         Box::new(TurboCache::new(turbo, Some(window), DEFAULT_ROLLBACK))
                     }
                     (LayerKind::Full, None) => Box::new(SimpleCache::new(dtype).quantized(quant)),
+                    (LayerKind::FullAndRecurrent { state }, turbo) => Box::new(ParallelCache {
+                        kv: match turbo {
+                            Some(turbo) => Box::new(TurboCache::new(turbo, None, DEFAULT_ROLLBACK)),
+                            None => Box::new(SimpleCache::new(dtype).quantized(quant)),
+                        },
+                        state: RecurrentCache::new(state, options.recurrent_depth()),
+                    }),
                     (LayerKind::FullKeysAsValues, _) => {
                         Box::new(SimpleCache::keys_as_values(dtype).quantized(quant))
                     }

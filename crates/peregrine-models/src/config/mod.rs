@@ -91,8 +91,8 @@ pub struct ModelConfig {
     /// How each layer departs from the fields above (Gemma 4: wider global heads, KV shared
     /// with an earlier layer, wider MLPs); empty: every layer is as the fields say.
     pub layer_specs: Vec<LayerSpec>,
-    /// The state-space mixer's sizes, for attention-free models (Mamba 2).
-    pub ssm: Option<crate::arch::mamba2::SsmConfig>,
+    /// The state-space mixer's sizes (Mamba 2; Falcon-H1's, beside its attention).
+    pub ssm: Option<crate::layers::ssm::SsmConfig>,
     /// The gated delta-net layers' sizes and which layers they are (Qwen3-Next, Qwen3.5).
     pub delta_net: Option<crate::layers::delta_net::DeltaNetConfig>,
     /// `q_proj` also gives a per-head output gate, `o_proj(attn · sigmoid(gate))` (Qwen3-Next).

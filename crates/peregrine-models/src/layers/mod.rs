@@ -8,6 +8,7 @@ pub mod delta_rule;
 pub mod mla;
 pub mod mlp;
 pub mod moe;
+pub mod ssm;
 pub mod step;
 
 use peregrine_tensor::ops::rms_norm;

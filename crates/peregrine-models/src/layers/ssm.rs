@@ -1,0 +1,251 @@
+//! The Mamba 2 mixer (Mamba 2's blocks, Falcon-H1's `mamba` beside attention): a selective
+//! state-space layer over a recurrent state.
+//! <https://github.com/huggingface/transformers/blob/main/src/transformers/models/mamba2/modeling_mamba2.py>
+//!
+//! - `in_proj` gives the gate `z` (`inner` wide), the conv input `xBC` (the SSM input `x`,
+//!   then `B` and `C`, `n_groups · state_size` each) and `dt` (one per head); Falcon-H1 scales
+//!   the five parts by its `ssm_multipliers`.
+//! - A causal depthwise conv over `xBC` (kernel `conv_kernel`, bias), then SiLU.
+//! - Per head `h` (its group `h / (heads / n_groups)` gives `B` and `C`):
+//!   `dt = softplus(dt + dt_bias)`, `S = S · exp(dt · A) + dt · x ⊗ B` with `A = -exp(A_log)`,
+//!   `y = S · C + D · x`.
+//! - The gated norm, RMS over groups of `inner / n_groups`: Mamba 2 gates first
+//!   (`norm(y · silu(z))`), Falcon-H1 normalises first (`norm(y) · silu(z)`); without the norm,
+//!   `y · silu(z)`.
+//!
+//! The state (the conv's last `conv_kernel - 1` inputs and every head's `S`) lives in the
+//! sequence's [`RecurrentCache`](peregrine_kv::RecurrentCache). Prompts run the recurrence
+//! token by token (transformers' chunked scan is the same sums in another order).
+
+use peregrine_tensor::ops::{rms_norm_rows_in_place, silu};
+use peregrine_tensor::{DType, QLinear, Tensor};
+
+use crate::Result;
+use crate::layers::batch::Segment;
+use crate::layers::delta_net::softplus;
+use crate::weights::Weights;
+
+/// A Mamba 2 mixer's sizes and variants (HF `Mamba2Config`, Falcon-H1's `mamba_*` fields).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SsmConfig {
+    /// SSM heads (`num_heads`).
+    pub heads: usize,
+    /// Width of one head (`head_dim`).
+    pub head_dim: usize,
+    /// State per head and value (`state_size`).
+    pub state_size: usize,
+    /// Groups sharing `B` and `C` (`n_groups`).
+    pub groups: usize,
+    /// The causal conv's width (`conv_kernel`).
+    pub conv_kernel: usize,
+    /// `in_proj` carries a bias (`use_bias`).
+    pub bias: bool,
+    /// `out_proj` carries a bias (Mamba 2's `use_bias`, Falcon-H1's `projectors_bias`).
+    pub out_bias: bool,
+    /// The conv carries a bias (`use_conv_bias`).
+    pub conv_bias: bool,
+    /// The output is RMS-normed (Falcon-H1's `mamba_rms_norm`; always for Mamba 2).
+    pub gated_norm: bool,
+    /// The norm comes before the gate (Falcon-H1's `mamba_norm_before_gate`).
+    pub norm_before_gate: bool,
+    /// Scales of `in_proj`'s parts `z`, `x`, `B`, `C`, `dt` (Falcon-H1's `ssm_multipliers`).
+    pub multipliers: [f32; 5],
+}
+
+impl SsmConfig {
+    /// Width of the inner stream (`heads · head_dim`, HF's `expand · hidden_size`).
+    pub fn inner(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    /// Channels of the conv: `x`, `B` and `C`.
+    pub fn conv_dim(&self) -> usize {
+        self.inner() + 2 * self.groups * self.state_size
+    }
+
+    /// f32 values of one layer's state: the conv's window, then each head's `S`.
+    pub fn state_len(&self) -> usize {
+        self.conv_dim() * (self.conv_kernel - 1) + self.inner() * self.state_size
+    }
+}
+
+/// One Mamba 2 mixer's weights, as f32 where the recurrence reads them.
+pub struct Mamba2Mixer {
+    c: SsmConfig,
+    z_proj: QLinear,
+    xbc_proj: QLinear,
+    dt_proj: QLinear,
+    /// `[conv_dim, conv_kernel]`.
+    conv_w: Vec<f32>,
+    conv_b: Vec<f32>,
+    dt_bias: Vec<f32>,
+    /// `-exp(A_log)`.
+    a: Vec<f32>,
+    d: Vec<f32>,
+    /// Empty without the gated norm.
+    norm: Vec<f32>,
+    out_proj: QLinear,
+    eps: f32,
+}
+
+fn f32s(t: Tensor) -> Result<Vec<f32>> {
+    Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+}
+
+impl Mamba2Mixer {
+    /// Loads `{prefix}.*` (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`, `norm`, `out_proj`)
+    /// for a model of width `hidden`.
+    pub fn load(c: SsmConfig, w: &Weights, prefix: &str, hidden: usize, eps: f32) -> Result<Self> {
+        let (inner, conv) = (c.inner(), c.conv_dim());
+        let m = prefix;
+        let parts = [inner, conv, c.heads];
+        let proj = w.linear_rows(&format!("{m}.in_proj"), &parts, hidden, c.bias)?;
+        let Ok([z_proj, xbc_proj, dt_proj]) = <[QLinear; 3]>::try_from(proj) else {
+            unreachable!("three parts, three layers")
+        };
+        let vec = |name: &str, shape: &[usize]| f32s(w.tensor(&format!("{m}.{name}"), shape)?);
+        let conv_b = match c.conv_bias {
+            true => vec("conv1d.bias", &[conv])?,
+            false => vec![0.0; conv],
+        };
+        Ok(Self {
+            z_proj,
+            xbc_proj,
+            dt_proj,
+            conv_w: vec("conv1d.weight", &[conv, 1, c.conv_kernel])?,
+            conv_b,
+            dt_bias: vec("dt_bias", &[c.heads])?,
+            a: vec("A_log", &[c.heads])?.iter().map(|a| -a.exp()).collect(),
+            d: vec("D", &[c.heads])?,
+            norm: match c.gated_norm {
+                true => vec("norm.weight", &[inner])?,
+                false => Vec::new(),
+            },
+            out_proj: w.linear(&format!("{m}.out_proj"), hidden, inner, c.out_bias)?,
+            eps,
+            c,
+        })
+    }
+
+    /// `x: [1, rows, hidden]` (normed), the stacked rows of `segments` → `[1, rows, hidden]`.
+    pub fn forward(&self, x: &Tensor, segments: &mut [Segment]) -> Result<Tensor> {
+        let proj = QLinear::forward_group(&[&self.z_proj, &self.xbc_proj, &self.dt_proj], x)?;
+        let [z, xbc, dt] = [&proj[0], &proj[1], &proj[2]].map(|t| f32s(t.clone()));
+        let (mut z, mut xbc, mut dt) = (z?, xbc?, dt?);
+        self.scale_parts(&mut z, &mut xbc, &mut dt);
+        let (inner, conv, heads) = (self.c.inner(), self.c.conv_dim(), self.c.heads);
+        let mut y = vec![0f32; z.len()];
+        let mut conv_out = vec![0f32; conv];
+        let mut row = 0;
+        for s in segments.iter_mut() {
+            let Some(cache) = s.cache.recurrent() else {
+                let why = "mamba2 mixer: a layer's cache holds no recurrent state";
+                return Err(peregrine_tensor::candle::Error::Msg(why.into()).into());
+            };
+            for j in 0..s.len {
+                let state = cache.advance(s.len - 1 - j);
+                let out = &mut y[row * inner..][..inner];
+                let (xbc, dt) = (&xbc[row * conv..][..conv], &dt[row * heads..][..heads]);
+                self.step(state, xbc, dt, &mut conv_out, out);
+                self.gate(out, &z[row * inner..][..inner]);
+                row += 1;
+            }
+        }
+        let y = Tensor::from_vec(y, (1, row, inner), x.device())?.to_dtype(x.dtype())?;
+        Ok(self.out_proj.forward(&y)?)
+    }
+
+    /// `in_proj`'s parts times their multipliers (all ones but for Falcon-H1).
+    fn scale_parts(&self, z: &mut [f32], xbc: &mut [f32], dt: &mut [f32]) {
+        let [mz, mx, mb, mc, mdt] = self.c.multipliers;
+        if self.c.multipliers == [1.0; 5] {
+            return;
+        }
+        let (inner, bc) = (self.c.inner(), self.c.groups * self.c.state_size);
+        z.iter_mut().for_each(|v| *v *= mz);
+        dt.iter_mut().for_each(|v| *v *= mdt);
+        for row in xbc.chunks_exact_mut(self.c.conv_dim()) {
+            let (x, rest) = row.split_at_mut(inner);
+            let (b, cc) = rest.split_at_mut(bc);
+            x.iter_mut().for_each(|v| *v *= mx);
+            b.iter_mut().for_each(|v| *v *= mb);
+            cc.iter_mut().for_each(|v| *v *= mc);
+        }
+    }
+
+    /// One position through the conv (into `xbc`, `conv_dim` wide) and the SSM: `state` is
+    /// updated, `out` gets `y`.
+    fn step(
+        &self,
+        state: &mut [f32],
+        xbc_in: &[f32],
+        dt: &[f32],
+        xbc: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let c = self.c;
+        let (conv, k) = (c.conv_dim(), c.conv_kernel);
+        let (window, s) = state.split_at_mut(conv * (k - 1));
+        // The conv over the window (`k - 1` earlier inputs per channel) and this input.
+        for ch in 0..conv {
+            let w = &self.conv_w[ch * k..][..k];
+            let past = &mut window[ch * (k - 1)..][..k - 1];
+            let mut acc = self.conv_b[ch] + w[k - 1] * xbc_in[ch];
+            for (j, p) in past.iter().enumerate() {
+                acc += w[j] * p;
+            }
+            past.rotate_left(1);
+            past[k - 2] = xbc_in[ch];
+            xbc[ch] = silu(acc);
+        }
+        let (x, bc) = xbc.split_at(c.inner());
+        let (b, cc) = bc.split_at(c.groups * c.state_size);
+        let per_group = c.heads / c.groups;
+        for h in 0..c.heads {
+            let g = h / per_group;
+            let (bg, cg) = (
+                &b[g * c.state_size..][..c.state_size],
+                &cc[g * c.state_size..][..c.state_size],
+            );
+            let dt = softplus(dt[h] + self.dt_bias[h]);
+            let decay = (dt * self.a[h]).exp();
+            for p in 0..c.head_dim {
+                let xv = x[h * c.head_dim + p];
+                let sp = &mut s[(h * c.head_dim + p) * c.state_size..][..c.state_size];
+                let mut acc = 0f32;
+                for n in 0..c.state_size {
+                    sp[n] = sp[n] * decay + dt * bg[n] * xv;
+                    acc += sp[n] * cg[n];
+                }
+                out[h * c.head_dim + p] = acc + self.d[h] * xv;
+            }
+        }
+    }
+
+    /// The gate `silu(z)` and the grouped RMS norm, in the order the variant applies them.
+    fn gate(&self, y: &mut [f32], z: &[f32]) {
+        let gate = |y: &mut [f32]| y.iter_mut().zip(z).for_each(|(v, g)| *v *= silu(*g));
+        if self.norm.is_empty() {
+            return gate(y);
+        }
+        if !self.c.norm_before_gate {
+            gate(y);
+        }
+        let size = y.len() / self.c.groups;
+        for (ys, ws) in y.chunks_exact_mut(size).zip(self.norm.chunks_exact(size)) {
+            rms_norm_rows_in_place(ys, ws, self.eps);
+        }
+        if self.c.norm_before_gate {
+            gate(y);
+        }
+    }
+
+    /// Bytes of weights.
+    pub fn weight_bytes(&self) -> usize {
+        [&self.z_proj, &self.xbc_proj, &self.dt_proj, &self.out_proj]
+            .iter()
+            .map(|l| l.weight_bytes())
+            .sum::<usize>()
+            + 4 * (self.conv_w.len() + self.norm.len())
+    }
+}
