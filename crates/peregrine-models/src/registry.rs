@@ -39,6 +39,15 @@ fn hybrid(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn Cau
     Ok(Arc::new(DecoderLm::<HybridMixer>::load(c, w, max_context)?))
 }
 
+/// Falcon-H1: a Mamba 2 mixer beside attention in every layer.
+fn falcon_h1(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn CausalLm>> {
+    Ok(Arc::new(arch::falcon_h1::FalconH1Lm::load(
+        c,
+        w,
+        max_context,
+    )?))
+}
+
 /// Mamba 2: an attention-free model.
 fn mamba2(c: ModelConfig, w: &Weights, _max_context: usize) -> Result<Arc<dyn CausalLm>> {
     Ok(Arc::new(arch::mamba2::Mamba2Lm::load(c, w)?))
@@ -48,6 +57,7 @@ fn mamba2(c: ModelConfig, w: &Weights, _max_context: usize) -> Result<Arc<dyn Ca
 /// config adjustments and the model it builds (the llama-family decoder unless it differs).
 const ARCHITECTURES: &[(&str, Configure, Build)] = &[
     ("deepseek_v3", arch::deepseek_v3::configure, deepseek_v3),
+    ("falcon_h1", arch::falcon_h1::configure, falcon_h1),
     ("gemma2", arch::gemma2::configure, gemma),
     ("gemma3", arch::gemma3::configure, gemma),
     ("gemma4_text", arch::gemma4::configure, gemma),

@@ -1,6 +1,7 @@
 //! One file per HF `model_type`: what the architecture changes in the shared config and layers.
 
 pub mod deepseek_v3;
+pub mod falcon_h1;
 pub mod gemma2;
 pub mod gemma3;
 pub mod gemma4;

@@ -95,6 +95,8 @@ pub struct ModelConfig {
     pub ssm: Option<crate::layers::ssm::SsmConfig>,
     /// The gated delta-net layers' sizes and which layers they are (Qwen3-Next, Qwen3.5).
     pub delta_net: Option<crate::layers::delta_net::DeltaNetConfig>,
+    /// Falcon-H1's µP multipliers.
+    pub falcon: Option<crate::arch::falcon_h1::FalconMultipliers>,
     /// `q_proj` also gives a per-head output gate, `o_proj(attn · sigmoid(gate))` (Qwen3-Next).
     pub attn_output_gate: bool,
 }
@@ -305,6 +307,7 @@ impl ModelConfig {
             layer_specs: vec![],
             ssm: None,
             delta_net: None,
+            falcon: None,
             attn_output_gate: false,
         };
         config.validate(&fields.file)?;

@@ -268,6 +268,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         layer_specs: vec![],
         ssm: None,
         delta_net: None,
+        falcon: None,
         attn_output_gate: false,
     };
     if let Some(experts) = meta.opt_usize("expert_count")? {
