@@ -48,6 +48,11 @@ fn falcon_h1(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn 
     )?))
 }
 
+/// Jamba: Mamba layers with some attention layers and experts.
+fn jamba(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn CausalLm>> {
+    Ok(Arc::new(arch::jamba::JambaLm::load(c, w, max_context)?))
+}
+
 /// Mamba 2: an attention-free model.
 fn mamba2(c: ModelConfig, w: &Weights, _max_context: usize) -> Result<Arc<dyn CausalLm>> {
     Ok(Arc::new(arch::mamba2::Mamba2Lm::load(c, w)?))
@@ -61,6 +66,7 @@ const ARCHITECTURES: &[(&str, Configure, Build)] = &[
     ("gemma2", arch::gemma2::configure, gemma),
     ("gemma3", arch::gemma3::configure, gemma),
     ("gemma4_text", arch::gemma4::configure, gemma),
+    ("jamba", arch::jamba::configure, jamba),
     ("llama", arch::llama::configure, decoder),
     ("mamba2", arch::mamba2::configure, mamba2),
     ("mistral", arch::mistral::configure, decoder),

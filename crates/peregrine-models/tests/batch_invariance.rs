@@ -109,6 +109,7 @@ fn a_batched_pass_equals_each_sequences_own() {
         (common::fixture("qwen3_next/hf"), false),
         (common::fixture("qwen3_5/hf"), false),
         (common::fixture("falcon_h1/hf"), false),
+        (common::fixture("jamba/hf"), false),
     ];
     for (path, exact) in models {
         let model = peregrine_models::load_model(&path, &LoadOptions::default())

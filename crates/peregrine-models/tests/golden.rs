@@ -118,6 +118,7 @@ golden!(
     gemma3,
     gemma4_text,
     gemma4_text_moe,
+    jamba,
     llama,
     mamba2,
     mistral,
@@ -472,21 +473,14 @@ fn multimodal_gemma4_loads_its_text_model() {
 }
 
 /// A recurrent model's prompt in chunks of 3 or 17 equals one shot and token-by-token decode
-/// (Mamba 2; Falcon-H1, attention beside the mixer in every layer; the Qwen3-Next / Qwen3.5
-/// hybrids). The
+/// (every fixture of [`common::RECURRENT`]). The
 /// recurrence runs token by token in every case; only the f32 projections and attention, over
 /// however many rows the chunk has, may sum in another order (measured up to 1.03e-5, on
 /// Qwen3.5-MoE's logits of magnitude 4.5: f32 rounding), so 3e-5; a state carried wrongly
 /// across a chunk boundary moves logits by 1e-2 or more.
 #[test]
 fn recurrent_prefill_in_chunks_equals_one_shot_and_decode() {
-    for arch in [
-        "mamba2",
-        "falcon_h1",
-        "qwen3_next",
-        "qwen3_5",
-        "qwen3_5_moe",
-    ] {
+    for arch in common::RECURRENT {
         let (whole, r) = logits_in_chunks(arch, 1024);
         for chunk in [3, 17, 1] {
             let (chunked, _) = logits_in_chunks(arch, chunk);

@@ -82,20 +82,14 @@ fn generate_trim_regenerate_equals_never_having_generated() {
     }
 }
 
-/// Every recurrent fixture (Mamba 2; Falcon-H1 and the Qwen3-Next and Qwen3.5 hybrids, whose
-/// attention caches trim beside the recurrent states) rolls back exactly: generate 20 tokens greedily, trim
+/// Every recurrent fixture ([`common::RECURRENT`]; the hybrids' attention caches trim beside
+/// their states) rolls back exactly: generate 20 tokens greedily, trim
 /// the last `k`, regenerate greedily; the logits and ids are bit-identical to a sequence that
 /// stopped after `20 - k` tokens and went on (the restored state is the very state that
 /// sequence had). Past the rollback depth the trim is refused and the cache is unchanged.
 #[test]
 fn recurrent_state_rolls_back_exactly() {
-    for arch in [
-        "mamba2",
-        "falcon_h1",
-        "qwen3_next",
-        "qwen3_5",
-        "qwen3_5_moe",
-    ] {
+    for arch in common::RECURRENT {
         check_rollback(arch);
     }
 }

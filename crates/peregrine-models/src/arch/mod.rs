@@ -5,6 +5,7 @@ pub mod falcon_h1;
 pub mod gemma2;
 pub mod gemma3;
 pub mod gemma4;
+pub mod jamba;
 pub mod llama;
 pub mod mamba2;
 pub mod mistral;

@@ -93,10 +93,14 @@ pub struct ModelConfig {
     pub layer_specs: Vec<LayerSpec>,
     /// The state-space mixer's sizes (Mamba 2; Falcon-H1's, beside its attention).
     pub ssm: Option<crate::layers::ssm::SsmConfig>,
+    /// The Mamba (v1) mixer's sizes (Jamba).
+    pub mamba: Option<crate::layers::mamba::MambaConfig>,
     /// The gated delta-net layers' sizes and which layers they are (Qwen3-Next, Qwen3.5).
     pub delta_net: Option<crate::layers::delta_net::DeltaNetConfig>,
     /// Falcon-H1's µP multipliers.
     pub falcon: Option<crate::arch::falcon_h1::FalconMultipliers>,
+    /// Attention without positional encoding (Jamba: its Mamba layers carry the order).
+    pub no_rope: bool,
     /// `q_proj` also gives a per-head output gate, `o_proj(attn · sigmoid(gate))` (Qwen3-Next).
     pub attn_output_gate: bool,
 }
@@ -194,6 +198,8 @@ pub enum ExpertNaming {
     Gemma4,
     /// `block_sparse_moe.gate` and `block_sparse_moe.experts.N.{w1,w3,w2}` (Mixtral).
     Mixtral,
+    /// `feed_forward.router` and `feed_forward.experts.N.{gate,up,down}_proj` (Jamba).
+    Jamba,
 }
 
 impl MoeConfig {
@@ -307,7 +313,9 @@ impl ModelConfig {
             layer_specs: vec![],
             ssm: None,
             delta_net: None,
+            mamba: None,
             falcon: None,
+            no_rope: false,
             attn_output_gate: false,
         };
         config.validate(&fields.file)?;

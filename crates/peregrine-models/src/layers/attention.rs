@@ -47,6 +47,8 @@ pub struct Attention {
     eps: f32,
     /// `q_proj` gives each head's query then its output gate (Qwen3-Next's gated attention).
     output_gate: bool,
+    /// Queries and keys are not rotated (Jamba).
+    no_rope: bool,
 }
 
 impl Attention {
@@ -135,6 +137,7 @@ impl Attention {
             softcap: c.attn_logit_softcapping.map(|cap| cap as f32),
             eps: c.rms_norm_eps as f32,
             output_gate: c.attn_output_gate,
+            no_rope: c.no_rope,
         })
     }
 
@@ -198,11 +201,15 @@ impl SelfAttention for Attention {
                 };
                 Ok(t.transpose(1, 2)?)
             };
-            let q = rope.apply(&split(0, self.heads, &self.q_norm)?, s.start)?;
+            let turn = |t: Tensor| match self.no_rope {
+                true => Ok(t.contiguous()?),
+                false => rope.apply(&t, s.start),
+            };
+            let q = turn(split(0, self.heads, &self.q_norm)?)?;
             if n_proj > 1 {
                 // Values are the keys' projection when the layer has no v_proj.
                 let v = split(n_proj - 1, self.kv_heads, &self.v_norm)?;
-                let k = rope.apply(&split(1, self.kv_heads, &self.k_norm)?, s.start)?;
+                let k = turn(split(1, self.kv_heads, &self.k_norm)?)?;
                 s.cache.append(&k, &v)?;
             }
             let y = s.cache.attend(&q, &self.params())?; // [1, heads, n, hd]
@@ -241,8 +248,8 @@ impl SelfAttention for Attention {
             attention,
             ..
         } = b;
-        if self.output_gate {
-            let why = "gated attention has no decode step: its model decodes through forward";
+        if self.output_gate || self.no_rope {
+            let why = "this attention has no decode step: its model decodes through forward";
             return Err(peregrine_tensor::candle::Error::Msg(why.into()).into());
         }
         // Buffers are sized for the widest layer; this one uses their front.

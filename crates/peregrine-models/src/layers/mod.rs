@@ -5,6 +5,7 @@ pub mod batch;
 pub mod decoder;
 pub mod delta_net;
 pub mod delta_rule;
+pub mod mamba;
 pub mod mla;
 pub mod mlp;
 pub mod moe;

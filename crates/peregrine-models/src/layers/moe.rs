@@ -85,22 +85,19 @@ pub struct MoeBlock {
     eps: f32,
 }
 
-/// HF names of one MoE layer's tensors: the block's prefix and the per-expert projection
-/// names (gate, up, down).
-fn names(layer: usize, naming: ExpertNaming) -> (String, [&'static str; 3]) {
+/// HF names of one MoE layer's tensors: the block's prefix, its router's name and the
+/// per-expert projection names (gate, up, down).
+fn names(layer: usize, naming: ExpertNaming) -> (String, &'static str, [&'static str; 3]) {
+    let glu = ["gate_proj", "up_proj", "down_proj"];
     match naming {
-        ExpertNaming::Qwen => (
-            format!("model.layers.{layer}.mlp"),
-            ["gate_proj", "up_proj", "down_proj"],
-        ),
+        ExpertNaming::Qwen => (format!("model.layers.{layer}.mlp"), "gate", glu),
         ExpertNaming::Mixtral => (
             format!("model.layers.{layer}.block_sparse_moe"),
+            "gate",
             ["w1", "w3", "w2"],
         ),
-        ExpertNaming::Gemma4 => (
-            format!("model.layers.{layer}.experts"),
-            ["gate_proj", "up_proj", "down_proj"],
-        ),
+        ExpertNaming::Gemma4 => (format!("model.layers.{layer}.experts"), "gate", glu),
+        ExpertNaming::Jamba => (format!("model.layers.{layer}.feed_forward"), "router", glu),
     }
 }
 
@@ -147,7 +144,7 @@ impl MoeBlock {
         if moe.naming == ExpertNaming::Gemma4 {
             return Self::load_gemma4(c, w, layer, moe);
         }
-        let (prefix, per_expert) = names(layer, moe.naming);
+        let (prefix, router_name, per_expert) = names(layer, moe.naming);
         let (h, i, n) = (c.hidden_size, moe.intermediate_size, moe.num_experts);
         let projections = [("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)];
         let mut loaded = projections
@@ -194,7 +191,7 @@ impl MoeBlock {
             .then(|| w.linear(&format!("{prefix}.shared_expert_gate"), 1, h, false))
             .transpose()?;
         Ok(Self {
-            gate: w.linear(&format!("{prefix}.gate"), n, h, false)?,
+            gate: w.linear(&format!("{prefix}.{router_name}"), n, h, false)?,
             router,
             experts: Box::new(ResidentExperts::new(experts, bytes)),
             shared,

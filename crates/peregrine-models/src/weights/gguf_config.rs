@@ -268,7 +268,9 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         layer_specs: vec![],
         ssm: None,
         delta_net: None,
+        mamba: None,
         falcon: None,
+        no_rope: false,
         attn_output_gate: false,
     };
     if let Some(experts) = meta.opt_usize("expert_count")? {

@@ -5,6 +5,18 @@ use std::path::PathBuf;
 
 use peregrine_models::{CausalLm, KvOptions, Logits, SequenceCache};
 
+/// The fixtures with recurrent layers: Mamba 2; Falcon-H1 (attention beside the mixer in every
+/// layer); Jamba (Mamba layers, attention and experts between); the Qwen3-Next and Qwen3.5
+/// hybrids (gated delta-net and full attention).
+pub const RECURRENT: [&str; 6] = [
+    "mamba2",
+    "falcon_h1",
+    "jamba",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
+];
+
 /// The greedy continuation of `prompt`, `n` tokens long: the prompt through `forward`, then
 /// one token at a time through `decode`, as generation runs.
 pub fn greedy_ids(model: &dyn CausalLm, prompt: &[u32], n: usize) -> Vec<u32> {
