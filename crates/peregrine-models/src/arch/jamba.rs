@@ -69,7 +69,7 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
 
 enum Mixer {
     Attention(Box<Attention>),
-    Mamba(MambaMixer),
+    Mamba(Box<MambaMixer>),
 }
 
 struct Layer {
@@ -108,7 +108,8 @@ impl JambaLm {
                 let p = format!("model.layers.{i}");
                 let mixer = match mamba.layers[i] {
                     true => {
-                        Mixer::Mamba(MambaMixer::load(&mamba, w, &format!("{p}.mamba"), h, eps)?)
+                        let m = MambaMixer::load(&mamba, w, &format!("{p}.mamba"), h, eps)?;
+                        Mixer::Mamba(Box::new(m))
                     }
                     false => {
                         let a = <Attention as SelfAttention>::load(c, w, i)?;
