@@ -307,4 +307,32 @@ mod tests {
             None
         );
     }
+
+    /// A recurrent layer's entry is reused where the prompt departs within the state's
+    /// rollback depth (8 by default: a chat's next turn departs at the reply's last tokens),
+    /// with the state as it was at that position; further back the entry is no use (a miss,
+    /// the entry kept).
+    #[test]
+    fn recurrent_entries_are_reused_within_their_rollback_depth() {
+        let recurrent = |n: usize| {
+            let kind = LayerKind::Recurrent { state: 1 };
+            let mut c = SequenceCache::new(&[kind], &KvOptions::default());
+            for p in 0..n {
+                c.layer(0).recurrent().unwrap().advance(0)[0] = p as f32;
+            }
+            c
+        };
+        let pc = PromptCache::new(4, usize::MAX);
+        pc.store(ids(0..40), recurrent(40), KvOptions::default());
+        let mut prompt = ids(0..35);
+        prompt.extend(500..510);
+        let (mut cache, n) = pc.lookup(&prompt, &KvOptions::default()).expect("a hit");
+        assert_eq!((n, cache.len()), (35, 35));
+        let state = cache.layer(0).recurrent().unwrap().state()[0];
+        assert_eq!(state, 34.0, "the state after position 34");
+        let mut far = ids(0..20);
+        far.extend(500..510);
+        assert!(pc.lookup(&far, &KvOptions::default()).is_none());
+        assert_eq!(pc.stats().entries, 1);
+    }
 }
