@@ -442,6 +442,35 @@ fn deepseek_v3_caches_the_latent() {
     assert!(width < decompressed);
 }
 
+/// Qwen3-Next as llama.cpp's own converter writes it (`scripts/fixtures/convert_gguf.py
+/// qwen3_next`, bf16): `qwen3next` metadata (`ssm.*`, `attention.recurrent_layers`), norms
+/// holding `1 + w`, `ssm_a` holding `-exp(A_log)`, the squeezed conv, `in_proj_qkvz` split into
+/// `attn_qkv` and `attn_gate` while `ssm_ba` stays grouped per key head, the gated shared
+/// expert. The file holds the fixture's bf16 numbers (the shifted norms in f32), so it matches
+/// transformers at 1e-3, whole and in chunks, with the same greedy ids and the same config.
+#[test]
+fn qwen3_next_gguf_from_llama_cpp_converter_matches_transformers() {
+    let path = fixture("qwen3_next").join("../gguf/model-bf16.gguf");
+    let gguf = load_model(&path, &LoadOptions::default()).unwrap().model;
+    let hf = load_model(&fixture("qwen3_next"), &LoadOptions::default())
+        .unwrap()
+        .model;
+    let (got, want) = (gguf.config(), hf.config());
+    assert_eq!(got.model_type, "qwen3next");
+    assert_eq!(got.delta_net, want.delta_net);
+    assert_eq!(got.moe, want.moe);
+    assert_eq!((got.qk_norm, got.attn_output_gate), (true, true));
+    assert_eq!(gguf.cache_spec(), hf.cache_spec());
+    let r = reference("qwen3_next");
+    for chunk in [1024, 5, 1] {
+        let diff = max_abs_diff(&run_in_chunks(gguf.as_ref(), &r.ids, chunk), &r.logits);
+        eprintln!("qwen3next gguf (chunk {chunk}): max abs diff {diff:.2e}");
+        assert!(diff < TOLERANCE, "qwen3next gguf (chunk {chunk}): {diff}");
+    }
+    let greedy = common::greedy_ids(gguf.as_ref(), &r.ids, r.greedy.len());
+    assert_eq!(greedy, r.greedy, "qwen3next gguf: greedy continuation");
+}
+
 /// A multimodal `gemma4` checkpoint (`Gemma4ForConditionalGeneration`: the text config under
 /// `text_config`, the language model under `model.language_model.`, a vision tower beside it)
 /// loads its text model: the `gemma4_text` fixture's weights so wrapped give its logits.

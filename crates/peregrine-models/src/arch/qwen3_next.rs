@@ -20,6 +20,7 @@ use crate::layers::decoder::SelfAttention;
 use crate::layers::delta_net::{DeltaNetConfig, GatedDeltaNet};
 use crate::layers::step::StepBuffers;
 use crate::weights::Weights;
+use crate::weights::gguf_config::GgufMeta;
 use crate::{ModelConfig, Result};
 
 /// Qwen3-Next: Qwen3's attention flags, gated, `1 + w` norms, the delta-net layers, and
@@ -35,6 +36,55 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
         moe.shared_intermediate_size = fields.opt_usize("shared_expert_intermediate_size")?;
         moe.shared_gated = true;
         config.moe = Some(moe);
+    }
+    Ok(())
+}
+
+/// A `qwen3next` GGUF file's delta-net sizes and layer pattern (llama.cpp's converter writes
+/// `ssm.*` and `attention.recurrent_layers`; its norms already hold `1 + w`, its `ssm_a`
+/// already `-exp(A_log)`, and its `in_proj_qkvz` is split into `[q; k; v]` and `z`).
+pub(crate) fn configure_gguf(meta: &GgufMeta, config: &mut ModelConfig) -> Result<()> {
+    let layers = config.num_hidden_layers;
+    let recurrent = match meta.opt_bools("attention.recurrent_layers")? {
+        Some(r) => r.into_iter().take(layers).collect(),
+        None => {
+            let every = meta
+                .opt_usize("full_attention_interval")?
+                .unwrap_or(4)
+                .max(1);
+            (0..layers).map(|i| (i + 1) % every != 0).collect()
+        }
+    };
+    let (k_heads, v_heads) = (
+        meta.usize("ssm.group_count")?,
+        meta.usize("ssm.time_step_rank")?,
+    );
+    let k_dim = meta.usize("ssm.state_size")?;
+    let inner = meta.usize("ssm.inner_size")?;
+    if k_heads == 0
+        || v_heads == 0
+        || !v_heads.is_multiple_of(k_heads)
+        || !inner.is_multiple_of(v_heads)
+    {
+        return Err(meta.err(
+            "ssm.group_count",
+            "must divide ssm.time_step_rank, which divides ssm.inner_size",
+        ));
+    }
+    config.delta_net = Some(DeltaNetConfig {
+        k_heads,
+        v_heads,
+        k_dim,
+        v_dim: inner / v_heads,
+        conv_kernel: meta.usize("ssm.conv_kernel")?,
+        layers: recurrent,
+    });
+    config.attn_output_gate = true;
+    // Layer 0, where the shared reader looks for them, is a delta-net layer.
+    config.qk_norm = true;
+    if let Some(moe) = config.moe.as_mut() {
+        moe.shared_intermediate_size = meta.opt_usize("expert_shared_feed_forward_length")?;
+        moe.shared_gated = moe.shared_intermediate_size.is_some();
     }
     Ok(())
 }

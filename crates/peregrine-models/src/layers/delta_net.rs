@@ -21,7 +21,7 @@ use rayon::prelude::*;
 
 use crate::layers::batch::Segment;
 use crate::layers::delta_rule::{self, HeadInputs};
-use crate::weights::Weights;
+use crate::weights::{Source, Weights};
 use crate::{ModelConfig, ModelError, Result};
 
 /// The sizes of a gated delta-net layer (HF `linear_*` fields).
@@ -98,19 +98,29 @@ impl DeltaNetConfig {
     }
 }
 
-/// How the checkpoint lays out the input projections.
-enum Projections {
-    /// Qwen3-Next: `in_proj_qkvz` and `in_proj_ba`, grouped per key head (`[q, k, v, z]` and
-    /// `[b, a]` of each, the value heads of a key head together).
-    Grouped { qkvz: QLinear, ba: QLinear },
-    /// Qwen3.5: `in_proj_qkv` (`[q; k; v]`), `in_proj_z`, `in_proj_b`, `in_proj_a`.
-    Split([QLinear; 4]),
+/// `q`, `k`, `v` and `z` as the checkpoint projects them.
+enum Qkvz {
+    /// Qwen3-Next's `in_proj_qkvz`: `[q, k, v, z]` of each key head in turn (its value heads
+    /// together).
+    Grouped(QLinear),
+    /// `[q; k; v]` and `z` apart (Qwen3.5's `in_proj_qkv` / `in_proj_z`; llama.cpp's
+    /// `attn_qkv` / `attn_gate`).
+    Split(QLinear, QLinear),
+}
+
+/// `b` and `a` as the checkpoint projects them.
+enum Ba {
+    /// `in_proj_ba`: `[b, a]` of each key head in turn (Qwen3-Next, and its GGUF `ssm_ba`).
+    Grouped(QLinear),
+    /// `in_proj_b` and `in_proj_a` (Qwen3.5).
+    Split(QLinear, QLinear),
 }
 
 /// One gated delta-net layer.
 pub struct GatedDeltaNet {
     c: DeltaNetConfig,
-    projections: Projections,
+    qkvz: Qkvz,
+    ba: Ba,
     /// `[conv_dim, conv_kernel]`.
     conv_w: Vec<f32>,
     dt_bias: Vec<f32>,
@@ -145,27 +155,39 @@ impl GatedDeltaNet {
         let h = c.hidden_size;
         let (kw, vw, conv) = (d.key_width(), d.value_width(), d.conv_dim());
         let name = |n: &str| format!("{prefix}.{n}");
-        let projections = match w.contains(&name("in_proj_qkvz.weight")) {
-            true => Projections::Grouped {
-                qkvz: w.linear(&name("in_proj_qkvz"), 2 * kw + 2 * vw, h, false)?,
-                ba: w.linear(&name("in_proj_ba"), 2 * d.v_heads, h, false)?,
-            },
-            false => Projections::Split([
+        let qkvz = match w.contains(&name("in_proj_qkvz.weight")) {
+            true => Qkvz::Grouped(w.linear(&name("in_proj_qkvz"), 2 * kw + 2 * vw, h, false)?),
+            false => Qkvz::Split(
                 w.linear(&name("in_proj_qkv"), conv, h, false)?,
                 w.linear(&name("in_proj_z"), vw, h, false)?,
+            ),
+        };
+        let ba = match w.contains(&name("in_proj_ba.weight")) {
+            true => Ba::Grouped(w.linear(&name("in_proj_ba"), 2 * d.v_heads, h, false)?),
+            false => Ba::Split(
                 w.linear(&name("in_proj_b"), d.v_heads, h, false)?,
                 w.linear(&name("in_proj_a"), d.v_heads, h, false)?,
-            ]),
+            ),
         };
-        let vec = |n: &str, shape: &[usize]| f32s(w.tensor(&name(n), shape)?);
+        let values = |n: &str, shape: &[usize]| f32s(w.tensor(&name(n), shape)?);
+        // llama.cpp's converter squeezes the conv weight and stores `-exp(A_log)` itself.
+        let gguf = matches!(w.source(), Source::Gguf(_));
+        let conv_shape: &[usize] = match gguf {
+            true => &[conv, d.conv_kernel],
+            false => &[conv, 1, d.conv_kernel],
+        };
+        let a = values("A_log", &[d.v_heads])?;
+        let a = match gguf {
+            true => a,
+            false => a.iter().map(|a| -a.exp()).collect(),
+        };
         Ok(Self {
-            projections,
-            conv_w: vec("conv1d.weight", &[conv, 1, d.conv_kernel])?,
-            dt_bias: vec("dt_bias", &[d.v_heads])?,
-            a: (vec("A_log", &[d.v_heads])?.iter())
-                .map(|a| -a.exp())
-                .collect(),
-            norm: vec("norm.weight", &[d.v_dim])?,
+            qkvz,
+            ba,
+            conv_w: values("conv1d.weight", conv_shape)?,
+            dt_bias: values("dt_bias", &[d.v_heads])?,
+            a,
+            norm: values("norm.weight", &[d.v_dim])?,
             out_proj: w.linear(&name("out_proj"), h, vw, false)?,
             eps: c.rms_norm_eps as f32,
             c: d,
@@ -176,36 +198,33 @@ impl GatedDeltaNet {
     fn inputs(&self, x: &Tensor) -> Result<Vec<Inputs>> {
         let c = &self.c;
         let (kd, vd, per) = (c.k_dim, c.v_dim, c.v_heads / c.k_heads);
-        let (kw, vw) = (c.key_width(), c.value_width());
-        match &self.projections {
-            Projections::Split(p) => {
-                let outs = QLinear::forward_group(&[&p[0], &p[1], &p[2], &p[3]], x)?;
-                let [qkv, z, b, a] = [0, 1, 2, 3].map(|i| f32s(outs[i].clone()));
-                let (qkv, z, b, a) = (qkv?, z?, b?, a?);
-                let rows = qkv.len() / c.conv_dim();
-                Ok((0..rows)
-                    .map(|r| Inputs {
-                        qkv: qkv[r * c.conv_dim()..][..c.conv_dim()].to_vec(),
-                        z: z[r * vw..][..vw].to_vec(),
-                        b: b[r * c.v_heads..][..c.v_heads].to_vec(),
-                        a: a[r * c.v_heads..][..c.v_heads].to_vec(),
-                    })
-                    .collect())
-            }
-            Projections::Grouped { qkvz, ba } => {
-                let outs = QLinear::forward_group(&[qkvz, ba], x)?;
-                let (qkvz, ba) = (f32s(outs[0].clone())?, f32s(outs[1].clone())?);
-                let (group, rows) = (2 * kd + 2 * per * vd, ba.len() / (2 * c.v_heads));
-                Ok((0..rows)
-                    .map(|r| {
-                        let mut i = Inputs {
-                            qkv: vec![0.0; c.conv_dim()],
-                            z: vec![0.0; vw],
-                            b: vec![0.0; c.v_heads],
-                            a: vec![0.0; c.v_heads],
-                        };
+        let (kw, vw, conv, vh) = (c.key_width(), c.value_width(), c.conv_dim(), c.v_heads);
+        let layers: Vec<&QLinear> = match (&self.qkvz, &self.ba) {
+            (Qkvz::Grouped(l), Ba::Grouped(m)) => vec![l, m],
+            (Qkvz::Grouped(l), Ba::Split(b, a)) => vec![l, b, a],
+            (Qkvz::Split(l, z), Ba::Grouped(m)) => vec![l, z, m],
+            (Qkvz::Split(l, z), Ba::Split(b, a)) => vec![l, z, b, a],
+        };
+        let outs = QLinear::forward_group(&layers, x)?;
+        let outs: Vec<Vec<f32>> = outs
+            .iter()
+            .map(|t| f32s(t.clone()))
+            .collect::<Result<_>>()?;
+        let rows = x.dim(1)?;
+        let group = 2 * kd + 2 * per * vd;
+        Ok((0..rows)
+            .map(|r| {
+                let mut i = Inputs {
+                    qkv: vec![0.0; conv],
+                    z: vec![0.0; vw],
+                    b: vec![0.0; vh],
+                    a: vec![0.0; vh],
+                };
+                let mut next = 1;
+                match &self.qkvz {
+                    Qkvz::Grouped(_) => {
                         for g in 0..c.k_heads {
-                            let src = &qkvz[(r * c.k_heads + g) * group..][..group];
+                            let src = &outs[0][(r * c.k_heads + g) * group..][..group];
                             let (q, rest) = src.split_at(kd);
                             let (k, rest) = rest.split_at(kd);
                             let (v, z) = rest.split_at(per * vd);
@@ -213,15 +232,30 @@ impl GatedDeltaNet {
                             i.qkv[kw + g * kd..][..kd].copy_from_slice(k);
                             i.qkv[2 * kw + g * per * vd..][..per * vd].copy_from_slice(v);
                             i.z[g * per * vd..][..per * vd].copy_from_slice(z);
-                            let src = &ba[(r * c.k_heads + g) * 2 * per..][..2 * per];
+                        }
+                    }
+                    Qkvz::Split(..) => {
+                        i.qkv.copy_from_slice(&outs[0][r * conv..][..conv]);
+                        i.z.copy_from_slice(&outs[1][r * vw..][..vw]);
+                        next = 2;
+                    }
+                }
+                match &self.ba {
+                    Ba::Grouped(_) => {
+                        for g in 0..c.k_heads {
+                            let src = &outs[next][(r * c.k_heads + g) * 2 * per..][..2 * per];
                             i.b[g * per..][..per].copy_from_slice(&src[..per]);
                             i.a[g * per..][..per].copy_from_slice(&src[per..]);
                         }
-                        i
-                    })
-                    .collect())
-            }
-        }
+                    }
+                    Ba::Split(..) => {
+                        i.b.copy_from_slice(&outs[next][r * vh..][..vh]);
+                        i.a.copy_from_slice(&outs[next + 1][r * vh..][..vh]);
+                    }
+                }
+                i
+            })
+            .collect())
     }
 
     /// `x: [1, rows, hidden]` (normed), the stacked rows of `segments` → `[1, rows, hidden]`.
@@ -343,10 +377,13 @@ impl GatedDeltaNet {
 
     /// Bytes of weights.
     pub fn weight_bytes(&self) -> usize {
-        let projections = match &self.projections {
-            Projections::Grouped { qkvz, ba } => qkvz.weight_bytes() + ba.weight_bytes(),
-            Projections::Split(p) => p.iter().map(QLinear::weight_bytes).sum(),
+        let projections = match (&self.qkvz, &self.ba) {
+            (Qkvz::Grouped(l), Ba::Grouped(m)) => vec![l, m],
+            (Qkvz::Grouped(l), Ba::Split(b, a)) => vec![l, b, a],
+            (Qkvz::Split(l, z), Ba::Grouped(m)) => vec![l, z, m],
+            (Qkvz::Split(l, z), Ba::Split(b, a)) => vec![l, z, b, a],
         };
+        let projections: usize = projections.iter().map(|l| l.weight_bytes()).sum();
         projections + self.out_proj.weight_bytes() + 4 * (self.conv_w.len() + self.norm.len())
     }
 }

@@ -29,7 +29,9 @@ pub struct GgufFile {
 /// tensors without a `.weight` suffix in HF (`layer_scalar`, `router.scale`, the stacked
 /// `experts.*`) have one in GGUF, and its per-expert scale is `ffn_down_exps.scale`. DeepSeek's
 /// `kv_b_proj` is split by llama.cpp's converter into `attn_k_b` (transposed) and `attn_v_b`,
-/// HF-named here `k_b_proj` / `v_b_proj`.
+/// HF-named here `k_b_proj` / `v_b_proj`. Qwen3-Next's `in_proj_qkvz` is split by the converter
+/// into `attn_qkv` and `attn_gate` (HF-named as Qwen3.5's `in_proj_qkv` / `in_proj_z`); its
+/// feed-forward norm is `post_attention_norm`.
 pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
     let global = match hf {
         "model.embed_tokens.weight" => Some("token_embd.weight"),
@@ -52,6 +54,8 @@ pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
         "experts.gate_up_proj" => Some("ffn_gate_up_exps.weight"),
         "experts.down_proj" => Some("ffn_down_exps.weight"),
         "mlp.gate.e_score_correction_bias" => Some("exp_probs_b.bias"),
+        "linear_attn.A_log" => Some("ssm_a"),
+        "linear_attn.dt_bias" => Some("ssm_dt.bias"),
         _ => None,
     };
     if let Some(name) = whole {
@@ -63,6 +67,17 @@ pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
         ("post_attention_layernorm", _) if gemma => "post_attention_norm",
         ("pre_feedforward_layernorm", _) if gemma => "ffn_norm",
         ("post_feedforward_layernorm", _) if gemma => "post_ffw_norm",
+        ("post_attention_layernorm", "qwen3next") => "post_attention_norm",
+        ("linear_attn.in_proj_qkv", _) => "attn_qkv",
+        ("linear_attn.in_proj_z", _) => "attn_gate",
+        ("linear_attn.in_proj_ba", _) => "ssm_ba",
+        ("linear_attn.conv1d", _) => "ssm_conv1d",
+        ("linear_attn.norm", _) => "ssm_norm",
+        ("linear_attn.out_proj", _) => "ssm_out",
+        ("mlp.shared_expert.gate_proj", _) => "ffn_gate_shexp",
+        ("mlp.shared_expert.up_proj", _) => "ffn_up_shexp",
+        ("mlp.shared_expert.down_proj", _) => "ffn_down_shexp",
+        ("mlp.shared_expert_gate", _) => "ffn_gate_inp_shexp",
         ("pre_feedforward_layernorm_2", _) => "pre_ffw_norm_2",
         ("post_feedforward_layernorm_1", _) => "post_ffw_norm_1",
         ("post_feedforward_layernorm_2", _) => "post_ffw_norm_2",

@@ -293,6 +293,9 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
     if arch == "gemma3" {
         crate::arch::gemma3::configure_gguf(&mut config, meta.opt_f64("rope.freq_base_swa")?);
     }
+    if arch == "qwen3next" {
+        crate::arch::qwen3_next::configure_gguf(&meta, &mut config)?;
+    }
     if arch == "gemma4" {
         crate::arch::gemma4::gguf::configure(&meta, &mut config)?;
     } else if arch == "deepseek2" {
