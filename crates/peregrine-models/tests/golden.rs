@@ -442,33 +442,43 @@ fn deepseek_v3_caches_the_latent() {
     assert!(width < decompressed);
 }
 
-/// Qwen3-Next as llama.cpp's own converter writes it (`scripts/fixtures/convert_gguf.py
-/// qwen3_next`, bf16): `qwen3next` metadata (`ssm.*`, `attention.recurrent_layers`), norms
-/// holding `1 + w`, `ssm_a` holding `-exp(A_log)`, the squeezed conv, `in_proj_qkvz` split into
-/// `attn_qkv` and `attn_gate` while `ssm_ba` stays grouped per key head, the gated shared
-/// expert. The file holds the fixture's bf16 numbers (the shifted norms in f32), so it matches
-/// transformers at 1e-3, whole and in chunks, with the same greedy ids and the same config.
+/// Recurrent families as llama.cpp's own converter writes them (`scripts/fixtures/convert_gguf.py
+/// qwen3_next mamba2`, in the fixture's precision). Qwen3-Next (`qwen3next`): `ssm.*` metadata
+/// and `attention.recurrent_layers`, norms holding `1 + w`, `in_proj_qkvz` split into `attn_qkv`
+/// and `attn_gate` while `ssm_ba` stays grouped per key head, the gated shared expert. Mamba 2:
+/// `backbone.*` as `blk.*`, zero attention heads (the SSM heads stand in), A and D with a unit
+/// dimension, the norm one row per group. Both: `ssm_a` holding `-exp(A_log)`, the squeezed
+/// conv. The files hold the fixtures' numbers, so they match transformers at 1e-3, whole and
+/// in chunks, with the same greedy ids, caches and (for the hybrid) delta-net and MoE config.
 #[test]
-fn qwen3_next_gguf_from_llama_cpp_converter_matches_transformers() {
-    let path = fixture("qwen3_next").join("../gguf/model-bf16.gguf");
-    let gguf = load_model(&path, &LoadOptions::default()).unwrap().model;
-    let hf = load_model(&fixture("qwen3_next"), &LoadOptions::default())
-        .unwrap()
-        .model;
-    let (got, want) = (gguf.config(), hf.config());
-    assert_eq!(got.model_type, "qwen3next");
-    assert_eq!(got.delta_net, want.delta_net);
-    assert_eq!(got.moe, want.moe);
-    assert_eq!((got.qk_norm, got.attn_output_gate), (true, true));
-    assert_eq!(gguf.cache_spec(), hf.cache_spec());
-    let r = reference("qwen3_next");
-    for chunk in [1024, 5, 1] {
-        let diff = max_abs_diff(&run_in_chunks(gguf.as_ref(), &r.ids, chunk), &r.logits);
-        eprintln!("qwen3next gguf (chunk {chunk}): max abs diff {diff:.2e}");
-        assert!(diff < TOLERANCE, "qwen3next gguf (chunk {chunk}): {diff}");
+fn recurrent_gguf_from_llama_cpp_converter_matches_transformers() {
+    for (arch, file, gguf_arch) in [
+        ("qwen3_next", "model-bf16.gguf", "qwen3next"),
+        ("mamba2", "model-f32.gguf", "mamba2"),
+    ] {
+        let path = fixture(arch).join("../gguf").join(file);
+        let gguf = load_model(&path, &LoadOptions::default()).unwrap().model;
+        let hf = load_model(&fixture(arch), &LoadOptions::default())
+            .unwrap()
+            .model;
+        let (got, want) = (gguf.config(), hf.config());
+        assert_eq!(got.model_type, gguf_arch);
+        assert_eq!(
+            (&got.delta_net, &got.moe, got.ssm),
+            (&want.delta_net, &want.moe, want.ssm),
+            "{arch}"
+        );
+        assert_eq!(got.attn_output_gate, want.attn_output_gate, "{arch}");
+        assert_eq!(gguf.cache_spec(), hf.cache_spec(), "{arch}");
+        let r = reference(arch);
+        for chunk in [1024, 5, 1] {
+            let diff = max_abs_diff(&run_in_chunks(gguf.as_ref(), &r.ids, chunk), &r.logits);
+            eprintln!("{gguf_arch} gguf (chunk {chunk}): max abs diff {diff:.2e}");
+            assert!(diff < TOLERANCE, "{gguf_arch} gguf (chunk {chunk}): {diff}");
+        }
+        let greedy = common::greedy_ids(gguf.as_ref(), &r.ids, r.greedy.len());
+        assert_eq!(greedy, r.greedy, "{gguf_arch} gguf: greedy continuation");
     }
-    let greedy = common::greedy_ids(gguf.as_ref(), &r.ids, r.greedy.len());
-    assert_eq!(greedy, r.greedy, "qwen3next gguf: greedy continuation");
 }
 
 /// A multimodal `gemma4` checkpoint (`Gemma4ForConditionalGeneration`: the text config under

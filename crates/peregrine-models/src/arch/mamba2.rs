@@ -13,6 +13,7 @@ use crate::config::Fields;
 use crate::layers::batch::{BatchSeq, Segment, check_batch, last_logits, run_layers, stacked_ids};
 use crate::layers::ssm::{Mamba2Mixer, SsmConfig};
 use crate::weights::Weights;
+use crate::weights::gguf_config::GgufMeta;
 use crate::{CausalLm, LayerKind, Logits, ModelConfig, ModelError, Result, SequenceCache};
 
 /// `config.json` of a Mamba 2 checkpoint with the llama-family keys the shared parser wants:
@@ -67,6 +68,36 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
         )));
     }
     config.ssm = Some(ssm);
+    Ok(())
+}
+
+/// A `mamba2` GGUF file's SSM sizes (llama.cpp's converter writes `ssm.*`; heads are
+/// `ssm.time_step_rank`, the norm groups `ssm.group_count`).
+pub(crate) fn configure_gguf(meta: &GgufMeta, config: &mut ModelConfig) -> Result<()> {
+    let (inner, heads) = (
+        meta.usize("ssm.inner_size")?,
+        meta.usize("ssm.time_step_rank")?,
+    );
+    let groups = meta.opt_usize("ssm.group_count")?.unwrap_or(1);
+    if heads == 0 || !inner.is_multiple_of(heads) || groups == 0 || !heads.is_multiple_of(groups) {
+        let what = "must divide ssm.inner_size, and ssm.group_count divide it";
+        return Err(meta.err("ssm.time_step_rank", what));
+    }
+    let file = meta.file;
+    config.intermediate_size = inner;
+    config.ssm = Some(SsmConfig {
+        heads,
+        head_dim: inner / heads,
+        state_size: meta.usize("ssm.state_size")?,
+        groups,
+        conv_kernel: meta.usize("ssm.conv_kernel")?,
+        bias: file.has_tensor("blk.0.ssm_in.bias"),
+        out_bias: file.has_tensor("blk.0.ssm_out.bias"),
+        conv_bias: file.has_tensor("blk.0.ssm_conv1d.bias"),
+        gated_norm: true,
+        norm_before_gate: false,
+        multipliers: [1.0; 5],
+    });
     Ok(())
 }
 

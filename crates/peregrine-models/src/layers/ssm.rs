@@ -23,7 +23,7 @@ use peregrine_tensor::{DType, QLinear, Tensor};
 use crate::Result;
 use crate::layers::batch::Segment;
 use crate::layers::delta_net::softplus;
-use crate::weights::Weights;
+use crate::weights::{Source, Weights};
 
 /// A Mamba 2 mixer's sizes and variants (HF `Mamba2Config`, Falcon-H1's `mamba_*` fields).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -103,22 +103,34 @@ impl Mamba2Mixer {
         let Ok([z_proj, xbc_proj, dt_proj]) = <[QLinear; 3]>::try_from(proj) else {
             unreachable!("three parts, three layers")
         };
-        let vec = |name: &str, shape: &[usize]| f32s(w.tensor(&format!("{m}.{name}"), shape)?);
+        let values = |name: &str, shape: &[usize]| f32s(w.tensor(&format!("{m}.{name}"), shape)?);
         let conv_b = match c.conv_bias {
-            true => vec("conv1d.bias", &[conv])?,
+            true => values("conv1d.bias", &[conv])?,
             false => vec![0.0; conv],
         };
+        // llama.cpp's converter squeezes the conv, stores `-exp(A_log)`, gives A and D a
+        // trailing unit dimension and the norm one row per group.
+        let gguf = matches!(w.source(), Source::Gguf(_));
+        let (h, k, g) = (c.heads, c.conv_kernel, c.groups);
+        let (conv_shape, head_shape, norm_shape): (&[usize], &[usize], &[usize]) = match gguf {
+            true => (&[conv, k], &[h, 1], &[g, inner / g]),
+            false => (&[conv, 1, k], &[h], &[inner]),
+        };
+        let a = values("A_log", head_shape)?;
         Ok(Self {
             z_proj,
             xbc_proj,
             dt_proj,
-            conv_w: vec("conv1d.weight", &[conv, 1, c.conv_kernel])?,
+            conv_w: values("conv1d.weight", conv_shape)?,
             conv_b,
-            dt_bias: vec("dt_bias", &[c.heads])?,
-            a: vec("A_log", &[c.heads])?.iter().map(|a| -a.exp()).collect(),
-            d: vec("D", &[c.heads])?,
+            dt_bias: values("dt_bias", &[c.heads])?,
+            a: match gguf {
+                true => a,
+                false => a.iter().map(|a| -a.exp()).collect(),
+            },
+            d: values("D", head_shape)?,
             norm: match c.gated_norm {
-                true => vec("norm.weight", &[inner])?,
+                true => values("norm.weight", norm_shape)?,
                 false => Vec::new(),
             },
             out_proj: w.linear(&format!("{m}.out_proj"), hidden, inner, c.out_bias)?,

@@ -45,6 +45,9 @@ pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
     if let Some(name) = global {
         return Some(name.to_string());
     }
+    if let Some(rest) = hf.strip_prefix("backbone.") {
+        return mamba2_name(rest);
+    }
     let rest = hf.strip_prefix("model.layers.")?;
     let (layer, rest) = rest.split_once('.')?;
     let whole = match rest {
@@ -124,6 +127,31 @@ pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
         _ => return None,
     };
     Some(format!("blk.{layer}.{mapped}.{kind}"))
+}
+
+/// Mamba 2's names (HF `backbone.*`) as llama.cpp's converter writes them.
+fn mamba2_name(rest: &str) -> Option<String> {
+    match rest {
+        "embeddings.weight" => return Some("token_embd.weight".into()),
+        "norm_f.weight" => return Some("output_norm.weight".into()),
+        _ => {}
+    }
+    let (layer, rest) = rest.strip_prefix("layers.")?.split_once('.')?;
+    let name = match rest {
+        "norm.weight" => "attn_norm.weight",
+        "mixer.A_log" => "ssm_a",
+        "mixer.D" => "ssm_d",
+        "mixer.dt_bias" => "ssm_dt.bias",
+        "mixer.in_proj.weight" => "ssm_in.weight",
+        "mixer.in_proj.bias" => "ssm_in.bias",
+        "mixer.conv1d.weight" => "ssm_conv1d.weight",
+        "mixer.conv1d.bias" => "ssm_conv1d.bias",
+        "mixer.norm.weight" => "ssm_norm.weight",
+        "mixer.out_proj.weight" => "ssm_out.weight",
+        "mixer.out_proj.bias" => "ssm_out.bias",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{name}"))
 }
 
 impl GgufFile {

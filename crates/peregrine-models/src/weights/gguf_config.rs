@@ -176,7 +176,11 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
             }
         }
     }
-    let heads = meta.usize("attention.head_count")?;
+    let heads = match meta.usize("attention.head_count")? {
+        // Mamba 2 has no attention (0 heads): its SSM heads stand in, as in its HF config.
+        0 if arch == "mamba2" => meta.usize("ssm.time_step_rank")?,
+        heads => heads,
+    };
     let vocab_size = match md.get("tokenizer.ggml.tokens").map(|v| v.to_vec()) {
         Some(Ok(tokens)) => tokens.len(),
         _ => meta.usize("vocab_size")?,
@@ -295,6 +299,9 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
     }
     if arch == "qwen3next" {
         crate::arch::qwen3_next::configure_gguf(&meta, &mut config)?;
+    }
+    if arch == "mamba2" {
+        crate::arch::mamba2::configure_gguf(&meta, &mut config)?;
     }
     if arch == "gemma4" {
         crate::arch::gemma4::gguf::configure(&meta, &mut config)?;
