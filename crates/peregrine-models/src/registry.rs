@@ -90,6 +90,8 @@ const ALIASES: &[(&str, &str)] = &[
     ("qwen3_5_moe", "qwen3_next"),
     ("qwen3_5_moe_text", "qwen3_next"),
     ("qwen3_5_text", "qwen3_next"),
+    ("qwen35", "qwen3_next"),
+    ("qwen35moe", "qwen3_next"),
     ("qwen3next", "qwen3_next"),
     ("qwen3moe", "qwen3_moe"),
 ];

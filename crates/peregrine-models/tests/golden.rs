@@ -9,6 +9,7 @@ mod common;
 
 use std::path::PathBuf;
 
+use peregrine_models::layers::delta_net::DeltaNetConfig;
 use peregrine_models::{
     CausalLm, KvOptions, LoadOptions, Logits, SequenceCache, load_model, supported_architectures,
 };
@@ -448,12 +449,16 @@ fn deepseek_v3_caches_the_latent() {
 /// and `attn_gate` while `ssm_ba` stays grouped per key head, the gated shared expert. Mamba 2:
 /// `backbone.*` as `blk.*`, zero attention heads (the SSM heads stand in), A and D with a unit
 /// dimension, the norm one row per group. Both: `ssm_a` holding `-exp(A_log)`, the squeezed
-/// conv. The files hold the fixtures' numbers, so they match transformers at 1e-3, whole and
-/// in chunks, with the same greedy ids, caches and (for the hybrid) delta-net and MoE config.
+/// conv. Qwen3.5 (`qwen35`, `qwen35moe`): `in_proj_b` / `in_proj_a` as `ssm_beta` /
+/// `ssm_alpha`, and every value-head tensor reordered from grouped to tiled order (read back
+/// with the tiled head map). The files hold the fixtures' numbers, so they match transformers
+/// at 1e-3, whole and in chunks, with the same greedy ids, caches and delta-net / MoE config.
 #[test]
 fn recurrent_gguf_from_llama_cpp_converter_matches_transformers() {
     for (arch, file, gguf_arch) in [
         ("qwen3_next", "model-bf16.gguf", "qwen3next"),
+        ("qwen3_5", "model-f32.gguf", "qwen35"),
+        ("qwen3_5_moe", "model-bf16.gguf", "qwen35moe"),
         ("mamba2", "model-f32.gguf", "mamba2"),
     ] {
         let path = fixture(arch).join("../gguf").join(file);
@@ -463,8 +468,15 @@ fn recurrent_gguf_from_llama_cpp_converter_matches_transformers() {
             .model;
         let (got, want) = (gguf.config(), hf.config());
         assert_eq!(got.model_type, gguf_arch);
+        // Qwen3.5's files hold the value heads in tiled order; otherwise the same layers.
+        let untiled = (got.delta_net.clone()).map(|d| DeltaNetConfig { tiled: false, ..d });
         assert_eq!(
-            (&got.delta_net, &got.moe, got.ssm),
+            got.delta_net.as_ref().is_some_and(|d| d.tiled),
+            gguf_arch.starts_with("qwen35"),
+            "{arch}"
+        );
+        assert_eq!(
+            (&untiled, &got.moe, got.ssm),
             (&want.delta_net, &want.moe, want.ssm),
             "{arch}"
         );

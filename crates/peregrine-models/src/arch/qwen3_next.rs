@@ -40,10 +40,11 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
     Ok(())
 }
 
-/// A `qwen3next` GGUF file's delta-net sizes and layer pattern (llama.cpp's converter writes
-/// `ssm.*` and `attention.recurrent_layers`; its norms already hold `1 + w`, its `ssm_a`
-/// already `-exp(A_log)`, and its `in_proj_qkvz` is split into `[q; k; v]` and `z`).
-pub(crate) fn configure_gguf(meta: &GgufMeta, config: &mut ModelConfig) -> Result<()> {
+/// A `qwen3next`, `qwen35` or `qwen35moe` GGUF file's delta-net sizes and layer pattern
+/// (llama.cpp's converter writes `ssm.*` and `attention.recurrent_layers`; its norms already
+/// hold `1 + w`, its `ssm_a` already `-exp(A_log)`, Qwen3-Next's `in_proj_qkvz` is split into
+/// `[q; k; v]` and `z`, and Qwen3.5's value heads are in `tiled` order).
+pub(crate) fn configure_gguf(meta: &GgufMeta, config: &mut ModelConfig, tiled: bool) -> Result<()> {
     let layers = config.num_hidden_layers;
     let recurrent = match meta.opt_bools("attention.recurrent_layers")? {
         Some(r) => r.into_iter().take(layers).collect(),
@@ -78,6 +79,7 @@ pub(crate) fn configure_gguf(meta: &GgufMeta, config: &mut ModelConfig) -> Resul
         v_dim: inner / v_heads,
         conv_kernel: meta.usize("ssm.conv_kernel")?,
         layers: recurrent,
+        tiled,
     });
     config.attn_output_gate = true;
     // Layer 0, where the shared reader looks for them, is a delta-net layer.

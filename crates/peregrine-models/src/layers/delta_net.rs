@@ -39,6 +39,9 @@ pub struct DeltaNetConfig {
     pub conv_kernel: usize,
     /// Which layers are delta-net layers (`layer_types[i] == "linear_attention"`).
     pub layers: Vec<bool>,
+    /// Value heads in tiled order (llama.cpp's `qwen35` files: head `h` reads key head
+    /// `h % k_heads`), not grouped by key head (HF: `h / (v_heads / k_heads)`).
+    pub tiled: bool,
 }
 
 impl DeltaNetConfig {
@@ -60,6 +63,7 @@ impl DeltaNetConfig {
             v_dim: fields.usize("linear_value_head_dim")?,
             conv_kernel: fields.opt_usize("linear_conv_kernel_dim")?.unwrap_or(4),
             layers,
+            tiled: false,
         };
         if c.k_heads == 0 || !c.v_heads.is_multiple_of(c.k_heads) || c.conv_kernel < 2 {
             return Err(fields.err(format!(
@@ -306,7 +310,10 @@ impl GatedDeltaNet {
         let per = c.v_heads / c.k_heads;
         let head_out: Vec<Vec<f32>> = (heads.par_chunks_mut(kd * vd).enumerate())
             .map(|(h, s)| {
-                let g = h / per;
+                let g = match c.tiled {
+                    true => h % c.k_heads,
+                    false => h / per,
+                };
                 let gather = |at: usize, w: usize| -> Vec<f32> {
                     (qkv.chunks_exact(conv))
                         .flat_map(|r| r[at..at + w].iter().copied())

@@ -31,7 +31,8 @@ pub struct GgufFile {
 /// `kv_b_proj` is split by llama.cpp's converter into `attn_k_b` (transposed) and `attn_v_b`,
 /// HF-named here `k_b_proj` / `v_b_proj`. Qwen3-Next's `in_proj_qkvz` is split by the converter
 /// into `attn_qkv` and `attn_gate` (HF-named as Qwen3.5's `in_proj_qkv` / `in_proj_z`); its
-/// feed-forward norm is `post_attention_norm`.
+/// feed-forward norm is `post_attention_norm` (Qwen3.5's too); Qwen3.5's `in_proj_b` / `in_proj_a`
+/// are `ssm_beta` / `ssm_alpha`.
 pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
     let global = match hf {
         "model.embed_tokens.weight" => Some("token_embd.weight"),
@@ -70,10 +71,12 @@ pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
         ("post_attention_layernorm", _) if gemma => "post_attention_norm",
         ("pre_feedforward_layernorm", _) if gemma => "ffn_norm",
         ("post_feedforward_layernorm", _) if gemma => "post_ffw_norm",
-        ("post_attention_layernorm", "qwen3next") => "post_attention_norm",
+        ("post_attention_layernorm", "qwen3next" | "qwen35" | "qwen35moe") => "post_attention_norm",
         ("linear_attn.in_proj_qkv", _) => "attn_qkv",
         ("linear_attn.in_proj_z", _) => "attn_gate",
         ("linear_attn.in_proj_ba", _) => "ssm_ba",
+        ("linear_attn.in_proj_b", _) => "ssm_beta",
+        ("linear_attn.in_proj_a", _) => "ssm_alpha",
         ("linear_attn.conv1d", _) => "ssm_conv1d",
         ("linear_attn.norm", _) => "ssm_norm",
         ("linear_attn.out_proj", _) => "ssm_out",

@@ -297,8 +297,8 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
     if arch == "gemma3" {
         crate::arch::gemma3::configure_gguf(&mut config, meta.opt_f64("rope.freq_base_swa")?);
     }
-    if arch == "qwen3next" {
-        crate::arch::qwen3_next::configure_gguf(&meta, &mut config)?;
+    if matches!(arch.as_str(), "qwen3next" | "qwen35" | "qwen35moe") {
+        crate::arch::qwen3_next::configure_gguf(&meta, &mut config, arch != "qwen3next")?;
     }
     if arch == "mamba2" {
         crate::arch::mamba2::configure_gguf(&meta, &mut config)?;
