@@ -84,6 +84,7 @@ const ARCHITECTURES: &[(&str, Configure, Build)] = &[
 /// multimodal `gemma4` and `qwen3_5` checkpoints load their text model ([`TEXT_MODELS`]).
 const ALIASES: &[(&str, &str)] = &[
     ("deepseek2", "deepseek_v3"),
+    ("falcon-h1", "falcon_h1"),
     ("gemma3_text", "gemma3"),
     ("gemma4", "gemma4_text"),
     ("qwen3_5", "qwen3_next"),

@@ -10,6 +10,7 @@ mod common;
 use std::path::PathBuf;
 
 use peregrine_models::layers::delta_net::DeltaNetConfig;
+use peregrine_models::layers::ssm::SsmConfig;
 use peregrine_models::{
     CausalLm, KvOptions, LoadOptions, Logits, SequenceCache, load_model, supported_architectures,
 };
@@ -444,14 +445,15 @@ fn deepseek_v3_caches_the_latent() {
 }
 
 /// Recurrent families as llama.cpp's own converter writes them (`scripts/fixtures/convert_gguf.py
-/// qwen3_next mamba2`, in the fixture's precision). Qwen3-Next (`qwen3next`): `ssm.*` metadata
+/// qwen3_next qwen3_5 qwen3_5_moe mamba2 falcon_h1`, in the fixture's precision). Qwen3-Next (`qwen3next`): `ssm.*` metadata
 /// and `attention.recurrent_layers`, norms holding `1 + w`, `in_proj_qkvz` split into `attn_qkv`
 /// and `attn_gate` while `ssm_ba` stays grouped per key head, the gated shared expert. Mamba 2:
 /// `backbone.*` as `blk.*`, zero attention heads (the SSM heads stand in), A and D with a unit
 /// dimension, the norm one row per group. Both: `ssm_a` holding `-exp(A_log)`, the squeezed
 /// conv. Qwen3.5 (`qwen35`, `qwen35moe`): `in_proj_b` / `in_proj_a` as `ssm_beta` /
 /// `ssm_alpha`, and every value-head tensor reordered from grouped to tiled order (read back
-/// with the tiled head map). The files hold the fixtures' numbers, so they match transformers
+/// with the tiled head map). Falcon-H1 (`falcon-h1`): the Mamba 2 mixer's names beside
+/// attention, every multiplier folded into the weights. The files hold the fixtures' numbers, so they match transformers
 /// at 1e-3, whole and in chunks, with the same greedy ids, caches and delta-net / MoE config.
 #[test]
 fn recurrent_gguf_from_llama_cpp_converter_matches_transformers() {
@@ -460,6 +462,7 @@ fn recurrent_gguf_from_llama_cpp_converter_matches_transformers() {
         ("qwen3_5", "model-f32.gguf", "qwen35"),
         ("qwen3_5_moe", "model-bf16.gguf", "qwen35moe"),
         ("mamba2", "model-f32.gguf", "mamba2"),
+        ("falcon_h1", "model-f32.gguf", "falcon-h1"),
     ] {
         let path = fixture(arch).join("../gguf").join(file);
         let gguf = load_model(&path, &LoadOptions::default()).unwrap().model;
@@ -475,9 +478,14 @@ fn recurrent_gguf_from_llama_cpp_converter_matches_transformers() {
             gguf_arch.starts_with("qwen35"),
             "{arch}"
         );
+        // Falcon-H1's files hold its multipliers folded into the weights.
+        let unscaled = want.ssm.map(|s| SsmConfig {
+            multipliers: [1.0; 5],
+            ..s
+        });
         assert_eq!(
             (&untiled, &got.moe, got.ssm),
-            (&want.delta_net, &want.moe, want.ssm),
+            (&want.delta_net, &want.moe, unscaled),
             "{arch}"
         );
         assert_eq!(got.attn_output_gate, want.attn_output_gate, "{arch}");

@@ -20,6 +20,7 @@ use crate::layers::batch::{BatchSeq, Segment, check_batch, last_logits, run_laye
 use crate::layers::decoder::SelfAttention;
 use crate::layers::ssm::{Mamba2Mixer, SsmConfig};
 use crate::weights::Weights;
+use crate::weights::gguf_config::GgufMeta;
 use crate::{CausalLm, LayerKind, Logits, ModelConfig, ModelError, Result, SequenceCache};
 
 /// Falcon-H1's multipliers (µP), each 1 when the config omits it.
@@ -95,6 +96,23 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
         mlp_down: mlp[1],
     });
     config.ssm = Some(ssm);
+    Ok(())
+}
+
+/// A `falcon-h1` GGUF file: llama.cpp's converter folds every multiplier into the weights, so
+/// they are all 1 here; the mixer's sizes are Mamba 2's `ssm.*`.
+pub(crate) fn configure_gguf(meta: &GgufMeta, config: &mut ModelConfig) -> Result<()> {
+    super::mamba2::configure_gguf(meta, config)?;
+    config.falcon = Some(FalconMultipliers {
+        embedding: 1.0,
+        lm_head: 1.0,
+        attention_in: 1.0,
+        attention_out: 1.0,
+        ssm_in: 1.0,
+        ssm_out: 1.0,
+        mlp_gate: 1.0,
+        mlp_down: 1.0,
+    });
     Ok(())
 }
 

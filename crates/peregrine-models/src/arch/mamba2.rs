@@ -71,8 +71,9 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
     Ok(())
 }
 
-/// A `mamba2` GGUF file's SSM sizes (llama.cpp's converter writes `ssm.*`; heads are
-/// `ssm.time_step_rank`, the norm groups `ssm.group_count`).
+/// A `mamba2` (or `falcon-h1`) GGUF file's SSM sizes (llama.cpp's converter writes `ssm.*`;
+/// heads are `ssm.time_step_rank`, the norm groups `ssm.group_count`; the norm, when the file
+/// has one, follows the gate, as llama.cpp runs it).
 pub(crate) fn configure_gguf(meta: &GgufMeta, config: &mut ModelConfig) -> Result<()> {
     let (inner, heads) = (
         meta.usize("ssm.inner_size")?,
@@ -84,7 +85,6 @@ pub(crate) fn configure_gguf(meta: &GgufMeta, config: &mut ModelConfig) -> Resul
         return Err(meta.err("ssm.time_step_rank", what));
     }
     let file = meta.file;
-    config.intermediate_size = inner;
     config.ssm = Some(SsmConfig {
         heads,
         head_dim: inner / heads,
@@ -94,10 +94,13 @@ pub(crate) fn configure_gguf(meta: &GgufMeta, config: &mut ModelConfig) -> Resul
         bias: file.has_tensor("blk.0.ssm_in.bias"),
         out_bias: file.has_tensor("blk.0.ssm_out.bias"),
         conv_bias: file.has_tensor("blk.0.ssm_conv1d.bias"),
-        gated_norm: true,
+        gated_norm: file.has_tensor("blk.0.ssm_norm.weight"),
         norm_before_gate: false,
         multipliers: [1.0; 5],
     });
+    if config.model_type == "mamba2" {
+        config.intermediate_size = inner;
+    }
     Ok(())
 }
 

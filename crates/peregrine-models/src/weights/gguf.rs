@@ -32,11 +32,12 @@ pub struct GgufFile {
 /// HF-named here `k_b_proj` / `v_b_proj`. Qwen3-Next's `in_proj_qkvz` is split by the converter
 /// into `attn_qkv` and `attn_gate` (HF-named as Qwen3.5's `in_proj_qkv` / `in_proj_z`); its
 /// feed-forward norm is `post_attention_norm` (Qwen3.5's too); Qwen3.5's `in_proj_b` / `in_proj_a`
-/// are `ssm_beta` / `ssm_alpha`.
+/// are `ssm_beta` / `ssm_alpha`. Falcon-H1's `mamba.*` are `ssm_*` as Mamba 2's mixer's, its
+/// `feed_forward` is `ffn_*` and its `pre_ff_layernorm` the suffix-less `ffn_norm`.
 pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
     let global = match hf {
         "model.embed_tokens.weight" => Some("token_embd.weight"),
-        "model.norm.weight" => Some("output_norm.weight"),
+        "model.norm.weight" | "model.final_layernorm.weight" => Some("output_norm.weight"),
         "lm_head.weight" => Some("output.weight"),
         "model.embed_tokens_per_layer.weight" => Some("per_layer_token_embd.weight"),
         "model.per_layer_model_projection.weight" => Some("per_layer_model_proj.weight"),
@@ -58,8 +59,10 @@ pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
         "experts.gate_up_proj" => Some("ffn_gate_up_exps.weight"),
         "experts.down_proj" => Some("ffn_down_exps.weight"),
         "mlp.gate.e_score_correction_bias" => Some("exp_probs_b.bias"),
-        "linear_attn.A_log" => Some("ssm_a"),
-        "linear_attn.dt_bias" => Some("ssm_dt.bias"),
+        "linear_attn.A_log" | "mamba.A_log" => Some("ssm_a"),
+        "linear_attn.dt_bias" | "mamba.dt_bias" => Some("ssm_dt.bias"),
+        "mamba.D" => Some("ssm_d"),
+        "pre_ff_layernorm.weight" => Some("ffn_norm"),
         _ => None,
     };
     if let Some(name) = whole {
@@ -80,6 +83,13 @@ pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
         ("linear_attn.conv1d", _) => "ssm_conv1d",
         ("linear_attn.norm", _) => "ssm_norm",
         ("linear_attn.out_proj", _) => "ssm_out",
+        ("mamba.in_proj", _) => "ssm_in",
+        ("mamba.conv1d", _) => "ssm_conv1d",
+        ("mamba.norm", _) => "ssm_norm",
+        ("mamba.out_proj", _) => "ssm_out",
+        ("feed_forward.gate_proj", _) => "ffn_gate",
+        ("feed_forward.up_proj", _) => "ffn_up",
+        ("feed_forward.down_proj", _) => "ffn_down",
         ("mlp.shared_expert.gate_proj", _) => "ffn_gate_shexp",
         ("mlp.shared_expert.up_proj", _) => "ffn_up_shexp",
         ("mlp.shared_expert.down_proj", _) => "ffn_down_shexp",

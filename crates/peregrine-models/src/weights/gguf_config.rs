@@ -303,6 +303,9 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
     if arch == "mamba2" {
         crate::arch::mamba2::configure_gguf(&meta, &mut config)?;
     }
+    if arch == "falcon-h1" {
+        crate::arch::falcon_h1::configure_gguf(&meta, &mut config)?;
+    }
     if arch == "gemma4" {
         crate::arch::gemma4::gguf::configure(&meta, &mut config)?;
     } else if arch == "deepseek2" {
