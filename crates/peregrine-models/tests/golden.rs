@@ -445,7 +445,7 @@ fn deepseek_v3_caches_the_latent() {
 }
 
 /// Recurrent families as llama.cpp's own converter writes them (`scripts/fixtures/convert_gguf.py
-/// qwen3_next qwen3_5 qwen3_5_moe mamba2 falcon_h1`, in the fixture's precision). Qwen3-Next (`qwen3next`): `ssm.*` metadata
+/// qwen3_next qwen3_5 qwen3_5_moe mamba2 falcon_h1 jamba`, in the fixture's precision). Qwen3-Next (`qwen3next`): `ssm.*` metadata
 /// and `attention.recurrent_layers`, norms holding `1 + w`, `in_proj_qkvz` split into `attn_qkv`
 /// and `attn_gate` while `ssm_ba` stays grouped per key head, the gated shared expert. Mamba 2:
 /// `backbone.*` as `blk.*`, zero attention heads (the SSM heads stand in), A and D with a unit
@@ -453,7 +453,9 @@ fn deepseek_v3_caches_the_latent() {
 /// conv. Qwen3.5 (`qwen35`, `qwen35moe`): `in_proj_b` / `in_proj_a` as `ssm_beta` /
 /// `ssm_alpha`, and every value-head tensor reordered from grouped to tiled order (read back
 /// with the tiled head map). Falcon-H1 (`falcon-h1`): the Mamba 2 mixer's names beside
-/// attention, every multiplier folded into the weights. The files hold the fixtures' numbers, so they match transformers
+/// attention, every multiplier folded into the weights. Jamba: per-layer KV heads (0 on Mamba
+/// layers), the Mamba v1 mixer's `ssm_x` / `ssm_dt` / norms, stacked experts where a layer has
+/// a router. The files hold the fixtures' numbers, so they match transformers
 /// at 1e-3, whole and in chunks, with the same greedy ids, caches and delta-net / MoE config.
 #[test]
 fn recurrent_gguf_from_llama_cpp_converter_matches_transformers() {
@@ -463,6 +465,7 @@ fn recurrent_gguf_from_llama_cpp_converter_matches_transformers() {
         ("qwen3_5_moe", "model-bf16.gguf", "qwen35moe"),
         ("mamba2", "model-f32.gguf", "mamba2"),
         ("falcon_h1", "model-f32.gguf", "falcon-h1"),
+        ("jamba", "model-bf16.gguf", "jamba"),
     ] {
         let path = fixture(arch).join("../gguf").join(file);
         let gguf = load_model(&path, &LoadOptions::default()).unwrap().model;
@@ -489,6 +492,11 @@ fn recurrent_gguf_from_llama_cpp_converter_matches_transformers() {
             "{arch}"
         );
         assert_eq!(got.attn_output_gate, want.attn_output_gate, "{arch}");
+        assert_eq!(
+            (&got.mamba, got.no_rope),
+            (&want.mamba, want.no_rope),
+            "{arch}"
+        );
         assert_eq!(gguf.cache_spec(), hf.cache_spec(), "{arch}");
         let r = reference(arch);
         for chunk in [1024, 5, 1] {

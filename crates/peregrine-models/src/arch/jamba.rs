@@ -19,6 +19,7 @@ use crate::layers::mamba::{MambaConfig, MambaMixer};
 use crate::layers::mlp::GatedMlp;
 use crate::layers::moe::{Ffn, MoeBlock};
 use crate::weights::Weights;
+use crate::weights::gguf_config::GgufMeta;
 use crate::{CausalLm, LayerKind, Logits, ModelConfig, ModelError, Result, SequenceCache};
 
 /// Reads the Mamba sizes, the layer periods and the MoE block.
@@ -64,6 +65,34 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
     }
     config.no_rope = true;
     config.mamba = Some(mamba);
+    Ok(())
+}
+
+/// A `jamba` GGUF file: the Mamba sizes from `ssm.*`, `attention` the layers with KV heads,
+/// MoE where a layer has a router (softmax top-k, not renormalised), no positional encoding.
+pub(crate) fn configure_gguf(
+    meta: &GgufMeta,
+    config: &mut ModelConfig,
+    attention: Vec<bool>,
+) -> Result<()> {
+    let file = meta.file;
+    config.mamba = Some(MambaConfig {
+        inner: meta.usize("ssm.inner_size")?,
+        state: meta.usize("ssm.state_size")?,
+        conv_kernel: meta.usize("ssm.conv_kernel")?,
+        dt_rank: meta.usize("ssm.time_step_rank")?,
+        conv_bias: file.has_tensor("blk.0.ssm_conv1d.bias"),
+        bias: file.has_tensor("blk.0.ssm_in.bias"),
+        layers: attention.iter().map(|a| !a).collect(),
+    });
+    if let Some(moe) = config.moe.as_mut() {
+        moe.normalize = false;
+        moe.naming = ExpertNaming::Jamba;
+        moe.sparse_layers = (0..config.num_hidden_layers)
+            .map(|i| file.has_tensor(&format!("blk.{i}.ffn_gate_inp.weight")))
+            .collect();
+    }
+    config.no_rope = true;
     Ok(())
 }
 

@@ -18,7 +18,7 @@ use peregrine_tensor::{DType, QLinear, Tensor};
 use crate::Result;
 use crate::layers::batch::Segment;
 use crate::layers::delta_net::softplus;
-use crate::weights::Weights;
+use crate::weights::{Source, Weights};
 
 /// A Mamba mixer's sizes (Jamba's `mamba_*` fields) and which layers are Mamba layers.
 #[derive(Debug, Clone, PartialEq)]
@@ -91,10 +91,17 @@ impl MambaMixer {
         let x_proj = parts(w.linear_rows(&name("x_proj"), &[rank, n, n], inner, false)?);
         let norm = |s: &str, d: usize| w.tensor(&name(&format!("{s}.weight")), &[d]);
         let vec = |s: &str, shape: &[usize]| f32s(&w.tensor(&name(s), shape)?);
+        // llama.cpp's converter squeezes the conv and stores `-exp(A_log)`.
+        let gguf = matches!(w.source(), Source::Gguf(_));
+        let conv_shape: &[usize] = match gguf {
+            true => &[inner, c.conv_kernel],
+            false => &[inner, 1, c.conv_kernel],
+        };
+        let a = vec("A_log", &[inner, n])?;
         Ok(Self {
             x_in,
             z_in,
-            conv_w: vec("conv1d.weight", &[inner, 1, c.conv_kernel])?,
+            conv_w: vec("conv1d.weight", conv_shape)?,
             conv_b: match c.conv_bias {
                 true => vec("conv1d.bias", &[inner])?,
                 false => vec![0.0; inner],
@@ -106,10 +113,10 @@ impl MambaMixer {
                 norm("c_layernorm", n)?,
             ],
             dt_proj: w.linear(&name("dt_proj"), inner, rank, true)?,
-            a: vec("A_log", &[inner, n])?
-                .iter()
-                .map(|a| -a.exp())
-                .collect(),
+            a: match gguf {
+                true => a,
+                false => a.iter().map(|a| -a.exp()).collect(),
+            },
             d: vec("D", &[inner])?,
             out_proj: w.linear(&name("out_proj"), hidden, inner, c.bias)?,
             eps,

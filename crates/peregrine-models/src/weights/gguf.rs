@@ -33,7 +33,8 @@ pub struct GgufFile {
 /// into `attn_qkv` and `attn_gate` (HF-named as Qwen3.5's `in_proj_qkv` / `in_proj_z`); its
 /// feed-forward norm is `post_attention_norm` (Qwen3.5's too); Qwen3.5's `in_proj_b` / `in_proj_a`
 /// are `ssm_beta` / `ssm_alpha`. Falcon-H1's `mamba.*` are `ssm_*` as Mamba 2's mixer's, its
-/// `feed_forward` is `ffn_*` and its `pre_ff_layernorm` the suffix-less `ffn_norm`.
+/// `feed_forward` is `ffn_*` and its `pre_ff_layernorm` the suffix-less `ffn_norm` (Jamba's has
+/// the suffix; its Mamba v1 mixer adds `ssm_x`, `ssm_dt` and the `ssm_{dt,b,c}_norm`s).
 pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
     let global = match hf {
         "model.embed_tokens.weight" => Some("token_embd.weight"),
@@ -62,7 +63,7 @@ pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
         "linear_attn.A_log" | "mamba.A_log" => Some("ssm_a"),
         "linear_attn.dt_bias" | "mamba.dt_bias" => Some("ssm_dt.bias"),
         "mamba.D" => Some("ssm_d"),
-        "pre_ff_layernorm.weight" => Some("ffn_norm"),
+        "pre_ff_layernorm.weight" if arch == "falcon-h1" => Some("ffn_norm"),
         _ => None,
     };
     if let Some(name) = whole {
@@ -83,6 +84,16 @@ pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
         ("linear_attn.conv1d", _) => "ssm_conv1d",
         ("linear_attn.norm", _) => "ssm_norm",
         ("linear_attn.out_proj", _) => "ssm_out",
+        ("pre_ff_layernorm", _) => "ffn_norm",
+        ("feed_forward.router", _) => "ffn_gate_inp",
+        ("feed_forward.switch_mlp.gate_proj", _) => "ffn_gate_exps",
+        ("feed_forward.switch_mlp.up_proj", _) => "ffn_up_exps",
+        ("feed_forward.switch_mlp.down_proj", _) => "ffn_down_exps",
+        ("mamba.x_proj", _) => "ssm_x",
+        ("mamba.dt_proj", _) => "ssm_dt",
+        ("mamba.dt_layernorm", _) => "ssm_dt_norm",
+        ("mamba.b_layernorm", _) => "ssm_b_norm",
+        ("mamba.c_layernorm", _) => "ssm_c_norm",
         ("mamba.in_proj", _) => "ssm_in",
         ("mamba.conv1d", _) => "ssm_conv1d",
         ("mamba.norm", _) => "ssm_norm",

@@ -157,10 +157,20 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         let values = meta.opt_per_layer(key, blocks)?;
         Ok(values.map(|v| v[..layers].to_vec()))
     };
-    let (ffn, kv_heads) = (
+    let (ffn, mut kv_heads) = (
         per_layer("feed_forward_length")?,
         per_layer("attention.head_count_kv")?,
     );
+    // Jamba's Mamba layers have no KV heads (0): the attention layers' count is the model's.
+    let jamba_attention = match (arch.as_str(), kv_heads.as_mut()) {
+        ("jamba", Some(kv)) => {
+            let attention: Vec<bool> = kv.iter().map(|&n| n > 0).collect();
+            let n = kv.iter().copied().max().unwrap_or(0);
+            kv.iter_mut().for_each(|k| *k = n);
+            Some(attention)
+        }
+        _ => None,
+    };
     if arch != "gemma4" {
         for (key, values) in [
             ("feed_forward_length", &ffn),
@@ -305,6 +315,9 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
     }
     if arch == "falcon-h1" {
         crate::arch::falcon_h1::configure_gguf(&meta, &mut config)?;
+    }
+    if let Some(attention) = jamba_attention {
+        crate::arch::jamba::configure_gguf(&meta, &mut config, attention)?;
     }
     if arch == "gemma4" {
         crate::arch::gemma4::gguf::configure(&meta, &mut config)?;
