@@ -9,6 +9,7 @@ pub mod mamba;
 pub mod mla;
 pub mod mlp;
 pub mod moe;
+pub mod ssd;
 pub mod ssm;
 pub mod step;
 

@@ -14,15 +14,18 @@
 //!   `y · silu(z)`.
 //!
 //! The state (the conv's last `conv_kernel - 1` inputs and every head's `S`) lives in the
-//! sequence's [`RecurrentCache`](peregrine_kv::RecurrentCache). Prompts run the recurrence
-//! token by token (transformers' chunked scan is the same sums in another order).
+//! sequence's [`RecurrentCache`](peregrine_kv::RecurrentCache). A prompt's bulk runs the chunked
+//! scan ([`ssd`]), its last rollback-depth positions and decode the recurrence.
 
 use peregrine_tensor::ops::{rms_norm_rows_in_place, silu};
 use peregrine_tensor::{DType, QLinear, Tensor};
 
 use crate::Result;
+use rayon::prelude::*;
+
 use crate::layers::batch::Segment;
 use crate::layers::delta_net::softplus;
+use crate::layers::ssd;
 use crate::weights::{Source, Weights};
 
 /// A Mamba 2 mixer's sizes and variants (HF `Mamba2Config`, Falcon-H1's `mamba_*` fields).
@@ -140,6 +143,8 @@ impl Mamba2Mixer {
     }
 
     /// `x: [1, rows, hidden]` (normed), the stacked rows of `segments` → `[1, rows, hidden]`.
+    /// A sequence's positions beyond the last `depth` (those no rollback returns to) run in
+    /// the chunked form; the rest one at a time, each state kept for rollback.
     pub fn forward(&self, x: &Tensor, segments: &mut [Segment]) -> Result<Tensor> {
         let proj = QLinear::forward_group(&[&self.z_proj, &self.xbc_proj, &self.dt_proj], x)?;
         let [z, xbc, dt] = [&proj[0], &proj[1], &proj[2]].map(|t| f32s(t.clone()));
@@ -147,19 +152,33 @@ impl Mamba2Mixer {
         self.scale_parts(&mut z, &mut xbc, &mut dt);
         let (inner, conv, heads) = (self.c.inner(), self.c.conv_dim(), self.c.heads);
         let mut y = vec![0f32; z.len()];
-        let mut conv_out = vec![0f32; conv];
         let mut row = 0;
         for s in segments.iter_mut() {
             let Some(cache) = s.cache.recurrent() else {
                 let why = "mamba2 mixer: a layer's cache holds no recurrent state";
                 return Err(peregrine_tensor::candle::Error::Msg(why.into()).into());
             };
-            for j in 0..s.len {
-                let state = cache.advance(s.len - 1 - j);
-                let out = &mut y[row * inner..][..inner];
-                let (xbc, dt) = (&xbc[row * conv..][..conv], &dt[row * heads..][..heads]);
-                self.step(state, xbc, dt, &mut conv_out, out);
-                self.gate(out, &z[row * inner..][..inner]);
+            let bulk = s.len.saturating_sub(cache.depth());
+            let mut run = |state: &mut [f32], rows: std::ops::Range<usize>| {
+                let (xbc, dt) = (
+                    &xbc[rows.start * conv..rows.end * conv],
+                    &dt[rows.start * heads..rows.end * heads],
+                );
+                let out = &mut y[rows.start * inner..rows.end * inner];
+                self.span(state, xbc, dt, out);
+                for (o, zr) in out
+                    .chunks_exact_mut(inner)
+                    .zip(z[rows.start * inner..].chunks_exact(inner))
+                {
+                    self.gate(o, zr);
+                }
+            };
+            if bulk > 0 {
+                run(cache.advance_span(bulk), row..row + bulk);
+                row += bulk;
+            }
+            for j in bulk..s.len {
+                run(cache.advance(s.len - 1 - j), row..row + 1);
                 row += 1;
             }
         }
@@ -185,52 +204,74 @@ impl Mamba2Mixer {
         }
     }
 
-    /// One position through the conv (into `xbc`, `conv_dim` wide) and the SSM: `state` is
-    /// updated, `out` gets `y`.
-    fn step(
-        &self,
-        state: &mut [f32],
-        xbc_in: &[f32],
-        dt: &[f32],
-        xbc: &mut [f32],
-        out: &mut [f32],
-    ) {
+    /// Consecutive positions (`xbc` `[n, conv_dim]`, `dt` `[n, heads]`) from `state` (conv
+    /// window, then every head's `S`): the conv, then each head (in parallel) through the
+    /// scan — one position by recurrence, more in the chunked form — plus `D · x`, into `out`
+    /// `[n, inner]`.
+    fn span(&self, state: &mut [f32], xbc: &[f32], dt: &[f32], out: &mut [f32]) {
         let c = self.c;
-        let (conv, k) = (c.conv_dim(), c.conv_kernel);
-        let (window, s) = state.split_at_mut(conv * (k - 1));
-        // The conv over the window (`k - 1` earlier inputs per channel) and this input.
-        for ch in 0..conv {
+        let (conv, k, n) = (c.conv_dim(), c.conv_kernel, dt.len() / c.heads);
+        let (p, ns, inner) = (c.head_dim, c.state_size, c.inner());
+        let (window, heads) = state.split_at_mut(conv * (k - 1));
+        let mut u = vec![0f32; n * conv];
+        for (input, o) in xbc.chunks_exact(conv).zip(u.chunks_exact_mut(conv)) {
+            self.conv(window, input, o);
+        }
+        let per_group = c.heads / c.groups;
+        let gather = |at: usize, w: usize| -> Vec<f32> {
+            (u.chunks_exact(conv))
+                .flat_map(|r| r[at..at + w].iter().copied())
+                .collect()
+        };
+        let head_out: Vec<Vec<f32>> = (heads.par_chunks_mut(p * ns).enumerate())
+            .map(|(h, s)| {
+                let g = h / per_group;
+                let x = gather(h * p, p);
+                let (b, cc) = (
+                    gather(inner + g * ns, ns),
+                    gather(inner + (c.groups + g) * ns, ns),
+                );
+                let dt: Vec<f32> = (0..n)
+                    .map(|t| softplus(dt[t * c.heads + h] + self.dt_bias[h]))
+                    .collect();
+                let mut o = vec![0f32; n * p];
+                match n {
+                    1 => ssd::step(s, &x, &b, &cc, dt[0], self.a[h], &mut o),
+                    _ => {
+                        let inputs = ssd::HeadInputs {
+                            x: &x,
+                            b: &b,
+                            c: &cc,
+                            dt: &dt,
+                            a: self.a[h],
+                        };
+                        ssd::chunked(s, &inputs, &mut o);
+                    }
+                }
+                o.iter_mut().zip(&x).for_each(|(o, x)| *o += self.d[h] * x);
+                o
+            })
+            .collect();
+        for t in 0..n {
+            for (h, o) in head_out.iter().enumerate() {
+                out[t * inner + h * p..][..p].copy_from_slice(&o[t * p..][..p]);
+            }
+        }
+    }
+
+    /// One position through the causal conv (bias) and SiLU, shifting `input` into `window`.
+    fn conv(&self, window: &mut [f32], input: &[f32], out: &mut [f32]) {
+        let k = self.c.conv_kernel;
+        for (ch, o) in out.iter_mut().enumerate() {
             let w = &self.conv_w[ch * k..][..k];
             let past = &mut window[ch * (k - 1)..][..k - 1];
-            let mut acc = self.conv_b[ch] + w[k - 1] * xbc_in[ch];
+            let mut acc = self.conv_b[ch] + w[k - 1] * input[ch];
             for (j, p) in past.iter().enumerate() {
                 acc += w[j] * p;
             }
             past.rotate_left(1);
-            past[k - 2] = xbc_in[ch];
-            xbc[ch] = silu(acc);
-        }
-        let (x, bc) = xbc.split_at(c.inner());
-        let (b, cc) = bc.split_at(c.groups * c.state_size);
-        let per_group = c.heads / c.groups;
-        for h in 0..c.heads {
-            let g = h / per_group;
-            let (bg, cg) = (
-                &b[g * c.state_size..][..c.state_size],
-                &cc[g * c.state_size..][..c.state_size],
-            );
-            let dt = softplus(dt[h] + self.dt_bias[h]);
-            let decay = (dt * self.a[h]).exp();
-            for p in 0..c.head_dim {
-                let xv = x[h * c.head_dim + p];
-                let sp = &mut s[(h * c.head_dim + p) * c.state_size..][..c.state_size];
-                let mut acc = 0f32;
-                for n in 0..c.state_size {
-                    sp[n] = sp[n] * decay + dt * bg[n] * xv;
-                    acc += sp[n] * cg[n];
-                }
-                out[h * c.head_dim + p] = acc + self.d[h] * xv;
-            }
+            past[k - 2] = input[ch];
+            *o = silu(acc);
         }
     }
 
