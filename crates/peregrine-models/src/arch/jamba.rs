@@ -160,15 +160,7 @@ impl JambaLm {
             })
             .collect::<Result<Vec<_>>>()?;
         let embed = w.embedding("model.embed_tokens.weight", c.vocab_size, h)?;
-        let rope = RotaryEmbedding::new_partial(
-            (c.head_dim, c.head_dim),
-            c.rope_theta,
-            &c.rope_scaling,
-            c.rope_style,
-            max_context,
-            DType::F32,
-            w.device(),
-        )?;
+        let rope = crate::layers::rope_table(c, w, (c.head_dim, c.head_dim), max_context)?;
         Ok(Self {
             lm_head: crate::layers::lm_head(c, w, &embed)?,
             norm: w.tensor("model.final_layernorm.weight", &[h])?,

@@ -105,15 +105,7 @@ impl<A: SelfAttention> DecoderLm<A> {
             .collect::<Result<Vec<_>>>()?;
         let embed_tokens = w.embedding("model.embed_tokens.weight", c.vocab_size, h)?;
         let lm_head = super::lm_head(c, w, &embed_tokens)?;
-        let rope = RotaryEmbedding::new_partial(
-            A::rope_dims(c),
-            c.rope_theta,
-            &c.rope_scaling,
-            c.rope_style,
-            max_context,
-            DType::F32,
-            w.device(),
-        )?;
+        let rope = crate::layers::rope_table(c, w, A::rope_dims(c), max_context)?;
         Ok(Self {
             norm: norm_weight(c, w, "model.norm.weight", h)?,
             embed_tokens,

@@ -14,7 +14,7 @@ pub mod ssm;
 pub mod step;
 
 use peregrine_tensor::ops::rms_norm;
-use peregrine_tensor::{DType, Embedding, QLinear, Tensor};
+use peregrine_tensor::{DType, Embedding, QLinear, RotaryEmbedding, Tensor};
 
 use crate::weights::Weights;
 use crate::{Logits, ModelConfig, Result};
@@ -67,6 +67,25 @@ pub fn lm_head(c: &ModelConfig, w: &Weights, embed: &Embedding) -> Result<QLinea
         true => Ok(embed.as_linear()?),
         false => w.linear("lm_head", c.vocab_size, c.hidden_size, false),
     }
+}
+
+/// The RoPE table for heads of `(width, rotated dimensions)` over `max_context` positions,
+/// from the config's theta, scaling and style.
+pub fn rope_table(
+    c: &ModelConfig,
+    w: &Weights,
+    dims: (usize, usize),
+    max_context: usize,
+) -> Result<RotaryEmbedding> {
+    Ok(RotaryEmbedding::new_partial(
+        dims,
+        c.rope_theta,
+        &c.rope_scaling,
+        c.rope_style,
+        max_context,
+        DType::F32,
+        w.device(),
+    )?)
 }
 
 /// Fails unless `n` tokens (at least one) fit at position `start` of a context of `max`.
