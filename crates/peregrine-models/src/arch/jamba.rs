@@ -76,6 +76,9 @@ pub(crate) fn configure_gguf(
     attention: Vec<bool>,
 ) -> Result<()> {
     let file = meta.file;
+    if meta.usize("ssm.conv_kernel")? < 2 {
+        return Err(meta.err("ssm.conv_kernel", "must be at least 2"));
+    }
     config.mamba = Some(MambaConfig {
         inner: meta.usize("ssm.inner_size")?,
         state: meta.usize("ssm.state_size")?,

@@ -85,6 +85,9 @@ pub(crate) fn configure_gguf(meta: &GgufMeta, config: &mut ModelConfig) -> Resul
         return Err(meta.err("ssm.time_step_rank", what));
     }
     let file = meta.file;
+    if meta.usize("ssm.conv_kernel")? < 2 {
+        return Err(meta.err("ssm.conv_kernel", "must be at least 2"));
+    }
     config.ssm = Some(SsmConfig {
         heads,
         head_dim: inner / heads,

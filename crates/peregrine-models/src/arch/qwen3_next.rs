@@ -47,7 +47,12 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
 pub(crate) fn configure_gguf(meta: &GgufMeta, config: &mut ModelConfig, tiled: bool) -> Result<()> {
     let layers = config.num_hidden_layers;
     let recurrent = match meta.opt_bools("attention.recurrent_layers")? {
-        Some(r) => r.into_iter().take(layers).collect(),
+        // The converter counts MTP layers too; they come last.
+        Some(r) if r.len() >= layers => r.into_iter().take(layers).collect(),
+        Some(r) => {
+            let what = format!("has {} entries for {layers} layers", r.len());
+            return Err(meta.err("attention.recurrent_layers", &what));
+        }
         None => {
             let every = meta
                 .opt_usize("full_attention_interval")?
@@ -72,7 +77,7 @@ pub(crate) fn configure_gguf(meta: &GgufMeta, config: &mut ModelConfig, tiled: b
             "must divide ssm.time_step_rank, which divides ssm.inner_size",
         ));
     }
-    config.delta_net = Some(DeltaNetConfig {
+    let delta_net = DeltaNetConfig {
         k_heads,
         v_heads,
         k_dim,
@@ -80,7 +85,11 @@ pub(crate) fn configure_gguf(meta: &GgufMeta, config: &mut ModelConfig, tiled: b
         conv_kernel: meta.usize("ssm.conv_kernel")?,
         layers: recurrent,
         tiled,
-    });
+    };
+    delta_net
+        .check()
+        .map_err(|e| meta.err("ssm.inner_size", &format!("gives a delta-net where {e}")))?;
+    config.delta_net = Some(delta_net);
     config.attn_output_gate = true;
     // Layer 0, where the shared reader looks for them, is a delta-net layer.
     config.qk_norm = true;

@@ -65,22 +65,28 @@ impl DeltaNetConfig {
             layers,
             tiled: false,
         };
-        if c.k_heads == 0 || !c.v_heads.is_multiple_of(c.k_heads) || c.conv_kernel < 2 {
-            return Err(fields.err(format!(
+        c.check().map_err(|e| fields.err(e))?;
+        Ok(c)
+    }
+
+    /// The relations the layer relies on, as a message naming the HF fields.
+    pub(crate) fn check(&self) -> std::result::Result<(), String> {
+        if self.k_heads == 0 || !self.v_heads.is_multiple_of(self.k_heads) || self.conv_kernel < 2 {
+            return Err(format!(
                 "`linear_num_key_heads` {} must divide `linear_num_value_heads` {}, and \
                  `linear_conv_kernel_dim` {} be at least 2",
-                c.k_heads, c.v_heads, c.conv_kernel
-            )));
+                self.k_heads, self.v_heads, self.conv_kernel
+            ));
         }
-        if c.v_dim == 0 || c.v_dim > delta_rule::MAX_V_DIM || c.k_dim == 0 {
-            return Err(fields.err(format!(
+        if self.v_dim == 0 || self.v_dim > delta_rule::MAX_V_DIM || self.k_dim == 0 {
+            return Err(format!(
                 "`linear_value_head_dim` {} must be 1 to {} and `linear_key_head_dim` {} positive",
-                c.v_dim,
+                self.v_dim,
                 delta_rule::MAX_V_DIM,
-                c.k_dim
-            )));
+                self.k_dim
+            ));
         }
-        Ok(c)
+        Ok(())
     }
 
     fn key_width(&self) -> usize {
