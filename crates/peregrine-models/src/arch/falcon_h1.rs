@@ -70,7 +70,11 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
         norm_before_gate: fields.opt_bool("mamba_norm_before_gate")?.unwrap_or(true),
         multipliers: std::array::from_fn(|i| ssm_parts[i] as f32),
     };
-    if ssm.inner() != inner || !heads.is_multiple_of(ssm.groups.max(1)) || ssm.conv_kernel < 2 {
+    if ssm.inner() != inner
+        || ssm.groups == 0
+        || !heads.is_multiple_of(ssm.groups)
+        || ssm.conv_kernel < 2
+    {
         return Err(fields.err(format!(
             "`mamba_n_heads` {heads} × `mamba_d_head` {head_dim} must equal the mixer width \
              {inner}, `mamba_n_groups` {} divide the heads and `mamba_d_conv` be at least 2",
