@@ -277,20 +277,8 @@ impl Mamba2Mixer {
 
     /// The gate `silu(z)` and the grouped RMS norm, in the order the variant applies them.
     fn gate(&self, y: &mut [f32], z: &[f32]) {
-        let gate = |y: &mut [f32]| y.iter_mut().zip(z).for_each(|(v, g)| *v *= silu(*g));
-        if self.norm.is_empty() {
-            return gate(y);
-        }
-        if !self.c.norm_before_gate {
-            gate(y);
-        }
-        let size = y.len() / self.c.groups;
-        for (ys, ws) in y.chunks_exact_mut(size).zip(self.norm.chunks_exact(size)) {
-            rms_norm_rows_in_place(ys, ws, self.eps);
-        }
-        if self.c.norm_before_gate {
-            gate(y);
-        }
+        let norm = (!self.norm.is_empty()).then_some(self.norm.as_slice());
+        gated_norm(y, z, norm, self.c.groups, self.c.norm_before_gate, self.eps);
     }
 
     /// Bytes of weights.
@@ -300,5 +288,68 @@ impl Mamba2Mixer {
             .map(|l| l.weight_bytes())
             .sum::<usize>()
             + 4 * (self.conv_w.len() + self.norm.len())
+    }
+}
+
+/// `y · silu(z)` and, with a `norm` weight, the RMS norm over `groups` equal groups of `y`:
+/// after the gate, or before it when `norm_first`.
+fn gated_norm(
+    y: &mut [f32],
+    z: &[f32],
+    norm: Option<&[f32]>,
+    groups: usize,
+    norm_first: bool,
+    eps: f32,
+) {
+    let gate = |y: &mut [f32]| y.iter_mut().zip(z).for_each(|(v, g)| *v *= silu(*g));
+    let Some(norm) = norm else {
+        return gate(y);
+    };
+    if !norm_first {
+        gate(y);
+    }
+    let size = y.len() / groups;
+    for (ys, ws) in y.chunks_exact_mut(size).zip(norm.chunks_exact(size)) {
+        rms_norm_rows_in_place(ys, ws, eps);
+    }
+    if norm_first {
+        gate(y);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Both orders against the formulas written out, over two groups: Mamba 2's
+    /// `norm(y · silu(z)) · w` and Falcon-H1's optional `norm(y) · w · silu(z)` (the fixtures
+    /// cover the first; transformers' default for Falcon-H1 is the second).
+    #[test]
+    fn the_gate_and_the_grouped_norm_in_either_order() {
+        let y: Vec<f32> = (0..8).map(|i| i as f32 * 0.3 - 1.0).collect();
+        let z: Vec<f32> = (0..8).map(|i| 0.5 - i as f32 * 0.2).collect();
+        let w: Vec<f32> = (0..8).map(|i| 1.0 + i as f32 * 0.1).collect();
+        let rms = |v: &[f32]| (v.iter().map(|x| x * x).sum::<f32>() / v.len() as f32 + 1e-6).sqrt();
+        for norm_first in [false, true] {
+            let mut got = y.clone();
+            gated_norm(&mut got, &z, Some(&w), 2, norm_first, 1e-6);
+            for g in 0..2 {
+                let (ys, zs) = (&y[g * 4..][..4], &z[g * 4..][..4]);
+                let gated: Vec<f32> = ys.iter().zip(zs).map(|(a, b)| a * silu(*b)).collect();
+                let base = if norm_first { ys.to_vec() } else { gated };
+                let r = rms(&base);
+                for i in 0..4 {
+                    let mut want = base[i] / r * w[g * 4 + i];
+                    if norm_first {
+                        want *= silu(zs[i]);
+                    }
+                    let got = got[g * 4 + i];
+                    assert!(
+                        (got - want).abs() < 1e-5,
+                        "{norm_first} {g} {i}: {got} {want}"
+                    );
+                }
+            }
+        }
     }
 }
