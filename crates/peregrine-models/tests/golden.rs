@@ -509,34 +509,49 @@ fn recurrent_gguf_from_llama_cpp_converter_matches_transformers() {
     }
 }
 
-/// A multimodal `gemma4` checkpoint (`Gemma4ForConditionalGeneration`: the text config under
-/// `text_config`, the language model under `model.language_model.`, a vision tower beside it)
-/// loads its text model: the `gemma4_text` fixture's weights so wrapped give its logits.
+/// Multimodal checkpoints (`Gemma4ForConditionalGeneration`, `Qwen3_5ForConditionalGeneration`
+/// and its MoE: the text config under `text_config`, the language model under
+/// `model.language_model.`, a vision tower beside it) load their text model: each text
+/// fixture's weights so wrapped give its logits. Qwen3.5's `text_config` also carries the
+/// M-RoPE fields its hub configs have (`mrope_section`, `mrope_interleaved`): with text only,
+/// every position's three indices are equal and M-RoPE is plain RoPE.
 #[test]
-fn multimodal_gemma4_loads_its_text_model() {
-    let text = fixture("gemma4_text");
-    let dir = std::env::temp_dir().join(format!("peregrine-gemma4-mm-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut tensors = load(text.join("model.safetensors"), &Device::Cpu).unwrap();
-    tensors = (tensors.into_iter())
-        .map(|(name, t)| (name.replacen("model.", "model.language_model.", 1), t))
-        .collect();
-    let tower = Tensor::zeros((2, 2), DType::F32, &Device::Cpu).unwrap();
-    tensors.insert("model.vision_tower.patch_embedder.weight".into(), tower);
-    peregrine_tensor::candle::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
-    let text_config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(text.join("config.json")).unwrap()).unwrap();
-    let config = serde_json::json!({"model_type": "gemma4",
-        "architectures": ["Gemma4ForConditionalGeneration"], "text_config": text_config,
-        "vision_config": {"model_type": "gemma4_vision"}, "audio_config": null});
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let model = load_model(&dir, &LoadOptions::default()).unwrap().model;
-    assert_eq!(model.config().model_type, "gemma4_text");
-    let r = reference("gemma4_text");
-    let diff = max_abs_diff(&run_in_chunks(model.as_ref(), &r.ids, 1024), &r.logits);
-    eprintln!("gemma4 (multimodal layout): max abs diff {diff:.2e}");
-    assert!(diff < TOLERANCE, "gemma4 (multimodal layout): {diff}");
-    std::fs::remove_dir_all(&dir).ok();
+fn multimodal_checkpoints_load_their_text_model() {
+    let mrope = serde_json::json!({"rope_type": "default", "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0], "mrope_interleaved": true});
+    for (arch, wrapper, text_type) in [
+        ("gemma4_text", "gemma4", "gemma4_text"),
+        ("qwen3_5", "qwen3_5", "qwen3_5_text"),
+        ("qwen3_5_moe", "qwen3_5_moe", "qwen3_5_moe_text"),
+    ] {
+        let text = fixture(arch);
+        let dir = std::env::temp_dir().join(format!("peregrine-{arch}-mm-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut tensors = load(text.join("model.safetensors"), &Device::Cpu).unwrap();
+        tensors = (tensors.into_iter())
+            .map(|(name, t)| (name.replacen("model.", "model.language_model.", 1), t))
+            .collect();
+        let tower = Tensor::zeros((2, 2), DType::F32, &Device::Cpu).unwrap();
+        tensors.insert("model.visual.patch_embed.proj.weight".into(), tower);
+        peregrine_tensor::candle::safetensors::save(&tensors, dir.join("model.safetensors"))
+            .unwrap();
+        let mut text_config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(text.join("config.json")).unwrap())
+                .unwrap();
+        if wrapper.starts_with("qwen3_5") {
+            text_config["rope_parameters"] = mrope.clone();
+        }
+        let config = serde_json::json!({"model_type": wrapper, "text_config": text_config,
+            "vision_config": {"model_type": format!("{wrapper}_vision")}, "audio_config": null});
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        let model = load_model(&dir, &LoadOptions::default()).unwrap().model;
+        assert_eq!(model.config().model_type, text_type);
+        let r = reference(arch);
+        let diff = max_abs_diff(&run_in_chunks(model.as_ref(), &r.ids, 1024), &r.logits);
+        eprintln!("{wrapper} (multimodal layout): max abs diff {diff:.2e}");
+        assert!(diff < TOLERANCE, "{wrapper} (multimodal layout): {diff}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
 }
 
 /// A recurrent model's prompt in chunks of 3 or 17 equals one shot and token-by-token decode
