@@ -35,7 +35,8 @@ fn gemma(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn Caus
 }
 
 /// Qwen3-Next and Qwen3.5: delta-net and full-attention layers in one decoder.
-fn hybrid(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn CausalLm>> {
+fn hybrid(mut c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn CausalLm>> {
+    arch::qwen3_next::adjust_for_mlx_lm(&mut c, w)?;
     Ok(Arc::new(DecoderLm::<HybridMixer>::load(c, w, max_context)?))
 }
 

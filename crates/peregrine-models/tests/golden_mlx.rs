@@ -211,6 +211,7 @@ golden_mlx! {
     mixtral: q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64";
     gemma4_text: q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64", q4_g32 = "mlx-q4-g32";
     gemma4_text_moe: q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64", q4_g32 = "mlx-q4-g32";
+    qwen3_next: q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64";
 }
 
 /// Phi-3 in MLX form (fused `qkv_proj` / `gate_up_proj` quantized as one matrix each, split by

@@ -180,11 +180,14 @@ impl GatedDeltaNet {
             ),
         };
         let values = |n: &str, shape: &[usize]| f32s(w.tensor(&name(n), shape)?);
-        // llama.cpp's converter squeezes the conv weight and stores `-exp(A_log)` itself.
+        // llama.cpp's converter squeezes the conv weight and stores `-exp(A_log)` itself;
+        // mlx-lm stores the conv as [C, K, 1] (the same values in the same order).
         let gguf = matches!(w.source(), Source::Gguf(_));
+        let k = d.conv_kernel;
         let conv_shape: &[usize] = match gguf {
-            true => &[conv, d.conv_kernel],
-            false => &[conv, 1, d.conv_kernel],
+            true => &[conv, k],
+            false if w.dims(&name("conv1d.weight"))? == [conv, k, 1] => &[conv, k, 1],
+            false => &[conv, 1, k],
         };
         let a = values("A_log", &[d.v_heads])?;
         let a = match gguf {

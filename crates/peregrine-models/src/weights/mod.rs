@@ -111,6 +111,14 @@ impl Weights {
         }
     }
 
+    /// The stored shape of `name` (HF naming), without loading it.
+    pub fn dims(&self, name: &str) -> Result<Vec<usize>> {
+        match &self.source {
+            Source::Safetensors(s) => Ok(s.dims(name)?.to_vec()),
+            Source::Gguf(g) => g.dims(name),
+        }
+    }
+
     fn check_shape(&self, name: &str, got: &[usize], expected: &[usize]) -> Result<()> {
         if got == expected {
             return Ok(());
