@@ -108,7 +108,14 @@ fn check_logits(arch: &str, variant: &str) {
             r.logits.dims(),
             "{arch}/{variant}: logits shape"
         );
-        for (what, want) in [("transformers", &r.logits), ("mlx-lm", &r.logits_mlx)] {
+        // mlx-lm 0.32.2's Jamba disagrees with transformers on its own conversion (1.4 max abs
+        // on this fixture, where ours matches transformers at 5e-6): Jamba is checked against
+        // transformers alone.
+        let references = match arch {
+            "jamba" => &[("transformers", &r.logits)][..],
+            _ => &[("transformers", &r.logits), ("mlx-lm", &r.logits_mlx)][..],
+        };
+        for &(what, want) in references {
             let diff = max_abs_diff(&ours, want);
             eprintln!("{arch}/{variant} (chunk {chunk}) vs {what}: max abs diff {diff:.1e}");
             assert!(
@@ -212,6 +219,7 @@ golden_mlx! {
     gemma4_text: q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64", q4_g32 = "mlx-q4-g32";
     gemma4_text_moe: q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64", q4_g32 = "mlx-q4-g32";
     qwen3_next: q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64";
+    jamba: q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64";
 }
 
 /// Phi-3 in MLX form (fused `qkv_proj` / `gate_up_proj` quantized as one matrix each, split by

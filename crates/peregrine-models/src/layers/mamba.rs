@@ -93,9 +93,12 @@ impl MambaMixer {
         let vec = |s: &str, shape: &[usize]| f32s(&w.tensor(&name(s), shape)?);
         // llama.cpp's converter squeezes the conv and stores `-exp(A_log)`.
         let gguf = matches!(w.source(), Source::Gguf(_));
+        // mlx-lm stores the conv as [C, K, 1]: the same values in the same order.
+        let k = c.conv_kernel;
         let conv_shape: &[usize] = match gguf {
-            true => &[inner, c.conv_kernel],
-            false => &[inner, 1, c.conv_kernel],
+            true => &[inner, k],
+            false if w.dims(&name("conv1d.weight"))? == [inner, k, 1] => &[inner, k, 1],
+            false => &[inner, 1, k],
         };
         let a = vec("A_log", &[inner, n])?;
         Ok(Self {
