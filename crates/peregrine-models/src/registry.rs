@@ -267,6 +267,9 @@ pub fn open_model(path: &Path, opts: &LoadOptions) -> Result<OpenModel> {
                 );
                 (text, *prefixes)
             }
+            // A flat config under the multimodal type (mlx-lm's Qwen3.5 conversions): the
+            // language model's tensors are still under its prefixes.
+            (None, Some((_, prefixes))) => (fields, *prefixes),
             _ => (fields, &[][..]),
         };
         if fields.get("text_config").is_some() {

@@ -219,6 +219,7 @@ golden_mlx! {
     gemma4_text: q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64", q4_g32 = "mlx-q4-g32";
     gemma4_text_moe: q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64", q4_g32 = "mlx-q4-g32";
     qwen3_next: q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64";
+    qwen3_5: q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64";
     jamba: q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64";
 }
 

@@ -100,15 +100,15 @@ pub(crate) fn configure_gguf(meta: &GgufMeta, config: &mut ModelConfig, tiled: b
     Ok(())
 }
 
-/// mlx-lm's Qwen3-Next conversion stores the decoder's norms as `1 + w` already (and the conv
-/// as `[C, K, 1]`, which [`GatedDeltaNet`] reads as it is): then no offset is added at load.
+/// mlx-lm's Qwen3-Next and Qwen3.5 conversions store the decoder's norms as `1 + w` already (and
+/// the conv as `[C, K, 1]`, which [`GatedDeltaNet`] reads as it is): then no offset is added.
 pub fn adjust_for_mlx_lm(config: &mut ModelConfig, w: &Weights) -> Result<()> {
     let Some(layer) = (config.delta_net.as_ref()).and_then(|d| d.layers.iter().position(|&l| l))
     else {
         return Ok(());
     };
     let conv = format!("model.layers.{layer}.linear_attn.conv1d.weight");
-    if config.model_type == "qwen3_next" && w.contains(&conv) && w.dims(&conv)?.last() == Some(&1) {
+    if w.contains(&conv) && w.dims(&conv)?.last() == Some(&1) {
         config.norm_weight_offset = 0.0;
     }
     Ok(())
