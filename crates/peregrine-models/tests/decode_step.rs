@@ -6,7 +6,8 @@
 //!
 //! Tolerance 1e-5 max abs on the logits: both paths run the same kernels on the same numbers and
 //! differ at most in rounding order; measured bit-identical (0.0) everywhere but DeepSeek-V3's
-//! MLA step (2.4e-6: its latent attention sums in another order). A wrong position,
+//! MLA step (2.4e-6: its latent attention sums in another order) and the Qwen hybrids' bf16
+//! GGUF files (7.0e-6: the MoE step and `forward` sum the bf16 experts in another order). A wrong position,
 //! head order, window, norm or cache slot moves the logits by 1e-2 or more.
 
 mod common;
@@ -87,8 +88,25 @@ fn decode_matches_forward_on_every_architecture() {
         "phi3",
         "qwen3_moe",
         "deepseek_v3",
+        "qwen3_next",
+        "qwen3_5",
+        "qwen3_5_moe",
     ] {
         decode_vs_forward(&format!("{arch}/hf"), KvOptions::default());
+    }
+}
+
+/// The Qwen hybrids' step (their mixers through `forward` on one row, the rest of the layer in
+/// the step) from GGUF and MLX files too.
+#[test]
+fn decode_matches_forward_on_hybrid_files() {
+    for checkpoint in [
+        "qwen3_next/gguf/model-bf16.gguf",
+        "qwen3_5_moe/gguf/model-bf16.gguf",
+        "qwen3_next/mlx-q4-g64",
+        "qwen3_5/mlx-q8-g64",
+    ] {
+        decode_vs_forward(checkpoint, KvOptions::default());
     }
 }
 

@@ -11,7 +11,7 @@
 //! apart (`in_proj_qkv`, `_z`, `_b`, `_a`) where Qwen3-Next groups them per key head.
 
 use peregrine_kv::{LayerCache, LayerKind};
-use peregrine_tensor::{RotaryEmbedding, Tensor};
+use peregrine_tensor::{DType, Device, RotaryEmbedding, Tensor};
 
 use crate::config::{ExpertNaming, Fields, MoeConfig};
 use crate::layers::attention::Attention;
@@ -162,7 +162,8 @@ impl SelfAttention for HybridMixer {
         }
     }
 
-    /// Unreachable: [`steps`](SelfAttention::steps) is false, decode runs `forward`.
+    /// One token through the mixer's `forward` on a one-row tensor (the rest of the layer,
+    /// norms and MoE, runs the allocation-free step around it).
     fn step(
         &self,
         b: &mut StepBuffers,
@@ -170,13 +171,16 @@ impl SelfAttention for HybridMixer {
         cache: &mut dyn LayerCache,
         pos: usize,
     ) -> Result<()> {
-        match self {
-            Self::Attention(a) => a.step(b, rope, cache, pos),
-            Self::Linear(_) => {
-                let why = "gated delta-net has no decode step: its model decodes through forward";
-                Err(peregrine_tensor::candle::Error::Msg(why.into()).into())
-            }
-        }
+        let x = Tensor::from_slice(&b.normed, (1, 1, b.normed.len()), &Device::Cpu)?;
+        let mut segment = [Segment {
+            cache,
+            start: pos,
+            len: 1,
+        }];
+        let y = self.forward(&x, rope, &mut segment)?;
+        let y = y.flatten_all()?.to_dtype(DType::F32)?;
+        b.out.copy_from_slice(&y.to_vec1::<f32>()?);
+        Ok(())
     }
 
     fn weight_bytes(&self) -> usize {
@@ -184,9 +188,5 @@ impl SelfAttention for HybridMixer {
             Self::Attention(a) => a.weight_bytes(),
             Self::Linear(l) => l.weight_bytes(),
         }
-    }
-
-    fn steps(_c: &ModelConfig) -> bool {
-        false
     }
 }
