@@ -115,8 +115,11 @@ impl Mamba2Mixer {
         // trailing unit dimension and the norm one row per group.
         let gguf = matches!(w.source(), Source::Gguf(_));
         let (h, k, g) = (c.heads, c.conv_kernel, c.groups);
+        // mlx-lm stores the conv as [C, K, 1]: the same values in the same order.
+        let mlx_conv = !gguf && w.dims(&format!("{m}.conv1d.weight"))? == [conv, k, 1];
         let (conv_shape, head_shape, norm_shape): (&[usize], &[usize], &[usize]) = match gguf {
             true => (&[conv, k], &[h, 1], &[g, inner / g]),
+            false if mlx_conv => (&[conv, k, 1], &[h], &[inner]),
             false => (&[conv, 1, k], &[h], &[inner]),
         };
         let a = values("A_log", head_shape)?;
