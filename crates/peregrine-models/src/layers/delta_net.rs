@@ -13,7 +13,7 @@
 //! [`RecurrentCache`](peregrine_kv::RecurrentCache).
 
 use peregrine_tensor::ops::{rms_norm_rows_in_place, silu};
-use peregrine_tensor::{DType, QLinear, Tensor};
+use peregrine_tensor::{QLinear, Tensor};
 
 use crate::arch::gemma3::layer_types;
 use crate::config::Fields;
@@ -21,6 +21,7 @@ use rayon::prelude::*;
 
 use crate::layers::batch::Segment;
 use crate::layers::delta_rule::{self, HeadInputs};
+use crate::layers::{causal_conv_silu, f32_values};
 use crate::weights::{Source, Weights};
 use crate::{ModelConfig, ModelError, Result};
 
@@ -141,10 +142,6 @@ pub struct GatedDeltaNet {
     eps: f32,
 }
 
-fn f32s(t: Tensor) -> Result<Vec<f32>> {
-    Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
-}
-
 /// One token's inputs in the canonical order: `qkv` `[q; k; v]`, then `z`, `b`, `a`.
 struct Inputs {
     qkv: Vec<f32>,
@@ -179,7 +176,7 @@ impl GatedDeltaNet {
                 w.linear(&name("in_proj_a"), d.v_heads, h, false)?,
             ),
         };
-        let values = |n: &str, shape: &[usize]| f32s(w.tensor(&name(n), shape)?);
+        let values = |n: &str, shape: &[usize]| f32_values(&w.tensor(&name(n), shape)?);
         // llama.cpp's converter squeezes the conv weight and stores `-exp(A_log)` itself;
         // mlx-lm stores the conv as [C, K, 1] (the same values in the same order).
         let gguf = matches!(w.source(), Source::Gguf(_));
@@ -219,10 +216,7 @@ impl GatedDeltaNet {
             (Qkvz::Split(l, z), Ba::Split(b, a)) => vec![l, z, b, a],
         };
         let outs = QLinear::forward_group(&layers, x)?;
-        let outs: Vec<Vec<f32>> = outs
-            .iter()
-            .map(|t| f32s(t.clone()))
-            .collect::<Result<_>>()?;
+        let outs: Vec<Vec<f32>> = outs.iter().map(f32_values).collect::<Result<_>>()?;
         let rows = x.dim(1)?;
         let group = 2 * kd + 2 * per * vd;
         Ok((0..rows)
@@ -367,18 +361,7 @@ impl GatedDeltaNet {
     /// `k` L2-normed per head (`q` scaled by `k_dim^-0.5`): `out` is `[q; k; v]`.
     fn conv(&self, window: &mut [f32], input: &[f32], out: &mut [f32]) {
         let c = &self.c;
-        let k = c.conv_kernel;
-        for (ch, o) in out.iter_mut().enumerate() {
-            let w = &self.conv_w[ch * k..][..k];
-            let past = &mut window[ch * (k - 1)..][..k - 1];
-            let mut acc = w[k - 1] * input[ch];
-            for (j, p) in past.iter().enumerate() {
-                acc += w[j] * p;
-            }
-            past.rotate_left(1);
-            past[k - 2] = input[ch];
-            *o = silu(acc);
-        }
+        causal_conv_silu(window, &self.conv_w, None, c.conv_kernel, input, out);
         let (q, rest) = out.split_at_mut(c.key_width());
         let keys = &mut rest[..c.key_width()];
         let scale = (c.k_dim as f32).powf(-0.5);

@@ -13,11 +13,13 @@
 //! window in the cache as it goes, so each position's kept state is whole.
 
 use peregrine_tensor::ops::{rms_norm, silu};
-use peregrine_tensor::{DType, QLinear, Tensor};
+use peregrine_tensor::{QLinear, Tensor};
 
 use crate::Result;
 use crate::layers::batch::Segment;
+use crate::layers::causal_conv_silu;
 use crate::layers::delta_net::softplus;
+use crate::layers::f32_values;
 use crate::weights::{Source, Weights};
 
 /// A Mamba mixer's sizes (Jamba's `mamba_*` fields) and which layers are Mamba layers.
@@ -66,10 +68,6 @@ pub struct MambaMixer {
     eps: f32,
 }
 
-fn f32s(t: &Tensor) -> Result<Vec<f32>> {
-    Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
-}
-
 /// The layers `linear_rows` gave, one per part.
 fn parts<const N: usize>(v: Vec<QLinear>) -> [QLinear; N] {
     <[QLinear; N]>::try_from(v).unwrap_or_else(|_| unreachable!("one layer per part"))
@@ -90,7 +88,7 @@ impl MambaMixer {
             parts(w.linear_rows(&name("in_proj"), &[inner, inner], hidden, c.bias)?);
         let x_proj = parts(w.linear_rows(&name("x_proj"), &[rank, n, n], inner, false)?);
         let norm = |s: &str, d: usize| w.tensor(&name(&format!("{s}.weight")), &[d]);
-        let vec = |s: &str, shape: &[usize]| f32s(&w.tensor(&name(s), shape)?);
+        let vec = |s: &str, shape: &[usize]| f32_values(&w.tensor(&name(s), shape)?);
         // llama.cpp's converter squeezes the conv and stores `-exp(A_log)`.
         let gguf = matches!(w.source(), Source::Gguf(_));
         // mlx-lm stores the conv as [C, K, 1]: the same values in the same order.
@@ -131,7 +129,7 @@ impl MambaMixer {
     pub fn forward(&self, x: &Tensor, segments: &mut [Segment]) -> Result<Tensor> {
         let (inner, k, n) = (self.c.inner, self.c.conv_kernel, self.c.state);
         let xz = QLinear::forward_group(&[&self.x_in, &self.z_in], x)?;
-        let (xs, z) = (f32s(&xz[0])?, f32s(&xz[1])?);
+        let (xs, z) = (f32_values(&xz[0])?, f32_values(&xz[1])?);
         let rows = xs.len() / inner;
         // The conv over every row, each sequence from its own window (copied: the scan below
         // moves the cache's window position by position).
@@ -154,8 +152,8 @@ impl MambaMixer {
         let normed: Vec<Tensor> = (parts.iter().zip(&self.norms))
             .map(|(p, w)| rms_norm(p, w, self.eps))
             .collect::<std::result::Result<_, _>>()?;
-        let dt = f32s(&self.dt_proj.forward(&normed[0])?)?;
-        let (b, c) = (f32s(&normed[1])?, f32s(&normed[2])?);
+        let dt = f32_values(&self.dt_proj.forward(&normed[0])?)?;
+        let (b, c) = (f32_values(&normed[1])?, f32_values(&normed[2])?);
         let mut y = vec![0f32; rows * inner];
         let mut row = 0;
         for s in segments.iter_mut() {
@@ -186,16 +184,7 @@ impl MambaMixer {
     /// One position through the causal conv and SiLU, shifting `input` into `window`.
     fn conv(&self, window: &mut [f32], input: &[f32], out: &mut [f32]) {
         let k = self.c.conv_kernel;
-        for (ch, o) in out.iter_mut().enumerate() {
-            let w = &self.conv_w[ch * k..][..k];
-            let past = &window[ch * (k - 1)..][..k - 1];
-            let mut acc = self.conv_b[ch] + w[k - 1] * input[ch];
-            for (j, p) in past.iter().enumerate() {
-                acc += w[j] * p;
-            }
-            *o = silu(acc);
-        }
-        shift_in(window, input, k - 1);
+        causal_conv_silu(window, &self.conv_w, Some(&self.conv_b), k, input, out);
     }
 
     /// Bytes of weights.

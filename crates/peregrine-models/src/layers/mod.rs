@@ -69,6 +69,37 @@ pub fn lm_head(c: &ModelConfig, w: &Weights, embed: &Embedding) -> Result<QLinea
     }
 }
 
+/// A tensor's values as f32 (the recurrent mixers read their small tensors and projections so).
+pub(crate) fn f32_values(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+}
+
+/// One position through a causal depthwise conv (`weights` `[channels, k]`, optional `bias`)
+/// and SiLU into `out`; `window` holds each channel's `k - 1` earlier inputs and takes `input`.
+pub(crate) fn causal_conv_silu(
+    window: &mut [f32],
+    weights: &[f32],
+    bias: Option<&[f32]>,
+    k: usize,
+    input: &[f32],
+    out: &mut [f32],
+) {
+    for (ch, o) in out.iter_mut().enumerate() {
+        let w = &weights[ch * k..][..k];
+        let past = &mut window[ch * (k - 1)..][..k - 1];
+        let mut acc = w[k - 1] * input[ch];
+        if let Some(b) = bias {
+            acc += b[ch];
+        }
+        for (j, p) in past.iter().enumerate() {
+            acc += w[j] * p;
+        }
+        past.rotate_left(1);
+        past[k - 2] = input[ch];
+        *o = peregrine_tensor::ops::silu(acc);
+    }
+}
+
 /// The RoPE table for heads of `(width, rotated dimensions)` over `max_context` positions,
 /// from the config's theta, scaling and style.
 pub fn rope_table(

@@ -18,14 +18,14 @@
 //! scan ([`ssd`]), its last rollback-depth positions and decode the recurrence.
 
 use peregrine_tensor::ops::{rms_norm_rows_in_place, silu};
-use peregrine_tensor::{DType, QLinear, Tensor};
+use peregrine_tensor::{QLinear, Tensor};
 
 use crate::Result;
 use rayon::prelude::*;
 
 use crate::layers::batch::Segment;
 use crate::layers::delta_net::softplus;
-use crate::layers::ssd;
+use crate::layers::{causal_conv_silu, f32_values, ssd};
 use crate::weights::{Source, Weights};
 
 /// A Mamba 2 mixer's sizes and variants (HF `Mamba2Config`, Falcon-H1's `mamba_*` fields).
@@ -91,10 +91,6 @@ pub struct Mamba2Mixer {
     eps: f32,
 }
 
-fn f32s(t: Tensor) -> Result<Vec<f32>> {
-    Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
-}
-
 impl Mamba2Mixer {
     /// Loads `{prefix}.*` (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`, `norm`, `out_proj`)
     /// for a model of width `hidden`.
@@ -106,7 +102,8 @@ impl Mamba2Mixer {
         let Ok([z_proj, xbc_proj, dt_proj]) = <[QLinear; 3]>::try_from(proj) else {
             unreachable!("three parts, three layers")
         };
-        let values = |name: &str, shape: &[usize]| f32s(w.tensor(&format!("{m}.{name}"), shape)?);
+        let values =
+            |name: &str, shape: &[usize]| f32_values(&w.tensor(&format!("{m}.{name}"), shape)?);
         let conv_b = match c.conv_bias {
             true => values("conv1d.bias", &[conv])?,
             false => vec![0.0; conv],
@@ -150,7 +147,7 @@ impl Mamba2Mixer {
     /// the chunked form; the rest one at a time, each state kept for rollback.
     pub fn forward(&self, x: &Tensor, segments: &mut [Segment]) -> Result<Tensor> {
         let proj = QLinear::forward_group(&[&self.z_proj, &self.xbc_proj, &self.dt_proj], x)?;
-        let [z, xbc, dt] = [&proj[0], &proj[1], &proj[2]].map(|t| f32s(t.clone()));
+        let [z, xbc, dt] = [&proj[0], &proj[1], &proj[2]].map(f32_values);
         let (mut z, mut xbc, mut dt) = (z?, xbc?, dt?);
         self.scale_parts(&mut z, &mut xbc, &mut dt);
         let (inner, conv, heads) = (self.c.inner(), self.c.conv_dim(), self.c.heads);
@@ -265,17 +262,7 @@ impl Mamba2Mixer {
     /// One position through the causal conv (bias) and SiLU, shifting `input` into `window`.
     fn conv(&self, window: &mut [f32], input: &[f32], out: &mut [f32]) {
         let k = self.c.conv_kernel;
-        for (ch, o) in out.iter_mut().enumerate() {
-            let w = &self.conv_w[ch * k..][..k];
-            let past = &mut window[ch * (k - 1)..][..k - 1];
-            let mut acc = self.conv_b[ch] + w[k - 1] * input[ch];
-            for (j, p) in past.iter().enumerate() {
-                acc += w[j] * p;
-            }
-            past.rotate_left(1);
-            past[k - 2] = input[ch];
-            *o = silu(acc);
-        }
+        causal_conv_silu(window, &self.conv_w, Some(&self.conv_b), k, input, out);
     }
 
     /// The gate `silu(z)` and the grouped RMS norm, in the order the variant applies them.
