@@ -41,7 +41,8 @@ fn hybrid(mut c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn
 }
 
 /// Falcon-H1: a Mamba 2 mixer beside attention in every layer.
-fn falcon_h1(c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn CausalLm>> {
+fn falcon_h1(mut c: ModelConfig, w: &Weights, max_context: usize) -> Result<Arc<dyn CausalLm>> {
+    arch::falcon_h1::adjust_for_mlx_lm(&mut c, w)?;
     Ok(Arc::new(arch::falcon_h1::FalconH1Lm::load(
         c,
         w,
@@ -288,7 +289,10 @@ pub fn open_model(path: &Path, opts: &LoadOptions) -> Result<OpenModel> {
             files.alias_prefix(from, to);
         }
         // MLX checkpoints: quantized modules are found per tensor by their `.scales`.
-        let mlx = MlxQuantization::from_config(&config_path, &map)?;
+        let mut mlx = MlxQuantization::from_config(&config_path, &map)?;
+        for (from, to) in prefixes {
+            mlx.iter_mut().for_each(|q| q.alias_prefix(from, to));
+        }
         let weights = Weights::new(Source::Safetensors(files), opts.device.clone(), dtype);
         (config, weights.with_mlx(mlx, opts.mlx_activations), *build)
     } else {

@@ -105,6 +105,7 @@ fn decode_matches_forward_on_hybrid_files() {
         "qwen3_5_moe/gguf/model-bf16.gguf",
         "qwen3_next/mlx-q4-g64",
         "qwen3_5/mlx-q8-g64",
+        "qwen3_5_moe/mlx-q4-g64",
     ] {
         decode_vs_forward(checkpoint, KvOptions::default());
     }

@@ -221,6 +221,8 @@ golden_mlx! {
     gemma4_text_moe: q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64", q4_g32 = "mlx-q4-g32";
     qwen3_next: q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64";
     qwen3_5: q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64";
+    qwen3_5_moe: q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64";
+    falcon_h1: q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64";
     jamba: q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64";
     mamba2: q4_g64 = "mlx-q4-g64", q8_g64 = "mlx-q8-g64";
 }
@@ -374,6 +376,26 @@ fn config_quantization_defaults_and_overrides() {
     assert_eq!(p("model.layers.0.mlp.gate"), Some((8, 64)));
     assert_eq!(p("lm_head"), Some((6, 64)));
     assert_eq!(p("model.embed_tokens"), None);
+}
+
+/// A multimodal checkpoint's overrides (mlx-lm keeps Qwen3.5's 8-bit routers under
+/// `language_model.`) apply to the text model's names its tensors are read under.
+#[test]
+fn overrides_follow_the_language_models_prefix() {
+    let mut q = parse(
+        r#"{"quantization": {"group_size": 64, "bits": 4,
+            "language_model.model.layers.0.mlp.gate": {"group_size": 64, "bits": 8},
+            "language_model.lm_head": false}}"#,
+    )
+    .unwrap()
+    .expect("MLX quantization");
+    q.alias_prefix("language_model.model.", "model.");
+    q.alias_prefix("language_model.lm_head.", "lm_head.");
+    let p = |m: &str| q.params(m).map(|p| (p.bits, p.group_size));
+    assert_eq!(p("model.layers.0.mlp.gate"), Some((8, 64)));
+    assert_eq!(p("language_model.model.layers.0.mlp.gate"), Some((8, 64)));
+    assert_eq!(p("lm_head"), None);
+    assert_eq!(p("model.layers.1.mlp.gate"), Some((4, 64)));
 }
 
 #[test]

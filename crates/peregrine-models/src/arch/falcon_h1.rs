@@ -19,8 +19,8 @@ use crate::layers::attention::Attention;
 use crate::layers::batch::{BatchSeq, Segment, check_batch, last_logits, run_layers, stacked_ids};
 use crate::layers::decoder::SelfAttention;
 use crate::layers::ssm::{Mamba2Mixer, SsmConfig};
-use crate::weights::Weights;
 use crate::weights::gguf_config::GgufMeta;
+use crate::weights::{Source, Weights};
 use crate::{CausalLm, LayerKind, Logits, ModelConfig, ModelError, Result, SequenceCache};
 
 /// Falcon-H1's multipliers (µP), each 1 when the config omits it.
@@ -103,20 +103,54 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
     Ok(())
 }
 
+impl FalconMultipliers {
+    /// Every multiplier already folded into the weights, the logits scaled by `lm_head`.
+    fn folded(lm_head: f64) -> Self {
+        Self {
+            embedding: 1.0,
+            lm_head,
+            attention_in: 1.0,
+            attention_out: 1.0,
+            ssm_in: 1.0,
+            ssm_out: 1.0,
+            mlp_gate: 1.0,
+            mlp_down: 1.0,
+        }
+    }
+}
+
 /// A `falcon-h1` GGUF file: llama.cpp's converter folds every multiplier into the weights, so
 /// they are all 1 here; the mixer's sizes are Mamba 2's `ssm.*`.
 pub(crate) fn configure_gguf(meta: &GgufMeta, config: &mut ModelConfig) -> Result<()> {
     super::mamba2::configure_gguf(meta, config)?;
-    config.falcon = Some(FalconMultipliers {
-        embedding: 1.0,
-        lm_head: 1.0,
-        attention_in: 1.0,
-        attention_out: 1.0,
-        ssm_in: 1.0,
-        ssm_out: 1.0,
-        mlp_gate: 1.0,
-        mlp_down: 1.0,
-    });
+    config.falcon = Some(FalconMultipliers::folded(1.0));
+    Ok(())
+}
+
+/// mlx-lm's conversion folds the multipliers into the weights too (its folders are told by the
+/// conv stored as `[C, K, 1]`), and its model applies none of them, so they become 1 here:
+/// what such a folder computes is mlx-lm's model. That folding is not transformers' (it scales
+/// q and k by `attention_in_multiplier` but not v, and drops `key_multiplier`), so the keys'
+/// scale goes too. Tied logits keep `lm_head_multiplier / embedding_multiplier`, as mlx-lm
+/// applies it to the folded embedding.
+pub fn adjust_for_mlx_lm(config: &mut ModelConfig, w: &Weights) -> Result<()> {
+    let conv = "model.layers.0.mamba.conv1d.weight";
+    let (Some(ssm), Some(m)) = (config.ssm.as_mut(), config.falcon) else {
+        return Ok(());
+    };
+    if matches!(w.source(), Source::Gguf(_))
+        || !w.contains(conv)
+        || w.dims(conv)?.last() != Some(&1)
+    {
+        return Ok(());
+    }
+    let lm_head = match config.tie_word_embeddings {
+        true => m.lm_head / m.embedding,
+        false => 1.0,
+    };
+    config.falcon = Some(FalconMultipliers::folded(lm_head));
+    ssm.multipliers = [1.0; 5];
+    config.query_pre_attn_scalar = None;
     Ok(())
 }
 

@@ -93,6 +93,18 @@ impl MlxQuantization {
         }))
     }
 
+    /// Makes the overrides of modules stored as `{from}…` apply to them as `{to}…` too, as
+    /// [`SafetensorsFiles::alias_prefix`] does for their tensors (`from` and `to` end in `.`).
+    pub fn alias_prefix(&mut self, from: &str, to: &str) {
+        let aliased: Vec<(String, Option<MlxParams>)> = (self.overrides.iter())
+            .filter_map(|(module, &p)| {
+                let rest = format!("{module}.").strip_prefix(from)?.to_string();
+                Some((format!("{to}{rest}").trim_end_matches('.').to_string(), p))
+            })
+            .collect();
+        self.overrides.extend(aliased);
+    }
+
     /// The settings for module `prefix` (`model.layers.0.mlp.gate_proj`).
     pub fn params(&self, prefix: &str) -> Option<MlxParams> {
         match self.overrides.get(prefix) {
