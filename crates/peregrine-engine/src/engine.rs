@@ -56,6 +56,11 @@ pub struct EngineConfig {
     pub kv: KvOptions,
     /// How MLX 4-bit weights are multiplied (8-bit activations by default).
     pub mlx_activations: MlxActivations,
+    /// MoE experts are read from the checkpoint's files on each use instead of loaded (a model
+    /// larger than memory); a model without experts is refused.
+    pub stream_experts: bool,
+    /// Expert reads in flight at most when streaming.
+    pub stream_queue_depth: usize,
     /// Finished sequences whose caches are kept for reuse by prompt prefix (0: no prompt cache).
     pub prompt_cache_entries: usize,
     /// Bytes of KV the prompt cache may hold.
@@ -80,6 +85,8 @@ impl Default for EngineConfig {
             kv_budget: None,
             kv: KvOptions::default(),
             mlx_activations: MlxActivations::default(),
+            stream_experts: false,
+            stream_queue_depth: 24,
             prompt_cache_entries: 4,
             prompt_cache_bytes: 1 << 30,
             panic_marker: None,
@@ -194,6 +201,8 @@ impl Engine {
             device: config.device.clone(),
             max_context: config.max_context,
             mlx_activations: config.mlx_activations,
+            stream_experts: config.stream_experts,
+            stream_queue_depth: config.stream_queue_depth,
         };
         tune_allocator();
         // The tokenizer first: building a large vocabulary's takes memory for a moment, and

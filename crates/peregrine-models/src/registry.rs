@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use peregrine_moe::ReadPool;
 use peregrine_tensor::Device;
 use peregrine_tensor::device::compute_dtype;
 
@@ -138,6 +139,11 @@ pub struct LoadOptions {
     pub max_context: Option<usize>,
     /// How MLX 4-bit matrices are multiplied (8-bit activations unless asked otherwise).
     pub mlx_activations: MlxActivations,
+    /// Read MoE experts from the files on each use instead of loading them (models larger
+    /// than memory); refused for a model without experts.
+    pub stream_experts: bool,
+    /// Expert reads in flight at most when streaming.
+    pub stream_queue_depth: usize,
 }
 
 impl Default for LoadOptions {
@@ -146,6 +152,8 @@ impl Default for LoadOptions {
             device: Device::Cpu,
             max_context: None,
             mlx_activations: MlxActivations::default(),
+            stream_experts: false,
+            stream_queue_depth: 24,
         }
     }
 }
@@ -156,7 +164,8 @@ pub struct LoadedModel {
     pub model: Arc<dyn CausalLm>,
     /// The GGUF file or checkpoint folder it came from.
     pub path: PathBuf,
-    /// The GGUF file (metadata carries the tokenizer and chat template), if loaded from GGUF.
+    /// The GGUF file (metadata carries the tokenizer and chat template), if loaded from GGUF
+    /// and the model does not keep it open (streamed experts read from it).
     pub gguf: Option<GgufFile>,
     /// Context length the model was prepared for.
     pub max_context: usize,
@@ -205,9 +214,9 @@ impl OpenModel {
     /// Loads the weights and builds the model.
     pub fn load(self) -> Result<LoadedModel> {
         let model = (self.build)(self.config, &self.weights, self.max_context)?;
-        let gguf = match self.weights.into_source() {
-            Source::Gguf(file) => Some(file),
-            Source::Safetensors(_) => None,
+        let gguf = match Arc::try_unwrap(self.weights.into_source()) {
+            Ok(Source::Gguf(file)) => Some(file),
+            _ => None,
         };
         Ok(LoadedModel {
             model,
@@ -303,6 +312,25 @@ pub fn open_model(path: &Path, opts: &LoadOptions) -> Result<OpenModel> {
         let weights = Weights::new(Source::Gguf(file), opts.device.clone(), dtype);
         (config, weights, *build)
     };
+    if opts.stream_experts && config.moe.is_none() {
+        let why = format!(
+            "streamed experts were asked for, but this `{}` model has no expert layers (its \
+             config names no `num_experts`, `num_local_experts` or `n_routed_experts`, its GGUF \
+             no `expert_count`): load it without streaming",
+            config.model_type
+        );
+        return Err(ModelError::config(path, why));
+    }
+    let pool = match opts.stream_experts {
+        true => Some(
+            ReadPool::new(opts.stream_queue_depth).map_err(|source| ModelError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?,
+        ),
+        false => None,
+    };
+    let weights = weights.with_streamed_experts(pool);
     Ok(OpenModel {
         max_context: opts.max_context.unwrap_or(config.max_position_embeddings),
         config,

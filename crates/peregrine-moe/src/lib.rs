@@ -3,13 +3,15 @@
 //! ([`ExpertStore`]).
 //!
 //! The MoE block never learns where an expert lives: [`ResidentExperts`] keeps every expert in
-//! memory; a streamed store (experts read from disk on demand) implements the same trait
-//! without touching model code. Routing writes into the caller's buffers so that a decode step
+//! memory; [`StreamedExperts`] reads each from disk when it is used (models larger than
+//! memory), through the same trait, without touching model code. Routing writes into the caller's buffers so that a decode step
 //! allocates nothing.
 #![warn(missing_docs)]
 
 mod router;
 mod store;
+mod streamed;
 
 pub use router::{Router, Scoring};
 pub use store::{ExpertStore, ResidentExperts, tokens_by_expert};
+pub use streamed::{ExpertReader, ReadPool, StreamStats, StreamedExperts};

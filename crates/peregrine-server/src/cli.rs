@@ -98,6 +98,15 @@ pub struct ModelArgs {
     /// Megabytes of KV the prompt cache may hold.
     #[arg(long, default_value_t = 1024)]
     pub prompt_cache_mb: usize,
+    /// Mixture-of-experts models: keep only the non-expert weights in memory and read each
+    /// routed expert from the checkpoint's files when it is used (for models larger than
+    /// memory; the OS page cache keeps what fits). A model without experts is refused.
+    #[arg(long)]
+    pub stream_experts: bool,
+    /// Expert reads in flight at most with `--stream-experts`.
+    #[arg(long, default_value_t = 24, value_parser = clap::value_parser!(u16).range(1..=256)
+        .map(usize::from))]
+    pub stream_queue_depth: usize,
 }
 
 impl ModelArgs {
@@ -129,6 +138,8 @@ impl ModelArgs {
             },
             prompt_cache_entries: self.prompt_cache_entries,
             prompt_cache_bytes: self.prompt_cache_mb << 20,
+            stream_experts: self.stream_experts,
+            stream_queue_depth: self.stream_queue_depth,
             ..Default::default()
         }
     }

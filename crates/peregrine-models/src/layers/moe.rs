@@ -6,11 +6,15 @@
 //! (never a loop over tokens × experts); the decode step routes one token over buffers it
 //! reuses and allocates nothing.
 
-use peregrine_moe::{ExpertStore, ResidentExperts, Router, Scoring, tokens_by_expert};
+use std::sync::Arc;
+
+use peregrine_moe::{
+    ExpertReader, ExpertStore, ResidentExperts, Router, Scoring, StreamedExperts, tokens_by_expert,
+};
 use peregrine_tensor::ops::{rms_norm, sigmoid};
 use peregrine_tensor::{DType, QLinear, Tensor};
 
-use crate::config::{ExpertNaming, MoeConfig};
+use crate::config::{Activation, ExpertNaming, MoeConfig};
 use crate::layers::mlp::GatedMlp;
 use crate::layers::norm_weight;
 use crate::layers::step::{MoeBuffers, StepBuffers, add_into, norm_into};
@@ -101,40 +105,63 @@ fn names(layer: usize, naming: ExpertNaming) -> (String, &'static str, [&'static
     }
 }
 
-/// Gemma 4's experts: HF stacks them as `{prefix}.gate_up_proj` `[n, 2i, hidden]` (rows
+/// Gemma 4's expert `e`: HF stacks them as `{prefix}.gate_up_proj` `[n, 2i, hidden]` (rows
 /// `[gate; up]`) and `{prefix}.down_proj` `[n, hidden, i]`, split per expert at load (GGUF's
 /// `ffn_gate_up_exps` / `ffn_down_exps` alike, without dequantizing); MLX splits them into
 /// `{prefix}.switch_glu.{gate,up,down}_proj`.
-fn gemma4_experts(
-    c: &ModelConfig,
+fn gemma4_expert(
     w: &Weights,
     prefix: &str,
-    moe: &MoeConfig,
-) -> Result<Vec<GatedMlp>> {
-    let (h, i, n) = (c.hidden_size, moe.intermediate_size, moe.num_experts);
+    (n, e): (usize, usize),
+    (h, i): (usize, usize),
+    act: Activation,
+) -> Result<GatedMlp> {
     let fused = format!("{prefix}.gate_up_proj");
     if w.contains(&fused) {
-        let gate_ups = w.expert_linear_rows(&fused, n, &[i, i], h)?;
-        let downs = w.expert_linear_rows(&format!("{prefix}.down_proj"), n, &[h], i)?;
-        let experts = gate_ups.into_iter().zip(downs).map(|(gate_up, down)| {
-            let (mut gate_up, mut down) = (gate_up.into_iter(), down.into_iter());
-            match (gate_up.next(), gate_up.next(), down.next()) {
-                (Some(g), Some(u), Some(d)) => GatedMlp::new(g, u, d, c.activation),
-                _ => unreachable!("expert_linear_rows gives one layer per part"),
-            }
-        });
-        return Ok(experts.collect());
+        let mut gate_up = w
+            .expert_linear_rows(&fused, (n, e), &[i, i], h)?
+            .into_iter();
+        let mut down = w.expert_linear_rows(&format!("{prefix}.down_proj"), (n, e), &[h], i)?;
+        return match (gate_up.next(), gate_up.next(), down.pop()) {
+            (Some(g), Some(u), Some(d)) => Ok(GatedMlp::new(g, u, d, act)),
+            _ => unreachable!("expert_linear_rows gives one layer per part"),
+        };
     }
     let load = |name: &str, out: usize, inp: usize| {
         let each = |e: usize| format!("{prefix}.{e}.{name}");
-        w.expert_linears(&format!("{prefix}.switch_glu.{name}"), &each, n, out, inp)
+        w.expert_linear(
+            &format!("{prefix}.switch_glu.{name}"),
+            &each,
+            (n, e),
+            out,
+            inp,
+        )
     };
-    let (gates, ups) = (load("gate_proj", i, h)?, load("up_proj", i, h)?);
-    let downs = load("down_proj", h, i)?;
-    let experts = gates.into_iter().zip(ups).zip(downs);
-    Ok(experts
-        .map(|((g, u), d)| GatedMlp::new(g, u, d, c.activation))
-        .collect())
+    let (g, u) = (load("gate_proj", i, h)?, load("up_proj", i, h)?);
+    Ok(GatedMlp::new(g, u, load("down_proj", h, i)?, act))
+}
+
+/// How an MoE block reads its expert `e` from the checkpoint.
+type ReadExpert = dyn Fn(&Weights, usize) -> Result<GatedMlp> + Send + Sync;
+
+/// A layer's `n` experts, each read by `read`: all loaded now, or, when `w` streams experts,
+/// read on each use (expert 0 is read once now, so a checkpoint whose experts do not fit the
+/// config fails at load, not on the first request).
+fn expert_store(
+    w: &Weights,
+    n: usize,
+    read: Arc<ReadExpert>,
+) -> Result<Box<dyn ExpertStore<GatedMlp>>> {
+    let Some(pool) = w.expert_reads() else {
+        let experts = (0..n).map(|e| read(w, e)).collect::<Result<Vec<_>>>()?;
+        let bytes = experts.iter().map(GatedMlp::weight_bytes).sum();
+        return Ok(Box::new(ResidentExperts::new(experts, bytes)));
+    };
+    let w = w.positional();
+    read(&w, 0)?;
+    let reader: ExpertReader<GatedMlp> =
+        Arc::new(move |e| read(&w, e).map_err(|err| std::io::Error::other(err.to_string())));
+    Ok(Box::new(StreamedExperts::new(n, reader, pool.clone())))
 }
 
 impl MoeBlock {
@@ -145,25 +172,33 @@ impl MoeBlock {
             return Self::load_gemma4(c, w, layer, moe);
         }
         let (prefix, router_name, per_expert) = names(layer, moe.naming);
-        let (h, i, n) = (c.hidden_size, moe.intermediate_size, moe.num_experts);
-        let projections = [("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)];
-        let mut loaded = projections
-            .iter()
-            .zip(per_expert)
-            .map(|(&(stacked, out, inp), name)| {
-                let stacked = format!("{prefix}.switch_mlp.{stacked}");
-                let each = |e: usize| format!("{prefix}.experts.{e}.{name}");
-                w.expert_linears(&stacked, &each, n, out, inp)
-            });
-        let (gates, ups, downs) = (
-            loaded.next().expect("three")?,
-            loaded.next().expect("three")?,
-            loaded.next().expect("three")?,
+        let (h, i, n, act) = (
+            c.hidden_size,
+            moe.intermediate_size,
+            moe.num_experts,
+            c.activation,
         );
-        let experts: Vec<GatedMlp> = (gates.into_iter().zip(ups).zip(downs))
-            .map(|((g, u), d)| GatedMlp::new(g, u, d, c.activation))
-            .collect();
-        let bytes = experts.iter().map(GatedMlp::weight_bytes).sum();
+        let stack = prefix.clone();
+        let read = move |w: &Weights, e: usize| -> Result<GatedMlp> {
+            let load = |(stacked, out, inp): (&str, usize, usize), name: &str| {
+                let each = |e: usize| format!("{stack}.experts.{e}.{name}");
+                w.expert_linear(
+                    &format!("{stack}.switch_mlp.{stacked}"),
+                    &each,
+                    (n, e),
+                    out,
+                    inp,
+                )
+            };
+            let [g, u, d] = per_expert;
+            Ok(GatedMlp::new(
+                load(("gate_proj", i, h), g)?,
+                load(("up_proj", i, h), u)?,
+                load(("down_proj", h, i), d)?,
+                act,
+            ))
+        };
+        let experts = expert_store(w, n, Arc::new(read))?;
         let mut router = Router::softmax(moe.top_k, moe.normalize);
         if let Some(sigmoid) = &moe.sigmoid {
             let bias = w.tensor(&format!("{prefix}.gate.e_score_correction_bias"), &[n])?;
@@ -193,7 +228,7 @@ impl MoeBlock {
         Ok(Self {
             gate: w.linear(&format!("{prefix}.{router_name}"), n, h, false)?,
             router,
-            experts: Box::new(ResidentExperts::new(experts, bytes)),
+            experts,
             shared,
             shared_gate,
             router_norm: None,
@@ -208,8 +243,9 @@ impl MoeBlock {
     fn load_gemma4(c: &ModelConfig, w: &Weights, layer: usize, moe: &MoeConfig) -> Result<Self> {
         let (h, n) = (c.hidden_size, moe.num_experts);
         let p = format!("model.layers.{layer}");
-        let experts = gemma4_experts(c, w, &format!("{p}.experts"), moe)?;
-        let bytes = experts.iter().map(GatedMlp::weight_bytes).sum();
+        let (i, act, stack) = (moe.intermediate_size, c.activation, format!("{p}.experts"));
+        let read = move |w: &Weights, e: usize| gemma4_expert(w, &stack, (n, e), (h, i), act);
+        let experts = expert_store(w, n, Arc::new(read))?;
         let mut router = Router::softmax(moe.top_k, true);
         let scale = w.tensor(&format!("{p}.router.per_expert_scale"), &[n])?;
         router.expert_scale = Some(scale.to_dtype(DType::F32)?.to_vec1::<f32>()?);
@@ -218,7 +254,7 @@ impl MoeBlock {
         Ok(Self {
             gate: w.linear(&format!("{p}.router.proj"), n, h, false)?,
             router,
-            experts: Box::new(ResidentExperts::new(experts, bytes)),
+            experts,
             shared: None,
             shared_gate: None,
             router_norm: Some((router_norm * (h as f64).powf(-0.5))?),

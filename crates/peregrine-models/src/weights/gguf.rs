@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{BufReader, Read, Seek, SeekFrom};
+use std::io::BufReader;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -18,7 +18,10 @@ use crate::{ModelError, Result};
 pub struct GgufFile {
     path: PathBuf,
     content: Content,
+    /// For candle's readers, which seek.
     file: Mutex<File>,
+    /// For positioned reads, many at once (streamed experts).
+    reader: File,
 }
 
 /// The GGUF name of an HF tensor name (llama.cpp's naming) in a file of architecture `arch`, or
@@ -214,6 +217,7 @@ impl GgufFile {
         Ok(Self {
             path: path.to_path_buf(),
             content,
+            reader: file.try_clone().map_err(io_err)?,
             file: Mutex::new(file),
         })
     }
@@ -279,16 +283,15 @@ impl GgufFile {
         self.read_at(name, info, 0, out)
     }
 
-    /// Reads `out.len()` bytes of tensor `name` from byte `skip` of its data.
+    /// Reads `out.len()` bytes of tensor `name` from byte `skip` of its data (a positioned
+    /// read: any number of them run at once). A file cut short since it was opened is an error
+    /// naming it, never a crash.
     fn read_at(&self, name: &str, info: &TensorInfo, skip: u64, out: &mut [u8]) -> Result<()> {
-        let mut file = self.file.lock().unwrap_or_else(|e| e.into_inner());
         let at = self.content.tensor_data_offset + info.offset + skip;
-        (file.seek(SeekFrom::Start(at)))
-            .and_then(|_| file.read_exact(out))
-            .map_err(|e| ModelError::Checkpoint {
-                file: self.path.clone(),
-                message: format!("tensor `{name}`: {e}"),
-            })
+        read_exact_at(&self.reader, out, at).map_err(|e| ModelError::Checkpoint {
+            file: self.path.clone(),
+            message: format!("tensor `{name}`: {e}"),
+        })
     }
 
     /// Reads the tensor with HF name `hf` (GGUF shapes are reported as `[out, in]`). On the CPU
@@ -363,20 +366,13 @@ impl GgufFile {
 }
 
 impl GgufFile {
-    /// The stacked experts `hf` (`[n, out, in]`, llama.cpp's `ffn_*_exps`) as `n` matrices
-    /// `[out, in]`, each read from its own slice of the tensor (experts are contiguous).
-    pub fn expert_matrices(&self, hf: &str, n: usize, device: &Device) -> Result<Vec<GgufMatrix>> {
-        let rows = self.dims(hf)?.get(1).copied().unwrap_or(0);
-        self.expert_row_matrices(hf, n, &[rows], device)
-    }
-
-    /// The stacked experts `hf` `[n, sum(parts), in]` with each expert's rows split into
-    /// consecutive matrices of `parts[i]` rows (Gemma 4's `ffn_gate_up_exps`: gate, then up),
-    /// expert by expert: `n · parts.len()` matrices, none dequantized.
+    /// Expert `e` of the stacked experts `hf` `[n, sum(parts), in]` (llama.cpp's `ffn_*_exps`;
+    /// Gemma 4's `ffn_gate_up_exps` holds gate, then up) as consecutive matrices of `parts[i]`
+    /// rows, read from that expert's bytes alone (experts are contiguous), none dequantized.
     pub fn expert_row_matrices(
         &self,
         hf: &str,
-        n: usize,
+        (n, e): (usize, usize),
         parts: &[usize],
         device: &Device,
     ) -> Result<Vec<GgufMatrix>> {
@@ -399,11 +395,10 @@ impl GgufFile {
                 got: vec![experts, rows, cols],
             });
         }
-        let ranges = super::row_ranges(parts);
-        let all: Vec<(usize, usize)> = (0..n)
-            .flat_map(|e| ranges.iter().map(move |&(at, k)| (e * rows + at, k)))
+        let ranges: Vec<(usize, usize)> = (super::row_ranges(parts).iter())
+            .map(|&(at, k)| (e * rows + at, k))
             .collect();
-        self.matrices_of_rows(&name, info, &all, cols, device)
+        self.matrices_of_rows(&name, info, &ranges, cols, device)
     }
 
     /// The matrix `hf` `[sum(parts), in]` split by output rows into consecutive matrices of
@@ -468,6 +463,19 @@ impl GgufFile {
                 Ok(GgufMatrix::new(Arc::new(q))?)
             })
             .collect()
+    }
+}
+
+/// Fills `out` from byte `at` of `file` without moving a shared cursor.
+pub(crate) fn read_exact_at(file: &File, out: &mut [u8], at: u64) -> std::io::Result<()> {
+    #[cfg(unix)]
+    return std::os::unix::fs::FileExt::read_exact_at(file, out, at);
+    #[cfg(not(unix))]
+    {
+        use std::io::{Read, Seek, SeekFrom};
+        let mut file = file;
+        file.seek(SeekFrom::Start(at))?;
+        file.read_exact(out)
     }
 }
 

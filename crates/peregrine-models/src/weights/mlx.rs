@@ -161,6 +161,7 @@ pub fn load_quantized(
         scales,
         biases,
         params: p,
+        ..
     }) = quantized_parts(files, quant, prefix, None, (out_dim, in_dim), device)?
     else {
         return Ok(None);
@@ -182,21 +183,24 @@ pub fn load_quantized(
     }))
 }
 
-/// A quantized module's tensors, read and checked.
+/// A quantized module's tensors, read and checked: the scales and biases of rows
+/// `first_row..` (all of them, or one stacked expert's).
 struct QuantizedParts {
     w_name: String,
     scales: Tensor,
     biases: Tensor,
+    first_row: usize,
     params: MlxParams,
 }
 
-/// `{prefix}.scales` and `.biases` loaded and, with `{prefix}.weight`'s shape, checked against
-/// `[out, in]` (behind `[stacked]` experts), or `None` when the module is not quantized.
+/// `{prefix}.scales` and `.biases` (of every row, or with `expert: Some((n, e))` of expert `e`
+/// of the `n` stacked ones alone), checked with `{prefix}.weight`'s shape against `[out, in]`
+/// (behind `[n]` stacked experts), or `None` when the module is not quantized.
 fn quantized_parts(
     files: &SafetensorsFiles,
     quant: Option<&MlxQuantization>,
     prefix: &str,
-    stacked: Option<usize>,
+    expert: Option<(usize, usize)>,
     (out_dim, in_dim): (usize, usize),
     device: &Device,
 ) -> Result<Option<QuantizedParts>> {
@@ -206,11 +210,9 @@ fn quantized_parts(
     }
     let (w_name, biases_name) = (format!("{prefix}.weight"), format!("{prefix}.biases"));
     let packed_dims = files.dims(&w_name)?.to_vec();
-    let scales = files.load(&scales_name, device)?;
-    let biases = files.load(&biases_name, device)?;
     let p = match quant.and_then(|q| q.params(prefix)) {
         Some(p) => p,
-        None => inferred(&packed_dims, scales.dims(), in_dim),
+        None => inferred(&packed_dims, files.dims(&scales_name)?, in_dim),
     };
     let shape_err = |tensor: &str, got: &[usize], expected: Vec<usize>| ModelError::Shape {
         file: quant.map_or_else(|| files.path().to_path_buf(), |q| q.file.clone()),
@@ -218,21 +220,35 @@ fn quantized_parts(
         expected,
         got: got.to_vec(),
     };
-    let lead: Vec<usize> = stacked.into_iter().collect();
+    let lead: Vec<usize> = expert.map(|(n, _)| n).into_iter().collect();
     let words = [&lead[..], &[out_dim, in_dim * p.bits / 32]].concat();
     if packed_dims != words || !(in_dim * p.bits).is_multiple_of(32) {
         return Err(shape_err(&w_name, &packed_dims, words));
     }
     let groups = [&lead[..], &[out_dim, in_dim / p.group_size]].concat();
-    for (name, t) in [(&scales_name, &scales), (&biases_name, &biases)] {
-        if t.dims() != groups || !in_dim.is_multiple_of(p.group_size) {
-            return Err(shape_err(name, t.dims(), groups.clone()));
+    for name in [&scales_name, &biases_name] {
+        let got = files.dims(name)?;
+        if got != groups || !in_dim.is_multiple_of(p.group_size) {
+            return Err(shape_err(name, got, groups.clone()));
         }
     }
+    let (scales, biases, first_row) = match expert {
+        Some((_, e)) => (
+            files.load_rows(&scales_name, e * out_dim, out_dim, device)?,
+            files.load_rows(&biases_name, e * out_dim, out_dim, device)?,
+            e * out_dim,
+        ),
+        None => (
+            files.load(&scales_name, device)?,
+            files.load(&biases_name, device)?,
+            0,
+        ),
+    };
     Ok(Some(QuantizedParts {
         w_name,
         scales,
         biases,
+        first_row,
         params: p,
     }))
 }
@@ -246,32 +262,31 @@ fn inferred(packed: &[usize], scales: &[usize], in_dim: usize) -> MlxParams {
     }
 }
 
-/// One MoE layer's stacked experts `{prefix}.weight` (u32 `[n, out, in * bits / 32]`, MLX's
-/// `switch_mlp`) as `n` matrices `[out, in]`, or `None` when the stack is not quantized. The
-/// scales and biases are read once; with `regroup`, each expert's codes are regrouped straight
-/// from the mapped file as [`load_quantized`] does for one matrix.
-pub fn load_quantized_stacked(
+/// Expert `e` of one MoE layer's `n` stacked experts `{prefix}.weight` (u32
+/// `[n, out, in * bits / 32]`, MLX's `switch_mlp`) as a matrix `[out, in]`, or `None` when the
+/// stack is not quantized: that expert's codes, scales and biases alone are read, so a
+/// streamed store reads what a resident one loads, and they are equal.
+pub fn load_quantized_expert(
     files: &SafetensorsFiles,
     quant: Option<&MlxQuantization>,
     prefix: &str,
-    n: usize,
+    (n, e): (usize, usize),
     (out_dim, in_dim): (usize, usize),
     device: &Device,
     regroup: bool,
-) -> Result<Option<Vec<std::result::Result<GgufMatrix, MlxQuantized>>>> {
-    let Some(module) = quantized_parts(files, quant, prefix, Some(n), (out_dim, in_dim), device)?
-    else {
+) -> Result<Option<std::result::Result<GgufMatrix, MlxQuantized>>> {
+    let dims = (out_dim, in_dim);
+    let Some(module) = quantized_parts(files, quant, prefix, Some((n, e)), dims, device)? else {
         return Ok(None);
     };
-    let experts: Vec<(usize, usize)> = (0..n).map(|e| (e * out_dim, out_dim)).collect();
-    row_parts(files, module, &experts, in_dim, device, regroup).map(Some)
+    let mut mats = row_parts(files, module, &[(e * out_dim, out_dim)], device, regroup)?;
+    Ok(mats.pop())
 }
 
 /// The quantized matrix `{prefix}.weight` `[sum(parts), in]` split by output rows into
 /// consecutive matrices of `parts[i]` rows (Phi-3's fused `qkv_proj` and `gate_up_proj`), or
 /// `None` when the module is stored in float. A row's codes, scales and biases belong to that
-/// row alone, so each part is the same rows of all three; with `regroup`, each part's codes are
-/// regrouped straight from the mapped file as [`load_quantized`] does for one matrix.
+/// row alone, so each part is the same rows of all three.
 pub fn load_quantized_rows(
     files: &SafetensorsFiles,
     quant: Option<&MlxQuantization>,
@@ -287,18 +302,17 @@ pub fn load_quantized_rows(
         return Ok(None);
     };
     let ranges = super::row_ranges(parts);
-    row_parts(files, module, &ranges, in_dim, device, regroup).map(Some)
+    row_parts(files, module, &ranges, device, regroup).map(Some)
 }
 
 /// Row ranges `(first, rows)` of a quantized module (a stack's experts counted as consecutive
-/// rows) as matrices `[rows, in]`: each range's codes, scales and biases are the same rows of
-/// each. With `regroup`, regrouped straight from the mapped file when every range regroups (as
-/// [`load_quantized`] does for one matrix), else loaded and kept as stored.
+/// rows) as matrices `[rows, in]`: each range's codes (read by position, that range alone),
+/// scales and biases are the same rows of each. With `regroup`, regrouped into blocks when
+/// every range regroups (as [`load_quantized`] does for one matrix), else kept as stored.
 fn row_parts(
     files: &SafetensorsFiles,
     module: QuantizedParts,
     ranges: &[(usize, usize)],
-    in_dim: usize,
     device: &Device,
     regroup: bool,
 ) -> Result<Vec<std::result::Result<GgufMatrix, MlxQuantized>>> {
@@ -306,6 +320,7 @@ fn row_parts(
         w_name,
         scales,
         biases,
+        first_row,
         params: p,
     } = module;
     let rows_of = |t: &Tensor| -> Result<Tensor> {
@@ -314,41 +329,31 @@ fn row_parts(
     };
     let (scales, biases) = (rows_of(&scales)?, rows_of(&biases)?);
     let rows = |t: &Tensor, (at, n): (usize, usize)| -> Result<Tensor> {
-        Ok(t.narrow(0, at, n)?.contiguous()?)
+        Ok(t.narrow(0, at - first_row, n)?.contiguous()?)
     };
     let params = (p.bits, p.group_size);
     if regroup && device.is_cpu() {
-        let row_bytes = in_dim * p.bits / 32 * 4;
-        let mapped = files.with_bytes(&w_name, Dtype::U32, |packed, done| {
-            (ranges.iter())
-                .map(|&(at, n)| {
-                    let (s, b) = (rows(&scales, (at, n))?, rows(&biases, (at, n))?);
-                    let from = at * row_bytes;
-                    let mut release =
-                        |r: std::ops::Range<usize>| done(from + r.start..from + r.end);
-                    let bytes = &packed[from..from + n * row_bytes];
-                    Ok(MlxQuantized::regroup_mapped(
-                        bytes,
-                        &s,
-                        &b,
-                        params,
-                        &mut release,
-                    )?)
-                })
-                .collect::<Result<Option<Vec<GgufMatrix>>>>()
-        })??;
-        if let Some(blocks) = mapped {
+        let regrouped = (ranges.iter())
+            .map(|&(at, n)| {
+                let (s, b) = (rows(&scales, (at, n))?, rows(&biases, (at, n))?);
+                let (codes, _) = files.read_rows(&w_name, at, n)?;
+                Ok(MlxQuantized::regroup_mapped(
+                    &codes,
+                    &s,
+                    &b,
+                    params,
+                    &mut |_| {},
+                )?)
+            })
+            .collect::<Result<Option<Vec<GgufMatrix>>>>()?;
+        if let Some(blocks) = regrouped {
             return Ok(blocks.into_iter().map(Ok).collect());
         }
     }
-    let packed = rows_of(&files.load(&w_name, device)?)?;
     (ranges.iter())
-        .map(|&range| {
-            let (w, s, b) = (
-                rows(&packed, range)?,
-                rows(&scales, range)?,
-                rows(&biases, range)?,
-            );
+        .map(|&(at, n)| {
+            let w = files.load_rows(&w_name, at, n, device)?;
+            let (s, b) = (rows(&scales, (at, n))?, rows(&biases, (at, n))?);
             let q = MlxQuantized::new(w, s, b, p.bits, p.group_size)?;
             Ok(match regroup {
                 true => q.into_gguf_matrix()?,

@@ -13,7 +13,9 @@ pub use mlx::{MlxActivations, MlxQuantization};
 pub use safetensors::SafetensorsFiles;
 
 use std::path::Path;
+use std::sync::Arc;
 
+use peregrine_moe::ReadPool;
 use peregrine_tensor::{DType, Device, Embedding, GgufMatrix, MlxQuantized, QLinear, Tensor};
 
 use crate::{ModelError, Result};
@@ -37,25 +39,34 @@ pub enum Source {
     Gguf(GgufFile),
 }
 
-/// A checkpoint's tensors, looked up by HF name and placed on one device.
+/// A checkpoint's tensors, looked up by HF name and placed on one device. Clones share the
+/// open files (a streamed expert store keeps one to read from).
+#[derive(Clone)]
 pub struct Weights {
-    source: Source,
+    source: Arc<Source>,
     device: Device,
     dtype: DType,
     /// MLX quantization settings from config.json, when the checkpoint has them.
     mlx: Option<MlxQuantization>,
     mlx_activations: MlxActivations,
+    /// Where streamed experts are read, when MoE layers stream them.
+    expert_reads: Option<Arc<ReadPool>>,
+    /// Every read a positioned read, never through the mapping (a streamed store's reads: a
+    /// file cut short while serving is then an error, not a crash).
+    positional: bool,
 }
 
 impl Weights {
     /// Wraps a source; dense tensors are converted to `dtype` on `device`.
     pub fn new(source: Source, device: Device, dtype: DType) -> Self {
         Self {
-            source,
+            source: Arc::new(source),
             device,
             dtype,
             mlx: None,
             mlx_activations: MlxActivations::default(),
+            expert_reads: None,
+            positional: false,
         }
     }
 
@@ -64,6 +75,26 @@ impl Weights {
         self.mlx = mlx;
         self.mlx_activations = activations;
         self
+    }
+
+    /// Makes MoE layers read their experts from the files on `pool`'s threads on each use
+    /// instead of loading them.
+    pub fn with_streamed_experts(mut self, pool: Option<Arc<ReadPool>>) -> Self {
+        self.expert_reads = pool;
+        self
+    }
+
+    /// A clone whose every read is a positioned read of exactly the tensor's bytes.
+    pub fn positional(&self) -> Self {
+        Self {
+            positional: true,
+            ..self.clone()
+        }
+    }
+
+    /// Where MoE layers read their experts, when they stream them.
+    pub fn expert_reads(&self) -> Option<&Arc<ReadPool>> {
+        self.expert_reads.as_ref()
     }
 
     /// `{prefix}.weight` as MLX affine-quantized, when `{prefix}.scales` exists beside it:
@@ -75,11 +106,15 @@ impl Weights {
         out: usize,
         inp: usize,
     ) -> Result<Option<std::result::Result<GgufMatrix, MlxQuantized>>> {
-        match &self.source {
+        match &*self.source {
             Source::Safetensors(s) => {
                 let regroup = self.mlx_activations == MlxActivations::Q8;
-                let quant = self.mlx.as_ref();
-                mlx::load_quantized(s, quant, prefix, (out, inp), &self.device, regroup)
+                let (quant, device) = (self.mlx.as_ref(), &self.device);
+                if !self.positional {
+                    return mlx::load_quantized(s, quant, prefix, (out, inp), device, regroup);
+                }
+                let rows = mlx::load_quantized_rows(s, quant, prefix, &[out], inp, device, regroup);
+                Ok(rows?.and_then(|mut m| m.pop()))
             }
             Source::Gguf(_) => Ok(None),
         }
@@ -87,7 +122,7 @@ impl Weights {
 
     /// The checkpoint's path, for error messages.
     pub fn path(&self) -> &Path {
-        match &self.source {
+        match &*self.source {
             Source::Safetensors(s) => s.path(),
             Source::Gguf(g) => g.path(),
         }
@@ -105,7 +140,7 @@ impl Weights {
 
     /// Whether the checkpoint holds `name` (HF naming).
     pub fn contains(&self, name: &str) -> bool {
-        match &self.source {
+        match &*self.source {
             Source::Safetensors(s) => s.contains(name),
             Source::Gguf(g) => g.contains(name),
         }
@@ -113,7 +148,7 @@ impl Weights {
 
     /// The stored shape of `name` (HF naming), without loading it.
     pub fn dims(&self, name: &str) -> Result<Vec<usize>> {
-        match &self.source {
+        match &*self.source {
             Source::Safetensors(s) => Ok(s.dims(name)?.to_vec()),
             Source::Gguf(g) => g.dims(name),
         }
@@ -133,7 +168,13 @@ impl Weights {
 
     /// A dense tensor of the given shape in the compute dtype.
     pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        let t = match &self.source {
+        let t = match &*self.source {
+            Source::Safetensors(s) if self.positional => {
+                let dims = s.dims(name)?.to_vec();
+                let rows =
+                    dims.iter().product::<usize>() / dims.last().copied().unwrap_or(1).max(1);
+                s.load_rows(name, 0, rows, &self.device)?.reshape(dims)?
+            }
             Source::Safetensors(s) => s.load(name, &self.device)?,
             Source::Gguf(g) => g.qtensor(name, &self.device)?.dequantize(&self.device)?,
         };
@@ -160,7 +201,7 @@ impl Weights {
                 Err(w) => Ok(QLinear::MlxAffine { w, b }),
             };
         }
-        match &self.source {
+        match &*self.source {
             Source::Safetensors(_) => Ok(QLinear::Dense {
                 w: self.tensor(&w_name, &[out_dim, in_dim])?,
                 b,
@@ -199,7 +240,7 @@ impl Weights {
                 None => Ok(None),
             }
         };
-        let mats: Vec<std::result::Result<GgufMatrix, MlxQuantized>> = match &self.source {
+        let mats: Vec<std::result::Result<GgufMatrix, MlxQuantized>> = match &*self.source {
             Source::Safetensors(s) => {
                 let regroup = self.mlx_activations == MlxActivations::Q8;
                 let quant = self.mlx.as_ref();
@@ -241,104 +282,95 @@ impl Weights {
             .collect()
     }
 
-    /// One projection of an MoE layer's `n` experts, each `[out, in]`: per-expert tensors
-    /// `each(e)` (HF checkpoints), else the stack `stacked` `[n, out, in]` (MLX `switch_mlp`,
-    /// GGUF `ffn_*_exps`, or a dense stack), split per expert at load.
-    pub fn expert_linears(
+    /// One projection `[out, in]` of expert `e` of an MoE layer's `n`: the per-expert tensor
+    /// `each(e)` (HF checkpoints), else that expert's slice of the stack `stacked`
+    /// `[n, out, in]` (MLX `switch_mlp`, GGUF `ffn_*_exps`, or a dense stack), read alone. A
+    /// resident store loads every expert through here once, a streamed one on each use.
+    pub fn expert_linear(
         &self,
         stacked: &str,
         each: &dyn Fn(usize) -> String,
-        n: usize,
+        (n, e): (usize, usize),
         out: usize,
         inp: usize,
-    ) -> Result<Vec<QLinear>> {
+    ) -> Result<QLinear> {
         if self.contains(&format!("{}.weight", each(0))) {
-            return (0..n)
-                .map(|e| self.linear(&each(e), out, inp, false))
-                .collect();
+            return self.linear(&each(e), out, inp, false);
         }
         let name = format!("{stacked}.weight");
-        match &self.source {
+        match &*self.source {
             Source::Safetensors(s) => {
                 let regroup = self.mlx_activations == MlxActivations::Q8;
                 let quant = self.mlx.as_ref();
                 let dims = (out, inp);
-                match mlx::load_quantized_stacked(
-                    s,
-                    quant,
-                    stacked,
-                    n,
-                    dims,
-                    &self.device,
-                    regroup,
-                )? {
-                    Some(ws) => Ok(ws
-                        .into_iter()
-                        .map(|w| match w {
-                            Ok(w) => QLinear::Gguf { w, b: None },
-                            Err(w) => QLinear::MlxAffine { w, b: None },
-                        })
-                        .collect()),
-                    None => {
-                        let all = self.tensor(&name, &[n, out, inp])?;
-                        (0..n)
-                            .map(|e| {
-                                let w = all.narrow(0, e, 1)?.squeeze(0)?.contiguous()?;
-                                Ok(QLinear::Dense { w, b: None })
-                            })
-                            .collect()
-                    }
+                let device = &self.device;
+                match mlx::load_quantized_expert(s, quant, stacked, (n, e), dims, device, regroup)?
+                {
+                    Some(Ok(w)) => Ok(QLinear::Gguf { w, b: None }),
+                    Some(Err(w)) => Ok(QLinear::MlxAffine { w, b: None }),
+                    None => Ok(QLinear::Dense {
+                        w: self.dense_expert(&name, (n, e), &[out], inp)?.remove(0),
+                        b: None,
+                    }),
                 }
             }
             Source::Gguf(g) => {
                 self.check_shape(&name, &g.dims(&name)?, &[n, out, inp])?;
-                let mats = g.expert_matrices(&name, n, &self.device)?;
-                Ok(mats
-                    .into_iter()
-                    .map(|w| QLinear::Gguf { w, b: None })
-                    .collect())
+                let mut mats = g.expert_row_matrices(&name, (n, e), &[out], &self.device)?;
+                Ok(QLinear::Gguf {
+                    w: mats.remove(0),
+                    b: None,
+                })
             }
         }
     }
 
-    /// The stacked experts `name` `[n, sum(parts), in]` (an exact tensor name: HF's fused
-    /// `experts.gate_up_proj` has no `.weight`), each expert's rows split into `parts.len()`
-    /// layers of `parts[i]` rows: `result[e][p]`. A GGUF stack is split by the byte ranges of
+    /// Expert `e` of the stacked experts `name` `[n, sum(parts), in]` (an exact tensor name:
+    /// HF's fused `experts.gate_up_proj` has no `.weight`), its rows split into `parts.len()`
+    /// layers of `parts[i]` rows and read alone. A GGUF stack is split by the byte ranges of
     /// its rows, so it stays quantized.
     pub fn expert_linear_rows(
         &self,
         name: &str,
-        n: usize,
+        (n, e): (usize, usize),
         parts: &[usize],
         inp: usize,
-    ) -> Result<Vec<Vec<QLinear>>> {
+    ) -> Result<Vec<QLinear>> {
         let total = parts.iter().sum();
-        let layers: Vec<QLinear> = match &self.source {
+        let mats: Vec<QLinear> = match &*self.source {
             Source::Gguf(g) => {
                 self.check_shape(name, &g.dims(name)?, &[n, total, inp])?;
-                let mats = g.expert_row_matrices(name, n, parts, &self.device)?;
+                let mats = g.expert_row_matrices(name, (n, e), parts, &self.device)?;
                 mats.into_iter()
                     .map(|w| QLinear::Gguf { w, b: None })
                     .collect()
             }
-            Source::Safetensors(_) => {
-                let all = self.tensor(name, &[n, total, inp])?;
-                let ranges = row_ranges(parts);
-                let mut layers = Vec::with_capacity(n * parts.len());
-                for e in 0..n {
-                    let expert = all.narrow(0, e, 1)?.squeeze(0)?;
-                    for &(at, rows) in &ranges {
-                        let w = expert.narrow(0, at, rows)?.contiguous()?;
-                        layers.push(QLinear::Dense { w, b: None });
-                    }
-                }
-                layers
-            }
+            Source::Safetensors(_) => (self.dense_expert(name, (n, e), parts, inp)?.into_iter())
+                .map(|w| QLinear::Dense { w, b: None })
+                .collect(),
         };
-        let mut layers = layers.into_iter();
-        Ok((0..n)
-            .map(|_| layers.by_ref().take(parts.len()).collect())
-            .collect())
+        Ok(mats)
+    }
+
+    /// Expert `e`'s rows of the dense stack `name` `[n, sum(parts), in]`, split into `parts`,
+    /// in the compute dtype.
+    fn dense_expert(
+        &self,
+        name: &str,
+        (n, e): (usize, usize),
+        parts: &[usize],
+        inp: usize,
+    ) -> Result<Vec<Tensor>> {
+        let Source::Safetensors(s) = &*self.source else {
+            unreachable!("GGUF stacks are read as matrices")
+        };
+        let total: usize = parts.iter().sum();
+        self.check_shape(name, s.dims(name)?, &[n, total, inp])?;
+        let expert = s.load_rows(name, e * total, total, &self.device)?;
+        let expert = expert.to_dtype(self.dtype)?;
+        (row_ranges(parts).into_iter())
+            .map(|(at, rows)| Ok(expert.narrow(0, at, rows)?.contiguous()?))
+            .collect()
     }
 
     /// The embedding table `name` `[vocab, hidden]`, kept quantized when the file is.
@@ -351,7 +383,7 @@ impl Weights {
                 Err(q) => Embedding::MlxAffine(q),
             });
         }
-        match &self.source {
+        match &*self.source {
             Source::Safetensors(_) => Ok(Embedding::Dense(self.tensor(name, &[vocab, hidden])?)),
             Source::Gguf(g) => {
                 self.check_shape(name, &g.dims(name)?, &[vocab, hidden])?;
@@ -367,8 +399,8 @@ impl Weights {
         &self.source
     }
 
-    /// Gives back the source (e.g. to keep a GGUF file's metadata after loading).
-    pub fn into_source(self) -> Source {
+    /// The shared source (e.g. to keep a GGUF file's metadata after loading).
+    pub fn into_source(self) -> Arc<Source> {
         self.source
     }
 }

@@ -16,6 +16,8 @@ use crate::{ModelError, Result};
 /// One mapped file and where its tensors lie.
 struct Mapped {
     path: PathBuf,
+    /// For positioned reads ([`SafetensorsFiles::read_rows`]).
+    file: std::fs::File,
     mmap: Mmap,
     /// Where the data section starts (after the length and the JSON header).
     data_start: usize,
@@ -136,6 +138,56 @@ impl SafetensorsFiles {
         Ok((file, &file.tensors[stored]))
     }
 
+    /// Rows `first..first + count` of `name` (a row: its last dimension; the leading ones
+    /// flattened, so a stack's expert `e` of `r` rows is rows `e·r..`), by a positioned read
+    /// of exactly their bytes: the mapping is not touched, so a file cut short since it was
+    /// opened gives an error naming it, never a crash. Returns the bytes and the stored dtype.
+    pub fn read_rows(&self, name: &str, first: usize, count: usize) -> Result<(Vec<u8>, Dtype)> {
+        let (file, info) = self.find(name)?;
+        let last = info.shape.last().copied().unwrap_or(1);
+        let rows = info.shape.iter().product::<usize>() / last.max(1);
+        let row_bytes = last * info.dtype.bitsize() / 8;
+        if first + count > rows {
+            return Err(ModelError::Checkpoint {
+                file: file.path.clone(),
+                message: format!(
+                    "tensor `{name}` {:?}: rows {first}..{} asked, it has {rows}",
+                    info.shape,
+                    first + count
+                ),
+            });
+        }
+        let mut bytes = vec![0u8; count * row_bytes];
+        let at = file.data_start + info.data_offsets.0 + first * row_bytes;
+        super::gguf::read_exact_at(&file.file, &mut bytes, at as u64).map_err(|e| {
+            ModelError::Checkpoint {
+                file: file.path.clone(),
+                message: format!("tensor `{name}`: {e}"),
+            }
+        })?;
+        Ok((bytes, info.dtype))
+    }
+
+    /// [`read_rows`](Self::read_rows) as a tensor `[count, last]` in the stored dtype.
+    pub fn load_rows(
+        &self,
+        name: &str,
+        first: usize,
+        count: usize,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let (bytes, dtype) = self.read_rows(name, first, count)?;
+        let last = self.dims(name)?.last().copied().unwrap_or(1);
+        let view = TensorView::new(dtype, vec![count, last], &bytes);
+        let err = |m: String| ModelError::Checkpoint {
+            file: self.path().to_path_buf(),
+            message: format!("tensor `{name}`: {m}"),
+        };
+        let view = view.map_err(|e| err(e.to_string()))?;
+        view.load(device)
+            .map_err(|e| err(peregrine_tensor::error_message(&e)))
+    }
+
     /// Loads `name` as stored (dtype unchanged), then releases the file's pages under it.
     pub fn load(&self, name: &str, device: &Device) -> Result<Tensor> {
         let (file, info) = self.find(name)?;
@@ -177,6 +229,7 @@ fn map_file(path: PathBuf) -> Result<Mapped> {
         .collect();
     Ok(Mapped {
         path,
+        file,
         mmap,
         data_start: 8 + header_len,
         tensors,

@@ -1,0 +1,111 @@
+//! Experts streamed from the files (`LoadOptions::stream_experts`) against the same checkpoint
+//! loaded resident: bitwise-identical logits, through the prompt at once, in chunks (prefill
+//! groups tokens by expert) and token by token through the decode step, on every MoE layout —
+//! per-expert HF tensors (Qwen3-MoE, Mixtral, DeepSeek-V3, Jamba), HF's fused Gemma 4 stack, MLX
+//! `switch_mlp` / `switch_glu` stacks at 4 and 8 bits, and GGUF `ffn_*_exps` (Q8_0, bf16, fused
+//! gate+up). A streamed model must also hold no expert weights and refuse a dense checkpoint.
+
+mod common;
+
+use peregrine_models::{KvOptions, LoadOptions, Logits, SequenceCache, load_model};
+use peregrine_tensor::candle::safetensors::load;
+use peregrine_tensor::{DType, Device, Tensor};
+
+use common::fixture;
+
+fn prompt(arch: &str) -> Vec<u32> {
+    let r = load(fixture(arch).join("hf/reference.safetensors"), &Device::Cpu).unwrap();
+    let ids = r["input_ids"].to_dtype(DType::U32).unwrap();
+    ids.to_vec1::<u32>().unwrap()
+}
+
+fn options(stream: bool) -> LoadOptions {
+    LoadOptions {
+        stream_experts: stream,
+        stream_queue_depth: 4,
+        ..LoadOptions::default()
+    }
+}
+
+/// Logits of every position, prompt in `chunk`-token passes, then the last 4 tokens again
+/// through the decode step after a prefill of the rest.
+fn run(model: &dyn peregrine_models::CausalLm, ids: &[u32], chunk: usize) -> Vec<Vec<f32>> {
+    let kv = KvOptions::default();
+    let mut cache = SequenceCache::new(&model.cache_spec(), &kv);
+    let mut rows = Vec::new();
+    for part in ids.chunks(chunk) {
+        let logits = model.forward(part, &mut cache, Logits::All).unwrap();
+        let logits: Tensor = logits.to_dtype(DType::F32).unwrap();
+        let n = logits.elem_count() / logits.dims().last().unwrap();
+        rows.extend(logits.reshape((n, ())).unwrap().to_vec2::<f32>().unwrap());
+    }
+    let (head, tail) = ids.split_at(ids.len() - 4);
+    let mut cache = SequenceCache::new(&model.cache_spec(), &kv);
+    model.forward(head, &mut cache, Logits::Last).unwrap();
+    let mut logits = Vec::new();
+    for &token in tail {
+        model.decode(token, &mut cache, &mut logits).unwrap();
+        rows.push(logits.clone());
+    }
+    rows
+}
+
+fn check(checkpoint: &str) {
+    let arch = checkpoint.split('/').next().unwrap();
+    let ids = prompt(arch);
+    let path = fixture(checkpoint);
+    let resident = load_model(&path, &options(false)).unwrap().model;
+    let streamed = (load_model(&path, &options(true)))
+        .unwrap_or_else(|e| panic!("{checkpoint}: {e}"))
+        .model;
+    assert!(
+        streamed.weight_bytes() < resident.weight_bytes(),
+        "{checkpoint}: streamed {} bytes held, resident {}",
+        streamed.weight_bytes(),
+        resident.weight_bytes()
+    );
+    for chunk in [ids.len(), 5] {
+        let (want, got) = (run(&*resident, &ids, chunk), run(&*streamed, &ids, chunk));
+        assert_eq!(want.len(), got.len());
+        for (pos, (w, g)) in want.iter().zip(&got).enumerate() {
+            let same = w.iter().zip(g).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{checkpoint} (chunk {chunk}): row {pos} differs");
+        }
+    }
+}
+
+macro_rules! streamed {
+    ($($name:ident: $checkpoint:literal,)*) => {$(
+        #[test]
+        fn $name() {
+            check($checkpoint);
+        }
+    )*};
+}
+
+streamed! {
+    qwen3_moe_hf: "qwen3_moe/hf",
+    mixtral_hf: "mixtral/hf",
+    deepseek_v3_hf: "deepseek_v3/hf",
+    gemma4_moe_hf: "gemma4_text_moe/hf",
+    jamba_hf: "jamba/hf",
+    qwen3_5_moe_hf: "qwen3_5_moe/hf",
+    qwen3_moe_mlx_q4: "qwen3_moe/mlx-q4-g64",
+    mixtral_mlx_q8: "mixtral/mlx-q8-g64",
+    gemma4_moe_mlx_q4: "gemma4_text_moe/mlx-q4-g64",
+    qwen3_5_moe_mlx_q4: "qwen3_5_moe/mlx-q4-g64",
+    qwen3_moe_gguf_q8_0: "qwen3_moe/gguf/model-q8_0.gguf",
+    deepseek_v3_gguf_q8_0: "deepseek_v3/gguf/model-q8_0.gguf",
+    gemma4_moe_gguf_q8_0: "gemma4_text_moe/gguf/model-q8_0.gguf",
+    qwen3_5_moe_gguf_bf16: "qwen3_5_moe/gguf/model-bf16.gguf",
+}
+
+#[test]
+fn a_model_without_experts_is_refused_by_name() {
+    let err = load_model(&fixture("llama/hf"), &options(true))
+        .err()
+        .expect("a dense model with streamed experts is an error")
+        .to_string();
+    assert!(err.contains("no expert layers"), "{err}");
+    assert!(err.contains("llama/hf"), "names the checkpoint: {err}");
+}

@@ -1,0 +1,216 @@
+//! Experts read from disk on each use ([`StreamedExperts`]), many reads in flight on a shared
+//! pool of reader threads ([`ReadPool`]).
+//!
+//! Nothing is cached: an expert is read when the router picks it and dropped when the layer is
+//! done with it, so the OS page cache, not the process, decides what stays in memory (an
+//! application-level cache steals the page cache's memory and made the system we replace
+//! slower). [`ExpertStore::prefetch`] starts the reads of the experts a layer is about to run,
+//! so they overlap one another and, when prefetched early, the compute before them.
+
+use std::collections::HashMap;
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::sync::{Arc, Mutex};
+
+use crate::ExpertStore;
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// Reader threads shared by every streamed layer of a model: `depth` reads in flight at most
+/// (the queue depth), each a positioned read into its own buffer.
+pub struct ReadPool {
+    jobs: Mutex<Option<SyncSender<Job>>>,
+    depth: usize,
+    stats: StreamStats,
+}
+
+/// What the streamed stores of one model have read.
+#[derive(Default)]
+pub struct StreamStats {
+    /// Experts read.
+    reads: AtomicU64,
+    /// Of those, reads started by a prefetch before the expert was asked for.
+    prefetched: AtomicU64,
+}
+
+impl StreamStats {
+    /// `(experts read, of which prefetched)` so far.
+    pub fn counts(&self) -> (u64, u64) {
+        (
+            self.reads.load(Ordering::Relaxed),
+            self.prefetched.load(Ordering::Relaxed),
+        )
+    }
+}
+
+impl ReadPool {
+    /// Starts `depth` reader threads (at least one).
+    pub fn new(depth: usize) -> io::Result<Arc<Self>> {
+        let depth = depth.max(1);
+        let (tx, rx) = sync_channel::<Job>(depth);
+        let rx = Arc::new(Mutex::new(rx));
+        for i in 0..depth {
+            let rx = rx.clone();
+            std::thread::Builder::new()
+                .name(format!("peregrine-read-{i}"))
+                .spawn(move || {
+                    loop {
+                        // The lock is held only while taking the next job.
+                        let job = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
+                        match job {
+                            Ok(job) => job(),
+                            Err(_) => return, // the pool was dropped
+                        }
+                    }
+                })?;
+        }
+        Ok(Arc::new(Self {
+            jobs: Mutex::new(Some(tx)),
+            depth,
+            stats: StreamStats::default(),
+        }))
+    }
+
+    /// Reads in flight at most.
+    pub fn depth(&self) -> usize {
+        self.depth
+    }
+
+    /// What has been read so far.
+    pub fn stats(&self) -> &StreamStats {
+        &self.stats
+    }
+
+    /// Runs `job` on a reader thread; `false` when the pool has shut down.
+    fn submit(&self, job: Job) -> bool {
+        let jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        jobs.as_ref().is_some_and(|tx| tx.send(job).is_ok())
+    }
+}
+
+impl Drop for ReadPool {
+    fn drop(&mut self) {
+        // Closing the queue ends every reader thread once it is idle.
+        self.jobs.lock().unwrap_or_else(|e| e.into_inner()).take();
+    }
+}
+
+/// Reads expert `id` from its files and builds it.
+pub type ExpertReader<E> = Arc<dyn Fn(usize) -> io::Result<E> + Send + Sync>;
+
+/// One MoE layer's experts, none held: each is read by `read` when asked for (or when
+/// prefetched), used, and dropped.
+pub struct StreamedExperts<E> {
+    len: usize,
+    read: ExpertReader<E>,
+    pool: Arc<ReadPool>,
+    /// Prefetched experts not yet asked for: their reads' results arrive here.
+    pending: Mutex<HashMap<usize, Receiver<io::Result<E>>>>,
+}
+
+impl<E> StreamedExperts<E> {
+    /// `len` experts, read by `read` on `pool`'s threads.
+    pub fn new(len: usize, read: ExpertReader<E>, pool: Arc<ReadPool>) -> Self {
+        Self {
+            len,
+            read,
+            pool,
+            pending: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+impl<E: Send + Sync + 'static> ExpertStore<E> for StreamedExperts<E> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn expert(&self, id: usize) -> io::Result<Arc<E>> {
+        let stats = &self.pool.stats;
+        stats.reads.fetch_add(1, Ordering::Relaxed);
+        let started = self
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id);
+        if let Some(rx) = started {
+            stats.prefetched.fetch_add(1, Ordering::Relaxed);
+            let lost = || io::Error::other(format!("the read of expert {id} was lost"));
+            return rx.recv().map_err(|_| lost())?.map(Arc::new);
+        }
+        (self.read)(id).map(Arc::new)
+    }
+
+    fn prefetch(&self, ids: &[usize]) {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        for &id in ids {
+            if id >= self.len || pending.contains_key(&id) {
+                continue;
+            }
+            let (tx, rx) = sync_channel(1);
+            let read = self.read.clone();
+            // A pool that has shut down leaves the expert to be read when asked for.
+            if self.pool.submit(Box::new(move || {
+                let _ = tx.send(read(id));
+            })) {
+                pending.insert(id, rx);
+            }
+        }
+    }
+
+    fn weight_bytes(&self) -> usize {
+        0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    fn store(reads: Arc<AtomicUsize>) -> StreamedExperts<Vec<u8>> {
+        let read: ExpertReader<Vec<u8>> = Arc::new(move |id| {
+            reads.fetch_add(1, Ordering::SeqCst);
+            match id {
+                3 => Err(io::Error::other("expert 3's file is gone")),
+                _ => Ok(vec![id as u8; 4]),
+            }
+        });
+        StreamedExperts::new(4, read, ReadPool::new(2).unwrap())
+    }
+
+    #[test]
+    fn every_use_reads_the_expert_again_and_prefetches_are_used_once() {
+        let reads = Arc::new(AtomicUsize::new(0));
+        let s = store(reads.clone());
+        assert_eq!(*s.expert(1).unwrap(), vec![1; 4]);
+        assert_eq!(*s.expert(1).unwrap(), vec![1; 4]);
+        assert_eq!(reads.load(Ordering::SeqCst), 2, "nothing is cached");
+        s.prefetch(&[0, 2, 2]);
+        assert_eq!(*s.expert(2).unwrap(), vec![2; 4]);
+        assert_eq!(*s.expert(0).unwrap(), vec![0; 4]);
+        assert_eq!(reads.load(Ordering::SeqCst), 4, "a prefetch reads once");
+        assert_eq!(s.pool.stats().counts(), (4, 2));
+        assert_eq!(s.weight_bytes(), 0);
+    }
+
+    #[test]
+    fn a_failed_read_is_the_callers_error_prefetched_or_not() {
+        let s = store(Arc::new(AtomicUsize::new(0)));
+        assert!(
+            s.expert(3)
+                .unwrap_err()
+                .to_string()
+                .contains("file is gone")
+        );
+        s.prefetch(&[3]);
+        assert!(
+            s.expert(3)
+                .unwrap_err()
+                .to_string()
+                .contains("file is gone")
+        );
+        assert_eq!(*s.expert(0).unwrap(), vec![0; 4], "the store still serves");
+    }
+}
