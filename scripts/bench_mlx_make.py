@@ -7,6 +7,9 @@ usage: .venv-fixtures/bin/python scripts/bench_mlx_make.py SHAPE OUT_DIR
                        vocab 262144, tied, 5 sliding (512) : 1 global)
          qwen3-30b-a3b-8l (qwen3_moe: Qwen3-30B-A3B's layer shapes cut to 8 of its 48 layers:
                        hidden 2048, 32/4 heads of 128, 128 experts of 768, top 8, vocab 151936)
+         qwen3-30b-a3b-stream (the same layers, 10 of them, and the fixtures' 512-token
+                       vocabulary: 6.0 B parameters, 3.4 GB of experts at 4 bits, while what
+                       stays resident under --stream-experts is small; for the streaming runs)
 
 Weights come from transformers' own initialisation (seeded), stored bf16. The tokenizer is the
 repository's llama fixture tokenizer (byte-level BPE, 512 tokens) with its vocabulary padded by
@@ -42,6 +45,13 @@ SHAPES = {
         head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
         num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=2,
+        pad_token_id=0),
+    "qwen3-30b-a3b-stream": lambda: transformers.Qwen3MoeConfig(
+        hidden_size=2048, num_hidden_layers=10, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        vocab_size=512, tie_word_embeddings=False, max_position_embeddings=40960,
         rope_theta=1000000.0, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=2,
         pad_token_id=0),
 }

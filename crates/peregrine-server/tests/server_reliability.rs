@@ -361,3 +361,76 @@ fn disconnected_streams_free_their_kv_at_the_next_step() {
     assert_eq!(wait_for_metric(&server, name, |n| n == 0.0), 0.0);
     assert_eq!(metric(&server, "peregrine_kv_bytes"), 0.0);
 }
+
+/// `--stream-experts` reads experts from the files while serving: a file cut short under the
+/// server ends the request that reads past its end with a 500 naming the file (no crash, no
+/// SIGBUS: streamed reads are positioned reads, never through a mapping), and the server keeps
+/// serving once the file is whole again. For a GGUF file and an HF safetensors folder.
+#[test]
+fn a_truncated_expert_file_fails_the_request_by_name_and_the_server_keeps_serving() {
+    let fixtures = support::fixture().join("../..");
+    for (from, file) in [
+        ("qwen3_moe/gguf/model-q8_0.gguf", "model-q8_0.gguf"),
+        ("qwen3_moe/hf", "model.safetensors"),
+    ] {
+        let dir = std::env::temp_dir().join(format!(
+            "peregrine-stream-fault-{}-{}",
+            std::process::id(),
+            file
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let source = fixtures.join(from);
+        let model = match source.is_dir() {
+            true => {
+                for f in std::fs::read_dir(&source).unwrap() {
+                    let f = f.unwrap().path();
+                    std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
+                }
+                dir.clone()
+            }
+            false => {
+                std::fs::copy(&source, dir.join(file)).unwrap();
+                dir.join(file)
+            }
+        };
+        let path = dir.join(file);
+        let whole = std::fs::read(&path).unwrap();
+        let server = Server::start_model(&model, &["--stream-experts", "--parallel", "1"]);
+        let ask = || {
+            server.post(
+                "/v1/chat/completions",
+                &chat("Hello there", json!({"temperature": 0})),
+            )
+        };
+        let first = ask();
+        assert_eq!(first.status, 200, "{from}: {}", first.body);
+        // Cut the file in the middle: the experts of the later layers lie past it.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(whole.len() as u64 / 2)
+            .unwrap();
+        let broken = ask();
+        assert_eq!(broken.status, 500, "{from}: {}", broken.body);
+        let message = broken.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(
+            message.contains(&path.display().to_string()) && message.contains("expert"),
+            "{from}: the error names the expert and the file: {message}"
+        );
+        std::fs::write(&path, &whole).unwrap();
+        let again = ask();
+        assert_eq!(again.status, 200, "{from}: {}", again.body);
+        assert_eq!(
+            again.json()["choices"][0]["message"],
+            first.json()["choices"][0]["message"],
+            "{from}: the same answer once the file is whole"
+        );
+        drop(server);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
