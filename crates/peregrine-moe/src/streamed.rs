@@ -173,13 +173,14 @@ mod tests {
     /// Expert 3's reads fail until `mended`.
     fn store_with(reads: Arc<AtomicUsize>, mended: Arc<AtomicUsize>) -> StreamedExperts<Vec<u8>> {
         let read: ExpertReader<Vec<u8>> = Arc::new(move |id| {
-            reads.fetch_add(1, Ordering::SeqCst);
-            match id {
+            let result = match id {
                 3 if mended.load(Ordering::SeqCst) == 0 => {
                     Err(io::Error::other("expert 3's file is gone"))
                 }
                 _ => Ok(vec![id as u8; 4]),
-            }
+            };
+            reads.fetch_add(1, Ordering::SeqCst);
+            result
         });
         StreamedExperts::new(4, read, ReadPool::new(2).unwrap())
     }
