@@ -9,7 +9,9 @@ use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
 use std::time::Instant;
 
 use peregrine_models::weights::MlxActivations;
-use peregrine_models::{CausalLm, KvOptions, LoadOptions, Logits, SequenceCache, open_model};
+use peregrine_models::{
+    CausalLm, KvOptions, LoadOptions, Logits, ReadPool, SequenceCache, open_model,
+};
 use peregrine_tensor::{Device, Tensor};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
@@ -161,6 +163,7 @@ pub struct Engine {
     shared: Arc<Shared>,
     jobs: SyncSender<Job>,
     queue_size: usize,
+    expert_reads: Option<Arc<ReadPool>>,
 }
 
 /// The events of one request. Dropping it cancels the request within one decode step.
@@ -216,7 +219,9 @@ impl Engine {
         let (model, max_context) = (loaded.model, loaded.max_context);
         drop(loaded.gguf);
         release_freed_memory();
-        Self::new(model, tokenizer, max_context, config)
+        let mut engine = Self::new(model, tokenizer, max_context, config)?;
+        engine.expert_reads = loaded.expert_reads;
+        Ok(engine)
     }
 
     /// Builds an engine from parts and starts its scheduler thread.
@@ -279,7 +284,14 @@ impl Engine {
             shared,
             jobs,
             queue_size: config.queue_size,
+            expert_reads: None,
         })
+    }
+
+    /// The reads of streamed experts (`--stream-experts`): what was read, how much of it was
+    /// prefetched, and the expert bytes left on disk; `None` when experts are resident.
+    pub fn expert_reads(&self) -> Option<&ReadPool> {
+        self.expert_reads.as_deref()
     }
 
     /// The tokenizer.

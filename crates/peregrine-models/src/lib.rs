@@ -19,6 +19,7 @@ pub use layers::batch::BatchSeq;
 pub use peregrine_kv::{
     DEFAULT_RECURRENT_ROLLBACK, KvOptions, KvQuant, LayerKind, SequenceCache, TurboOptions,
 };
+pub use peregrine_moe::{ReadPool, StreamStats};
 pub use registry::{
     LoadOptions, LoadedModel, OpenModel, load_model, open_model, supported_architectures,
 };

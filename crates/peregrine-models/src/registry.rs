@@ -169,6 +169,9 @@ pub struct LoadedModel {
     pub gguf: Option<GgufFile>,
     /// Context length the model was prepared for.
     pub max_context: usize,
+    /// Where its MoE layers read their experts, when they stream them (what was read, and
+    /// the expert bytes left on disk).
+    pub expert_reads: Option<Arc<ReadPool>>,
 }
 
 fn unsupported(file: &Path, arch: &str) -> ModelError {
@@ -214,6 +217,7 @@ impl OpenModel {
     /// Loads the weights and builds the model.
     pub fn load(self) -> Result<LoadedModel> {
         let model = (self.build)(self.config, &self.weights, self.max_context)?;
+        let expert_reads = self.weights.expert_reads().cloned();
         let gguf = match Arc::try_unwrap(self.weights.into_source()) {
             Ok(Source::Gguf(file)) => Some(file),
             _ => None,
@@ -223,6 +227,7 @@ impl OpenModel {
             path: self.path,
             gguf,
             max_context: self.max_context,
+            expert_reads,
         })
     }
 }

@@ -32,9 +32,21 @@ pub struct StreamStats {
     reads: AtomicU64,
     /// Of those, reads started by a prefetch before the expert was asked for.
     prefetched: AtomicU64,
+    /// Bytes the streamed experts would hold if they were loaded.
+    expert_bytes: AtomicU64,
 }
 
 impl StreamStats {
+    /// Counts `bytes` more of expert weights that stay on disk.
+    pub fn add_expert_bytes(&self, bytes: usize) {
+        self.expert_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    /// Bytes the streamed experts would hold in memory if they were loaded.
+    pub fn expert_bytes(&self) -> u64 {
+        self.expert_bytes.load(Ordering::Relaxed)
+    }
+
     /// `(experts read, of which prefetched)` so far.
     pub fn counts(&self) -> (u64, u64) {
         (

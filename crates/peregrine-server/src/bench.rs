@@ -164,6 +164,16 @@ pub fn run(args: BenchArgs, threads: Option<usize>) -> Result<()> {
     if let Some(cache) = prompt_cache {
         report["prompt_cache"] = cache;
     }
+    if let Some(pool) = engine.expert_reads() {
+        let (reads, prefetched) = pool.stats().counts();
+        report["expert_streaming"] = json!({
+            "queue_depth": pool.depth(),
+            "expert_reads": reads,
+            "prefetched_reads": prefetched,
+            "prefetch_hit_rate": prefetched as f64 / reads.max(1) as f64,
+            "expert_bytes_on_disk": pool.stats().expert_bytes(),
+        });
+    }
     if streams > 0 {
         let prompts = (0..streams)
             .map(|i| prompt(runs_total + i).to_vec())

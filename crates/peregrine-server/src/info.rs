@@ -19,8 +19,10 @@ pub struct InfoArgs {
     pub json: bool,
 }
 
-/// The report as JSON: `weight_bytes`, `context_length`, `cache_bytes` (KV + recurrent state
-/// of one sequence at that context) and `layers` (`kind`, `layers`, `bytes` per kind).
+/// The report as JSON: `weight_bytes` (held in memory), `streamed_expert_bytes` (left on disk
+/// by `--stream-experts`, as they would be held) and `weight_bytes_without_streaming`,
+/// `context_length`, `cache_bytes` (KV + recurrent state of one sequence at that context) and
+/// `layers` (`kind`, `layers`, `bytes` per kind).
 pub fn report(engine: &Engine, model_id: &str, args: &ModelArgs) -> Value {
     let model = engine.model();
     let kv = args.engine_config().kv;
@@ -39,10 +41,15 @@ pub fn report(engine: &Engine, model_id: &str, args: &ModelArgs) -> Value {
              }| { json!({"kind": kind, "layers": layers, "bytes": bytes}) },
         )
         .collect();
+    let streamed = engine
+        .expert_reads()
+        .map_or(0, |p| p.stats().expert_bytes()) as usize;
     json!({
         "model": model_id,
         "architecture": model.config().model_type,
         "weight_bytes": model.weight_bytes(),
+        "streamed_expert_bytes": streamed,
+        "weight_bytes_without_streaming": model.weight_bytes() + streamed,
         "context_length": engine.max_context(),
         "vocab_size": engine.tokenizer().vocab_size(),
         "kv_cache": kv_label(args),
@@ -58,8 +65,15 @@ pub fn summary(engine: &Engine, args: &ModelArgs) -> String {
     let kinds: Vec<String> = (r["layers"].as_array().into_iter().flatten())
         .map(|l| format!("{} {}", l["layers"], l["kind"].as_str().unwrap_or("")))
         .collect();
+    let streamed = match r["streamed_expert_bytes"].as_u64().unwrap_or(0) {
+        0 => String::new(),
+        _ => format!(
+            " (+ {} of experts streamed)",
+            mib(&r["streamed_expert_bytes"])
+        ),
+    };
     format!(
-        "weights {}; KV + state per sequence at {} positions {} ({})",
+        "weights {}{streamed}; KV + state per sequence at {} positions {} ({})",
         mib(&r["weight_bytes"]),
         r["context_length"],
         mib(&r["cache_bytes"]),
@@ -97,7 +111,14 @@ pub fn run(args: InfoArgs) -> Result<()> {
     }
     let text = |key: &str| r[key].as_str().unwrap_or("").to_string();
     println!("model         {} ({})", text("model"), text("architecture"));
-    println!("weights       {}", mib(&r["weight_bytes"]));
+    println!("weights       {} in memory", mib(&r["weight_bytes"]));
+    if r["streamed_expert_bytes"].as_u64().unwrap_or(0) > 0 {
+        println!(
+            "  experts     {} streamed from disk (--stream-experts); {} without streaming",
+            mib(&r["streamed_expert_bytes"]),
+            mib(&r["weight_bytes_without_streaming"])
+        );
+    }
     println!(
         "cache         {} for one sequence of {} positions ({} KV)",
         mib(&r["cache_bytes"]),

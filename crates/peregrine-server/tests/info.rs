@@ -155,3 +155,32 @@ fn a_dense_model_is_the_full_attention_formula() {
         assert_eq!(r["layers"].as_array().unwrap().len(), 1);
     }
 }
+
+/// `--stream-experts` leaves the experts on disk: `weight_bytes` drops by exactly the experts'
+/// bytes, which `streamed_expert_bytes` reports, so that with and without streaming add up to
+/// what a resident load holds; a dense model with the flag is refused by name.
+#[test]
+fn streamed_experts_are_counted_apart() {
+    for arch in ["qwen3_moe", "mixtral", "deepseek_v3"] {
+        let model = fixture(arch);
+        let resident = info(&model, &[]);
+        let streamed = info(&model, &["--stream-experts"]);
+        let held = |r: &serde_json::Value, key: &str| r[key].as_u64().unwrap();
+        assert_eq!(held(&resident, "streamed_expert_bytes"), 0, "{arch}");
+        assert!(held(&streamed, "streamed_expert_bytes") > 0, "{arch}");
+        assert_eq!(
+            held(&streamed, "weight_bytes_without_streaming"),
+            held(&resident, "weight_bytes"),
+            "{arch}"
+        );
+    }
+    let out = peregrine(&[
+        "info",
+        "--stream-experts",
+        "--model",
+        fixture("llama").to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("no expert layers"), "{stderr}");
+}

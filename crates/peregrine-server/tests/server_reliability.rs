@@ -405,6 +405,13 @@ fn a_truncated_expert_file_fails_the_request_by_name_and_the_server_keeps_servin
         };
         let first = ask();
         assert_eq!(first.status, 200, "{from}: {}", first.body);
+        let reads = metric(&server, "peregrine_expert_reads_total");
+        assert!(reads > 0.0, "{from}: experts were read");
+        // Every routed expert's read starts before the layer asks for it.
+        assert_eq!(
+            metric(&server, "peregrine_expert_reads_prefetched_total"),
+            reads
+        );
         // Cut the file in the middle: the experts of the later layers lie past it.
         std::fs::OpenOptions::new()
             .write(true)

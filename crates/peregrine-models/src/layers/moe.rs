@@ -146,7 +146,8 @@ type ReadExpert = dyn Fn(&Weights, usize) -> Result<GatedMlp> + Send + Sync;
 
 /// A layer's `n` experts, each read by `read`: all loaded now, or, when `w` streams experts,
 /// read on each use (expert 0 is read once now, so a checkpoint whose experts do not fit the
-/// config fails at load, not on the first request).
+/// config fails at load, not on the first request, and its size counts the bytes the layer
+/// leaves on disk).
 fn expert_store(
     w: &Weights,
     n: usize,
@@ -158,7 +159,8 @@ fn expert_store(
         return Ok(Box::new(ResidentExperts::new(experts, bytes)));
     };
     let w = w.positional();
-    read(&w, 0)?;
+    pool.stats()
+        .add_expert_bytes(n * read(&w, 0)?.weight_bytes());
     let reader: ExpertReader<GatedMlp> =
         Arc::new(move |e| read(&w, e).map_err(|err| std::io::Error::other(err.to_string())));
     Ok(Box::new(StreamedExperts::new(n, reader, pool.clone())))

@@ -85,6 +85,8 @@ pub struct EngineFigures {
     pub running: usize,
     /// Batched forward passes, and the sequences they carried.
     pub batch_steps: (u64, u64),
+    /// Streamed experts (`--stream-experts`): experts read, of which prefetched.
+    pub expert_reads: Option<(u64, u64)>,
 }
 
 impl Metrics {
@@ -116,6 +118,7 @@ impl Metrics {
             cache,
             running,
             batch_steps,
+            expert_reads,
         } = engine;
         let count = |c: &AtomicU64| c.load(Ordering::Relaxed) as usize;
         let mut out = String::new();
@@ -257,7 +260,24 @@ impl Metrics {
                 cache.bytes,
             ),
         ];
-        for (name, kind, help, value) in counters {
+        let streamed = expert_reads.map(|(reads, prefetched)| {
+            [
+                (
+                    "expert_reads_total",
+                    "counter",
+                    "Experts read from the checkpoint's files (--stream-experts).",
+                    reads as usize,
+                ),
+                (
+                    "expert_reads_prefetched_total",
+                    "counter",
+                    "Of those, reads started before the expert was asked for.",
+                    prefetched as usize,
+                ),
+            ]
+        });
+        for (name, kind, help, value) in counters.into_iter().chain(streamed.into_iter().flatten())
+        {
             let _ = writeln!(
                 out,
                 "# HELP peregrine_{name} {help}\n# TYPE peregrine_{name} {kind}\nperegrine_{name} {value}"

@@ -274,6 +274,7 @@ fn simple_get(
                 cache: e.prompt_cache_stats(),
                 running: e.running(),
                 batch_steps: e.batch_steps(),
+                expert_reads: e.expert_reads().map(|pool| pool.stats().counts()),
             });
             let text = state.metrics.render(state.parallel, figures);
             let mut response = Response::new(sse::full(text));
