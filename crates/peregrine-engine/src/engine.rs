@@ -211,6 +211,18 @@ impl Engine {
         // The tokenizer first: building a large vocabulary's takes memory for a moment, and
         // that moment should not come on top of the weights.
         let open = open_model(path, &opts)?;
+        let available = crate::kv_budget::available_memory().unwrap_or(usize::MAX);
+        if open.has_experts() && !opts.stream_experts && open.file_bytes() > available as u64 {
+            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+            let why = format!(
+                "this mixture-of-experts model's files hold {:.1} GiB of weights, more than the \
+                 {:.1} GiB of memory available: stream its experts from disk instead \
+                 (--stream-experts) to keep only the other weights in memory",
+                gib(open.file_bytes()),
+                gib(available as u64)
+            );
+            return Err(peregrine_models::ModelError::config(path, why).into());
+        }
         let tokenizer = match open.gguf() {
             Some(gguf) => Tokenizer::from_gguf(gguf.metadata())?,
             None => Tokenizer::from_dir(path)?,

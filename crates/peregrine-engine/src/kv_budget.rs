@@ -154,12 +154,15 @@ impl Drop for KvGauge {
 /// The default budget: half the memory the system reports available (after the weights
 /// were loaded), or 4 GiB where it reports none.
 pub(crate) fn default_kv_budget() -> usize {
-    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
-        let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
-        let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-        Some(kib * 1024)
-    });
-    available.map_or(4 << 30, |bytes| bytes / 2)
+    available_memory().map_or(4 << 30, |bytes| bytes / 2)
+}
+
+/// The memory the system can give now (`MemAvailable`); `None` where /proc is unavailable.
+pub(crate) fn available_memory() -> Option<usize> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 #[cfg(test)]

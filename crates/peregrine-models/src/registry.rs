@@ -214,6 +214,16 @@ impl OpenModel {
         }
     }
 
+    /// Whether the model has mixture-of-experts layers (whose experts can be streamed).
+    pub fn has_experts(&self) -> bool {
+        self.config.moe.is_some()
+    }
+
+    /// Bytes of the checkpoint's weight files: at least what a resident load holds.
+    pub fn file_bytes(&self) -> u64 {
+        self.weights.file_bytes()
+    }
+
     /// Loads the weights and builds the model.
     pub fn load(self) -> Result<LoadedModel> {
         let model = (self.build)(self.config, &self.weights, self.max_context)?;

@@ -206,3 +206,55 @@ fn kv_options_the_model_cannot_use_are_refused_at_load() {
         );
     }
 }
+
+/// A mixture-of-experts checkpoint whose files are larger than the memory available is refused
+/// before loading, with a message that suggests `--stream-experts`; with the flag the same file
+/// loads and generates. (The GGUF fixture, padded by a sparse hole past its tensors to a size
+/// above `MemAvailable`: no disk space is used.)
+#[test]
+fn a_moe_larger_than_memory_suggests_streaming_its_experts() {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let Some(available) = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+    else {
+        eprintln!("no /proc/meminfo: skipped");
+        return;
+    };
+    let file = scratch("moe-larger-than-memory").join("model.gguf");
+    std::fs::copy(
+        repo().join("tests/fixtures/qwen3_moe/gguf/model-q8_0.gguf"),
+        &file,
+    )
+    .unwrap();
+    let big = available * 1024 + (1 << 30);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .set_len(big)
+        .unwrap();
+    let model = file.to_str().unwrap();
+    let stderr = expect_failure(&file);
+    assert!(
+        stderr.contains("--stream-experts") && stderr.contains(model),
+        "{stderr}"
+    );
+    let out = peregrine(&[
+        "generate",
+        "--model",
+        model,
+        "--prompt",
+        "Hello",
+        "--max-tokens",
+        "4",
+        "--stream-experts",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::remove_file(&file).unwrap();
+}

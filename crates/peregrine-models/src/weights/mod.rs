@@ -128,6 +128,14 @@ impl Weights {
         }
     }
 
+    /// Bytes of the checkpoint's files.
+    pub fn file_bytes(&self) -> u64 {
+        match &*self.source {
+            Source::Safetensors(s) => s.file_bytes(),
+            Source::Gguf(g) => std::fs::metadata(g.path()).map_or(0, |m| m.len()),
+        }
+    }
+
     /// The compute dtype.
     pub fn dtype(&self) -> DType {
         self.dtype

@@ -86,6 +86,11 @@ impl SafetensorsFiles {
         }
     }
 
+    /// Bytes of the mapped files together.
+    pub fn file_bytes(&self) -> u64 {
+        self.files.iter().map(|f| f.mmap.len() as u64).sum()
+    }
+
     /// The checkpoint folder.
     pub fn path(&self) -> &Path {
         &self.root

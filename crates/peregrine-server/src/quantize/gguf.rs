@@ -440,20 +440,22 @@ pub fn run(model: &Path, out: &Path, type_name: &str) -> Result<()> {
     let mut tensors: BTreeMap<String, QTensor> = BTreeMap::new();
     let (mut quantized, mut kept) = (0, 0);
     let names: Vec<String> = files.tensors().into_iter().map(|(n, _)| n).collect();
-    let mut inputs: Vec<(String, Option<Tensor>)> = Vec::new();
-    for name in &names {
-        match expert_tensor(name) {
-            // Experts are written stacked, one tensor per layer and projection.
+    // Experts are written stacked, one tensor per layer and projection, each stack built when
+    // its turn comes (all of them at once in f32 would hold the model twice over).
+    let inputs = (names.iter()).filter_map(|name| match expert_tensor(name) {
+        Some((layer, proj)) => name
+            .contains(".experts.0.")
+            .then_some((name, Some((layer, proj)))),
+        None => Some((name, None)),
+    });
+    for (name, expert) in inputs {
+        let (name, loaded) = match expert {
             Some((layer, proj)) => {
-                if name.contains(".experts.0.") {
-                    let (stacked, t) = stacked_experts(&files, &names, layer, proj)?;
-                    inputs.push((stacked, Some(t)));
-                }
+                let (stacked, t) = stacked_experts(&files, &names, layer, proj)?;
+                (stacked, Some(t))
             }
-            None => inputs.push((name.clone(), None)),
-        }
-    }
-    for (name, loaded) in inputs {
+            None => (name.clone(), None),
+        };
         if name == "lm_head.weight" && config.tie_word_embeddings {
             continue;
         }
