@@ -7,7 +7,7 @@
 //! slower). [`ExpertStore::prefetch`] starts the reads of the experts a layer is about to run,
 //! so they overlap one another and, when prefetched early, the compute before them.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
@@ -57,9 +57,9 @@ impl StreamStats {
 }
 
 impl ReadPool {
-    /// Starts `depth` reader threads (at least one).
+    /// Starts `depth` reader threads; with none, nothing is prefetched and each expert is read
+    /// when it is asked for, on the computing thread.
     pub fn new(depth: usize) -> io::Result<Arc<Self>> {
-        let depth = depth.max(1);
         let (tx, rx) = sync_channel::<Job>(depth);
         let rx = Arc::new(Mutex::new(rx));
         for i in 0..depth {
@@ -78,7 +78,7 @@ impl ReadPool {
                 })?;
         }
         Ok(Arc::new(Self {
-            jobs: Mutex::new(Some(tx)),
+            jobs: Mutex::new((depth > 0).then_some(tx)),
             depth,
             stats: StreamStats::default(),
         }))
@@ -117,8 +117,15 @@ pub struct StreamedExperts<E> {
     len: usize,
     read: ExpertReader<E>,
     pool: Arc<ReadPool>,
-    /// Prefetched experts not yet asked for: their reads' results arrive here.
-    pending: Mutex<HashMap<usize, Receiver<io::Result<E>>>>,
+    window: Mutex<Window<E>>,
+}
+
+/// Prefetched experts: the reads started (their results arrive on the receivers) and those
+/// waiting for one of them to be used, so that at most the pool's depth of read experts wait
+/// in memory however many a prefill routes to.
+struct Window<E> {
+    started: HashMap<usize, Receiver<io::Result<E>>>,
+    waiting: VecDeque<usize>,
 }
 
 impl<E> StreamedExperts<E> {
@@ -128,7 +135,29 @@ impl<E> StreamedExperts<E> {
             len,
             read,
             pool,
-            pending: Mutex::new(HashMap::new()),
+            window: Mutex::new(Window {
+                started: HashMap::new(),
+                waiting: VecDeque::new(),
+            }),
+        }
+    }
+}
+
+impl<E: Send + 'static> StreamedExperts<E> {
+    /// Starts waiting reads while fewer than the pool's depth are started.
+    fn fill(&self, w: &mut Window<E>) {
+        while w.started.len() < self.pool.depth() {
+            let Some(id) = w.waiting.pop_front() else {
+                return;
+            };
+            let (tx, rx) = sync_channel(1);
+            let read = self.read.clone();
+            // A pool that has shut down leaves the expert to be read when asked for.
+            if self.pool.submit(Box::new(move || {
+                let _ = tx.send(read(id));
+            })) {
+                w.started.insert(id, rx);
+            }
         }
     }
 }
@@ -141,11 +170,13 @@ impl<E: Send + Sync + 'static> ExpertStore<E> for StreamedExperts<E> {
     fn expert(&self, id: usize) -> io::Result<Arc<E>> {
         let stats = &self.pool.stats;
         stats.reads.fetch_add(1, Ordering::Relaxed);
-        let started = self
-            .pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&id);
+        let started = {
+            let mut w = self.window.lock().unwrap_or_else(|e| e.into_inner());
+            w.waiting.retain(|&queued| queued != id);
+            let started = w.started.remove(&id);
+            self.fill(&mut w);
+            started
+        };
         // A prefetch that failed (perhaps for an earlier pass that then stopped at another
         // expert's error, its file since mended) is read again rather than trusted.
         if let Some(Ok(Ok(expert))) = started.map(|rx| rx.recv()) {
@@ -156,20 +187,13 @@ impl<E: Send + Sync + 'static> ExpertStore<E> for StreamedExperts<E> {
     }
 
     fn prefetch(&self, ids: &[usize]) {
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let mut w = self.window.lock().unwrap_or_else(|e| e.into_inner());
         for &id in ids {
-            if id >= self.len || pending.contains_key(&id) {
-                continue;
-            }
-            let (tx, rx) = sync_channel(1);
-            let read = self.read.clone();
-            // A pool that has shut down leaves the expert to be read when asked for.
-            if self.pool.submit(Box::new(move || {
-                let _ = tx.send(read(id));
-            })) {
-                pending.insert(id, rx);
+            if id < self.len && !w.started.contains_key(&id) && !w.waiting.contains(&id) {
+                w.waiting.push_back(id);
             }
         }
+        self.fill(&mut w);
     }
 
     fn weight_bytes(&self) -> usize {
@@ -214,6 +238,39 @@ mod tests {
         assert_eq!(reads.load(Ordering::SeqCst), 4, "a prefetch reads once");
         assert_eq!(s.pool.stats().counts(), (4, 2));
         assert_eq!(s.weight_bytes(), 0);
+    }
+
+    /// A prefetch of more experts than the pool's depth reads ahead by the depth: the rest
+    /// start as the first are used.
+    #[test]
+    fn prefetched_experts_wait_in_memory_no_more_than_the_depth() {
+        let reads = Arc::new(AtomicUsize::new(0));
+        let s = store(reads.clone()); // depth 2
+        s.prefetch(&[0, 1, 2]);
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert_eq!(reads.load(Ordering::SeqCst), 2, "two reads ahead");
+        assert_eq!(*s.expert(0).unwrap(), vec![0; 4]);
+        assert_eq!(*s.expert(1).unwrap(), vec![1; 4]);
+        assert_eq!(*s.expert(2).unwrap(), vec![2; 4]);
+        assert_eq!(reads.load(Ordering::SeqCst), 3);
+        assert_eq!(s.pool.stats().counts(), (3, 3));
+    }
+
+    #[test]
+    fn without_readers_experts_are_read_when_asked_for() {
+        let reads = Arc::new(AtomicUsize::new(0));
+        let read: ExpertReader<usize> = {
+            let reads = reads.clone();
+            Arc::new(move |id| {
+                reads.fetch_add(1, Ordering::SeqCst);
+                Ok(id)
+            })
+        };
+        let s = StreamedExperts::new(4, read, ReadPool::new(0).unwrap());
+        s.prefetch(&[1, 2]);
+        assert_eq!(reads.load(Ordering::SeqCst), 0, "nothing read ahead");
+        assert_eq!(*s.expert(2).unwrap(), 2);
+        assert_eq!(s.pool.stats().counts(), (1, 0));
     }
 
     #[test]

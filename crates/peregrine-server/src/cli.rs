@@ -103,8 +103,10 @@ pub struct ModelArgs {
     /// memory; the OS page cache keeps what fits). A model without experts is refused.
     #[arg(long)]
     pub stream_experts: bool,
-    /// Expert reads in flight at most with `--stream-experts`.
-    #[arg(long, default_value_t = 24, value_parser = clap::value_parser!(u16).range(1..=256)
+    /// Expert reads in flight at most with `--stream-experts` (each layer's routed experts
+    /// are read ahead of their use, at most this many at once and waiting in memory); 0 reads
+    /// each expert only when it is used, with no prefetch.
+    #[arg(long, default_value_t = 24, value_parser = clap::value_parser!(u16).range(0..=256)
         .map(usize::from))]
     pub stream_queue_depth: usize,
 }
