@@ -1,0 +1,104 @@
+"""Decode speed and peak memory of a MoE checkpoint with its experts resident and streamed from
+disk (--stream-experts), with a cold or warm page cache, with and without prefetch; and
+llama.cpp's llama-bench on the same GGUF (mmap) cold and warm. Prints one JSON line per run.
+
+usage: python3 scripts/bench_stream.py --model FILE.gguf|DIR [--llama-bench BIN] [--peregrine BIN]
+       [--prompt-tokens 32] [--gen-tokens 32] [--threads 2] [--runs resident,cold,warm,...]
+
+"Cold" drops the checkpoint's pages from the page cache first (posix_fadvise DONTNEED on every
+file of it: no root needed, other files untouched); "warm" reads it whole first. Peak RSS is the
+child's maximum resident set (getrusage), which counts mapped file pages a process touched.
+Runs: resident (experts loaded; warm), cold, warm (streamed, default queue depth), cold-noprefetch,
+warm-noprefetch (--stream-queue-depth 0), llama-cold, llama-warm.
+"""
+import argparse, json, os, re, resource, subprocess, sys, time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def files_of(model):
+    if os.path.isdir(model):
+        return [os.path.join(model, f) for f in sorted(os.listdir(model)) if f.endswith(".safetensors")]
+    return [model]
+
+
+def drop_cache(model):
+    for path in files_of(model):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def warm_cache(model):
+    for path in files_of(model):
+        with open(path, "rb") as f:
+            while f.read(64 << 20):
+                pass
+
+
+def run(cmd):
+    """Runs cmd; returns (stdout, stderr, peak RSS bytes of the child)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    # ru_maxrss of children is the largest of any child so far: valid when it grew.
+    return p.stdout, p.stderr, peak * 1024 if peak > before else None
+
+
+def peregrine(a, stream, depth=None):
+    cmd = [a.peregrine, "--threads", str(a.threads), "bench", "--model", a.model,
+           "--prompt-tokens", str(a.prompt_tokens), "--gen-tokens", str(a.gen_tokens),
+           "--repeat", "1", "--json"]
+    if stream:
+        cmd.append("--stream-experts")
+    if depth is not None:
+        cmd += ["--stream-queue-depth", str(depth)]
+    out, _, _ = run(cmd)
+    r = json.loads(out.strip().splitlines()[-1])
+    keep = {k: r.get(k) for k in ("prefill_tps", "decode_tps", "peak_rss_bytes", "weight_bytes")}
+    if "expert_streaming" in r:
+        keep["expert_streaming"] = r["expert_streaming"]
+    return keep
+
+
+def llama(a):
+    out, _, peak = run([a.llama_bench, "-m", a.model, "-t", str(a.threads), "-p", str(a.prompt_tokens),
+                        "-n", str(a.gen_tokens), "-r", "1", "-o", "json"])
+    rows = json.loads(out)
+    tps = {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in rows}
+    return {"prefill_tps": tps.get("prefill"), "decode_tps": tps.get("decode"), "peak_rss_bytes": peak}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--peregrine", default=os.path.join(ROOT, "target", "release", "peregrine"))
+    ap.add_argument("--llama-bench")
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--gen-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--runs", default="resident,cold,warm,cold-noprefetch,warm-noprefetch,llama-cold,llama-warm")
+    a = ap.parse_args()
+    for name in a.runs.split(","):
+        if name.startswith("llama") and not a.llama_bench:
+            continue
+        cold = name.endswith("cold") or "cold-" in name
+        (drop_cache if cold else warm_cache)(a.model)
+        start = time.time()
+        if name == "resident":
+            r = peregrine(a, stream=False)
+        elif name.startswith("llama"):
+            r = llama(a)
+        else:
+            r = peregrine(a, stream=True, depth=0 if "noprefetch" in name else None)
+        r.update(run=name, model=a.model, seconds=round(time.time() - start, 1))
+        print(json.dumps(r), flush=True)
+
+
+if __name__ == "__main__":
+    main()
