@@ -63,6 +63,8 @@ pub struct EngineConfig {
     pub stream_experts: bool,
     /// Expert reads in flight at most when streaming.
     pub stream_queue_depth: usize,
+    /// Experts each token is routed to instead of the model's own top-k (a quality trade).
+    pub moe_top_k: Option<usize>,
     /// Finished sequences whose caches are kept for reuse by prompt prefix (0: no prompt cache).
     pub prompt_cache_entries: usize,
     /// Bytes of KV the prompt cache may hold.
@@ -89,6 +91,7 @@ impl Default for EngineConfig {
             mlx_activations: MlxActivations::default(),
             stream_experts: false,
             stream_queue_depth: 24,
+            moe_top_k: None,
             prompt_cache_entries: 4,
             prompt_cache_bytes: 1 << 30,
             panic_marker: None,
@@ -206,6 +209,7 @@ impl Engine {
             mlx_activations: config.mlx_activations,
             stream_experts: config.stream_experts,
             stream_queue_depth: config.stream_queue_depth,
+            moe_top_k: config.moe_top_k,
         };
         tune_allocator();
         // The tokenizer first: building a large vocabulary's takes memory for a moment, and

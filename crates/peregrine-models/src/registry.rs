@@ -144,6 +144,10 @@ pub struct LoadOptions {
     pub stream_experts: bool,
     /// Expert reads in flight at most when streaming.
     pub stream_queue_depth: usize,
+    /// Experts each token is routed to, instead of the model's own `top_k` (fewer is faster
+    /// and reads less when streaming, at a cost in quality); refused for a model without
+    /// experts or above its expert count.
+    pub moe_top_k: Option<usize>,
 }
 
 impl Default for LoadOptions {
@@ -154,6 +158,7 @@ impl Default for LoadOptions {
             mlx_activations: MlxActivations::default(),
             stream_experts: false,
             stream_queue_depth: 24,
+            moe_top_k: None,
         }
     }
 }
@@ -327,6 +332,24 @@ pub fn open_model(path: &Path, opts: &LoadOptions) -> Result<OpenModel> {
         let weights = Weights::new(Source::Gguf(file), opts.device.clone(), dtype);
         (config, weights, *build)
     };
+    let mut config = config;
+    if let Some(k) = opts.moe_top_k {
+        let Some(moe) = config.moe.as_mut() else {
+            let why = format!(
+                "a top-k of {k} experts was asked for, but this `{}` model has no expert layers",
+                config.model_type
+            );
+            return Err(ModelError::config(path, why));
+        };
+        if k == 0 || k > moe.num_experts {
+            let why = format!(
+                "a top-k of {k} experts was asked for; this model has {} (routes to {})",
+                moe.num_experts, moe.top_k
+            );
+            return Err(ModelError::config(path, why));
+        }
+        moe.top_k = k;
+    }
     if opts.stream_experts && config.moe.is_none() {
         let why = format!(
             "streamed experts were asked for, but this `{}` model has no expert layers (its \

@@ -109,3 +109,39 @@ fn a_model_without_experts_is_refused_by_name() {
     assert!(err.contains("no expert layers"), "{err}");
     assert!(err.contains("llama/hf"), "names the checkpoint: {err}");
 }
+
+/// `moe_top_k` routes each token to that many experts: the model's own k changes nothing (bit
+/// for bit), fewer moves the logits, and a k of 0, above the expert count or on a dense model
+/// is refused by name.
+#[test]
+fn a_top_k_override_routes_to_that_many_experts() {
+    let ids = prompt("qwen3_moe");
+    let path = fixture("qwen3_moe/hf");
+    let with_k = |k: Option<usize>| {
+        let opts = LoadOptions {
+            moe_top_k: k,
+            ..LoadOptions::default()
+        };
+        load_model(&path, &opts).map(|m| run(&*m.model, &ids, ids.len()))
+    };
+    let own = with_k(None).unwrap();
+    assert_eq!(with_k(Some(2)).unwrap(), own, "the fixture's own k is 2");
+    let one = with_k(Some(1)).unwrap();
+    let moved = own.iter().flatten().zip(one.iter().flatten());
+    let worst = moved.map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(
+        worst > 1e-3,
+        "one expert instead of two moves the logits ({worst})"
+    );
+    for (k, path) in [(0, "qwen3_moe/hf"), (9, "qwen3_moe/hf"), (1, "llama/hf")] {
+        let opts = LoadOptions {
+            moe_top_k: Some(k),
+            ..LoadOptions::default()
+        };
+        let err = load_model(&fixture(path), &opts)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(err.contains("top-k"), "{path}, k {k}: {err}");
+    }
+}

@@ -109,6 +109,11 @@ pub struct ModelArgs {
     #[arg(long, default_value_t = 24, value_parser = clap::value_parser!(u16).range(0..=256)
         .map(usize::from))]
     pub stream_queue_depth: usize,
+    /// Mixture-of-experts models: route each token to this many experts instead of the
+    /// model's own number. Fewer is faster (and reads less with `--stream-experts`) but moves
+    /// the output away from the model's: a quality trade, measured in docs/benchmarks.md.
+    #[arg(long)]
+    pub moe_top_k: Option<usize>,
 }
 
 impl ModelArgs {
@@ -142,6 +147,7 @@ impl ModelArgs {
             prompt_cache_bytes: self.prompt_cache_mb << 20,
             stream_experts: self.stream_experts,
             stream_queue_depth: self.stream_queue_depth,
+            moe_top_k: self.moe_top_k,
             ..Default::default()
         }
     }
