@@ -24,6 +24,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "llama", "hf")
 SEED = 20261129
 
+
+def qwen3_30b_a3b(layers, vocab_size):
+    """Qwen3-30B-A3B's layer shapes, `layers` of its 48."""
+    return transformers.Qwen3MoeConfig(
+        hidden_size=2048, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        vocab_size=vocab_size, tie_word_embeddings=False, max_position_embeddings=40960,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=2,
+        pad_token_id=0)
+
+
 SHAPES = {
     "qwen2.5-0.5b": lambda: transformers.Qwen2Config(
         hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -40,20 +52,8 @@ SHAPES = {
         head_dim=256, intermediate_size=2048, vocab_size=262144, tie_word_embeddings=True,
         max_position_embeddings=32768, sliding_window=512, query_pre_attn_scalar=256,
         rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=2, pad_token_id=0),
-    "qwen3-30b-a3b-8l": lambda: transformers.Qwen3MoeConfig(
-        hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
-        head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-        vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960,
-        rope_theta=1000000.0, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=2,
-        pad_token_id=0),
-    "qwen3-30b-a3b-stream": lambda: transformers.Qwen3MoeConfig(
-        hidden_size=2048, num_hidden_layers=10, num_attention_heads=32, num_key_value_heads=4,
-        head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-        vocab_size=512, tie_word_embeddings=False, max_position_embeddings=40960,
-        rope_theta=1000000.0, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=2,
-        pad_token_id=0),
+    "qwen3-30b-a3b-8l": lambda: qwen3_30b_a3b(layers=8, vocab_size=151936),
+    "qwen3-30b-a3b-stream": lambda: qwen3_30b_a3b(layers=10, vocab_size=512),
 }
 
 
