@@ -10,6 +10,10 @@ file of it: no root needed, other files untouched); "warm" reads it whole first.
 child's maximum resident set (getrusage), which counts mapped file pages a process touched.
 Runs: resident (experts loaded; warm), cold, warm (streamed, default queue depth), cold-noprefetch,
 warm-noprefetch (--stream-queue-depth 0), llama-cold, llama-warm.
+
+--memory-limit-gb G runs every command in a memory cgroup (v1, /sys/fs/cgroup/memory; needs root)
+capped at G GiB, page cache included: a model larger than memory on a machine where it is not.
+llama-bench then runs with `--repack 0 -lm mmap` (its repacked copy would not fit).
 """
 import argparse, json, os, re, resource, subprocess, sys, time
 
@@ -39,10 +43,28 @@ def warm_cache(model):
                 pass
 
 
+CGROUP = "/sys/fs/cgroup/memory/peregrine-bench"
+LIMITED = False
+
+
+def limit_memory(gib):
+    global LIMITED
+    os.makedirs(CGROUP, exist_ok=True)
+    with open(os.path.join(CGROUP, "memory.limit_in_bytes"), "w") as f:
+        f.write(str(int(gib * (1 << 30))))
+    LIMITED = True
+
+
+def enter_cgroup():
+    with open(os.path.join(CGROUP, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+
+
 def run(cmd):
-    """Runs cmd; returns (stdout, stderr, peak RSS bytes of the child)."""
+    """Runs cmd (in the memory cgroup when limited); returns (stdout, stderr, peak RSS bytes of the
+    child)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    p = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=enter_cgroup if LIMITED else None)
     if p.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
@@ -67,8 +89,9 @@ def peregrine(a, stream, depth=None):
 
 
 def llama(a):
+    mapped = ["--repack", "0", "-lm", "mmap"] if LIMITED else []
     out, _, peak = run([a.llama_bench, "-m", a.model, "-t", str(a.threads), "-p", str(a.prompt_tokens),
-                        "-n", str(a.gen_tokens), "-r", "1", "-o", "json"])
+                        "-n", str(a.gen_tokens), "-r", "1", "-o", "json"] + mapped)
     rows = json.loads(out)
     tps = {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in rows}
     return {"prefill_tps": tps.get("prefill"), "decode_tps": tps.get("decode"), "peak_rss_bytes": peak}
@@ -83,7 +106,10 @@ def main():
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", default="resident,cold,warm,cold-noprefetch,warm-noprefetch,llama-cold,llama-warm")
+    ap.add_argument("--memory-limit-gb", type=float)
     a = ap.parse_args()
+    if a.memory_limit_gb:
+        limit_memory(a.memory_limit_gb)
     for name in a.runs.split(","):
         if name.startswith("llama") and not a.llama_bench:
             continue
@@ -96,7 +122,8 @@ def main():
             r = llama(a)
         else:
             r = peregrine(a, stream=True, depth=0 if "noprefetch" in name else None)
-        r.update(run=name, model=a.model, seconds=round(time.time() - start, 1))
+        r.update(run=name, model=a.model, seconds=round(time.time() - start, 1),
+                 memory_limit_gb=a.memory_limit_gb)
         print(json.dumps(r), flush=True)
 
 
