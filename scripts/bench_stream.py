@@ -9,7 +9,8 @@ usage: python3 scripts/bench_stream.py --model FILE.gguf|DIR [--llama-bench BIN]
 file of it: no root needed, other files untouched); "warm" reads it whole first. Peak RSS is the
 child's maximum resident set (getrusage), which counts mapped file pages a process touched.
 Runs: resident (experts loaded; warm), cold, warm (streamed, default queue depth), cold-noprefetch,
-warm-noprefetch (--stream-queue-depth 0), llama-cold, llama-warm.
+warm-noprefetch (--stream-queue-depth 0), cold-guess, warm-guess (--stream-speculate: each
+layer's experts also read on a guess a layer early), llama-cold, llama-warm.
 
 --memory-limit-gb G runs every command in a memory cgroup (v1, /sys/fs/cgroup/memory; needs root)
 capped at G GiB, page cache included: a model larger than memory on a machine where it is not.
@@ -72,7 +73,7 @@ def run(cmd):
     return p.stdout, p.stderr, peak * 1024 if peak > before else None
 
 
-def peregrine(a, stream, depth=None):
+def peregrine(a, stream, depth=None, guess=False):
     cmd = [a.peregrine, "--threads", str(a.threads), "bench", "--model", a.model,
            "--prompt-tokens", str(a.prompt_tokens), "--gen-tokens", str(a.gen_tokens),
            "--repeat", "1", "--json"]
@@ -80,6 +81,8 @@ def peregrine(a, stream, depth=None):
         cmd.append("--stream-experts")
     if depth is not None:
         cmd += ["--stream-queue-depth", str(depth)]
+    if guess:
+        cmd.append("--stream-speculate")
     out, _, _ = run(cmd)
     r = json.loads(out.strip().splitlines()[-1])
     keep = {k: r.get(k) for k in ("prefill_tps", "decode_tps", "peak_rss_bytes", "weight_bytes")}
@@ -121,7 +124,8 @@ def main():
         elif name.startswith("llama"):
             r = llama(a)
         else:
-            r = peregrine(a, stream=True, depth=0 if "noprefetch" in name else None)
+            r = peregrine(a, stream=True, depth=0 if "noprefetch" in name else None,
+                          guess="guess" in name)
         r.update(run=name, model=a.model, seconds=round(time.time() - start, 1),
                  memory_limit_gb=a.memory_limit_gb)
         print(json.dumps(r), flush=True)

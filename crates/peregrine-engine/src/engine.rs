@@ -63,6 +63,8 @@ pub struct EngineConfig {
     pub stream_experts: bool,
     /// Expert reads in flight at most when streaming.
     pub stream_queue_depth: usize,
+    /// When streaming, also read each layer's experts on a guess made a layer earlier.
+    pub stream_speculate: bool,
     /// Experts each token is routed to instead of the model's own top-k (a quality trade).
     pub moe_top_k: Option<usize>,
     /// Finished sequences whose caches are kept for reuse by prompt prefix (0: no prompt cache).
@@ -91,6 +93,7 @@ impl Default for EngineConfig {
             mlx_activations: MlxActivations::default(),
             stream_experts: false,
             stream_queue_depth: 24,
+            stream_speculate: false,
             moe_top_k: None,
             prompt_cache_entries: 4,
             prompt_cache_bytes: 1 << 30,
@@ -209,6 +212,7 @@ impl Engine {
             mlx_activations: config.mlx_activations,
             stream_experts: config.stream_experts,
             stream_queue_depth: config.stream_queue_depth,
+            stream_speculate: config.stream_speculate,
             moe_top_k: config.moe_top_k,
         };
         tune_allocator();

@@ -144,6 +144,9 @@ pub struct LoadOptions {
     pub stream_experts: bool,
     /// Expert reads in flight at most when streaming.
     pub stream_queue_depth: usize,
+    /// When streaming, also start reading each MoE layer's experts on a guess made one layer
+    /// earlier (its router applied to that layer's input).
+    pub stream_speculate: bool,
     /// Experts each token is routed to, instead of the model's own `top_k` (fewer is faster
     /// and reads less when streaming, at a cost in quality); refused for a model without
     /// experts or above its expert count.
@@ -158,6 +161,7 @@ impl Default for LoadOptions {
             mlx_activations: MlxActivations::default(),
             stream_experts: false,
             stream_queue_depth: 24,
+            stream_speculate: false,
             moe_top_k: None,
         }
     }
@@ -361,10 +365,12 @@ pub fn open_model(path: &Path, opts: &LoadOptions) -> Result<OpenModel> {
     }
     let pool = match opts.stream_experts {
         true => Some(
-            ReadPool::new(opts.stream_queue_depth).map_err(|source| ModelError::Io {
-                path: path.to_path_buf(),
-                source,
-            })?,
+            ReadPool::guessing(opts.stream_queue_depth, opts.stream_speculate).map_err(
+                |source| ModelError::Io {
+                    path: path.to_path_buf(),
+                    source,
+                },
+            )?,
         ),
         false => None,
     };

@@ -3,7 +3,8 @@
 //! groups tokens by expert) and token by token through the decode step, on every MoE layout —
 //! per-expert HF tensors (Qwen3-MoE, Mixtral, DeepSeek-V3, Jamba), HF's fused Gemma 4 stack, MLX
 //! `switch_mlp` / `switch_glu` stacks at 4 and 8 bits, and GGUF `ffn_*_exps` (Q8_0, bf16, fused
-//! gate+up). A streamed model must also hold no expert weights and refuse a dense checkpoint.
+//! gate+up), with and without reads started on a guess a layer early. A streamed model must also
+//! hold no expert weights and refuse a dense checkpoint.
 
 mod common;
 
@@ -24,6 +25,14 @@ fn options(stream: bool) -> LoadOptions {
         stream_experts: stream,
         stream_queue_depth: 4,
         ..LoadOptions::default()
+    }
+}
+
+/// Streamed, with each layer's experts also read on a guess a layer early.
+fn guessing() -> LoadOptions {
+    LoadOptions {
+        stream_speculate: true,
+        ..options(true)
     }
 }
 
@@ -55,21 +64,27 @@ fn check(checkpoint: &str) {
     let ids = prompt(arch);
     let path = fixture(checkpoint);
     let resident = load_model(&path, &options(false)).unwrap().model;
-    let streamed = (load_model(&path, &options(true)))
-        .unwrap_or_else(|e| panic!("{checkpoint}: {e}"))
-        .model;
-    assert!(
-        streamed.weight_bytes() < resident.weight_bytes(),
-        "{checkpoint}: streamed {} bytes held, resident {}",
-        streamed.weight_bytes(),
-        resident.weight_bytes()
-    );
-    for chunk in [ids.len(), 5] {
-        let (want, got) = (run(&*resident, &ids, chunk), run(&*streamed, &ids, chunk));
-        assert_eq!(want.len(), got.len());
-        for (pos, (w, g)) in want.iter().zip(&got).enumerate() {
-            let same = w.iter().zip(g).all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(same, "{checkpoint} (chunk {chunk}): row {pos} differs");
+    for opts in [options(true), guessing()] {
+        let guess = opts.stream_speculate;
+        let streamed = (load_model(&path, &opts))
+            .unwrap_or_else(|e| panic!("{checkpoint}: {e}"))
+            .model;
+        assert!(
+            streamed.weight_bytes() < resident.weight_bytes(),
+            "{checkpoint}: streamed {} bytes held, resident {}",
+            streamed.weight_bytes(),
+            resident.weight_bytes()
+        );
+        for chunk in [ids.len(), 5] {
+            let (want, got) = (run(&*resident, &ids, chunk), run(&*streamed, &ids, chunk));
+            assert_eq!(want.len(), got.len());
+            for (pos, (w, g)) in want.iter().zip(&got).enumerate() {
+                let same = w.iter().zip(g).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "{checkpoint} (chunk {chunk}, guesses {guess}): row {pos} differs"
+                );
+            }
         }
     }
 }

@@ -18,6 +18,14 @@ pub trait ExpertStore<E>: Send + Sync {
     /// A hint that `ids` will be asked for soon (a streamed store starts reading them); the
     /// resident store has nothing to do.
     fn prefetch(&self, _ids: &[usize]) {}
+    /// A guess that `ids` will be routed to next (a streamed store may start reading them;
+    /// the next [`prefetch`](Self::prefetch) drops the guesses it does not name).
+    fn speculate(&self, _ids: &[usize]) {}
+    /// Whether [`speculate`](Self::speculate) does anything, so that a caller computes its
+    /// guesses only for a store that reads.
+    fn speculates(&self) -> bool {
+        false
+    }
     /// Bytes of expert weights held in memory.
     fn weight_bytes(&self) -> usize;
 }

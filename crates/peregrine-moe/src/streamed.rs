@@ -22,6 +22,7 @@ type Job = Box<dyn FnOnce() + Send>;
 pub struct ReadPool {
     jobs: Mutex<Option<SyncSender<Job>>>,
     depth: usize,
+    guess: bool,
     stats: StreamStats,
 }
 
@@ -34,12 +35,23 @@ pub struct StreamStats {
     prefetched: AtomicU64,
     /// Bytes the streamed experts would hold if they were loaded.
     expert_bytes: AtomicU64,
+    /// Experts guessed for a layer before its router ran, and of those, how many it chose.
+    speculated: AtomicU64,
+    speculated_hits: AtomicU64,
 }
 
 impl StreamStats {
     /// Counts `bytes` more of expert weights that stay on disk.
     pub fn add_expert_bytes(&self, bytes: usize) {
         self.expert_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    /// `(experts guessed ahead of their layer's routing, of which routed to)` so far.
+    pub fn speculation(&self) -> (u64, u64) {
+        (
+            self.speculated.load(Ordering::Relaxed),
+            self.speculated_hits.load(Ordering::Relaxed),
+        )
     }
 
     /// Bytes the streamed experts would hold in memory if they were loaded.
@@ -58,8 +70,16 @@ impl StreamStats {
 
 impl ReadPool {
     /// Starts `depth` reader threads; with none, nothing is prefetched and each expert is read
-    /// when it is asked for, on the computing thread.
+    /// when it is asked for, on the computing thread. Stores on it take no guesses
+    /// ([`ReadPool::guessing`]).
     pub fn new(depth: usize) -> io::Result<Arc<Self>> {
+        Self::guessing(depth, false)
+    }
+
+    /// [`new`](Self::new), with `guess`: stores also start reading experts guessed ahead of
+    /// their layer's routing ([`ExpertStore::speculate`]). A wrong guess costs a read: worth it
+    /// where reads wait on the disk, not where they are bound by the CPU copying them.
+    pub fn guessing(depth: usize, guess: bool) -> io::Result<Arc<Self>> {
         let (tx, rx) = sync_channel::<Job>(depth);
         let rx = Arc::new(Mutex::new(rx));
         for i in 0..depth {
@@ -80,6 +100,7 @@ impl ReadPool {
         Ok(Arc::new(Self {
             jobs: Mutex::new((depth > 0).then_some(tx)),
             depth,
+            guess,
             stats: StreamStats::default(),
         }))
     }
@@ -126,6 +147,8 @@ pub struct StreamedExperts<E> {
 struct Window<E> {
     started: HashMap<usize, Receiver<io::Result<E>>>,
     waiting: VecDeque<usize>,
+    /// Ids started or waiting on a guess ([`ExpertStore::speculate`]), not yet confirmed.
+    guessed: Vec<usize>,
 }
 
 impl<E> StreamedExperts<E> {
@@ -138,6 +161,7 @@ impl<E> StreamedExperts<E> {
             window: Mutex::new(Window {
                 started: HashMap::new(),
                 waiting: VecDeque::new(),
+                guessed: Vec::new(),
             }),
         }
     }
@@ -188,12 +212,40 @@ impl<E: Send + Sync + 'static> ExpertStore<E> for StreamedExperts<E> {
 
     fn prefetch(&self, ids: &[usize]) {
         let mut w = self.window.lock().unwrap_or_else(|e| e.into_inner());
+        // The router has spoken: guesses it chose stay, the others are dropped (a read already
+        // running completes into nothing).
+        let guessed = std::mem::take(&mut w.guessed);
+        let hits = guessed.iter().filter(|id| ids.contains(id)).count();
+        let stats = &self.pool.stats;
+        stats
+            .speculated_hits
+            .fetch_add(hits as u64, Ordering::Relaxed);
+        for id in guessed.into_iter().filter(|id| !ids.contains(id)) {
+            w.started.remove(&id);
+            w.waiting.retain(|&queued| queued != id);
+        }
         for &id in ids {
             if id < self.len && !w.started.contains_key(&id) && !w.waiting.contains(&id) {
                 w.waiting.push_back(id);
             }
         }
         self.fill(&mut w);
+    }
+
+    fn speculate(&self, ids: &[usize]) {
+        let mut w = self.window.lock().unwrap_or_else(|e| e.into_inner());
+        for &id in ids {
+            if id < self.len && !w.started.contains_key(&id) && !w.waiting.contains(&id) {
+                w.waiting.push_back(id);
+                w.guessed.push(id);
+                self.pool.stats.speculated.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.fill(&mut w);
+    }
+
+    fn speculates(&self) -> bool {
+        self.pool.guess && self.pool.depth() > 0
     }
 
     fn weight_bytes(&self) -> usize {
@@ -218,7 +270,7 @@ mod tests {
             reads.fetch_add(1, Ordering::SeqCst);
             result
         });
-        StreamedExperts::new(4, read, ReadPool::new(2).unwrap())
+        StreamedExperts::new(4, read, ReadPool::guessing(2, true).unwrap())
     }
 
     fn store(reads: Arc<AtomicUsize>) -> StreamedExperts<Vec<u8>> {
@@ -271,6 +323,28 @@ mod tests {
         assert_eq!(reads.load(Ordering::SeqCst), 0, "nothing read ahead");
         assert_eq!(*s.expert(2).unwrap(), 2);
         assert_eq!(s.pool.stats().counts(), (1, 0));
+    }
+
+    /// Guesses the routing confirms are used as prefetched reads; the others are dropped
+    /// from the window, and counted.
+    #[test]
+    fn guesses_are_kept_where_the_router_agrees() {
+        let reads = Arc::new(AtomicUsize::new(0));
+        let s = store(reads.clone()); // depth 2
+        s.speculate(&[0, 1]);
+        s.prefetch(&[1, 2]);
+        assert_eq!(s.pool.stats().speculation(), (2, 1));
+        assert_eq!(*s.expert(1).unwrap(), vec![1; 4]);
+        assert_eq!(*s.expert(2).unwrap(), vec![2; 4]);
+        assert_eq!(
+            s.pool.stats().counts(),
+            (2, 2),
+            "both came from reads started ahead"
+        );
+        let window = s.window.lock().unwrap();
+        assert!(
+            window.started.is_empty() && window.waiting.is_empty() && window.guessed.is_empty()
+        );
     }
 
     #[test]

@@ -166,11 +166,14 @@ pub fn run(args: BenchArgs, threads: Option<usize>) -> Result<()> {
     }
     if let Some(pool) = engine.expert_reads() {
         let (reads, prefetched) = pool.stats().counts();
+        let (guessed, hits) = pool.stats().speculation();
         report["expert_streaming"] = json!({
             "queue_depth": pool.depth(),
             "expert_reads": reads,
             "prefetched_reads": prefetched,
             "prefetch_hit_rate": prefetched as f64 / reads.max(1) as f64,
+            "speculated_reads": guessed,
+            "speculation_hit_rate": hits as f64 / guessed.max(1) as f64,
             "expert_bytes_on_disk": pool.stats().expert_bytes(),
         });
     }

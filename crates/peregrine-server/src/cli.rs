@@ -109,6 +109,12 @@ pub struct ModelArgs {
     #[arg(long, default_value_t = 24, value_parser = clap::value_parser!(u16).range(0..=256)
         .map(usize::from))]
     pub stream_queue_depth: usize,
+    /// With `--stream-experts`, also start reading each MoE layer's experts one layer early, on
+    /// a guess (the layer's router applied to the previous layer's input). Wrong guesses cost
+    /// reads: worth it where reads wait on the disk, not where copying them keeps the cores
+    /// busy (docs/benchmarks.md); the hit rate is in `/metrics` and `bench --json`.
+    #[arg(long, requires = "stream_experts")]
+    pub stream_speculate: bool,
     /// Mixture-of-experts models: route each token to this many experts instead of the
     /// model's own number. Fewer is faster (and reads less with `--stream-experts`) but moves
     /// the output away from the model's: a quality trade, measured in docs/benchmarks.md.
@@ -147,6 +153,7 @@ impl ModelArgs {
             prompt_cache_bytes: self.prompt_cache_mb << 20,
             stream_experts: self.stream_experts,
             stream_queue_depth: self.stream_queue_depth,
+            stream_speculate: self.stream_speculate,
             moe_top_k: self.moe_top_k,
             ..Default::default()
         }

@@ -396,7 +396,8 @@ fn a_truncated_expert_file_fails_the_request_by_name_and_the_server_keeps_servin
         };
         let path = dir.join(file);
         let whole = std::fs::read(&path).unwrap();
-        let server = Server::start_model(&model, &["--stream-experts", "--parallel", "1"]);
+        let flags = ["--stream-experts", "--stream-speculate", "--parallel", "1"];
+        let server = Server::start_model(&model, &flags);
         let ask = || {
             server.post(
                 "/v1/chat/completions",
@@ -407,10 +408,17 @@ fn a_truncated_expert_file_fails_the_request_by_name_and_the_server_keeps_servin
         assert_eq!(first.status, 200, "{from}: {}", first.body);
         let reads = metric(&server, "peregrine_expert_reads_total");
         assert!(reads > 0.0, "{from}: experts were read");
-        // Every routed expert's read starts before the layer asks for it.
+        // Every routed expert's read starts before the layer asks for it, some on a guess made
+        // a layer earlier.
         assert_eq!(
             metric(&server, "peregrine_expert_reads_prefetched_total"),
             reads
+        );
+        let guesses = metric(&server, "peregrine_expert_guesses_total");
+        let hits = metric(&server, "peregrine_expert_guess_hits_total");
+        assert!(
+            guesses > 0.0 && hits <= guesses,
+            "{from}: {hits} of {guesses} guesses"
         );
         // Cut the file in the middle: the experts of the later layers lie past it.
         std::fs::OpenOptions::new()

@@ -132,27 +132,34 @@ impl<A: SelfAttention> DecoderLm<A> {
             x,
             self.layers.len(),
             |i| i,
-            |i, x, segments| self.layers[i].forward(x, eps, &self.rope, segments),
+            |i, x, segments| {
+                let next = self.layers.get(i + 1).map(|l| &l.mlp);
+                self.layers[i].forward(x, eps, &self.rope, segments, next)
+            },
         )
     }
 }
 
 impl<A: SelfAttention> DecoderLayer<A> {
     /// `x: [1, rows, hidden]`, the stacked rows of `segments`.
+    /// `next`: the next layer's feed-forward, whose experts a streaming store starts reading on
+    /// a guess from this layer's input to its own.
     fn forward(
         &self,
         x: &Tensor,
         eps: f32,
         rope: &RotaryEmbedding,
         segments: &mut [Segment],
+        next: Option<&Ffn>,
     ) -> Result<Tensor> {
         let normed = rms_norm(x, &self.input_layernorm, eps)?;
         let attn = self.self_attn.forward(&normed, rope, segments)?;
         let x = (x + attn)?;
-        let mlp = self
-            .mlp
-            .forward(&rms_norm(&x, &self.post_attention_layernorm, eps)?)?;
-        Ok((x + mlp)?)
+        let normed = rms_norm(&x, &self.post_attention_layernorm, eps)?;
+        if let Some(next) = next {
+            next.speculate(&normed)?;
+        }
+        Ok((&x + self.mlp.forward(&normed)?)?)
     }
 
     /// [`forward`](Self::forward) for one token over a decode step's buffers (`b.x`).
@@ -161,13 +168,16 @@ impl<A: SelfAttention> DecoderLayer<A> {
         b: &mut StepBuffers,
         eps: f32,
         rope: &RotaryEmbedding,
-        cache: &mut dyn LayerCache,
-        pos: usize,
+        (cache, pos): (&mut dyn LayerCache, usize),
+        next: Option<&Ffn>,
     ) -> Result<()> {
         norm_into(&b.x, &self.input_layernorm, eps, &mut b.normed)?;
         self.self_attn.step(b, rope, cache, pos)?;
         add_into(&mut b.x, &b.out);
         norm_into(&b.x, &self.post_attention_layernorm, eps, &mut b.normed)?;
+        if let Some(next) = next {
+            next.speculate_row(&b.normed)?;
+        }
         self.mlp.step(b)?;
         add_into(&mut b.x, &b.out);
         Ok(())
@@ -207,7 +217,8 @@ impl<A: SelfAttention + 'static> CausalLm for DecoderLm<A> {
         self.steps.run(&self.config, |b| {
             self.embed_tokens.row_into(token, &mut b.x)?;
             for (i, layer) in self.layers.iter().enumerate() {
-                layer.step(b, eps, &self.rope, cache.layer(i), pos)?;
+                let next = self.layers.get(i + 1).map(|l| &l.mlp);
+                layer.step(b, eps, &self.rope, (cache.layer(i), pos), next)?;
             }
             let vocab = self.config.vocab_size;
             output_logits_into(b, &self.norm, eps, &self.lm_head, vocab, logits)

@@ -69,6 +69,26 @@ impl Ffn {
             Self::Moe(moe) => moe.weight_bytes(),
         }
     }
+
+    /// Guesses this block's routing from `x` `[1, n, hidden]`, an earlier layer's input, and
+    /// lets a streaming store start reading the guessed experts (nothing otherwise).
+    pub fn speculate(&self, x: &Tensor) -> Result<()> {
+        match self {
+            Self::Moe(moe) if moe.experts.speculates() => moe.speculate(x),
+            _ => Ok(()),
+        }
+    }
+
+    /// [`speculate`](Self::speculate) from one row (a CPU decode step's `normed`).
+    pub fn speculate_row(&self, x: &[f32]) -> Result<()> {
+        match self {
+            Self::Moe(moe) if moe.experts.speculates() => {
+                let cpu = &peregrine_tensor::Device::Cpu;
+                moe.speculate(&Tensor::from_slice(x, (1, 1, x.len()), cpu)?)
+            }
+            _ => Ok(()),
+        }
+    }
 }
 
 /// Routed gated-MLP experts.
@@ -265,28 +285,46 @@ impl MoeBlock {
         })
     }
 
+    /// Every row of `flat` `[rows, hidden]` routed: `top_k` expert ids and weights per row.
+    fn route_rows(&self, flat: &Tensor) -> Result<(Vec<usize>, Vec<f32>)> {
+        let routed = match &self.router_norm {
+            Some(w) => rms_norm(flat, w, self.eps)?,
+            None => flat.clone(),
+        };
+        let logits = self.gate.forward(&routed)?.to_dtype(DType::F32)?; // [rows, experts]
+        let mut logits = logits.flatten_all()?.to_vec1::<f32>()?;
+        let (experts, k) = (self.experts.len(), self.router.top_k);
+        let rows = logits.len() / experts;
+        let mut scratch = vec![0f32; experts];
+        let (mut ids, mut weights) = (vec![0usize; rows * k], vec![0f32; rows * k]);
+        for (t, row) in logits.chunks_mut(experts).enumerate() {
+            let (ids, weights) = (&mut ids[t * k..][..k], &mut weights[t * k..][..k]);
+            self.router.route(row, &mut scratch, ids, weights);
+        }
+        Ok((ids, weights))
+    }
+
+    /// Routes `x` `[1, n, hidden]` and hands the chosen experts to the store as a guess.
+    fn speculate(&self, x: &Tensor) -> Result<()> {
+        let (b, n, h) = x.dims3()?;
+        let (mut ids, _) = self.route_rows(&x.reshape((b * n, h))?)?;
+        ids.sort_unstable();
+        ids.dedup();
+        self.experts.speculate(&ids);
+        Ok(())
+    }
+
     /// `x: [1, n, hidden]` → `[1, n, hidden]`: every token routed, then each chosen expert
     /// run once over the tokens sent to it, its outputs weighted and summed back in place.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (b, n, h) = x.dims3()?;
         let flat = x.reshape((b * n, h))?;
-        let normed = |w: &Option<Tensor>| -> Result<Tensor> {
-            match w {
-                Some(w) => Ok(rms_norm(&flat, w, self.eps)?),
-                None => Ok(flat.clone()),
-            }
+        let (ids, weights) = self.route_rows(&flat)?;
+        let flat = match &self.input_norm {
+            Some(w) => rms_norm(&flat, w, self.eps)?,
+            None => flat,
         };
-        let logits = self.gate.forward(&normed(&self.router_norm)?)?; // [n, experts]
-        let logits = logits.to_dtype(DType::F32)?;
-        let flat = normed(&self.input_norm)?;
-        let mut logits = logits.flatten_all()?.to_vec1::<f32>()?;
         let (experts, k) = (self.experts.len(), self.router.top_k);
-        let mut scratch = vec![0f32; experts];
-        let (mut ids, mut weights) = (vec![0usize; b * n * k], vec![0f32; b * n * k]);
-        for (t, row) in logits.chunks_mut(experts).enumerate() {
-            let (ids, weights) = (&mut ids[t * k..][..k], &mut weights[t * k..][..k]);
-            self.router.route(row, &mut scratch, ids, weights);
-        }
         let groups = tokens_by_expert(experts, k, &ids, &weights);
         let hit: Vec<usize> = (0..experts).filter(|&e| !groups[e].0.is_empty()).collect();
         self.experts.prefetch(&hit);

@@ -85,8 +85,9 @@ pub struct EngineFigures {
     pub running: usize,
     /// Batched forward passes, and the sequences they carried.
     pub batch_steps: (u64, u64),
-    /// Streamed experts (`--stream-experts`): experts read, of which prefetched.
-    pub expert_reads: Option<(u64, u64)>,
+    /// Streamed experts (`--stream-experts`): experts read, of which prefetched; experts
+    /// guessed ahead of their layer's routing, of which routed to.
+    pub expert_reads: Option<((u64, u64), (u64, u64))>,
 }
 
 impl Metrics {
@@ -260,7 +261,7 @@ impl Metrics {
                 cache.bytes,
             ),
         ];
-        let streamed = expert_reads.map(|(reads, prefetched)| {
+        let streamed = expert_reads.map(|((reads, prefetched), (guessed, hits))| {
             [
                 (
                     "expert_reads_total",
@@ -273,6 +274,18 @@ impl Metrics {
                     "counter",
                     "Of those, reads started before the expert was asked for.",
                     prefetched as usize,
+                ),
+                (
+                    "expert_guesses_total",
+                    "counter",
+                    "Experts read on a guess from the previous layer, before their router ran.",
+                    guessed as usize,
+                ),
+                (
+                    "expert_guess_hits_total",
+                    "counter",
+                    "Of those, experts the router then chose (the speculative prefetch's hits).",
+                    hits as usize,
                 ),
             ]
         });

@@ -274,7 +274,8 @@ fn simple_get(
                 cache: e.prompt_cache_stats(),
                 running: e.running(),
                 batch_steps: e.batch_steps(),
-                expert_reads: e.expert_reads().map(|pool| pool.stats().counts()),
+                expert_reads: (e.expert_reads())
+                    .map(|pool| (pool.stats().counts(), pool.stats().speculation())),
             });
             let text = state.metrics.render(state.parallel, figures);
             let mut response = Response::new(sse::full(text));
