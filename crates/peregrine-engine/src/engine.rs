@@ -65,6 +65,8 @@ pub struct EngineConfig {
     pub stream_queue_depth: usize,
     /// When streaming, also read each layer's experts on a guess made a layer earlier.
     pub stream_speculate: bool,
+    /// When streaming, bytes of recently used experts kept in memory (0: none).
+    pub expert_cache_bytes: usize,
     /// Experts each token is routed to instead of the model's own top-k (a quality trade).
     pub moe_top_k: Option<usize>,
     /// Finished sequences whose caches are kept for reuse by prompt prefix (0: no prompt cache).
@@ -94,6 +96,7 @@ impl Default for EngineConfig {
             stream_experts: false,
             stream_queue_depth: 24,
             stream_speculate: false,
+            expert_cache_bytes: 0,
             moe_top_k: None,
             prompt_cache_entries: 4,
             prompt_cache_bytes: 1 << 30,
@@ -213,6 +216,7 @@ impl Engine {
             stream_experts: config.stream_experts,
             stream_queue_depth: config.stream_queue_depth,
             stream_speculate: config.stream_speculate,
+            expert_cache_bytes: config.expert_cache_bytes,
             moe_top_k: config.moe_top_k,
         };
         tune_allocator();

@@ -147,6 +147,9 @@ pub struct LoadOptions {
     /// When streaming, also start reading each MoE layer's experts on a guess made one layer
     /// earlier (its router applied to that layer's input).
     pub stream_speculate: bool,
+    /// When streaming, bytes of recently used experts kept in memory (the resident hot set),
+    /// shared equally by the MoE layers; 0 keeps none.
+    pub expert_cache_bytes: usize,
     /// Experts each token is routed to, instead of the model's own `top_k` (fewer is faster
     /// and reads less when streaming, at a cost in quality); refused for a model without
     /// experts or above its expert count.
@@ -162,6 +165,7 @@ impl Default for LoadOptions {
             stream_experts: false,
             stream_queue_depth: 24,
             stream_speculate: false,
+            expert_cache_bytes: 0,
             moe_top_k: None,
         }
     }
@@ -365,12 +369,15 @@ pub fn open_model(path: &Path, opts: &LoadOptions) -> Result<OpenModel> {
     }
     let pool = match opts.stream_experts {
         true => Some(
-            ReadPool::guessing(opts.stream_queue_depth, opts.stream_speculate).map_err(
-                |source| ModelError::Io {
-                    path: path.to_path_buf(),
-                    source,
-                },
-            )?,
+            ReadPool::configured(
+                opts.stream_queue_depth,
+                opts.stream_speculate,
+                opts.expert_cache_bytes,
+            )
+            .map_err(|source| ModelError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?,
         ),
         false => None,
     };

@@ -3,8 +3,8 @@
 //! groups tokens by expert) and token by token through the decode step, on every MoE layout —
 //! per-expert HF tensors (Qwen3-MoE, Mixtral, DeepSeek-V3, Jamba), HF's fused Gemma 4 stack, MLX
 //! `switch_mlp` / `switch_glu` stacks at 4 and 8 bits, and GGUF `ffn_*_exps` (Q8_0, bf16, fused
-//! gate+up), with and without reads started on a guess a layer early. A streamed model must also
-//! hold no expert weights and refuse a dense checkpoint.
+//! gate+up), with and without reads started on a guess a layer early and a hot set of recent
+//! experts. A streamed model must also hold no expert weights and refuse a dense checkpoint.
 
 mod common;
 
@@ -28,10 +28,13 @@ fn options(stream: bool) -> LoadOptions {
     }
 }
 
-/// Streamed, with each layer's experts also read on a guess a layer early.
-fn guessing() -> LoadOptions {
+/// Streamed, with each layer's experts also read on a guess a layer early, and a hot set of
+/// recently used experts (4 MiB over the model's MoE layers: most of a fixture's; the set's
+/// eviction is peregrine-moe's unit test).
+fn guessing_and_keeping() -> LoadOptions {
     LoadOptions {
         stream_speculate: true,
+        expert_cache_bytes: 4 << 20,
         ..options(true)
     }
 }
@@ -64,11 +67,10 @@ fn check(checkpoint: &str) {
     let ids = prompt(arch);
     let path = fixture(checkpoint);
     let resident = load_model(&path, &options(false)).unwrap().model;
-    for opts in [options(true), guessing()] {
+    for opts in [options(true), guessing_and_keeping()] {
         let guess = opts.stream_speculate;
-        let streamed = (load_model(&path, &opts))
-            .unwrap_or_else(|e| panic!("{checkpoint}: {e}"))
-            .model;
+        let loaded = load_model(&path, &opts).unwrap_or_else(|e| panic!("{checkpoint}: {e}"));
+        let (streamed, reads) = (loaded.model, loaded.expert_reads.expect("a read pool"));
         assert!(
             streamed.weight_bytes() < resident.weight_bytes(),
             "{checkpoint}: streamed {} bytes held, resident {}",
@@ -85,6 +87,18 @@ fn check(checkpoint: &str) {
                     "{checkpoint} (chunk {chunk}, guesses {guess}): row {pos} differs"
                 );
             }
+        }
+        let (asked, ahead) = reads.stats().counts();
+        let (guessed, _) = reads.stats().speculation();
+        assert!(asked > 0 && ahead > 0, "{checkpoint}: experts read ahead");
+        if guess {
+            assert!(
+                reads.stats().hot_hits() > 0,
+                "{checkpoint}: the hot set served some"
+            );
+            // Gemma 4 and Jamba run their own layer loops, which do not guess yet.
+            let decoder = !checkpoint.starts_with("gemma4") && !checkpoint.starts_with("jamba");
+            assert_eq!(guessed > 0, decoder, "{checkpoint}: guesses ({guessed})");
         }
     }
 }

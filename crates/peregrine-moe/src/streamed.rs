@@ -23,6 +23,7 @@ pub struct ReadPool {
     jobs: Mutex<Option<SyncSender<Job>>>,
     depth: usize,
     guess: bool,
+    hot_bytes: usize,
     stats: StreamStats,
 }
 
@@ -33,6 +34,8 @@ pub struct StreamStats {
     reads: AtomicU64,
     /// Of those, reads started by a prefetch before the expert was asked for.
     prefetched: AtomicU64,
+    /// Experts served from a store's hot set instead of read.
+    hot: AtomicU64,
     /// Bytes the streamed experts would hold if they were loaded.
     expert_bytes: AtomicU64,
     /// Experts guessed for a layer before its router ran, and of those, how many it chose.
@@ -59,12 +62,17 @@ impl StreamStats {
         self.expert_bytes.load(Ordering::Relaxed)
     }
 
-    /// `(experts read, of which prefetched)` so far.
+    /// `(experts asked for, of which read ahead by a prefetch)` so far.
     pub fn counts(&self) -> (u64, u64) {
         (
             self.reads.load(Ordering::Relaxed),
             self.prefetched.load(Ordering::Relaxed),
         )
+    }
+
+    /// Experts served from the hot sets (`--expert-cache-mb`) instead of read.
+    pub fn hot_hits(&self) -> u64 {
+        self.hot.load(Ordering::Relaxed)
     }
 }
 
@@ -73,13 +81,15 @@ impl ReadPool {
     /// when it is asked for, on the computing thread. Stores on it take no guesses
     /// ([`ReadPool::guessing`]).
     pub fn new(depth: usize) -> io::Result<Arc<Self>> {
-        Self::guessing(depth, false)
+        Self::configured(depth, false, 0)
     }
 
     /// [`new`](Self::new), with `guess`: stores also start reading experts guessed ahead of
-    /// their layer's routing ([`ExpertStore::speculate`]). A wrong guess costs a read: worth it
-    /// where reads wait on the disk, not where they are bound by the CPU copying them.
-    pub fn guessing(depth: usize, guess: bool) -> io::Result<Arc<Self>> {
+    /// their layer's routing ([`ExpertStore::speculate`]; a wrong guess costs a read: worth it
+    /// where reads wait on the disk, not where they are bound by the CPU copying them); and
+    /// `hot_bytes` of recently used experts kept, over all the stores on the pool
+    /// ([`StreamedExperts::with_hot_set`]).
+    pub fn configured(depth: usize, guess: bool, hot_bytes: usize) -> io::Result<Arc<Self>> {
         let (tx, rx) = sync_channel::<Job>(depth);
         let rx = Arc::new(Mutex::new(rx));
         for i in 0..depth {
@@ -101,6 +111,7 @@ impl ReadPool {
             jobs: Mutex::new((depth > 0).then_some(tx)),
             depth,
             guess,
+            hot_bytes,
             stats: StreamStats::default(),
         }))
     }
@@ -108,6 +119,11 @@ impl ReadPool {
     /// Reads in flight at most.
     pub fn depth(&self) -> usize {
         self.depth
+    }
+
+    /// Bytes of recently used experts the stores on this pool may keep together.
+    pub fn hot_bytes(&self) -> usize {
+        self.hot_bytes
     }
 
     /// What has been read so far.
@@ -139,6 +155,39 @@ pub struct StreamedExperts<E> {
     read: ExpertReader<E>,
     pool: Arc<ReadPool>,
     window: Mutex<Window<E>>,
+    hot: Mutex<HotSet<E>>,
+}
+
+/// The most recently used experts, kept (none by default): the resident hot set of
+/// `--expert-cache-mb`, for where a read costs more than memory (host → device copies).
+struct HotSet<E> {
+    capacity: usize,
+    /// Most recent last.
+    experts: VecDeque<(usize, Arc<E>)>,
+}
+
+impl<E> HotSet<E> {
+    fn get(&mut self, id: usize) -> Option<Arc<E>> {
+        let at = self.experts.iter().position(|(e, _)| *e == id)?;
+        let entry = self.experts.remove(at)?;
+        let expert = entry.1.clone();
+        self.experts.push_back(entry);
+        Some(expert)
+    }
+
+    fn insert(&mut self, id: usize, expert: &Arc<E>) {
+        if self.capacity == 0 {
+            return;
+        }
+        if self.experts.len() == self.capacity {
+            self.experts.pop_front();
+        }
+        self.experts.push_back((id, expert.clone()));
+    }
+
+    fn ids(&self) -> Vec<usize> {
+        self.experts.iter().map(|(id, _)| *id).collect()
+    }
 }
 
 /// Prefetched experts: the reads started (their results arrive on the receivers) and those
@@ -163,11 +212,45 @@ impl<E> StreamedExperts<E> {
                 waiting: VecDeque::new(),
                 guessed: Vec::new(),
             }),
+            hot: Mutex::new(HotSet {
+                capacity: 0,
+                experts: VecDeque::new(),
+            }),
         }
+    }
+
+    /// Keeps the `capacity` most recently used experts (served without a read).
+    pub fn with_hot_set(self, capacity: usize) -> Self {
+        self.hot.lock().unwrap_or_else(|e| e.into_inner()).capacity = capacity;
+        self
+    }
+
+    /// Ids of `ids` not in the hot set.
+    fn not_hot(&self, ids: &[usize]) -> Vec<usize> {
+        let hot = self.hot.lock().unwrap_or_else(|e| e.into_inner()).ids();
+        ids.iter().copied().filter(|id| !hot.contains(id)).collect()
     }
 }
 
 impl<E: Send + 'static> StreamedExperts<E> {
+    /// Expert `id` from the read a prefetch started, or read now.
+    fn read_or_take(&self, id: usize) -> io::Result<Arc<E>> {
+        let started = {
+            let mut w = self.window.lock().unwrap_or_else(|e| e.into_inner());
+            w.waiting.retain(|&queued| queued != id);
+            let started = w.started.remove(&id);
+            self.fill(&mut w);
+            started
+        };
+        // A prefetch that failed (perhaps for an earlier pass that then stopped at another
+        // expert's error, its file since mended) is read again rather than trusted.
+        if let Some(Ok(Ok(expert))) = started.map(|rx| rx.recv()) {
+            self.pool.stats.prefetched.fetch_add(1, Ordering::Relaxed);
+            return Ok(Arc::new(expert));
+        }
+        (self.read)(id).map(Arc::new)
+    }
+
     /// Starts waiting reads while fewer than the pool's depth are started.
     fn fill(&self, w: &mut Window<E>) {
         while w.started.len() < self.pool.depth() {
@@ -194,23 +277,18 @@ impl<E: Send + Sync + 'static> ExpertStore<E> for StreamedExperts<E> {
     fn expert(&self, id: usize) -> io::Result<Arc<E>> {
         let stats = &self.pool.stats;
         stats.reads.fetch_add(1, Ordering::Relaxed);
-        let started = {
-            let mut w = self.window.lock().unwrap_or_else(|e| e.into_inner());
-            w.waiting.retain(|&queued| queued != id);
-            let started = w.started.remove(&id);
-            self.fill(&mut w);
-            started
-        };
-        // A prefetch that failed (perhaps for an earlier pass that then stopped at another
-        // expert's error, its file since mended) is read again rather than trusted.
-        if let Some(Ok(Ok(expert))) = started.map(|rx| rx.recv()) {
-            stats.prefetched.fetch_add(1, Ordering::Relaxed);
-            return Ok(Arc::new(expert));
+        let kept = self.hot.lock().unwrap_or_else(|e| e.into_inner()).get(id);
+        if let Some(expert) = kept {
+            stats.hot.fetch_add(1, Ordering::Relaxed);
+            return Ok(expert);
         }
-        (self.read)(id).map(Arc::new)
+        let expert = self.read_or_take(id)?;
+        (self.hot.lock().unwrap_or_else(|e| e.into_inner())).insert(id, &expert);
+        Ok(expert)
     }
 
     fn prefetch(&self, ids: &[usize]) {
+        let ids = &self.not_hot(ids)[..];
         let mut w = self.window.lock().unwrap_or_else(|e| e.into_inner());
         // The router has spoken: guesses it chose stay, the others are dropped (a read already
         // running completes into nothing).
@@ -233,6 +311,7 @@ impl<E: Send + Sync + 'static> ExpertStore<E> for StreamedExperts<E> {
     }
 
     fn speculate(&self, ids: &[usize]) {
+        let ids = &self.not_hot(ids)[..];
         let mut w = self.window.lock().unwrap_or_else(|e| e.into_inner());
         for &id in ids {
             if id < self.len && !w.started.contains_key(&id) && !w.waiting.contains(&id) {
@@ -270,7 +349,7 @@ mod tests {
             reads.fetch_add(1, Ordering::SeqCst);
             result
         });
-        StreamedExperts::new(4, read, ReadPool::guessing(2, true).unwrap())
+        StreamedExperts::new(4, read, ReadPool::configured(2, true, 0).unwrap())
     }
 
     fn store(reads: Arc<AtomicUsize>) -> StreamedExperts<Vec<u8>> {
@@ -345,6 +424,30 @@ mod tests {
         assert!(
             window.started.is_empty() && window.waiting.is_empty() && window.guessed.is_empty()
         );
+    }
+
+    /// A hot set of two keeps the two most recently used experts: they are served without a
+    /// read (and not prefetched), the least recent is dropped for a new one.
+    #[test]
+    fn a_hot_set_serves_its_recent_experts_without_reads() {
+        let reads = Arc::new(AtomicUsize::new(0));
+        let s = store(reads.clone()).with_hot_set(2);
+        for id in [0, 1, 0, 1] {
+            assert_eq!(*s.expert(id).unwrap(), vec![id as u8; 4]);
+        }
+        assert_eq!(reads.load(Ordering::SeqCst), 2);
+        s.prefetch(&[0, 1]);
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert_eq!(
+            reads.load(Ordering::SeqCst),
+            2,
+            "kept experts are not prefetched"
+        );
+        s.expert(2).unwrap(); // drops 0, the least recently used
+        s.expert(1).unwrap();
+        s.expert(0).unwrap();
+        assert_eq!(reads.load(Ordering::SeqCst), 4);
+        assert_eq!(s.pool.stats().hot_hits(), 3);
     }
 
     #[test]

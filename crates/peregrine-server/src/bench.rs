@@ -174,6 +174,8 @@ pub fn run(args: BenchArgs, threads: Option<usize>) -> Result<()> {
             "prefetch_hit_rate": prefetched as f64 / reads.max(1) as f64,
             "speculated_reads": guessed,
             "speculation_hit_rate": hits as f64 / guessed.max(1) as f64,
+            "expert_cache_bytes": pool.hot_bytes(),
+            "expert_cache_hit_rate": pool.stats().hot_hits() as f64 / reads.max(1) as f64,
             "expert_bytes_on_disk": pool.stats().expert_bytes(),
         });
     }

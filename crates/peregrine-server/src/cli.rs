@@ -115,6 +115,11 @@ pub struct ModelArgs {
     /// busy (docs/benchmarks.md); the hit rate is in `/metrics` and `bench --json`.
     #[arg(long, requires = "stream_experts")]
     pub stream_speculate: bool,
+    /// With `--stream-experts`, megabytes of recently used experts to keep in memory, shared
+    /// by the MoE layers (0: none, the default: on the CPU the page cache already keeps what
+    /// fits; meant for devices where each read is also a copy to the device).
+    #[arg(long, default_value_t = 0, requires = "stream_experts")]
+    pub expert_cache_mb: usize,
     /// Mixture-of-experts models: route each token to this many experts instead of the
     /// model's own number. Fewer is faster (and reads less with `--stream-experts`) but moves
     /// the output away from the model's: a quality trade, measured in docs/benchmarks.md.
@@ -154,6 +159,7 @@ impl ModelArgs {
             stream_experts: self.stream_experts,
             stream_queue_depth: self.stream_queue_depth,
             stream_speculate: self.stream_speculate,
+            expert_cache_bytes: self.expert_cache_mb << 20,
             moe_top_k: self.moe_top_k,
             ..Default::default()
         }

@@ -170,7 +170,7 @@ type ReadExpert = dyn Fn(&Weights, usize) -> Result<GatedMlp> + Send + Sync;
 /// leaves on disk).
 fn expert_store(
     w: &Weights,
-    n: usize,
+    (n, layers): (usize, usize),
     read: Arc<ReadExpert>,
 ) -> Result<Box<dyn ExpertStore<GatedMlp>>> {
     let Some(pool) = w.expert_reads() else {
@@ -179,11 +179,15 @@ fn expert_store(
         return Ok(Box::new(ResidentExperts::new(experts, bytes)));
     };
     let w = w.positional();
-    pool.stats()
-        .add_expert_bytes(n * read(&w, 0)?.weight_bytes());
+    let bytes = read(&w, 0)?.weight_bytes();
+    pool.stats().add_expert_bytes(n * bytes);
+    // The hot set's budget, shared equally by the `layers` MoE layers.
+    let hot = (pool.hot_bytes() / layers.max(1) / bytes.max(1)).min(n);
     let reader: ExpertReader<GatedMlp> =
         Arc::new(move |e| read(&w, e).map_err(|err| std::io::Error::other(err.to_string())));
-    Ok(Box::new(StreamedExperts::new(n, reader, pool.clone())))
+    Ok(Box::new(
+        StreamedExperts::new(n, reader, pool.clone()).with_hot_set(hot),
+    ))
 }
 
 impl MoeBlock {
@@ -220,7 +224,8 @@ impl MoeBlock {
                 act,
             ))
         };
-        let experts = expert_store(w, n, Arc::new(read))?;
+        let layers = moe.sparse_layers.iter().filter(|&&s| s).count();
+        let experts = expert_store(w, (n, layers), Arc::new(read))?;
         let mut router = Router::softmax(moe.top_k, moe.normalize);
         if let Some(sigmoid) = &moe.sigmoid {
             let bias = w.tensor(&format!("{prefix}.gate.e_score_correction_bias"), &[n])?;
@@ -267,7 +272,8 @@ impl MoeBlock {
         let p = format!("model.layers.{layer}");
         let (i, act, stack) = (moe.intermediate_size, c.activation, format!("{p}.experts"));
         let read = move |w: &Weights, e: usize| gemma4_expert(w, &stack, (n, e), (h, i), act);
-        let experts = expert_store(w, n, Arc::new(read))?;
+        let layers = moe.sparse_layers.iter().filter(|&&s| s).count();
+        let experts = expert_store(w, (n, layers), Arc::new(read))?;
         let mut router = Router::softmax(moe.top_k, true);
         let scale = w.tensor(&format!("{p}.router.per_expert_scale"), &[n])?;
         router.expert_scale = Some(scale.to_dtype(DType::F32)?.to_vec1::<f32>()?);

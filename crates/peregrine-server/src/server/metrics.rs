@@ -85,9 +85,19 @@ pub struct EngineFigures {
     pub running: usize,
     /// Batched forward passes, and the sequences they carried.
     pub batch_steps: (u64, u64),
-    /// Streamed experts (`--stream-experts`): experts read, of which prefetched; experts
-    /// guessed ahead of their layer's routing, of which routed to.
-    pub expert_reads: Option<((u64, u64), (u64, u64))>,
+    /// Streamed experts (`--stream-experts`), when the model streams them.
+    pub expert_reads: Option<ExpertFigures>,
+}
+
+/// What streamed MoE layers read.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ExpertFigures {
+    /// Experts used, and of those, read ahead by a prefetch.
+    pub used: (u64, u64),
+    /// Experts guessed ahead of their layer's routing, and of those, routed to.
+    pub guessed: (u64, u64),
+    /// Experts served by the hot set.
+    pub hot_hits: u64,
 }
 
 impl Metrics {
@@ -261,13 +271,21 @@ impl Metrics {
                 cache.bytes,
             ),
         ];
-        let streamed = expert_reads.map(|((reads, prefetched), (guessed, hits))| {
+        let streamed = expert_reads.map(|e| {
+            let ((reads, prefetched), (guessed, hits), hot) = (e.used, e.guessed, e.hot_hits);
             [
                 (
                     "expert_reads_total",
                     "counter",
-                    "Experts read from the checkpoint's files (--stream-experts).",
+                    "Experts the MoE layers used (--stream-experts), each read from the \
+                     checkpoint's files unless the hot set had it.",
                     reads as usize,
+                ),
+                (
+                    "expert_cache_hits_total",
+                    "counter",
+                    "Of those, experts served by the hot set (--expert-cache-mb).",
+                    hot as usize,
                 ),
                 (
                     "expert_reads_prefetched_total",

@@ -10,7 +10,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use serde_json::json;
 
 use super::error::ApiError;
-use super::metrics::EngineFigures;
+use super::metrics::{EngineFigures, ExpertFigures};
 use super::openai::Endpoint;
 use super::sse::{self, Body};
 use super::{RequestLog, State, anthropic_wire, complete, json_response, responses};
@@ -274,8 +274,11 @@ fn simple_get(
                 cache: e.prompt_cache_stats(),
                 running: e.running(),
                 batch_steps: e.batch_steps(),
-                expert_reads: (e.expert_reads())
-                    .map(|pool| (pool.stats().counts(), pool.stats().speculation())),
+                expert_reads: (e.expert_reads()).map(|p| ExpertFigures {
+                    used: p.stats().counts(),
+                    guessed: p.stats().speculation(),
+                    hot_hits: p.stats().hot_hits(),
+                }),
             });
             let text = state.metrics.render(state.parallel, figures);
             let mut response = Response::new(sse::full(text));
