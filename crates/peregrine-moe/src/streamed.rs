@@ -79,7 +79,7 @@ impl StreamStats {
 impl ReadPool {
     /// Starts `depth` reader threads; with none, nothing is prefetched and each expert is read
     /// when it is asked for, on the computing thread. Stores on it take no guesses
-    /// ([`ReadPool::guessing`]).
+    /// ([`ReadPool::configured`]).
     pub fn new(depth: usize) -> io::Result<Arc<Self>> {
         Self::configured(depth, false, 0)
     }
