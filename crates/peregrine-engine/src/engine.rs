@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use peregrine_models::weights::MlxActivations;
 use peregrine_models::{
-    CausalLm, KvOptions, LoadOptions, Logits, ReadPool, SequenceCache, open_model,
+    CausalLm, ExpertOptions, KvOptions, LoadOptions, Logits, ReadPool, SequenceCache, open_model,
 };
 use peregrine_tensor::{Device, Tensor};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
@@ -58,17 +58,9 @@ pub struct EngineConfig {
     pub kv: KvOptions,
     /// How MLX 4-bit weights are multiplied (8-bit activations by default).
     pub mlx_activations: MlxActivations,
-    /// MoE experts are read from the checkpoint's files on each use instead of loaded (a model
-    /// larger than memory); a model without experts is refused.
-    pub stream_experts: bool,
-    /// Expert reads in flight at most when streaming.
-    pub stream_queue_depth: usize,
-    /// When streaming, also read each layer's experts on a guess made a layer earlier.
-    pub stream_speculate: bool,
-    /// When streaming, bytes of recently used experts kept in memory (0: none).
-    pub expert_cache_bytes: usize,
-    /// Experts each token is routed to instead of the model's own top-k (a quality trade).
-    pub moe_top_k: Option<usize>,
+    /// Mixture-of-experts settings: experts streamed from disk (a model larger than memory),
+    /// the routed top-k.
+    pub experts: ExpertOptions,
     /// Finished sequences whose caches are kept for reuse by prompt prefix (0: no prompt cache).
     pub prompt_cache_entries: usize,
     /// Bytes of KV the prompt cache may hold.
@@ -93,11 +85,7 @@ impl Default for EngineConfig {
             kv_budget: None,
             kv: KvOptions::default(),
             mlx_activations: MlxActivations::default(),
-            stream_experts: false,
-            stream_queue_depth: 24,
-            stream_speculate: false,
-            expert_cache_bytes: 0,
-            moe_top_k: None,
+            experts: ExpertOptions::default(),
             prompt_cache_entries: 4,
             prompt_cache_bytes: 1 << 30,
             panic_marker: None,
@@ -213,18 +201,14 @@ impl Engine {
             device: config.device.clone(),
             max_context: config.max_context,
             mlx_activations: config.mlx_activations,
-            stream_experts: config.stream_experts,
-            stream_queue_depth: config.stream_queue_depth,
-            stream_speculate: config.stream_speculate,
-            expert_cache_bytes: config.expert_cache_bytes,
-            moe_top_k: config.moe_top_k,
+            experts: config.experts,
         };
         tune_allocator();
         // The tokenizer first: building a large vocabulary's takes memory for a moment, and
         // that moment should not come on top of the weights.
         let open = open_model(path, &opts)?;
         let available = crate::kv_budget::available_memory().unwrap_or(usize::MAX);
-        if open.has_experts() && !opts.stream_experts && open.file_bytes() > available as u64 {
+        if open.has_experts() && !opts.experts.stream && open.file_bytes() > available as u64 {
             let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
             let why = format!(
                 "this mixture-of-experts model's files hold {:.1} GiB of weights, more than the \

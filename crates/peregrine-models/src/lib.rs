@@ -21,7 +21,8 @@ pub use peregrine_kv::{
 };
 pub use peregrine_moe::{ReadPool, StreamStats};
 pub use registry::{
-    LoadOptions, LoadedModel, OpenModel, load_model, open_model, supported_architectures,
+    ExpertOptions, LoadOptions, LoadedModel, OpenModel, load_model, open_model,
+    supported_architectures,
 };
 
 use peregrine_tensor::{Device, Tensor};

@@ -139,21 +139,81 @@ pub struct LoadOptions {
     pub max_context: Option<usize>,
     /// How MLX 4-bit matrices are multiplied (8-bit activations unless asked otherwise).
     pub mlx_activations: MlxActivations,
-    /// Read MoE experts from the files on each use instead of loading them (models larger
+    /// Mixture-of-experts settings: streaming from disk, the routed top-k.
+    pub experts: ExpertOptions,
+}
+
+/// How a mixture-of-experts model's experts are held and routed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertOptions {
+    /// Read the experts from the files on each use instead of loading them (models larger
     /// than memory); refused for a model without experts.
-    pub stream_experts: bool,
+    pub stream: bool,
     /// Expert reads in flight at most when streaming.
-    pub stream_queue_depth: usize,
+    pub queue_depth: usize,
     /// When streaming, also start reading each MoE layer's experts on a guess made one layer
     /// earlier (its router applied to that layer's input).
-    pub stream_speculate: bool,
+    pub speculate: bool,
     /// When streaming, bytes of recently used experts kept in memory (the resident hot set),
     /// shared equally by the MoE layers; 0 keeps none.
-    pub expert_cache_bytes: usize,
+    pub cache_bytes: usize,
     /// Experts each token is routed to, instead of the model's own `top_k` (fewer is faster
     /// and reads less when streaming, at a cost in quality); refused for a model without
     /// experts or above its expert count.
-    pub moe_top_k: Option<usize>,
+    pub top_k: Option<usize>,
+}
+
+impl Default for ExpertOptions {
+    fn default() -> Self {
+        Self {
+            stream: false,
+            queue_depth: 24,
+            speculate: false,
+            cache_bytes: 0,
+            top_k: None,
+        }
+    }
+}
+
+impl ExpertOptions {
+    /// Applies the top-k to `config` and, when streaming, makes the pool the experts are read
+    /// on; refuses settings that `config` (read from `path`) cannot take.
+    fn apply(&self, config: &mut ModelConfig, path: &Path) -> Result<Option<Arc<ReadPool>>> {
+        let no_experts = |asked: String| {
+            let why = format!(
+                "{asked}, but this `{}` model has no expert layers (its config names no \
+                 `num_experts`, `num_local_experts` or `n_routed_experts`, its GGUF no \
+                 `expert_count`)",
+                config.model_type
+            );
+            ModelError::config(path, why)
+        };
+        if let Some(k) = self.top_k {
+            let Some(moe) = config.moe.as_mut() else {
+                return Err(no_experts(format!("a top-k of {k} experts was asked for")));
+            };
+            if k == 0 || k > moe.num_experts {
+                let why = format!(
+                    "a top-k of {k} experts was asked for; this model has {} (routes to {})",
+                    moe.num_experts, moe.top_k
+                );
+                return Err(ModelError::config(path, why));
+            }
+            moe.top_k = k;
+        }
+        if !self.stream {
+            return Ok(None);
+        }
+        if config.moe.is_none() {
+            return Err(no_experts("streamed experts were asked for".into()));
+        }
+        let pool = ReadPool::configured(self.queue_depth, self.speculate, self.cache_bytes);
+        let io = |source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        Ok(Some(pool.map_err(io)?))
+    }
 }
 
 impl Default for LoadOptions {
@@ -162,11 +222,7 @@ impl Default for LoadOptions {
             device: Device::Cpu,
             max_context: None,
             mlx_activations: MlxActivations::default(),
-            stream_experts: false,
-            stream_queue_depth: 24,
-            stream_speculate: false,
-            expert_cache_bytes: 0,
-            moe_top_k: None,
+            experts: ExpertOptions::default(),
         }
     }
 }
@@ -341,46 +397,7 @@ pub fn open_model(path: &Path, opts: &LoadOptions) -> Result<OpenModel> {
         (config, weights, *build)
     };
     let mut config = config;
-    if let Some(k) = opts.moe_top_k {
-        let Some(moe) = config.moe.as_mut() else {
-            let why = format!(
-                "a top-k of {k} experts was asked for, but this `{}` model has no expert layers",
-                config.model_type
-            );
-            return Err(ModelError::config(path, why));
-        };
-        if k == 0 || k > moe.num_experts {
-            let why = format!(
-                "a top-k of {k} experts was asked for; this model has {} (routes to {})",
-                moe.num_experts, moe.top_k
-            );
-            return Err(ModelError::config(path, why));
-        }
-        moe.top_k = k;
-    }
-    if opts.stream_experts && config.moe.is_none() {
-        let why = format!(
-            "streamed experts were asked for, but this `{}` model has no expert layers (its \
-             config names no `num_experts`, `num_local_experts` or `n_routed_experts`, its GGUF \
-             no `expert_count`): load it without streaming",
-            config.model_type
-        );
-        return Err(ModelError::config(path, why));
-    }
-    let pool = match opts.stream_experts {
-        true => Some(
-            ReadPool::configured(
-                opts.stream_queue_depth,
-                opts.stream_speculate,
-                opts.expert_cache_bytes,
-            )
-            .map_err(|source| ModelError::Io {
-                path: path.to_path_buf(),
-                source,
-            })?,
-        ),
-        false => None,
-    };
+    let pool = opts.experts.apply(&mut config, path)?;
     let weights = weights.with_streamed_experts(pool);
     Ok(OpenModel {
         max_context: opts.max_context.unwrap_or(config.max_position_embeddings),

@@ -1,4 +1,4 @@
-//! Experts streamed from the files (`LoadOptions::stream_experts`) against the same checkpoint
+//! Experts streamed from the files (`ExpertOptions::stream`) against the same checkpoint
 //! loaded resident: bitwise-identical logits, through the prompt at once, in chunks (prefill
 //! groups tokens by expert) and token by token through the decode step, on every MoE layout —
 //! per-expert HF tensors (Qwen3-MoE, Mixtral, DeepSeek-V3, Jamba), HF's fused Gemma 4 stack, MLX
@@ -8,7 +8,7 @@
 
 mod common;
 
-use peregrine_models::{KvOptions, LoadOptions, Logits, SequenceCache, load_model};
+use peregrine_models::{ExpertOptions, KvOptions, LoadOptions, Logits, SequenceCache, load_model};
 use peregrine_tensor::candle::safetensors::load;
 use peregrine_tensor::{DType, Device, Tensor};
 
@@ -22,8 +22,11 @@ fn prompt(arch: &str) -> Vec<u32> {
 
 fn options(stream: bool) -> LoadOptions {
     LoadOptions {
-        stream_experts: stream,
-        stream_queue_depth: 4,
+        experts: ExpertOptions {
+            stream,
+            queue_depth: 4,
+            ..ExpertOptions::default()
+        },
         ..LoadOptions::default()
     }
 }
@@ -33,9 +36,12 @@ fn options(stream: bool) -> LoadOptions {
 /// eviction is peregrine-moe's unit test).
 fn guessing_and_keeping() -> LoadOptions {
     LoadOptions {
-        stream_speculate: true,
-        expert_cache_bytes: 4 << 20,
-        ..options(true)
+        experts: ExpertOptions {
+            speculate: true,
+            cache_bytes: 4 << 20,
+            ..options(true).experts
+        },
+        ..LoadOptions::default()
     }
 }
 
@@ -68,7 +74,7 @@ fn check(checkpoint: &str) {
     let path = fixture(checkpoint);
     let resident = load_model(&path, &options(false)).unwrap().model;
     for opts in [options(true), guessing_and_keeping()] {
-        let guess = opts.stream_speculate;
+        let guess = opts.experts.speculate;
         let loaded = load_model(&path, &opts).unwrap_or_else(|e| panic!("{checkpoint}: {e}"));
         let (streamed, reads) = (loaded.model, loaded.expert_reads.expect("a read pool"));
         assert!(
@@ -148,7 +154,10 @@ fn a_top_k_override_routes_to_that_many_experts() {
     let path = fixture("qwen3_moe/hf");
     let with_k = |k: Option<usize>| {
         let opts = LoadOptions {
-            moe_top_k: k,
+            experts: ExpertOptions {
+                top_k: k,
+                ..ExpertOptions::default()
+            },
             ..LoadOptions::default()
         };
         load_model(&path, &opts).map(|m| run(&*m.model, &ids, ids.len()))
@@ -164,7 +173,10 @@ fn a_top_k_override_routes_to_that_many_experts() {
     );
     for (k, path) in [(0, "qwen3_moe/hf"), (9, "qwen3_moe/hf"), (1, "llama/hf")] {
         let opts = LoadOptions {
-            moe_top_k: Some(k),
+            experts: ExpertOptions {
+                top_k: Some(k),
+                ..ExpertOptions::default()
+            },
             ..LoadOptions::default()
         };
         let err = load_model(&fixture(path), &opts)

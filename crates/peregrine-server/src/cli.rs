@@ -9,8 +9,8 @@ use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand};
 use peregrine_engine::tensor::DType;
 use peregrine_engine::{
-    ChatMessage, Engine, EngineConfig, Event, KvOptions, KvQuant, MlxActivations, Prompt, Request,
-    SamplingParams, TurboOptions,
+    ChatMessage, Engine, EngineConfig, Event, ExpertOptions, KvOptions, KvQuant, MlxActivations,
+    Prompt, Request, SamplingParams, TurboOptions,
 };
 
 use crate::hub::resolve_model;
@@ -156,11 +156,13 @@ impl ModelArgs {
             },
             prompt_cache_entries: self.prompt_cache_entries,
             prompt_cache_bytes: self.prompt_cache_mb << 20,
-            stream_experts: self.stream_experts,
-            stream_queue_depth: self.stream_queue_depth,
-            stream_speculate: self.stream_speculate,
-            expert_cache_bytes: self.expert_cache_mb << 20,
-            moe_top_k: self.moe_top_k,
+            experts: ExpertOptions {
+                stream: self.stream_experts,
+                queue_depth: self.stream_queue_depth,
+                speculate: self.stream_speculate,
+                cache_bytes: self.expert_cache_mb << 20,
+                top_k: self.moe_top_k,
+            },
             ..Default::default()
         }
     }

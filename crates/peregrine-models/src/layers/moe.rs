@@ -170,9 +170,10 @@ type ReadExpert = dyn Fn(&Weights, usize) -> Result<GatedMlp> + Send + Sync;
 /// leaves on disk).
 fn expert_store(
     w: &Weights,
-    (n, layers): (usize, usize),
+    moe: &MoeConfig,
     read: Arc<ReadExpert>,
 ) -> Result<Box<dyn ExpertStore<GatedMlp>>> {
+    let n = moe.num_experts;
     let Some(pool) = w.expert_reads() else {
         let experts = (0..n).map(|e| read(w, e)).collect::<Result<Vec<_>>>()?;
         let bytes = experts.iter().map(GatedMlp::weight_bytes).sum();
@@ -181,7 +182,8 @@ fn expert_store(
     let w = w.positional();
     let bytes = read(&w, 0)?.weight_bytes();
     pool.stats().add_expert_bytes(n * bytes);
-    // The hot set's budget, shared equally by the `layers` MoE layers.
+    // The hot set's budget, shared equally by the MoE layers.
+    let layers = moe.sparse_layers.iter().filter(|&&s| s).count();
     let hot = (pool.hot_bytes() / layers.max(1) / bytes.max(1)).min(n);
     let reader: ExpertReader<GatedMlp> =
         Arc::new(move |e| read(&w, e).map_err(|err| std::io::Error::other(err.to_string())));
@@ -224,8 +226,7 @@ impl MoeBlock {
                 act,
             ))
         };
-        let layers = moe.sparse_layers.iter().filter(|&&s| s).count();
-        let experts = expert_store(w, (n, layers), Arc::new(read))?;
+        let experts = expert_store(w, moe, Arc::new(read))?;
         let mut router = Router::softmax(moe.top_k, moe.normalize);
         if let Some(sigmoid) = &moe.sigmoid {
             let bias = w.tensor(&format!("{prefix}.gate.e_score_correction_bias"), &[n])?;
@@ -272,8 +273,7 @@ impl MoeBlock {
         let p = format!("model.layers.{layer}");
         let (i, act, stack) = (moe.intermediate_size, c.activation, format!("{p}.experts"));
         let read = move |w: &Weights, e: usize| gemma4_expert(w, &stack, (n, e), (h, i), act);
-        let layers = moe.sparse_layers.iter().filter(|&&s| s).count();
-        let experts = expert_store(w, (n, layers), Arc::new(read))?;
+        let experts = expert_store(w, moe, Arc::new(read))?;
         let mut router = Router::softmax(moe.top_k, true);
         let scale = w.tensor(&format!("{p}.router.per_expert_scale"), &[n])?;
         router.expert_scale = Some(scale.to_dtype(DType::F32)?.to_vec1::<f32>()?);

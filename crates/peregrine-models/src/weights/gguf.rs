@@ -288,7 +288,7 @@ impl GgufFile {
     /// naming it, never a crash.
     fn read_at(&self, name: &str, info: &TensorInfo, skip: u64, out: &mut [u8]) -> Result<()> {
         let at = self.content.tensor_data_offset + info.offset + skip;
-        read_exact_at(&self.reader, out, at).map_err(|e| ModelError::Checkpoint {
+        super::read_exact_at(&self.reader, out, at).map_err(|e| ModelError::Checkpoint {
             file: self.path.clone(),
             message: format!("tensor `{name}`: {e}"),
         })
@@ -463,19 +463,6 @@ impl GgufFile {
                 Ok(GgufMatrix::new(Arc::new(q))?)
             })
             .collect()
-    }
-}
-
-/// Fills `out` from byte `at` of `file` without moving a shared cursor.
-pub(crate) fn read_exact_at(file: &File, out: &mut [u8], at: u64) -> std::io::Result<()> {
-    #[cfg(unix)]
-    return std::os::unix::fs::FileExt::read_exact_at(file, out, at);
-    #[cfg(not(unix))]
-    {
-        use std::io::{Read, Seek, SeekFrom};
-        let mut file = file;
-        file.seek(SeekFrom::Start(at))?;
-        file.read_exact(out)
     }
 }
 

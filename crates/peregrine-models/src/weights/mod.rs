@@ -20,6 +20,19 @@ use peregrine_tensor::{DType, Device, Embedding, GgufMatrix, MlxQuantized, QLine
 
 use crate::{ModelError, Result};
 
+/// Fills `out` from byte `at` of `file` without moving a shared cursor (any number at once).
+pub(crate) fn read_exact_at(file: &std::fs::File, out: &mut [u8], at: u64) -> std::io::Result<()> {
+    #[cfg(unix)]
+    return std::os::unix::fs::FileExt::read_exact_at(file, out, at);
+    #[cfg(not(unix))]
+    {
+        use std::io::{Read, Seek, SeekFrom};
+        let mut file = file;
+        file.seek(SeekFrom::Start(at))?;
+        file.read_exact(out)
+    }
+}
+
 /// `(first row, rows)` of consecutive parts of `parts[i]` rows each (a fused matrix's split).
 fn row_ranges(parts: &[usize]) -> Vec<(usize, usize)> {
     let mut at = 0;
@@ -305,32 +318,26 @@ impl Weights {
         if self.contains(&format!("{}.weight", each(0))) {
             return self.linear(&each(e), out, inp, false);
         }
-        let name = format!("{stacked}.weight");
-        match &*self.source {
-            Source::Safetensors(s) => {
-                let regroup = self.mlx_activations == MlxActivations::Q8;
-                let quant = self.mlx.as_ref();
-                let dims = (out, inp);
-                let device = &self.device;
-                match mlx::load_quantized_expert(s, quant, stacked, (n, e), dims, device, regroup)?
-                {
-                    Some(Ok(w)) => Ok(QLinear::Gguf { w, b: None }),
-                    Some(Err(w)) => Ok(QLinear::MlxAffine { w, b: None }),
-                    None => Ok(QLinear::Dense {
-                        w: self.dense_expert(&name, (n, e), &[out], inp)?.remove(0),
-                        b: None,
-                    }),
-                }
-            }
-            Source::Gguf(g) => {
-                self.check_shape(&name, &g.dims(&name)?, &[n, out, inp])?;
-                let mut mats = g.expert_row_matrices(&name, (n, e), &[out], &self.device)?;
-                Ok(QLinear::Gguf {
-                    w: mats.remove(0),
-                    b: None,
-                })
+        if let Source::Safetensors(s) = &*self.source {
+            let regroup = self.mlx_activations == MlxActivations::Q8;
+            let (quant, device) = (self.mlx.as_ref(), &self.device);
+            match mlx::load_quantized_expert(
+                s,
+                quant,
+                stacked,
+                (n, e),
+                (out, inp),
+                device,
+                regroup,
+            )? {
+                Some(Ok(w)) => return Ok(QLinear::Gguf { w, b: None }),
+                Some(Err(w)) => return Ok(QLinear::MlxAffine { w, b: None }),
+                None => {}
             }
         }
+        let name = format!("{stacked}.weight");
+        let mut parts = self.expert_linear_rows(&name, (n, e), &[out], inp)?;
+        Ok(parts.remove(0))
     }
 
     /// Expert `e` of the stacked experts `name` `[n, sum(parts), in]` (an exact tensor name:
@@ -344,41 +351,29 @@ impl Weights {
         parts: &[usize],
         inp: usize,
     ) -> Result<Vec<QLinear>> {
-        let total = parts.iter().sum();
-        let mats: Vec<QLinear> = match &*self.source {
+        let total: usize = parts.iter().sum();
+        match &*self.source {
             Source::Gguf(g) => {
                 self.check_shape(name, &g.dims(name)?, &[n, total, inp])?;
                 let mats = g.expert_row_matrices(name, (n, e), parts, &self.device)?;
-                mats.into_iter()
+                Ok(mats
+                    .into_iter()
                     .map(|w| QLinear::Gguf { w, b: None })
+                    .collect())
+            }
+            // A dense stack: the expert's rows in the compute dtype, split by rows.
+            Source::Safetensors(s) => {
+                self.check_shape(name, s.dims(name)?, &[n, total, inp])?;
+                let expert = s.load_rows(name, e * total, total, &self.device)?;
+                let expert = expert.to_dtype(self.dtype)?;
+                (row_ranges(parts).into_iter())
+                    .map(|(at, rows)| {
+                        let w = expert.narrow(0, at, rows)?.contiguous()?;
+                        Ok(QLinear::Dense { w, b: None })
+                    })
                     .collect()
             }
-            Source::Safetensors(_) => (self.dense_expert(name, (n, e), parts, inp)?.into_iter())
-                .map(|w| QLinear::Dense { w, b: None })
-                .collect(),
-        };
-        Ok(mats)
-    }
-
-    /// Expert `e`'s rows of the dense stack `name` `[n, sum(parts), in]`, split into `parts`,
-    /// in the compute dtype.
-    fn dense_expert(
-        &self,
-        name: &str,
-        (n, e): (usize, usize),
-        parts: &[usize],
-        inp: usize,
-    ) -> Result<Vec<Tensor>> {
-        let Source::Safetensors(s) = &*self.source else {
-            unreachable!("GGUF stacks are read as matrices")
-        };
-        let total: usize = parts.iter().sum();
-        self.check_shape(name, s.dims(name)?, &[n, total, inp])?;
-        let expert = s.load_rows(name, e * total, total, &self.device)?;
-        let expert = expert.to_dtype(self.dtype)?;
-        (row_ranges(parts).into_iter())
-            .map(|(at, rows)| Ok(expert.narrow(0, at, rows)?.contiguous()?))
-            .collect()
+        }
     }
 
     /// The embedding table `name` `[vocab, hidden]`, kept quantized when the file is.

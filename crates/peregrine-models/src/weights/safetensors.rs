@@ -164,7 +164,7 @@ impl SafetensorsFiles {
         }
         let mut bytes = vec![0u8; count * row_bytes];
         let at = file.data_start + info.data_offsets.0 + first * row_bytes;
-        super::gguf::read_exact_at(&file.file, &mut bytes, at as u64).map_err(|e| {
+        super::read_exact_at(&file.file, &mut bytes, at as u64).map_err(|e| {
             ModelError::Checkpoint {
                 file: file.path.clone(),
                 message: format!("tensor `{name}`: {e}"),
