@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Drive `peregrine serve` with the official `openai` Python client (tests/openai_client).
 #   1. creates the git-ignored venv .venv-openai and installs openai, anthropic, pytest,
-#      jsonschema and the llm-comply spec checker into it (once; pinned),
+#      jsonschema, selenium and the llm-comply spec checker into it (once; pinned), and Debian's
+#      chromium and chromium-driver for the chat page's browser test when they are missing,
 #   2. fetches SmolLM2-135M-Instruct (scripts/fetch-models.sh smollm2) and builds the binary,
 #   3. starts the server on a free loopback port, runs pytest, stops the server (some tests
 #      start servers of their own with other flags: keep-alive, loading).
@@ -15,9 +16,15 @@ PY="${PYTHON:-python3}"
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
-if ! "$VENV/bin/python" -c "import openai, pytest, jsonschema, anthropic, llm_comply" 2>/dev/null; then
+if ! "$VENV/bin/python" -c "import openai, pytest, jsonschema, anthropic, llm_comply, selenium" 2>/dev/null; then
   "$VENV/bin/pip" install --quiet "openai==3.57.0" "pytest==9.2.0" "jsonschema==4.26.0" \
-    "anthropic==2.16.0" "llm-comply==0.5.0"
+    "anthropic==2.16.0" "llm-comply==0.5.0" "selenium==4.50.0"
+fi
+if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
+  echo "installing Debian's chromium and chromium-driver for tests/openai_client/test_webui.py" >&2
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium chromium-driver >&2
 fi
 
 MODEL_PATH="$(scripts/fetch-models.sh smollm2 | tail -n 1)"

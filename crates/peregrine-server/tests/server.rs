@@ -242,6 +242,45 @@ fn api_key_is_required_on_v1_routes() {
     assert_eq!(server.send("POST", CHAT, &ok, body.as_bytes()).status, 200);
 }
 
+/// The chat page and its files are served at `/` without the API key (they hold no secret) and
+/// with a policy that keeps them to this origin; `--no-webui` takes them away.
+#[test]
+fn the_chat_page_is_served_and_can_be_turned_off() {
+    let server = Server::start(&["--api-key", "sekret"]);
+    let page = server.get("/");
+    assert_eq!(page.status, 200);
+    assert!(
+        page.header("content-type")
+            .unwrap()
+            .starts_with("text/html")
+    );
+    assert!(
+        page.body.contains("<title>Peregrine chat</title>"),
+        "{}",
+        page.body
+    );
+    let policy = page.header("content-security-policy").unwrap();
+    assert!(policy.contains("connect-src 'self'"), "{policy}");
+    let script = server.get("/webui/app.js");
+    assert_eq!(script.status, 200);
+    assert!(
+        script
+            .header("content-type")
+            .unwrap()
+            .starts_with("text/javascript")
+    );
+    assert!(script.body.contains("/v1/chat/completions"));
+    assert_eq!(server.get("/webui/none.js").status, 404);
+    let post = server.send("POST", "/", &[], b"{}");
+    assert_eq!(post.status, 405);
+    assert_eq!(post.header("allow"), Some("GET"));
+
+    let api_only = Server::start(&["--no-webui"]);
+    assert_eq!(api_only.get("/").status, 404);
+    assert_eq!(api_only.get("/webui/app.js").status, 404);
+    assert_eq!(api_only.get("/health").status, 200);
+}
+
 /// A template that opens a think block in the generation prompt sends the output to
 /// `reasoning_content`, identically whole and streamed.
 #[test]

@@ -23,6 +23,7 @@ mod semantic;
 mod sse;
 mod tool_calls;
 mod tools;
+mod webui;
 mod wire;
 
 use std::net::SocketAddr;
@@ -108,6 +109,9 @@ pub struct ServeArgs {
     /// Answer CORS preflights and allow any origin.
     #[arg(long)]
     cors: bool,
+    /// Do not serve the chat page at `/` (the API alone).
+    #[arg(long)]
+    no_webui: bool,
     /// Largest request body in MiB; larger ones get 413.
     #[arg(long, default_value_t = 16)]
     max_body_mb: usize,
@@ -175,6 +179,8 @@ pub struct State {
     model_names: Vec<String>,
     api_key: Option<ApiKey>,
     cors: bool,
+    /// Whether `/` serves the chat page.
+    webui: bool,
     max_body: usize,
     /// Longest a request body may take to arrive, and a stream may wait on a stalled reader.
     body_timeout: Duration,
@@ -392,6 +398,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             .collect(),
         api_key: api_key(&args)?,
         cors: args.cors,
+        webui: !args.no_webui,
         max_body: args.max_body_mb.saturating_mul(1 << 20),
         body_timeout: Duration::from_secs_f64(args.body_timeout),
         stopping: tokio::sync::watch::channel(false).0,

@@ -13,10 +13,11 @@ use super::error::ApiError;
 use super::metrics::{EngineFigures, ExpertFigures};
 use super::openai::Endpoint;
 use super::sse::{self, Body};
-use super::{RequestLog, State, anthropic_wire, complete, json_response, responses};
+use super::{RequestLog, State, anthropic_wire, complete, json_response, responses, webui};
 
 /// The routes and the methods each accepts; the name doubles as the metrics label.
-const ROUTES: [(&str, &[Method]); 10] = [
+const ROUTES: [(&str, &[Method]); 11] = [
+    ("/", &[Method::GET]),
     ("/health", &[Method::GET]),
     ("/metrics", &[Method::GET]),
     ("/v1/models", &[Method::GET]),
@@ -30,6 +31,9 @@ const ROUTES: [(&str, &[Method]); 10] = [
 ];
 
 fn route_of(path: &str) -> Option<&'static str> {
+    if webui::is_page(path) {
+        return Some("/");
+    }
     let path = path.trim_end_matches('/');
     for (prefix, route) in [
         ("/v1/models/", "/v1/models/{id}"),
@@ -109,6 +113,7 @@ async fn dispatch(
     };
     // A POST under `/v1/responses/` is an endpoint we lack (`compact`), not a stored response.
     let route = route.filter(|r| !(*r == "/v1/responses/{id}" && method == Method::POST));
+    let route = route.filter(|r| *r != "/" || state.webui);
     let Some(route) = route else {
         return Err(drained(state, req, no_route()).await);
     };
@@ -127,6 +132,11 @@ async fn dispatch(
         );
         h.insert("access-control-max-age", HeaderValue::from_static("86400"));
         return Ok(response);
+    }
+    // The page holds no secrets: it asks for the API key, which its API calls then carry.
+    if route == "/" && method == Method::GET {
+        log.finish(200, None);
+        return webui::file(&path).ok_or_else(no_route);
     }
     if route.starts_with("/v1/")
         && let Err(e) = authorize(state, &req)
