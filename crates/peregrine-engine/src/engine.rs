@@ -10,7 +10,8 @@ use std::time::Instant;
 
 use peregrine_models::weights::MlxActivations;
 use peregrine_models::{
-    CausalLm, ExpertOptions, KvOptions, LoadOptions, Logits, ReadPool, SequenceCache, open_model,
+    CausalLm, ExpertOptions, KvOptions, LoadOptions, LoadProgress, Logits, ReadPool, SequenceCache,
+    open_model,
 };
 use peregrine_tensor::{Device, Tensor};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
@@ -65,6 +66,8 @@ pub struct EngineConfig {
     pub prompt_cache_entries: usize,
     /// Bytes of KV the prompt cache may hold.
     pub prompt_cache_bytes: usize,
+    /// Where [`Engine::load`] counts the checkpoint bytes it reads, for a progress display.
+    pub load_progress: Option<Arc<LoadProgress>>,
     /// Test hook (fault injection): a generation whose prompt text contains this string panics
     /// after its first token, so tests can see the scheduler survive a bug.
     #[doc(hidden)]
@@ -88,6 +91,7 @@ impl Default for EngineConfig {
             experts: ExpertOptions::default(),
             prompt_cache_entries: 4,
             prompt_cache_bytes: 1 << 30,
+            load_progress: None,
             panic_marker: None,
         }
     }
@@ -202,6 +206,7 @@ impl Engine {
             max_context: config.max_context,
             mlx_activations: config.mlx_activations,
             experts: config.experts,
+            progress: config.load_progress.clone(),
         };
         tune_allocator();
         // The tokenizer first: building a large vocabulary's takes memory for a moment, and

@@ -34,9 +34,14 @@ pub use engine::{Engine, EngineConfig, EventStream};
 pub use error::EngineError;
 pub use kv_budget::{LayerMemory, cache_memory};
 pub use peregrine_models::weights::MlxActivations;
-pub use peregrine_models::{ExpertOptions, KvOptions, KvQuant, TurboOptions};
+pub use peregrine_models::{ExpertOptions, KvOptions, KvQuant, LoadProgress, TurboOptions};
 pub use peregrine_sampling::{SamplingParams, TokenLogprob};
 /// The tensor layer, for callers that handle logits.
 pub use peregrine_tensor as tensor;
 pub use prompt_cache::PromptCacheStats;
 pub use tokenizer::Tokenizer;
+
+// The README's examples compile and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

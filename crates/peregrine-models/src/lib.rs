@@ -24,6 +24,7 @@ pub use registry::{
     ExpertOptions, LoadOptions, LoadedModel, OpenModel, load_model, open_model,
     supported_architectures,
 };
+pub use weights::LoadProgress;
 
 use peregrine_tensor::{Device, Tensor};
 
@@ -81,3 +82,8 @@ pub fn decode_with_forward<M: CausalLm + ?Sized>(
     *logits = row.flatten_all()?.to_vec1::<f32>()?;
     Ok(())
 }
+
+// The README's examples compile and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

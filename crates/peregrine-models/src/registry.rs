@@ -14,7 +14,8 @@ use crate::layers::attention::Attention;
 use crate::layers::decoder::DecoderLm;
 use crate::layers::mla::Mla;
 use crate::weights::{
-    GgufFile, MlxActivations, MlxQuantization, SafetensorsFiles, Source, Weights, config_from_gguf,
+    GgufFile, LoadProgress, MlxActivations, MlxQuantization, SafetensorsFiles, Source, Weights,
+    config_from_gguf,
 };
 use crate::{CausalLm, ModelConfig, ModelError, Result, arch};
 
@@ -141,6 +142,8 @@ pub struct LoadOptions {
     pub mlx_activations: MlxActivations,
     /// Mixture-of-experts settings: streaming from disk, the routed top-k.
     pub experts: ExpertOptions,
+    /// Where the bytes read are counted, for a progress display.
+    pub progress: Option<Arc<LoadProgress>>,
 }
 
 /// How a mixture-of-experts model's experts are held and routed.
@@ -223,6 +226,7 @@ impl Default for LoadOptions {
             max_context: None,
             mlx_activations: MlxActivations::default(),
             experts: ExpertOptions::default(),
+            progress: None,
         }
     }
 }
@@ -381,6 +385,9 @@ pub fn open_model(path: &Path, opts: &LoadOptions) -> Result<OpenModel> {
         for (from, to) in prefixes {
             files.alias_prefix(from, to);
         }
+        if let Some(progress) = &opts.progress {
+            files.count_reads_in(progress.clone());
+        }
         // MLX checkpoints: quantized modules are found per tensor by their `.scales`.
         let mut mlx = MlxQuantization::from_config(&config_path, &map)?;
         for (from, to) in prefixes {
@@ -389,7 +396,10 @@ pub fn open_model(path: &Path, opts: &LoadOptions) -> Result<OpenModel> {
         let weights = Weights::new(Source::Safetensors(files), opts.device.clone(), dtype);
         (config, weights.with_mlx(mlx, opts.mlx_activations), *build)
     } else {
-        let file = GgufFile::open(path)?;
+        let mut file = GgufFile::open(path)?;
+        if let Some(progress) = &opts.progress {
+            file.count_reads_in(progress.clone());
+        }
         let config = config_from_gguf(&file)?;
         let (_, _, build) = find_architecture(&config.model_type)
             .ok_or_else(|| unsupported(path, &config.model_type))?;

@@ -107,3 +107,26 @@ fn multimodal_gemma3_config_names_text_config() {
         "{err}"
     );
 }
+
+/// Bytes of tensor data in a safetensors file: all of it after the length and JSON header.
+fn tensor_bytes(file: &Path) -> u64 {
+    let bytes = std::fs::read(file).unwrap();
+    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap());
+    bytes.len() as u64 - 8 - header
+}
+
+/// A load counts each tensor's stored bytes once (what the progress bar shows): every byte of
+/// the f32 fixture and of an MLX 4-bit one, no more.
+#[test]
+fn a_load_counts_every_stored_byte_once() {
+    for dir in [fixture(), fixture().join("../mlx-q4-g64")] {
+        let progress = std::sync::Arc::new(peregrine_models::LoadProgress::default());
+        let options = LoadOptions {
+            progress: Some(progress.clone()),
+            ..LoadOptions::default()
+        };
+        load_model(&dir, &options).unwrap();
+        let stored = tensor_bytes(&dir.join("model.safetensors"));
+        assert_eq!(progress.bytes_read(), stored, "{}", dir.display());
+    }
+}

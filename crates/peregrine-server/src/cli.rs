@@ -7,10 +7,11 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand};
-use peregrine_engine::tensor::DType;
+use peregrine_engine::tensor::device::parse_device;
+use peregrine_engine::tensor::{DType, error_message};
 use peregrine_engine::{
-    ChatMessage, Engine, EngineConfig, Event, ExpertOptions, KvOptions, KvQuant, MlxActivations,
-    Prompt, Request, SamplingParams, TurboOptions,
+    ChatMessage, Engine, EngineConfig, Event, ExpertOptions, KvOptions, KvQuant, LoadProgress,
+    MlxActivations, Prompt, Request, SamplingParams, TurboOptions,
 };
 
 use crate::hub::resolve_model;
@@ -52,6 +53,10 @@ pub struct ModelArgs {
     /// A GGUF file, an HF/MLX checkpoint folder, or a hub id (`owner/name`, `owner/name:file.gguf`).
     #[arg(long, short)]
     pub model: String,
+    /// Where the model runs: `cpu`, or `metal` in a build with the `metal` feature (untested:
+    /// it cannot be built on the Linux machines Peregrine is tested on).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
     /// Context length (default: the model's).
     #[arg(long)]
     pub ctx_size: Option<usize>,
@@ -170,7 +175,15 @@ impl ModelArgs {
     /// Loads the engine `config` describes from the `--model` path or hub id.
     pub fn load_with(&self, config: EngineConfig) -> Result<Engine> {
         let path = resolve_model(&self.model)?;
-        Engine::load(&path, config).map_err(Into::into)
+        let device = parse_device(&self.device)
+            .map_err(|e| anyhow::anyhow!("--device {}: {}", self.device, error_message(&e)))?;
+        let progress = std::sync::Arc::new(LoadProgress::default());
+        let config = EngineConfig {
+            device,
+            load_progress: Some(progress.clone()),
+            ..config
+        };
+        crate::progress::show(&path, progress, || Engine::load(&path, config)).map_err(Into::into)
     }
 
     /// Loads the engine the arguments describe.

@@ -5,6 +5,7 @@ mod chat;
 mod cli;
 mod hub;
 mod info;
+mod progress;
 mod quantize;
 mod server;
 

@@ -181,6 +181,46 @@ fn the_kv_cache_is_f16_by_default() {
     );
 }
 
+/// Loading says what it read, once, when stderr is not a terminal (a log gets one line, no
+/// redraws); a device this build lacks is one clear error naming the flag.
+#[test]
+fn loading_logs_one_line_and_a_missing_backend_is_named() {
+    let model = fixture("llama");
+    let model = model.to_str().unwrap();
+    let run = peregrine(&[
+        "generate",
+        "--model",
+        model,
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "2",
+    ]);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "{stderr}");
+    let loaded: Vec<&str> = stderr.lines().filter(|l| l.contains("loaded")).collect();
+    assert_eq!(loaded.len(), 1, "{stderr}");
+    assert!(
+        loaded[0].starts_with("peregrine: loaded ") && loaded[0].contains(model),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains('\r') && !stderr.contains("loading ["),
+        "{stderr}"
+    );
+
+    let run = peregrine(&[
+        "generate", "--model", model, "--prompt", "Hi", "--device", "metal",
+    ]);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success());
+    assert!(
+        stderr.contains("--device metal") && stderr.contains("metal"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
 /// KV storage the model's layers cannot use is refused at load, by name, not at the first
 /// request or silently.
 #[test]

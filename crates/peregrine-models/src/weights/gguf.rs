@@ -12,6 +12,7 @@ use peregrine_tensor::candle::quantized::{GgmlDType, GgmlType, QStorage, QTensor
 use peregrine_tensor::quant::Format;
 use peregrine_tensor::{Device, GgufMatrix};
 
+use super::LoadProgress;
 use crate::{ModelError, Result};
 
 /// An open GGUF file: metadata and tensor directory in memory, tensor data read on demand.
@@ -22,6 +23,8 @@ pub struct GgufFile {
     file: Mutex<File>,
     /// For positioned reads, many at once (streamed experts).
     reader: File,
+    /// Counts the bytes of every tensor read.
+    progress: Arc<LoadProgress>,
 }
 
 /// The GGUF name of an HF tensor name (llama.cpp's naming) in a file of architecture `arch`, or
@@ -219,7 +222,13 @@ impl GgufFile {
             content,
             reader: file.try_clone().map_err(io_err)?,
             file: Mutex::new(file),
+            progress: Default::default(),
         })
+    }
+
+    /// Counts the bytes of every tensor read into `progress`.
+    pub fn count_reads_in(&mut self, progress: Arc<LoadProgress>) {
+        self.progress = progress;
     }
 
     /// The file's path.
@@ -288,6 +297,7 @@ impl GgufFile {
     /// naming it, never a crash.
     fn read_at(&self, name: &str, info: &TensorInfo, skip: u64, out: &mut [u8]) -> Result<()> {
         let at = self.content.tensor_data_offset + info.offset + skip;
+        self.progress.add(out.len());
         super::read_exact_at(&self.reader, out, at).map_err(|e| ModelError::Checkpoint {
             file: self.path.clone(),
             message: format!("tensor `{name}`: {e}"),

@@ -14,6 +14,7 @@ pub use safetensors::SafetensorsFiles;
 
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use peregrine_moe::ReadPool;
 use peregrine_tensor::{DType, Device, Embedding, GgufMatrix, MlxQuantized, QLinear, Tensor};
@@ -30,6 +31,24 @@ pub(crate) fn read_exact_at(file: &std::fs::File, out: &mut [u8], at: u64) -> st
         let mut file = file;
         file.seek(SeekFrom::Start(at))?;
         file.read_exact(out)
+    }
+}
+
+/// Bytes of a checkpoint's tensors read so far, shared with whoever shows a load's progress
+/// (reads of streamed experts keep adding to it after the load).
+#[derive(Debug, Default)]
+pub struct LoadProgress {
+    read: AtomicU64,
+}
+
+impl LoadProgress {
+    /// Bytes read so far.
+    pub fn bytes_read(&self) -> u64 {
+        self.read.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn add(&self, bytes: usize) {
+        self.read.fetch_add(bytes as u64, Ordering::Relaxed);
     }
 }
 

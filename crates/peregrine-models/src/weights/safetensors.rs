@@ -4,12 +4,14 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use memmap2::Mmap;
 use peregrine_tensor::candle::safetensors::Load;
 use peregrine_tensor::{Device, Tensor};
 use safetensors::tensor::{Dtype, SafeTensors, TensorInfo, TensorView};
 
+use super::LoadProgress;
 use crate::config::read_json_object;
 use crate::{ModelError, Result};
 
@@ -32,6 +34,8 @@ pub struct SafetensorsFiles {
     routing: HashMap<String, usize>,
     /// Another name → the name stored ([`alias_prefix`](Self::alias_prefix)).
     aliases: HashMap<String, String>,
+    /// Counts the bytes of every tensor read.
+    progress: Arc<LoadProgress>,
 }
 
 impl SafetensorsFiles {
@@ -68,7 +72,13 @@ impl SafetensorsFiles {
             files,
             routing,
             aliases: HashMap::new(),
+            progress: Default::default(),
         })
+    }
+
+    /// Counts the bytes of every tensor read into `progress`.
+    pub fn count_reads_in(&mut self, progress: Arc<LoadProgress>) {
+        self.progress = progress;
     }
 
     /// Makes every tensor stored as `{from}…` also found as `{to}…`: a multimodal checkpoint's
@@ -126,6 +136,7 @@ impl SafetensorsFiles {
         let base = range.start;
         let mut done =
             |r: std::ops::Range<usize>| release(&file.mmap, base + r.start..base + r.end);
+        self.progress.add(range.len());
         let result = f(&file.mmap[range.clone()], &mut done);
         release(&file.mmap, range);
         Ok(result)
@@ -163,6 +174,7 @@ impl SafetensorsFiles {
             });
         }
         let mut bytes = vec![0u8; count * row_bytes];
+        self.progress.add(bytes.len());
         let at = file.data_start + info.data_offsets.0 + first * row_bytes;
         super::read_exact_at(&file.file, &mut bytes, at as u64).map_err(|e| {
             ModelError::Checkpoint {
@@ -207,6 +219,7 @@ impl SafetensorsFiles {
         let tensor = view
             .load(device)
             .map_err(|e| err(peregrine_tensor::error_message(&e)))?;
+        self.progress.add(range.len());
         release(&file.mmap, range);
         Ok(tensor)
     }
