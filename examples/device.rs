@@ -1,6 +1,7 @@
 //! Pick the device the model runs on by name: `cpu` (the default), `cuda`, `cuda:N` or `metal`.
-//! This build runs on the CPU; the GPU backends arrive as cargo features with their issues, and
-//! until then naming one is a clear error, not a silent fall back to the CPU.
+//! `metal` needs a build with the `metal` feature (candle's Metal backend; untested, it cannot
+//! be built on the Linux machines Peregrine is tested on); CUDA is not a feature yet. Naming a
+//! backend this build lacks is a clear error, not a silent fall back to the CPU.
 //!
 //! `cargo run --release --example device -- cpu [MODEL]`
 

@@ -93,3 +93,8 @@ pub trait LayerCache: Send + Sync {
         None
     }
 }
+
+// The README's examples compile and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

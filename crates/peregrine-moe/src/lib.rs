@@ -15,3 +15,8 @@ mod streamed;
 pub use router::{Router, Scoring};
 pub use store::{ExpertStore, ResidentExperts, tokens_by_expert};
 pub use streamed::{ExpertReader, ReadPool, StreamStats, StreamedExperts};
+
+// The README's examples compile and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -18,3 +18,8 @@ pub use logprobs::{TokenLogprob, logsumexp, token_logprobs};
 pub use params::{MAX_TEMPERATURE, PENALTY_RANGE, SamplingError, SamplingParams};
 pub use rng::Rng;
 pub use sampler::{Sampler, argmax};
+
+// The README's examples compile and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -31,3 +31,8 @@ pub fn error_message(e: &candle_core::Error) -> String {
         other => other.to_string(),
     }
 }
+
+// The README's examples compile and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
