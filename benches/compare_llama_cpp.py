@@ -1,6 +1,6 @@
 """Compare `peregrine bench` with llama.cpp (llama-cpp-python) on the same GGUF file, in one run.
 
-usage: .venv-ref/bin/python scripts/bench_compare.py --model FILE --prompt-tokens N --gen-tokens M
+usage: .venv-ref/bin/python benches/compare_llama_cpp.py --model FILE --prompt-tokens N --gen-tokens M
            --threads T --repeat R [--cache-type f16|f32|q8_0|q4_0] [--peregrine PATH] [--skip-peregrine]
            [--warmup W]
 
@@ -30,7 +30,7 @@ SYNTHETIC_TEXT = ("The quick brown fox jumps over the lazy dog. Peregrine falcon
 ROOT = Path(__file__).resolve().parent.parent
 
 def die(msg, code=2):
-    print(f"bench_compare: error: {msg}", file=sys.stderr)
+    print(f"compare_llama_cpp: error: {msg}", file=sys.stderr)
     sys.exit(code)
 
 def run_peregrine(binary, a):
@@ -39,7 +39,7 @@ def run_peregrine(binary, a):
     cmd = [str(binary), "--threads", str(a.threads), "bench", "--model", a.model,
            "--prompt-tokens", str(a.prompt_tokens), "--gen-tokens", str(a.gen_tokens),
            "--repeat", str(a.repeat), *kv, "--json"]
-    print("bench_compare: running " + " ".join(cmd), file=sys.stderr)
+    print("compare_llama_cpp: running " + " ".join(cmd), file=sys.stderr)
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=sys.stderr, text=True)
     if p.returncode != 0:
         die(f"peregrine bench exited with {p.returncode}")

@@ -1,4 +1,4 @@
-//! GGUF CPU kernel throughput: `cargo bench -p peregrine-tensor --bench gguf_matmul [-- FORMAT]`.
+//! GGUF CPU kernel throughput: `cargo bench -p peregrine --bench gguf_matmul [-- FORMAT]`.
 //! Prints one JSON line per (format, kernel, batch) with giga multiply-adds per second over the
 //! threads rayon uses (set `RAYON_NUM_THREADS`). Shapes are SmolLM2's MLP (1536 × 576), or
 //! `GGUF_BENCH_SHAPE=OUTxIN` (e.g. `262144x640`, Gemma 3's output matrix; K-quants round IN up
@@ -8,10 +8,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::{Device, Tensor};
-use peregrine_tensor::GgufMatrix;
-use peregrine_tensor::quant::Kernel;
+use peregrine::tensor::candle::quantized::{GgmlDType, QTensor};
+use peregrine::tensor::quant::Kernel;
+use peregrine::tensor::{Device, GgufMatrix, Tensor};
 
 fn main() {
     // Inside the pool, as the engine runs every forward pass: no hand-off per call.

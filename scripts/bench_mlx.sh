@@ -59,7 +59,7 @@ for shape in "${SHAPES[@]}"; do
     [[ -d "$model" ]] && weights="$model/model.safetensors"
     wait_quiet
     load="$(load1)"
-    # KV in f16 on both sides (bench_compare.py's default for llama.cpp below).
+    # KV in f16 on both sides (compare_llama_cpp.py's default for llama.cpp below).
     report="$("$PEREGRINE" --threads "$THREADS" bench --model "$model" \
       --prompt-tokens 40 --gen-tokens 64 --repeat 3 --cache-type f16 --json)"
     "$PY" -c 'import json, sys
@@ -72,7 +72,7 @@ print(json.dumps(r))' "$report" "$shape" "$format" "$(size_of "$weights")" "$loa
     [[ -x "$REF_PY" ]] || break
     wait_quiet
     load="$(load1)"
-    "$REF_PY" "$ROOT/scripts/bench_compare.py" --model "$dir/$type.gguf" --skip-peregrine \
+    "$REF_PY" "$ROOT/benches/compare_llama_cpp.py" --model "$dir/$type.gguf" --skip-peregrine \
       --prompt-tokens 40 --gen-tokens 64 --threads "$THREADS" --repeat 3 2>/dev/null |
       "$PY" -c 'import json, sys
 r = json.loads(sys.stdin.read().strip().splitlines()[-1])["llama_cpp"]

@@ -25,7 +25,7 @@ rm -f "$VENV/READY"
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --upgrade --quiet "pip>=24"
 "$VENV/bin/python" -m pip install "${PINS[@]}"
-# Build llama.cpp from source, tuned for this CPU (reference numbers in bench_compare.py).
+# Build llama.cpp from source, tuned for this CPU (reference numbers in compare_llama_cpp.py).
 CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" \
   nice -n 10 "$VENV/bin/python" -m pip install --no-cache-dir --verbose \
   "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" > "$VENV/llama-cpp-build.log" 2>&1 \

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite: fetch the real test models into the cache (once; checksum-verified), run
 # every Rust test in the workspace (examples are built and run by tests/integration/examples.rs),
-# then the official `openai` Python client against `peregrine serve`
-# (scripts/test-openai-client.sh), build the docs and package the crates, and close with the test
-# totals over all of them.
+# then the official `openai` Python client and the chat page in headless Chromium against
+# `peregrine serve` (scripts/test-openai-client.sh), build the benchmarks and the docs, package the
+# crates, and close with the test totals over all of them.
 # Extra arguments go to `cargo test`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +13,9 @@ trap 'rm -f "$log"' EXIT
 status=0
 cargo test --workspace --locked "$@" 2>&1 | tee "$log" || status=$?
 PEREGRINE_BIN=target/debug/peregrine scripts/test-openai-client.sh 2>&1 | tee -a "$log" || status=$?
+# The benchmarks in benches/ build (they are run by hand: speed is measured, never tested).
+echo "benches: cargo build -p peregrine --benches"
+cargo build -p peregrine --benches --locked 2>&1 | tail -n 1 || status=$?
 # The crates as users get them: docs build without warnings, and every library packages.
 echo "docs: RUSTDOCFLAGS=-D warnings cargo doc --workspace --no-deps"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked 2>&1 | tail -n 3 || status=$?
