@@ -58,6 +58,10 @@ pub struct Request {
     pub kv: KvRequest,
     /// Hold the output to this grammar ([`Engine::compile`](crate::Engine::compile) makes one).
     pub constraint: Option<Constraint>,
+    /// Route each token to this many experts in every mixture-of-experts layer instead of the
+    /// model's number (at most that; fewer is faster and moves the output away from the
+    /// model's). Refused for a model without experts.
+    pub moe_top_k: Option<usize>,
     /// Keep control tokens in the text (some families' tool-call markers, such as Mistral's
     /// `[TOOL_CALLS]`, are control tokens that plain decoding drops).
     pub special_tokens: bool,
@@ -110,6 +114,7 @@ impl Request {
             kv: KvRequest::default(),
             constraint: None,
             special_tokens: false,
+            moe_top_k: None,
         }
     }
 }

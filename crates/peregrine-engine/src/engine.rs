@@ -391,6 +391,28 @@ impl Engine {
         Ok(ids)
     }
 
+    /// A request's `moe_top_k`: at least 1 and at most the experts the model routes to.
+    fn check_moe_top_k(&self, k: Option<usize>) -> Result<(), EngineError> {
+        let Some(k) = k else {
+            return Ok(());
+        };
+        let refuse = |message: String| EngineError::Unsupported {
+            param: "moe_top_k",
+            message,
+        };
+        match &self.shared.model.config().moe {
+            None => Err(refuse(
+                "this model has no experts to route (moe_top_k)".into(),
+            )),
+            Some(moe) if !(1..=moe.top_k).contains(&k) => Err(refuse(format!(
+                "moe_top_k must be between 1 and the {} experts this model routes each token \
+                 to (start the server with --moe-top-k to change that number); got {k}",
+                moe.top_k
+            ))),
+            Some(_) => Ok(()),
+        }
+    }
+
     /// The KV options a request's choices make, checked against the model.
     fn request_kv(&self, choices: &KvRequest) -> Result<KvOptions, EngineError> {
         let kv = choices.resolve(&self.shared.kv);
@@ -483,6 +505,7 @@ impl Engine {
             });
         }
         let kv = self.request_kv(&request.kv)?;
+        self.check_moe_top_k(request.moe_top_k)?;
         let (reserve, positions) = self.kv_reservation(&request, ids.len(), &kv, n.max(1))?;
         let (choices, streams) = (0..n.max(1))
             .map(|_| {

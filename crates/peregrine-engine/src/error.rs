@@ -50,6 +50,14 @@ pub enum EngineError {
         /// Why.
         message: String,
     },
+    /// A request field this model cannot honour (e.g. `moe_top_k` on a dense model).
+    #[error("{message}")]
+    Unsupported {
+        /// The request field at fault.
+        param: &'static str,
+        /// Why.
+        message: String,
+    },
     /// A grammar or JSON schema for constrained output does not compile.
     #[error("the grammar does not compile: {0}")]
     Grammar(String),
@@ -75,6 +83,7 @@ impl EngineError {
                 | Self::EmptyPrompt
                 | Self::TokenOutOfRange { .. }
                 | Self::Kv { .. }
+                | Self::Unsupported { .. }
                 | Self::Grammar(_)
         )
     }

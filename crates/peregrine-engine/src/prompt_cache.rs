@@ -80,11 +80,16 @@ impl PromptCache {
     /// A cache holding the longest prefix of `ids` that an entry shares (at most all but the
     /// last id, whose logits the caller needs), with its length; `None` when no entry shares
     /// [`MIN_REUSE`] ids or more.
-    pub(crate) fn lookup(&self, ids: &[u32], kv: &KvOptions) -> Option<(SequenceCache, usize)> {
+    pub(crate) fn lookup(
+        &self,
+        ids: &[u32],
+        kv: &KvOptions,
+        moe_top_k: Option<usize>,
+    ) -> Option<(SequenceCache, usize)> {
         if self.max_entries == 0 {
             return None;
         }
-        let found = self.find(ids, kv);
+        let found = self.find(ids, kv, moe_top_k);
         let counter = match found {
             Some((_, n)) => {
                 self.reused_tokens.fetch_add(n as u64, Ordering::Relaxed);
@@ -96,12 +101,18 @@ impl PromptCache {
         found
     }
 
-    fn find(&self, ids: &[u32], kv: &KvOptions) -> Option<(SequenceCache, usize)> {
+    fn find(
+        &self,
+        ids: &[u32],
+        kv: &KvOptions,
+        moe_top_k: Option<usize>,
+    ) -> Option<(SequenceCache, usize)> {
         let mut state = self.state();
         let wanted = ids.len().saturating_sub(1);
         // Longest shared prefix first; among equals, the shortest entry (the least to trim).
         let mut order: Vec<(usize, usize)> = (state.entries.iter().enumerate())
-            .filter(|(_, e)| e.kv == *kv)
+            // Keys computed under other storage or routing are not this request's.
+            .filter(|(_, e)| e.kv == *kv && e.cache.moe_top_k() == moe_top_k)
             .map(|(i, e)| (common_prefix(&e.ids, ids).min(wanted), i))
             .filter(|&(n, _)| n >= MIN_REUSE)
             .collect();
@@ -202,12 +213,14 @@ mod tests {
         );
         // Shares 30 ids with the first entry, then diverges.
         let prompt: Vec<u32> = ids(0..30).into_iter().chain([999, 998]).collect();
-        let (cache, n) = pc.lookup(&prompt, &KvOptions::default()).expect("a hit");
+        let (cache, n) = pc
+            .lookup(&prompt, &KvOptions::default(), None)
+            .expect("a hit");
         assert_eq!((n, cache.len()), (30, 30));
         // The entry stays whole for prompts that share more of it.
         assert_eq!(pc.stats().entries, 2);
         let (cache, n) = pc
-            .lookup(&ids(0..41), &KvOptions::default())
+            .lookup(&ids(0..41), &KvOptions::default(), None)
             .expect("a hit");
         assert_eq!(
             (n, cache.len()),
@@ -221,7 +234,7 @@ mod tests {
             cache_of(LayerKind::Full, 40),
             KvOptions::default(),
         );
-        let (cache, n) = pc.lookup(&ids(0..40), &KvOptions::default()).unwrap();
+        let (cache, n) = pc.lookup(&ids(0..40), &KvOptions::default(), None).unwrap();
         assert_eq!((n, cache.len()), (39, 39));
         let stats = pc.stats();
         assert_eq!((stats.hits, stats.misses, stats.reused_tokens), (3, 0, 109));
@@ -236,7 +249,7 @@ mod tests {
             KvOptions::default(),
         );
         assert!(
-            pc.lookup(&ids(0..MIN_REUSE as u32 - 1), &KvOptions::default())
+            pc.lookup(&ids(0..MIN_REUSE as u32 - 1), &KvOptions::default(), None)
                 .is_none()
         );
         let quantized = KvOptions {
@@ -247,17 +260,38 @@ mod tests {
             ..KvOptions::default()
         };
         assert!(
-            pc.lookup(&ids(0..41), &quantized).is_none(),
+            pc.lookup(&ids(0..41), &quantized, None).is_none(),
             "a request storing KV another way does not reuse the entry"
         );
+        assert!(
+            pc.lookup(&ids(0..41), &KvOptions::default(), Some(1))
+                .is_none(),
+            "a request routing to other experts does not reuse the entry"
+        );
+        let mut routed = cache_of(LayerKind::Full, 40);
+        routed.set_moe_top_k(Some(1));
+        pc.store(ids(100..140), routed, KvOptions::default());
+        assert!(
+            pc.lookup(&ids(100..141), &KvOptions::default(), None)
+                .is_none()
+        );
+        let (cache, _) = (pc.lookup(&ids(100..141), &KvOptions::default(), Some(1)))
+            .expect("the same routing reuses it");
+        assert_eq!(cache.moe_top_k(), Some(1));
         let window = LayerKind::Sliding { window: 4 };
         let pc = PromptCache::new(4, usize::MAX);
         pc.store(ids(0..1000), cache_of(window, 1000), KvOptions::default());
         // Rolling 1000 positions back to 20 passes what the window cache keeps.
-        assert!(pc.lookup(&ids(0..21), &KvOptions::default()).is_none());
+        assert!(
+            pc.lookup(&ids(0..21), &KvOptions::default(), None)
+                .is_none()
+        );
         assert_eq!(pc.stats().misses, 1);
         // Extending it needs no rollback.
-        assert!(pc.lookup(&ids(0..1001), &KvOptions::default()).is_some());
+        assert!(
+            pc.lookup(&ids(0..1001), &KvOptions::default(), None)
+                .is_some()
+        );
     }
 
     #[test]
@@ -279,17 +313,21 @@ mod tests {
             cache_of(LayerKind::Full, 30),
             KvOptions::default(),
         );
-        pc.lookup(&ids(0..25), &KvOptions::default()).unwrap(); // 0..30 is now the most recently used
+        pc.lookup(&ids(0..25), &KvOptions::default(), None).unwrap(); // 0..30 is now the most recently used
         pc.store(
             ids(200..230),
             cache_of(LayerKind::Full, 30),
             KvOptions::default(),
         );
         assert!(
-            pc.lookup(&ids(100..125), &KvOptions::default()).is_none(),
+            pc.lookup(&ids(100..125), &KvOptions::default(), None)
+                .is_none(),
             "the least recently used went"
         );
-        assert!(pc.lookup(&ids(0..25), &KvOptions::default()).is_some());
+        assert!(
+            pc.lookup(&ids(0..25), &KvOptions::default(), None)
+                .is_some()
+        );
         let one = cache_of(LayerKind::Full, 30).bytes();
         let pc = PromptCache::new(8, 2 * one);
         for start in [0, 100, 200] {
@@ -302,7 +340,7 @@ mod tests {
         assert_eq!(pc.stats().bytes, 2 * one, "the byte cap holds");
         assert_eq!(
             PromptCache::new(0, usize::MAX)
-                .lookup(&ids(0..30), &KvOptions::default())
+                .lookup(&ids(0..30), &KvOptions::default(), None)
                 .map(|x| x.1),
             None
         );
@@ -326,13 +364,15 @@ mod tests {
         pc.store(ids(0..40), recurrent(40), KvOptions::default());
         let mut prompt = ids(0..35);
         prompt.extend(500..510);
-        let (mut cache, n) = pc.lookup(&prompt, &KvOptions::default()).expect("a hit");
+        let (mut cache, n) = pc
+            .lookup(&prompt, &KvOptions::default(), None)
+            .expect("a hit");
         assert_eq!((n, cache.len()), (35, 35));
         let state = cache.layer(0).recurrent().unwrap().state()[0];
         assert_eq!(state, 34.0, "the state after position 34");
         let mut far = ids(0..20);
         far.extend(500..510);
-        assert!(pc.lookup(&far, &KvOptions::default()).is_none());
+        assert!(pc.lookup(&far, &KvOptions::default(), None).is_none());
         assert_eq!(pc.stats().entries, 1);
     }
 }

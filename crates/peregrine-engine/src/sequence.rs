@@ -66,8 +66,13 @@ impl Prefilling {
     /// Starts `job`, taking what the prompt cache holds of its prompt.
     pub fn start(shared: &Shared, job: Job) -> Self {
         let queued = job.submitted.elapsed();
-        let (cache, cached) = (shared.prompt_cache.lookup(&job.ids, &job.kv))
-            .unwrap_or_else(|| (SequenceCache::new(&shared.model.cache_spec(), &job.kv), 0));
+        let top_k = job.request.moe_top_k;
+        let (cache, cached) = (shared.prompt_cache.lookup(&job.ids, &job.kv, top_k))
+            .unwrap_or_else(|| {
+                let mut cache = SequenceCache::new(&shared.model.cache_spec(), &job.kv);
+                cache.set_moe_top_k(top_k);
+                (cache, 0)
+            });
         let gauge = KvGauge::holding(&shared.live_kv, cache.bytes());
         let reservation = Arc::new(KvGauge::holding(&shared.kv_reserved, job.reserve));
         Self {

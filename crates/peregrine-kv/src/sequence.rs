@@ -107,9 +107,12 @@ impl KvOptions {
     }
 }
 
-/// One sequence's caches, one per layer.
+/// One sequence's caches, one per layer, and the per-sequence settings that travel with them
+/// through every forward path (a batched pass runs sequences with different ones together).
 pub struct SequenceCache {
     layers: Vec<Box<dyn LayerCache>>,
+    /// Experts each token of this sequence is routed to, when fewer than the model's.
+    moe_top_k: Option<usize>,
 }
 
 /// Positions a sliding-window cache keeps beyond its window so that speculative rollback stays exact.
@@ -149,7 +152,10 @@ impl SequenceCache {
                 }
             })
             .collect();
-        Self { layers }
+        Self {
+            layers,
+            moe_top_k: None,
+        }
     }
 
     /// The cache of layer `i`.
@@ -193,6 +199,19 @@ impl SequenceCache {
                 .iter()
                 .map(|l| l.snapshot())
                 .collect::<Result<_>>()?,
+            moe_top_k: self.moe_top_k,
         })
+    }
+
+    /// Routes this sequence's tokens to `k` experts in every mixture-of-experts layer instead
+    /// of the model's number (`None`: the model's). Set it before the first token: the keys
+    /// already cached were computed with the earlier routing.
+    pub fn set_moe_top_k(&mut self, k: Option<usize>) {
+        self.moe_top_k = k;
+    }
+
+    /// Experts this sequence's tokens are routed to, when not the model's number.
+    pub fn moe_top_k(&self) -> Option<usize> {
+        self.moe_top_k
     }
 }

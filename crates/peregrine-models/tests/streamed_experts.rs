@@ -8,7 +8,9 @@
 
 mod common;
 
-use peregrine_models::{ExpertOptions, KvOptions, LoadOptions, Logits, SequenceCache, load_model};
+use peregrine_models::{
+    BatchSeq, ExpertOptions, KvOptions, LoadOptions, LoadedModel, Logits, SequenceCache, load_model,
+};
 use peregrine_tensor::candle::safetensors::load;
 use peregrine_tensor::{DType, Device, Tensor};
 
@@ -48,8 +50,23 @@ fn guessing_and_keeping() -> LoadOptions {
 /// Logits of every position, prompt in `chunk`-token passes, then the last 4 tokens again
 /// through the decode step after a prefill of the rest.
 fn run(model: &dyn peregrine_models::CausalLm, ids: &[u32], chunk: usize) -> Vec<Vec<f32>> {
+    run_routed(model, ids, chunk, None)
+}
+
+/// [`run`] with the sequence's tokens routed to `top_k` experts (a request's `moe_top_k`).
+fn run_routed(
+    model: &dyn peregrine_models::CausalLm,
+    ids: &[u32],
+    chunk: usize,
+    top_k: Option<usize>,
+) -> Vec<Vec<f32>> {
     let kv = KvOptions::default();
-    let mut cache = SequenceCache::new(&model.cache_spec(), &kv);
+    let new_cache = || {
+        let mut cache = SequenceCache::new(&model.cache_spec(), &kv);
+        cache.set_moe_top_k(top_k);
+        cache
+    };
+    let mut cache = new_cache();
     let mut rows = Vec::new();
     for part in ids.chunks(chunk) {
         let logits = model.forward(part, &mut cache, Logits::All).unwrap();
@@ -58,7 +75,7 @@ fn run(model: &dyn peregrine_models::CausalLm, ids: &[u32], chunk: usize) -> Vec
         rows.extend(logits.reshape((n, ())).unwrap().to_vec2::<f32>().unwrap());
     }
     let (head, tail) = ids.split_at(ids.len() - 4);
-    let mut cache = SequenceCache::new(&model.cache_spec(), &kv);
+    let mut cache = new_cache();
     model.forward(head, &mut cache, Logits::Last).unwrap();
     let mut logits = Vec::new();
     for &token in tail {
@@ -185,4 +202,89 @@ fn a_top_k_override_routes_to_that_many_experts() {
             .to_string();
         assert!(err.contains("top-k"), "{path}, k {k}: {err}");
     }
+}
+
+fn with_top_k(path: &std::path::Path, top_k: Option<usize>) -> LoadedModel {
+    let opts = LoadOptions {
+        experts: ExpertOptions {
+            top_k,
+            ..ExpertOptions::default()
+        },
+        ..LoadOptions::default()
+    };
+    load_model(path, &opts).unwrap()
+}
+
+/// A sequence's own top-k (a request's `moe_top_k`) routes exactly as the same top-k set at
+/// load: bit for bit through the prompt at once, in chunks and the decode step, on the shared
+/// decoder (Qwen3-MoE, DeepSeek-V3's group-limited router, the Qwen3.5 hybrid) and the families
+/// with their own layer loops (Gemma 4, Jamba).
+#[test]
+fn a_sequences_top_k_routes_as_the_same_top_k_at_load() {
+    for checkpoint in [
+        "qwen3_moe/hf",
+        "deepseek_v3/hf",
+        "qwen3_5_moe/hf",
+        "gemma4_text_moe/hf",
+        "jamba/hf",
+    ] {
+        let ids = prompt(checkpoint.split('/').next().unwrap());
+        let path = fixture(checkpoint);
+        let (model, at_load) = (
+            with_top_k(&path, None).model,
+            with_top_k(&path, Some(1)).model,
+        );
+        for chunk in [ids.len(), 5] {
+            let want = run(&*at_load, &ids, chunk);
+            assert_eq!(
+                run_routed(&*model, &ids, chunk, Some(1)),
+                want,
+                "{checkpoint}, chunk {chunk}"
+            );
+            assert_ne!(
+                run(&*model, &ids, chunk),
+                want,
+                "{checkpoint}: k 1 changes nothing?"
+            );
+        }
+    }
+}
+
+/// One batched pass over a sequence at the model's top-k and one at a lower one gives each
+/// what it gets alone (GGUF Q8_0: its kernels give a row the same bits in any batch).
+#[test]
+fn sequences_of_different_top_k_share_a_batched_pass() {
+    let path = fixture("qwen3_moe/gguf/model-q8_0.gguf");
+    let ids = prompt("qwen3_moe");
+    let model = with_top_k(&path, None).model;
+    let new_cache = |top_k| {
+        let mut cache = SequenceCache::new(&model.cache_spec(), &KvOptions::default());
+        cache.set_moe_top_k(top_k);
+        cache
+    };
+    let solo = |top_k, tokens: &[u32]| -> Vec<f32> {
+        let mut cache = new_cache(top_k);
+        let logits = model.forward(tokens, &mut cache, Logits::Last).unwrap();
+        logits.flatten_all().unwrap().to_vec1().unwrap()
+    };
+    let (short, long) = (&ids[..ids.len() - 3], &ids[..]);
+    let (mut own, mut one) = (new_cache(None), new_cache(Some(1)));
+    let batch = &mut [
+        BatchSeq {
+            tokens: short,
+            cache: &mut own,
+        },
+        BatchSeq {
+            tokens: long,
+            cache: &mut one,
+        },
+    ];
+    let rows = model
+        .forward_batch(batch)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    assert_eq!(rows[0], solo(None, short), "the model's own top-k");
+    assert_eq!(rows[1], solo(Some(1), long), "top-k 1");
+    assert_ne!(solo(None, long), rows[1]);
 }

@@ -49,7 +49,9 @@ impl Router {
 
     /// Routes one token: `logits` (`[experts]`, the router's outputs) become scores in place;
     /// `scratch` (`[experts]`) holds the choice scores; the chosen experts and their weights go
-    /// to `ids` / `weights` (`[top_k]` each), best first. Allocates nothing.
+    /// to `ids` / `weights`, best first. They are usually `[top_k]`; shorter ones route the token
+    /// to fewer experts, exactly as a router of that `top_k` would (a per-request override).
+    /// Allocates nothing.
     pub fn route(
         &self,
         logits: &mut [f32],
@@ -57,12 +59,11 @@ impl Router {
         ids: &mut [usize],
         weights: &mut [f32],
     ) {
-        let n = logits.len();
+        let (n, k) = (logits.len(), ids.len());
         assert!(
-            ids.len() == self.top_k && weights.len() == self.top_k && scratch.len() == n,
-            "router buffers: {} experts, top_k {}",
-            n,
-            self.top_k
+            (1..=n).contains(&k) && weights.len() == k && scratch.len() == n,
+            "router buffers: {n} experts, {k} ids, {} weights",
+            weights.len()
         );
         match self.scoring {
             Scoring::Softmax => softmax_in_place(logits),
@@ -77,10 +78,10 @@ impl Router {
         if let Some((groups, keep)) = self.groups {
             mask_groups(scratch, groups, keep);
         }
-        for k in 0..self.top_k {
+        for (id, weight) in ids.iter_mut().zip(weights.iter_mut()) {
             let best = argmax(scratch);
-            ids[k] = best;
-            weights[k] = logits[best];
+            *id = best;
+            *weight = logits[best];
             scratch[best] = f32::NEG_INFINITY;
         }
         if self.normalize {
@@ -176,6 +177,25 @@ mod tests {
         let (_, w) = route(&Router::softmax(2, true), &logits);
         let e = 1f32.exp();
         assert!((w[0] - e / (e + 1.0)).abs() < 1e-6, "{w:?}");
+    }
+
+    /// Shorter buffers route to fewer experts exactly as a router of that `top_k` does (a
+    /// per-request top-k equals the same top-k set at load).
+    #[test]
+    fn shorter_buffers_route_as_a_smaller_top_k() {
+        let logits = [0.3, 2.0, 1.0, -1.0, 0.7];
+        for normalize in [false, true] {
+            let (ids, w) = route(&Router::softmax(1, normalize), &logits);
+            let mut l = logits.to_vec();
+            let mut scratch = vec![0.0; l.len()];
+            let (mut one_id, mut one_w) = ([0usize], [0f32]);
+            Router::softmax(3, normalize).route(&mut l, &mut scratch, &mut one_id, &mut one_w);
+            assert_eq!(
+                (one_id.to_vec(), one_w.to_vec()),
+                (ids, w),
+                "normalize {normalize}"
+            );
+        }
     }
 
     /// Gemma 4: the renormalised weights, then each times its expert's own scale.

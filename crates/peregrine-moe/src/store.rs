@@ -71,6 +71,9 @@ pub fn tokens_by_expert(
 ) -> Vec<(Vec<u32>, Vec<f32>)> {
     let mut groups = vec![(Vec::new(), Vec::new()); experts];
     for (i, (&e, &w)) in ids.iter().zip(weights).enumerate() {
+        if e >= experts {
+            continue; // an unused slot of a row routed to fewer experts
+        }
         groups[e].0.push((i / top_k) as u32);
         groups[e].1.push(w);
     }
@@ -91,5 +94,13 @@ mod tests {
         assert_eq!(groups[1], (vec![2], vec![0.1]));
         assert_eq!(groups[2], (vec![0, 2], vec![0.6, 0.9]));
         assert_eq!(groups[3], (vec![1], vec![0.3]));
+    }
+
+    #[test]
+    fn unused_slots_of_rows_routed_to_fewer_experts_are_skipped() {
+        // Row 1 was routed to one expert of two: its second slot holds an id past the end.
+        let groups = tokens_by_expert(4, 2, &[2, 0, 3, usize::MAX], &[0.6, 0.4, 1.0, 0.0]);
+        assert_eq!(groups[3], (vec![1], vec![1.0]));
+        assert_eq!(groups.iter().map(|g| g.0.len()).sum::<usize>(), 3);
     }
 }

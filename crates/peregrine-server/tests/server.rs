@@ -242,6 +242,49 @@ fn api_key_is_required_on_v1_routes() {
     assert_eq!(server.send("POST", CHAT, &ok, body.as_bytes()).status, 200);
 }
 
+/// A request's `moe_top_k` answers as the same top-k set at load (`--moe-top-k`), while a
+/// request without it keeps the model's; values the model cannot take are refused by name.
+#[test]
+fn a_requests_moe_top_k_answers_as_that_top_k_set_at_load() {
+    let moe = support::fixture().join("../../qwen3_moe/hf");
+    let body = |extra: Value| {
+        let base = json!({"model": "tiny", "prompt": [1, 2, 3, 4, 5, 6], "temperature": 0,
+                          "max_tokens": 16, "ignore_eos": true, "logprobs": 1});
+        with(base, extra)
+    };
+    let answer = |server: &Server, extra: Value| {
+        let reply = server.post(COMPLETIONS, &body(extra));
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        reply.json()["choices"][0]["logprobs"]["token_logprobs"].clone()
+    };
+    let (server, one_at_load) = (
+        Server::start_model(&moe, &[]),
+        Server::start_model(&moe, &["--moe-top-k", "1"]),
+    );
+    let routed = answer(&server, json!({"moe_top_k": 1}));
+    assert_eq!(routed, answer(&one_at_load, json!({})));
+    assert_ne!(
+        routed,
+        answer(&server, json!({})),
+        "top-k 1 changes nothing?"
+    );
+    assert_eq!(
+        answer(&server, json!({"moe_top_k": 2})),
+        answer(&server, json!({}))
+    );
+    for (value, what) in [
+        (json!(0), "range"),
+        (json!(3), "between 1 and the 2"),
+        (json!("1"), "integer"),
+    ] {
+        let reply = server.post(COMPLETIONS, &body(json!({"moe_top_k": value})));
+        assert_error(&reply, 400, Some("moe_top_k"), what);
+    }
+    let dense = Server::start(&[]);
+    let reply = dense.post(COMPLETIONS, &body(json!({"moe_top_k": 1})));
+    assert_error(&reply, 400, Some("moe_top_k"), "no experts");
+}
+
 /// The chat page and its files are served at `/` without the API key (they hold no secret) and
 /// with a policy that keeps them to this origin; `--no-webui` takes them away.
 #[test]

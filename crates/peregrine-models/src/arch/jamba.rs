@@ -13,7 +13,9 @@ use peregrine_tensor::{DType, Device, Embedding, QLinear, RotaryEmbedding, Tenso
 
 use crate::config::{ExpertNaming, Fields, MoeConfig};
 use crate::layers::attention::Attention;
-use crate::layers::batch::{BatchSeq, Segment, check_batch, last_logits, run_layers, stacked_ids};
+use crate::layers::batch::{
+    BatchSeq, Segment, check_batch, last_logits, moe_limits, run_layers, stacked_ids,
+};
 use crate::layers::decoder::SelfAttention;
 use crate::layers::mamba::{MambaConfig, MambaMixer};
 use crate::layers::mlp::GatedMlp;
@@ -181,11 +183,25 @@ impl JambaLm {
         check_batch(batch, self.rope.max_positions())?;
         let ids = Tensor::new(stacked_ids(batch), &self.device)?.unsqueeze(0)?;
         let x = self.embed.forward(&ids, self.dtype)?;
-        let layers = self.layers.len();
-        run_layers(batch, x, layers, |i| i, |i, x, s| self.layer(i, x, s))
+        let (layers, limits) = (self.layers.len(), moe_limits(batch));
+        run_layers(
+            batch,
+            x,
+            layers,
+            |i| i,
+            |i, x, s| self.layer(i, x, s, &limits),
+        )
     }
 
-    fn layer(&self, i: usize, x: &Tensor, segments: &mut [Segment]) -> Result<Tensor> {
+    /// Layer `i` over `x`, the stacked rows of `segments`, each routed to at most `limits[row]`
+    /// experts (when given).
+    fn layer(
+        &self,
+        i: usize,
+        x: &Tensor,
+        segments: &mut [Segment],
+        limits: &[usize],
+    ) -> Result<Tensor> {
         let (l, eps) = (&self.layers[i], self.config.rms_norm_eps as f32);
         let n = rms_norm(x, &l.input_norm, eps)?;
         let mixed = match &l.mixer {
@@ -193,7 +209,7 @@ impl JambaLm {
             Mixer::Mamba(m) => m.forward(&n, segments)?,
         };
         let x = (x + mixed)?;
-        let y = l.ffn.forward(&rms_norm(&x, &l.ff_norm, eps)?)?;
+        let y = l.ffn.forward(&rms_norm(&x, &l.ff_norm, eps)?, limits)?;
         Ok((x + y)?)
     }
 }

@@ -29,6 +29,18 @@ pub struct Segment<'a> {
     pub len: usize,
 }
 
+/// Each stacked row's most experts, when a sequence of `batch` routes its tokens to fewer than
+/// the model's number (`usize::MAX`: the model's); empty when none does.
+pub fn moe_limits(batch: &[BatchSeq]) -> Vec<usize> {
+    if batch.iter().all(|s| s.cache.moe_top_k().is_none()) {
+        return Vec::new();
+    }
+    let limit = |s: &BatchSeq| s.cache.moe_top_k().unwrap_or(usize::MAX);
+    (batch.iter())
+        .flat_map(|s| std::iter::repeat_n(limit(s), s.tokens.len()))
+        .collect()
+}
+
 /// Every token of `batch`, in order (the stacked rows' ids).
 pub fn stacked_ids(batch: &[BatchSeq]) -> Vec<u32> {
     batch

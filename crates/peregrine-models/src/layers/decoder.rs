@@ -9,7 +9,9 @@ use peregrine_tensor::ops::rms_norm;
 use peregrine_tensor::{DType, Device, Embedding, QLinear, RotaryEmbedding, Tensor};
 
 use crate::layers::attention::Attention;
-use crate::layers::batch::{BatchSeq, Segment, check_batch, last_logits, run_layers, stacked_ids};
+use crate::layers::batch::{
+    BatchSeq, Segment, check_batch, last_logits, moe_limits, run_layers, stacked_ids,
+};
 use crate::layers::mlp::GatedMlp;
 use crate::layers::moe::Ffn;
 use crate::layers::norm_weight;
@@ -127,6 +129,7 @@ impl<A: SelfAttention> DecoderLm<A> {
         let eps = self.config.rms_norm_eps as f32;
         let ids = Tensor::new(stacked_ids(batch), &self.device)?.unsqueeze(0)?; // [1, rows]
         let x = self.embed_tokens.forward(&ids, self.dtype)?; // [1, rows, hidden]
+        let limits = moe_limits(batch);
         run_layers(
             batch,
             x,
@@ -134,22 +137,22 @@ impl<A: SelfAttention> DecoderLm<A> {
             |i| i,
             |i, x, segments| {
                 let next = self.layers.get(i + 1).map(|l| &l.mlp);
-                self.layers[i].forward(x, eps, &self.rope, segments, next)
+                self.layers[i].forward(x, eps, &self.rope, (segments, &limits), next)
             },
         )
     }
 }
 
 impl<A: SelfAttention> DecoderLayer<A> {
-    /// `x: [1, rows, hidden]`, the stacked rows of `segments`.
-    /// `next`: the next layer's feed-forward, whose experts a streaming store starts reading on
-    /// a guess from this layer's input to its own.
+    /// `x: [1, rows, hidden]`, the stacked rows of `segments`, each routed to at most
+    /// `limits[row]` experts (when given). `next`: the next layer's feed-forward, whose experts a
+    /// streaming store starts reading on a guess from this layer's input to its own.
     fn forward(
         &self,
         x: &Tensor,
         eps: f32,
         rope: &RotaryEmbedding,
-        segments: &mut [Segment],
+        (segments, limits): (&mut [Segment], &[usize]),
         next: Option<&Ffn>,
     ) -> Result<Tensor> {
         let normed = rms_norm(x, &self.input_layernorm, eps)?;
@@ -159,7 +162,7 @@ impl<A: SelfAttention> DecoderLayer<A> {
         if let Some(next) = next {
             next.speculate(&normed)?;
         }
-        Ok((&x + self.mlp.forward(&normed)?)?)
+        Ok((&x + self.mlp.forward(&normed, limits)?)?)
     }
 
     /// [`forward`](Self::forward) for one token over a decode step's buffers (`b.x`).
@@ -168,7 +171,7 @@ impl<A: SelfAttention> DecoderLayer<A> {
         b: &mut StepBuffers,
         eps: f32,
         rope: &RotaryEmbedding,
-        (cache, pos): (&mut dyn LayerCache, usize),
+        (cache, pos, limit): (&mut dyn LayerCache, usize, Option<usize>),
         next: Option<&Ffn>,
     ) -> Result<()> {
         norm_into(&b.x, &self.input_layernorm, eps, &mut b.normed)?;
@@ -178,7 +181,7 @@ impl<A: SelfAttention> DecoderLayer<A> {
         if let Some(next) = next {
             next.speculate_row(&b.normed)?;
         }
-        self.mlp.step(b)?;
+        self.mlp.step(b, limit)?;
         add_into(&mut b.x, &b.out);
         Ok(())
     }
@@ -211,14 +214,14 @@ impl<A: SelfAttention + 'static> CausalLm for DecoderLm<A> {
         if !self.device.is_cpu() || !A::steps(&self.config) {
             return crate::decode_with_forward(self, token, cache, logits);
         }
-        let pos = cache.len();
+        let (pos, limit) = (cache.len(), cache.moe_top_k());
         super::check_room(1, pos, self.rope.max_positions())?;
         let eps = self.config.rms_norm_eps as f32;
         self.steps.run(&self.config, |b| {
             self.embed_tokens.row_into(token, &mut b.x)?;
             for (i, layer) in self.layers.iter().enumerate() {
                 let next = self.layers.get(i + 1).map(|l| &l.mlp);
-                layer.step(b, eps, &self.rope, (cache.layer(i), pos), next)?;
+                layer.step(b, eps, &self.rope, (cache.layer(i), pos, limit), next)?;
             }
             let vocab = self.config.vocab_size;
             output_logits_into(b, &self.norm, eps, &self.lm_head, vocab, logits)

@@ -45,20 +45,21 @@ impl Ffn {
         }
     }
 
-    /// `x: [1, n, hidden]` → `[1, n, hidden]`.
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// `x: [1, n, hidden]` → `[1, n, hidden]`; `limits`: each row's most experts
+    /// ([`moe_limits`](super::batch::moe_limits); empty: the model's number for every row).
+    pub fn forward(&self, x: &Tensor, limits: &[usize]) -> Result<Tensor> {
         match self {
             Self::Dense(mlp) => mlp.forward(x),
-            Self::Moe(moe) => moe.forward(x),
+            Self::Moe(moe) => moe.forward(x, limits),
         }
     }
 
     /// [`forward`](Self::forward) over a decode step's buffers: reads `b.normed`, leaves the
-    /// output in `b.out`.
-    pub fn step(&self, b: &mut StepBuffers) -> Result<()> {
+    /// output in `b.out`; `limit`: the sequence's most experts, when below the model's.
+    pub fn step(&self, b: &mut StepBuffers, limit: Option<usize>) -> Result<()> {
         match self {
             Self::Dense(mlp) => mlp.step(b),
-            Self::Moe(moe) => moe.step(b),
+            Self::Moe(moe) => moe.step(b, limit),
         }
     }
 
@@ -291,8 +292,10 @@ impl MoeBlock {
         })
     }
 
-    /// Every row of `flat` `[rows, hidden]` routed: `top_k` expert ids and weights per row.
-    fn route_rows(&self, flat: &Tensor) -> Result<(Vec<usize>, Vec<f32>)> {
+    /// Every row of `flat` `[rows, hidden]` routed: `top_k` expert ids and weights per row, of
+    /// which a row with a lower limit (`limits[row]`, when given) uses only the first, leaving
+    /// the rest unused (id past the experts, weight 0).
+    fn route_rows(&self, flat: &Tensor, limits: &[usize]) -> Result<(Vec<usize>, Vec<f32>)> {
         let routed = match &self.router_norm {
             Some(w) => rms_norm(flat, w, self.eps)?,
             None => flat.clone(),
@@ -302,9 +305,10 @@ impl MoeBlock {
         let (experts, k) = (self.experts.len(), self.router.top_k);
         let rows = logits.len() / experts;
         let mut scratch = vec![0f32; experts];
-        let (mut ids, mut weights) = (vec![0usize; rows * k], vec![0f32; rows * k]);
+        let (mut ids, mut weights) = (vec![usize::MAX; rows * k], vec![0f32; rows * k]);
         for (t, row) in logits.chunks_mut(experts).enumerate() {
-            let (ids, weights) = (&mut ids[t * k..][..k], &mut weights[t * k..][..k]);
+            let used = limits.get(t).map_or(k, |&limit| limit.min(k));
+            let (ids, weights) = (&mut ids[t * k..][..used], &mut weights[t * k..][..used]);
             self.router.route(row, &mut scratch, ids, weights);
         }
         Ok((ids, weights))
@@ -313,19 +317,20 @@ impl MoeBlock {
     /// Routes `x` `[1, n, hidden]` and hands the chosen experts to the store as a guess.
     fn speculate(&self, x: &Tensor) -> Result<()> {
         let (b, n, h) = x.dims3()?;
-        let (mut ids, _) = self.route_rows(&x.reshape((b * n, h))?)?;
+        let (mut ids, _) = self.route_rows(&x.reshape((b * n, h))?, &[])?;
         ids.sort_unstable();
         ids.dedup();
         self.experts.speculate(&ids);
         Ok(())
     }
 
-    /// `x: [1, n, hidden]` → `[1, n, hidden]`: every token routed, then each chosen expert
-    /// run once over the tokens sent to it, its outputs weighted and summed back in place.
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// `x: [1, n, hidden]` → `[1, n, hidden]`: every token routed (to at most `limits[row]`
+    /// experts, when given), then each chosen expert run once over the tokens sent to it, its
+    /// outputs weighted and summed back in place.
+    pub fn forward(&self, x: &Tensor, limits: &[usize]) -> Result<Tensor> {
         let (b, n, h) = x.dims3()?;
         let flat = x.reshape((b * n, h))?;
-        let (ids, weights) = self.route_rows(&flat)?;
+        let (ids, weights) = self.route_rows(&flat, limits)?;
         let flat = match &self.input_norm {
             Some(w) => rms_norm(&flat, w, self.eps)?,
             None => flat,
@@ -357,8 +362,8 @@ impl MoeBlock {
     }
 
     /// [`forward`](Self::forward) for one token over a decode step's buffers: reads
-    /// `b.normed`, leaves the output in `b.out`.
-    pub fn step(&self, b: &mut StepBuffers) -> Result<()> {
+    /// `b.normed`, leaves the output in `b.out`; routed to at most `limit` experts, when given.
+    pub fn step(&self, b: &mut StepBuffers, limit: Option<usize>) -> Result<()> {
         let StepBuffers {
             normed,
             out,
@@ -385,6 +390,8 @@ impl MoeBlock {
             None => normed,
         };
         QLinear::forward_group_into(&[&self.gate], routed, &mut [&mut logits[..]], linear)?;
+        let used = limit.map_or(ids.len(), |l| l.min(ids.len()));
+        let (ids, weights) = (&mut ids[..used], &mut weights[..used]);
         self.router.route(logits, scratch, ids, weights);
         let x: &[f32] = match &self.input_norm {
             Some(w) => {

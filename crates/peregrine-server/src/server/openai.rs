@@ -135,6 +135,8 @@ pub fn decode(
     let grammar = output_grammar(&f)?;
     let ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
     let kv = kv_request(&f)?;
+    // Experts per token (a quality trade): the engine checks it against the model.
+    let moe_top_k = f.uint("moe_top_k", 1, 1024)?.map(|k| k as usize);
     let template = Prompt::Tokens(vec![]);
     let base = Request {
         sampling,
@@ -143,6 +145,7 @@ pub fn decode(
         logprobs: logprobs.then_some(top as usize),
         ignore_eos,
         kv,
+        moe_top_k,
         ..Request::new(template)
     };
     let (prompts, echo) = match endpoint {

@@ -12,7 +12,9 @@ use peregrine_tensor::{DType, Device, Embedding, QLinear, RopeScaling, RotaryEmb
 
 use crate::config::PerLayerInput;
 use crate::layers::attention::{Attention, KvProjections};
-use crate::layers::batch::{BatchSeq, Segment, check_batch, last_logits, run_layers, stacked_ids};
+use crate::layers::batch::{
+    BatchSeq, Segment, check_batch, last_logits, moe_limits, run_layers, stacked_ids,
+};
 use crate::layers::decoder::SelfAttention;
 use crate::layers::mlp::GatedMlp;
 use crate::layers::moe::MoeBlock;
@@ -229,13 +231,14 @@ impl GemmaLm {
             .map(|p| p.forward(&ids, &x, layers, eps))
             .transpose()?; // [1, rows, layers, width]
         let slot = |i: usize| self.layers[i].slot;
+        let limits = moe_limits(batch);
         run_layers(batch, x, layers, slot, |i, x, segments| {
             let input = match &inputs {
                 Some(t) => Some(t.narrow(2, i, 1)?.squeeze(2)?),
                 None => None,
             };
             let layer = &self.layers[i];
-            layer.forward(x, input, eps, self.rope(layer), segments)
+            layer.forward(x, input, eps, self.rope(layer), (segments, &limits))
         })
     }
 
@@ -280,15 +283,16 @@ impl PerLayerInputs {
 }
 
 impl Layer {
-    /// `x: [1, rows, hidden]`, the stacked rows of `segments`; `input`: this layer's
-    /// per-layer input `[1, rows, width]`.
+    /// `x: [1, rows, hidden]`, the stacked rows of `segments`, each routed to at most
+    /// `limits[row]` experts (when given); `input`: this layer's per-layer input
+    /// `[1, rows, width]`.
     fn forward(
         &self,
         x: &Tensor,
         input: Option<Tensor>,
         eps: f32,
         rope: &RotaryEmbedding,
-        segments: &mut [Segment],
+        (segments, limits): (&mut [Segment], &[usize]),
     ) -> Result<Tensor> {
         let normed = rms_norm(x, &self.input_layernorm, eps)?;
         let attn = self.self_attn.forward(&normed, rope, segments)?;
@@ -296,7 +300,7 @@ impl Layer {
         let mut y = (self.mlp).forward(&rms_norm(&x, &self.pre_feedforward_layernorm, eps)?)?;
         if let Some(moe) = &self.moe {
             // The experts see the residual, not the dense MLP's normed input.
-            let experts = rms_norm(&moe.block.forward(&x)?, &moe.post_experts, eps)?;
+            let experts = rms_norm(&moe.block.forward(&x, limits)?, &moe.post_experts, eps)?;
             y = (rms_norm(&y, &moe.post_dense, eps)? + experts)?;
         }
         let mut x = add_normed(&x, &y, &self.post_feedforward_layernorm, eps)?;
@@ -318,8 +322,7 @@ impl Layer {
         b: &mut StepBuffers,
         eps: f32,
         rope: &RotaryEmbedding,
-        cache: &mut dyn LayerCache,
-        pos: usize,
+        (cache, pos, limit): (&mut dyn LayerCache, usize, Option<usize>),
     ) -> Result<()> {
         norm_into(&b.x, &self.input_layernorm, eps, &mut b.normed)?;
         self.self_attn.step(b, rope, cache, pos)?;
@@ -335,7 +338,7 @@ impl Layer {
         if let Some(moe) = &self.moe {
             norm_into(&b.out, &moe.post_dense, eps, &mut b.side)?;
             b.normed.copy_from_slice(&b.x);
-            moe.block.step(b)?;
+            moe.block.step(b, limit)?;
             norm_into(&b.out, &moe.post_experts, eps, &mut b.normed)?;
             let (dense, experts) = (&b.side, &b.normed);
             (b.out.iter_mut().zip(dense).zip(experts)).for_each(|((o, d), e)| *o = d + e);
@@ -398,7 +401,7 @@ impl CausalLm for GemmaLm {
         if !self.device.is_cpu() {
             return crate::decode_with_forward(self, token, cache, logits);
         }
-        let pos = cache.len();
+        let (pos, limit) = (cache.len(), cache.moe_top_k());
         crate::layers::check_room(1, pos, self.rope_global.max_positions())?;
         let eps = self.config.rms_norm_eps as f32;
         let scale = (self.config.hidden_size as f32).sqrt();
@@ -409,7 +412,8 @@ impl CausalLm for GemmaLm {
                 p.step(token, b, eps)?;
             }
             for (i, layer) in self.layers.iter().enumerate() {
-                layer.step(i, b, eps, self.rope(layer), cache.layer(layer.slot), pos)?;
+                let cache = cache.layer(layer.slot);
+                layer.step(i, b, eps, self.rope(layer), (cache, pos, limit))?;
             }
             let vocab = self.config.vocab_size;
             output_logits_into(b, &self.norm, eps, &self.lm_head, vocab, logits)?;
