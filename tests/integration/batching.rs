@@ -200,7 +200,7 @@ fn requests_wait_for_the_kv_budget_and_never_pass_it() {
     assert!(
         matches!(
             &err,
-            peregrine::EngineError::Kv {
+            peregrine::EngineError::Unsupported {
                 param: "max_tokens",
                 ..
             }

@@ -253,7 +253,7 @@ impl Engine {
             .kv
             .check(model.config().head_dim, &model.cache_spec())
         {
-            return Err(EngineError::Kv {
+            return Err(EngineError::Unsupported {
                 param: "kv",
                 message,
             });
@@ -427,7 +427,7 @@ impl Engine {
         let model = &self.shared.model;
         match kv.check(model.config().head_dim, &model.cache_spec()) {
             Ok(()) => Ok(kv),
-            Err(message) => Err(EngineError::Kv { param, message }),
+            Err(message) => Err(EngineError::Unsupported { param, message }),
         }
     }
 
@@ -464,7 +464,7 @@ impl Engine {
                 mib(bytes(need)),
                 mib(s.kv_budget)
             );
-            return Err(EngineError::Kv { param, message });
+            return Err(EngineError::Unsupported { param, message });
         }
         // The most positions that fit: bytes grow with positions.
         let (mut fits, mut over) = (floor, wanted);

@@ -42,15 +42,8 @@ pub enum EngineError {
         /// The vocabulary size.
         vocab_size: usize,
     },
-    /// The KV storage asked for cannot hold this model's attention rows.
-    #[error("{message}")]
-    Kv {
-        /// The request field at fault.
-        param: &'static str,
-        /// Why.
-        message: String,
-    },
-    /// A request field this model cannot honour (e.g. `moe_top_k` on a dense model).
+    /// A request field this model or engine cannot honour: KV storage the model's rows cannot
+    /// use, a request the KV budget cannot hold, `moe_top_k` on a dense model.
     #[error("{message}")]
     Unsupported {
         /// The request field at fault.
@@ -82,7 +75,6 @@ impl EngineError {
                 | Self::ContextLengthExceeded { .. }
                 | Self::EmptyPrompt
                 | Self::TokenOutOfRange { .. }
-                | Self::Kv { .. }
                 | Self::Unsupported { .. }
                 | Self::Grammar(_)
         )

@@ -93,9 +93,7 @@ impl ApiError {
                 let field = text.split('`').nth(1).unwrap_or(prompt_param).to_string();
                 Self::invalid(field, text)
             }
-            EngineError::Kv { param, .. } | EngineError::Unsupported { param, .. } => {
-                Self::invalid(*param, e.to_string())
-            }
+            EngineError::Unsupported { param, .. } => Self::invalid(*param, e.to_string()),
             EngineError::QueueFull(_) => Self {
                 status: StatusCode::SERVICE_UNAVAILABLE,
                 kind: "server_error",
