@@ -65,6 +65,9 @@ pub struct Request {
     /// Keep control tokens in the text (some families' tool-call markers, such as Mistral's
     /// `[TOOL_CALLS]`, are control tokens that plain decoding drops).
     pub special_tokens: bool,
+    /// Decode speculatively when the engine has a drafter (default); `false` opts out. Output
+    /// is distributed the same either way; constrained requests never speculate.
+    pub speculative: bool,
 }
 
 /// A request's KV storage choices (the API's `kv_bits`, `kv_group_size`, `turbo_kv`); what it
@@ -115,6 +118,7 @@ impl Request {
             constraint: None,
             special_tokens: false,
             moe_top_k: None,
+            speculative: true,
         }
     }
 }

@@ -10,8 +10,8 @@ use std::time::Instant;
 
 use peregrine_models::weights::MlxActivations;
 use peregrine_models::{
-    CausalLm, ExpertOptions, KvOptions, LoadOptions, LoadProgress, Logits, ReadPool, SequenceCache,
-    open_model,
+    CausalLm, ExpertOptions, KvOptions, LayerKind, LoadOptions, LoadProgress, Logits, ReadPool,
+    SequenceCache, open_model,
 };
 use peregrine_tensor::{Device, Tensor};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
@@ -23,6 +23,7 @@ use crate::error::EngineError;
 use crate::kv_budget::{default_kv_budget, kv_bytes};
 use crate::prompt_cache::{PromptCache, PromptCacheStats};
 use crate::sequence::prefill;
+use crate::speculative::{SpeculationStats, SpeculativeConfig};
 use crate::tokenizer::Tokenizer;
 
 /// How the engine runs.
@@ -66,6 +67,9 @@ pub struct EngineConfig {
     pub prompt_cache_entries: usize,
     /// Bytes of KV the prompt cache may hold.
     pub prompt_cache_bytes: usize,
+    /// Speculative decoding: where drafts come from and how many a pass verifies (`None`:
+    /// off). Requests opt out with [`Request::speculative`].
+    pub speculative: Option<SpeculativeConfig>,
     /// Where [`Engine::load`] counts the checkpoint bytes it reads, for a progress display.
     pub load_progress: Option<Arc<LoadProgress>>,
     /// Test hook (fault injection): a generation whose prompt text contains this string panics
@@ -91,6 +95,7 @@ impl Default for EngineConfig {
             experts: ExpertOptions::default(),
             prompt_cache_entries: 4,
             prompt_cache_bytes: 1 << 30,
+            speculative: None,
             load_progress: None,
             panic_marker: None,
         }
@@ -143,11 +148,30 @@ pub(crate) struct Shared {
     /// Batched forward passes run, and the sequences they carried.
     pub steps: AtomicU64,
     pub step_rows: AtomicU64,
+    pub speculative: Option<SpeculativeConfig>,
+    /// Speculative decoding's counters ([`SpeculationStats`]).
+    spec_rounds: AtomicU64,
+    spec_drafted: AtomicU64,
+    spec_accepted: AtomicU64,
+    spec_skipped: AtomicU64,
     panic_marker: Option<String>,
     grammars: Compiler,
 }
 
 impl Shared {
+    /// Counts a verification pass of `drafted` tokens that kept `kept`.
+    pub fn record_speculation(&self, drafted: usize, kept: usize) {
+        self.spec_rounds.fetch_add(1, Ordering::Relaxed);
+        (self.spec_drafted).fetch_add(drafted as u64, Ordering::Relaxed);
+        (self.spec_accepted).fetch_add(kept as u64, Ordering::Relaxed);
+    }
+
+    /// Counts a step where a speculating sequence drafted nothing, its draft length having
+    /// adapted to 0.
+    pub fn record_skipped_draft(&self) {
+        self.spec_skipped.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Panics where the test hook says to, standing in for a bug in a forward pass.
     pub fn fault_point(&self, req: &Request, generated: usize) {
         if generated == 1
@@ -258,6 +282,15 @@ impl Engine {
                 message,
             });
         }
+        let speculative = match config.speculative {
+            Some(spec) => Some(check_speculative(
+                spec,
+                model.as_ref(),
+                &tokenizer,
+                &config.kv,
+            )?),
+            None => None,
+        };
         let template = ChatTemplate::new(
             source,
             tokenizer.bos_token().map(str::to_owned),
@@ -278,6 +311,11 @@ impl Engine {
             running: AtomicUsize::new(0),
             steps: AtomicU64::new(0),
             step_rows: AtomicU64::new(0),
+            speculative,
+            spec_rounds: AtomicU64::new(0),
+            spec_drafted: AtomicU64::new(0),
+            spec_accepted: AtomicU64::new(0),
+            spec_skipped: AtomicU64::new(0),
             panic_marker: config.panic_marker,
             grammars: Compiler::default(),
         });
@@ -359,6 +397,18 @@ impl Engine {
             s.steps.load(Ordering::Relaxed),
             s.step_rows.load(Ordering::Relaxed),
         )
+    }
+
+    /// Speculative decoding's counters since the engine started (all 0 when it is off).
+    pub fn speculation_stats(&self) -> SpeculationStats {
+        let s = &self.shared;
+        let read = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        SpeculationStats {
+            rounds: read(&s.spec_rounds),
+            drafted: read(&s.spec_drafted),
+            accepted: read(&s.spec_accepted),
+            skipped: read(&s.spec_skipped),
+        }
     }
 
     /// The prompt cache's counters and size.
@@ -560,6 +610,36 @@ impl Engine {
             .narrow(0, positions.start.min(ids.len()), len)
             .map_err(peregrine_models::ModelError::from)?)
     }
+}
+
+/// `spec` checked against the model it drafts for: a draft model's vocabulary, and a draft
+/// length within what every cache can roll back (recurrent layers keep a few states).
+fn check_speculative(
+    mut spec: SpeculativeConfig,
+    model: &dyn CausalLm,
+    tokenizer: &Tokenizer,
+    kv: &KvOptions,
+) -> Result<SpeculativeConfig, EngineError> {
+    spec.source.check(model, tokenizer)?;
+    let recurrent = (model.cache_spec().iter()).any(|k| matches!(k, LayerKind::Recurrent { .. }));
+    let most = match recurrent {
+        true => kv
+            .recurrent_depth()
+            .min(crate::speculative::MAX_DRAFT_TOKENS),
+        false => crate::speculative::MAX_DRAFT_TOKENS,
+    };
+    if spec.max_draft > most {
+        tracing::warn!(
+            "drafting at most {most} tokens a pass, not {}: {}",
+            spec.max_draft,
+            match recurrent {
+                true => "the recurrent layers roll back no further (--recurrent-rollback)",
+                false => "the most a pass verifies",
+            }
+        );
+        spec.max_draft = most;
+    }
+    Ok(spec)
 }
 
 /// Keeps the allocator from returning activation-sized buffers to the system between forward

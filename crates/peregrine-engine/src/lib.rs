@@ -24,6 +24,7 @@ mod pacing;
 mod prompt_cache;
 mod scheduler;
 mod sequence;
+pub mod speculative;
 pub mod stop;
 pub mod tokenizer;
 
@@ -34,11 +35,16 @@ pub use engine::{Engine, EngineConfig, EventStream};
 pub use error::EngineError;
 pub use kv_budget::{LayerMemory, cache_memory};
 pub use peregrine_models::weights::MlxActivations;
-pub use peregrine_models::{ExpertOptions, KvOptions, KvQuant, LoadProgress, TurboOptions};
+pub use peregrine_models::{
+    ExpertOptions, KvOptions, KvQuant, LoadOptions, LoadProgress, TurboOptions,
+};
+/// The samplers, for callers that handle distributions (speculative drafters).
+pub use peregrine_sampling as sampling;
 pub use peregrine_sampling::{SamplingParams, TokenLogprob};
 /// The tensor layer, for callers that handle logits.
 pub use peregrine_tensor as tensor;
 pub use prompt_cache::PromptCacheStats;
+pub use speculative::{SpeculationStats, SpeculativeConfig};
 pub use tokenizer::Tokenizer;
 
 // The README's examples compile and run as doctests.

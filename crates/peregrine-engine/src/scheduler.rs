@@ -17,7 +17,7 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::Instant;
 
-use peregrine_models::{BatchSeq, ModelError};
+use peregrine_models::{BatchSeq, Logits, ModelError};
 use peregrine_tensor::device::in_compute_pool;
 
 use crate::api::{Event, FinishReason};
@@ -142,13 +142,15 @@ fn step(
             k
         })
         .collect();
+    // Speculating choices draft the tokens this pass verifies.
+    decoding.iter_mut().for_each(|d| d.draft(shared));
     let start = Instant::now();
     let pass = catch_unwind(AssertUnwindSafe(|| {
         forward(shared, prefilling, decoding, &chunks)
     }));
+    let secs = start.elapsed().as_secs_f64();
     // The pacer learns from steps without short prompts (their bump is not its doing).
     if unpaced == 0 {
-        let secs = start.elapsed().as_secs_f64();
         pacer.record(decoding.len(), chunks.iter().sum(), waiting, secs);
     }
     let rows = match pass {
@@ -180,9 +182,15 @@ fn step(
     };
     let mut rows = rows.into_iter();
     for mut d in std::mem::take(decoding) {
-        d.logits = rows.next().expect("one row per decoding choice");
+        d.rows.clear();
+        d.rows.extend(rows.by_ref().take(d.feed.len()));
+        assert_eq!(
+            d.rows.len(),
+            d.feed.len(),
+            "a row per fed token of a decoding choice"
+        );
         d.stepped();
-        advance(shared, d, decoding);
+        advance(shared, d, decoding, secs);
     }
     for (p, k) in std::mem::take(prefilling).into_iter().zip(chunks) {
         let mut p = p;
@@ -199,7 +207,7 @@ fn step(
         match p.into_choices(shared, logits) {
             Ok(choices) => choices
                 .into_iter()
-                .for_each(|d| advance(shared, d, decoding)),
+                .for_each(|d| advance(shared, d, decoding, secs)),
             Err(e) => tracing::error!("a prompt's choices could not start: {e}"),
         }
     }
@@ -207,7 +215,7 @@ fn step(
 
 /// Runs the pass: each decoding choice's next token, then each prompt's chunk (`chunks[i]`
 /// tokens of prompt `i`; 0 sits this pass out). Returns the last position's logits of each,
-/// in that order.
+/// in that order (every fed token's, for a choice verifying drafts).
 fn forward(
     shared: &Shared,
     prefilling: &mut VecDeque<Prefilling>,
@@ -215,25 +223,29 @@ fn forward(
     chunks: &[usize],
 ) -> Result<Vec<Vec<f32>>, EngineError> {
     let model = shared.model.as_ref();
-    if let ([d], true) = (&mut *decoding, chunks.iter().all(|&k| k == 0)) {
+    if let ([d], true) = (&mut *decoding, chunks.iter().all(|&k| k == 0))
+        && d.feed.len() == 1
+    {
         // One sequence decoding alone: the allocation-free step (bit-identical to forward).
-        let mut logits = std::mem::take(&mut d.logits);
-        in_compute_pool(|| model.decode(d.next[0], &mut d.cache, &mut logits))?;
+        let mut logits = d.rows.pop().unwrap_or_default();
+        in_compute_pool(|| model.decode(d.feed[0], &mut d.cache, &mut logits))?;
         return Ok(vec![logits]);
     }
     let mut batch: Vec<BatchSeq> = Vec::with_capacity(decoding.len() + chunks.len());
     for d in decoding.iter_mut() {
+        let logits = match d.feed.len() {
+            1 => Logits::Last,
+            _ => Logits::All,
+        };
         batch.push(BatchSeq {
-            tokens: &d.next,
+            tokens: &d.feed,
             cache: &mut d.cache,
+            logits,
         });
     }
     for (p, &k) in prefilling.iter_mut().zip(chunks) {
         if k > 0 {
-            batch.push(BatchSeq {
-                tokens: &p.job.ids[p.fed..p.fed + k],
-                cache: &mut p.cache,
-            });
+            batch.push(BatchSeq::last(&p.job.ids[p.fed..p.fed + k], &mut p.cache));
         }
     }
     shared.steps.fetch_add(1, Ordering::Relaxed);
@@ -244,9 +256,10 @@ fn forward(
     Ok(logits.to_vec2::<f32>().map_err(ModelError::from)?)
 }
 
-/// Samples `d`'s next token; keeps it in `decoding` unless it is done.
-fn advance(shared: &Shared, mut d: Decoding, decoding: &mut Vec<Decoding>) {
-    match catch_unwind(AssertUnwindSafe(|| d.advance(shared))) {
+/// Samples `d`'s next token (or verifies its drafts) after a pass of `secs`; keeps it in
+/// `decoding` unless it is done.
+fn advance(shared: &Shared, mut d: Decoding, decoding: &mut Vec<Decoding>, secs: f64) {
+    match catch_unwind(AssertUnwindSafe(|| d.advance(shared, secs))) {
         Ok(Ok(None)) => decoding.push(d),
         Ok(Ok(Some(finish))) => end(shared, d, Ok(finish)),
         Ok(Err(e)) => end(shared, d, Err(e)),

@@ -3,12 +3,13 @@
 //! logits arrive; each choice then samples a token per step, with stop strings and
 //! incremental detokenization, until EOS, a stop string, the token budget or cancellation.
 
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use peregrine_models::{CausalLm, KvOptions, Logits, ModelError, SequenceCache};
-use peregrine_sampling::{Sampler, token_logprobs};
+use peregrine_sampling::{Distribution, Sampler, Verdict, token_logprobs};
 use peregrine_tensor::Tensor;
 use peregrine_tensor::device::in_compute_pool;
 
@@ -18,6 +19,7 @@ use crate::detok::{IncrementalDetokenizer, PROMPT_TAIL};
 use crate::engine::{ChoiceSink, Job, Shared};
 use crate::error::EngineError;
 use crate::kv_budget::KvGauge;
+use crate::speculative::Speculation;
 use crate::stop::StopMatcher;
 
 /// Runs the prompt through the model in chunks of `prefill_size`, returning the last
@@ -157,7 +159,11 @@ impl Prefilling {
                     KvGauge::holding(&shared.live_kv, cache.bytes())
                 }
             };
+            let speculation = (shared.speculative.as_ref())
+                .filter(|_| request.speculative && request.constraint.is_none())
+                .map(|config| Speculation::start(config, &sampling, &kv));
             out.push(Decoding {
+                spec: speculation,
                 detok: IncrementalDetokenizer::new(&ids[ids.len().saturating_sub(PROMPT_TAIL)..]),
                 stop: StopMatcher::new(&request.stop),
                 sampler: Sampler::new(sampling),
@@ -171,9 +177,9 @@ impl Prefilling {
                 _reservation: self.reservation.clone(),
                 cached: self.cached,
                 budget,
-                logits: logits.clone(),
+                rows: vec![logits.clone()],
                 generated: Vec::new(),
-                next: [0],
+                feed: Vec::new(),
                 timings,
                 started: self.started,
                 decode_started: None,
@@ -183,8 +189,9 @@ impl Prefilling {
     }
 }
 
-/// One choice generating: it holds the logits of its last position until the scheduler asks
-/// for the next token ([`advance`](Self::advance)).
+/// One choice generating: it holds the logits of its last position (or of every position a
+/// speculative pass ran) until the scheduler asks for the next token
+/// ([`advance`](Self::advance)).
 pub(crate) struct Decoding {
     request: Arc<Request>,
     ids: Arc<[u32]>,
@@ -195,36 +202,136 @@ pub(crate) struct Decoding {
     _reservation: Arc<KvGauge>,
     cached: usize,
     budget: usize,
-    /// The last position's logits (sampling rewrites them in place).
-    pub logits: Vec<f32>,
+    /// The logits of each position the last pass ran for it: one row, or one per token of
+    /// `feed` when it carried drafts (sampling rewrites them in place).
+    pub rows: Vec<Vec<f32>>,
     sampler: Sampler,
     /// Where the choice stands in its grammar, for constrained output.
     matcher: Option<ChoiceMatcher>,
     detok: IncrementalDetokenizer,
     stop: StopMatcher,
     generated: Vec<u32>,
-    /// The token the next step feeds.
-    pub next: [u32; 1],
+    /// The tokens the next step feeds: the last token chosen, then any drafted after it.
+    pub feed: Vec<u32>,
+    /// Drafting state, when this choice decodes speculatively.
+    spec: Option<Speculation>,
     timings: Timings,
     started: Instant,
     decode_started: Option<Instant>,
 }
 
 impl Decoding {
-    /// Samples a token from `self.logits` and sends it. `Ok(None)`: the token goes into the
-    /// next step (`self.next`); `Ok(Some(finish))`: the choice is over (not yet finished:
-    /// call [`finish`](Self::finish)).
-    pub fn advance(&mut self, shared: &Shared) -> Result<Option<FinishReason>, EngineError> {
+    /// Drafts the tokens the next pass verifies after `feed[0]`, when this choice speculates
+    /// and its draft length and token budget leave room.
+    pub fn draft(&mut self, shared: &Shared) {
+        self.feed.truncate(1);
+        let Some(spec) = &mut self.spec else { return };
+        // The pass's tokens all fit the budget: kept drafts and the bonus token after them.
+        let room = self.budget.saturating_sub(self.generated.len() + 1);
+        let drafted = catch_unwind(AssertUnwindSafe(|| {
+            (spec.draft(&self.ids, &self.generated, room, shared)).map(<[u32]>::to_vec)
+        }));
+        let drafted =
+            drafted.unwrap_or_else(|_| Err(EngineError::Internal("a drafter panicked".into())));
+        match drafted {
+            Ok(drafts) => self.feed.extend_from_slice(&drafts),
+            Err(e) => {
+                tracing::warn!("drafting failed; the sequence goes on without: {e}");
+                self.spec = None;
+            }
+        }
+    }
+
+    /// Chooses the next token(s) from `self.rows` and sends them: one sampled token, or the
+    /// verified drafts of a speculative pass and the token after them. `step_secs` is the
+    /// pass's time. `Ok(None)`: `feed[0]` goes into the next step; `Ok(Some(finish))`: the
+    /// choice is over (not yet finished: call [`finish`](Self::finish)).
+    pub fn advance(
+        &mut self,
+        shared: &Shared,
+        step_secs: f64,
+    ) -> Result<Option<FinishReason>, EngineError> {
         if self.sink.cancelled() {
             return Ok(Some(FinishReason::Cancelled));
         }
-        let req = &self.request;
-        // Logprobs are reported on the raw distribution; sampling rewrites `logits` in place.
-        let raw = req.logprobs.map(|_| self.logits.clone());
-        if let Some(m) = &mut self.matcher {
-            m.mask(&mut self.logits)?;
+        if self.feed.len() > 1 {
+            return self.advance_drafted(shared, step_secs);
         }
-        let token = (self.sampler).sample(&mut self.logits, &self.ids, &self.generated);
+        if let Some(spec) = self.spec.as_mut().filter(|_| !self.generated.is_empty()) {
+            spec.record(0, 0, step_secs);
+        }
+        let mut logits = std::mem::take(&mut self.rows[0]);
+        // Logprobs are reported on the raw distribution; sampling rewrites `logits` in place.
+        let raw = self.request.logprobs.map(|_| logits.clone());
+        if let Some(m) = &mut self.matcher {
+            m.mask(&mut logits)?;
+        }
+        let token = (self.sampler).sample(&mut logits, &self.ids, &self.generated);
+        self.rows[0] = logits;
+        self.emit(shared, token, raw.as_deref())
+    }
+
+    /// Verifies the drafted tokens of `feed` against the pass's rows, in order: each kept
+    /// token is sent; the first rejected one is replaced and the cache trimmed back to it;
+    /// when all are kept, a bonus token is drawn from the last row.
+    fn advance_drafted(
+        &mut self,
+        shared: &Shared,
+        step_secs: f64,
+    ) -> Result<Option<FinishReason>, EngineError> {
+        let drafted = self.feed.len() - 1;
+        let drafts: Vec<u32> = self.feed[1..].to_vec();
+        let mut spec = self
+            .spec
+            .take()
+            .expect("drafts come from a speculating choice");
+        let mut kept = 0;
+        let mut dist = Distribution::default();
+        let mut outcome = Ok(None);
+        for i in 0..=drafted {
+            let mut row = std::mem::take(&mut self.rows[i]);
+            let raw = self.request.logprobs.map(|_| row.clone());
+            (self.sampler).distribution(&mut row, &self.ids, &self.generated, &mut dist);
+            let (token, stands) = match drafts.get(i) {
+                Some(&t) => match self.sampler.verify(&dist, t, spec.proposal_dist(i)) {
+                    Verdict::Accept => (t, true),
+                    Verdict::Replace(r) => (r, false),
+                },
+                None => (
+                    dist.point()
+                        .unwrap_or_else(|| self.sampler.draw_from(&dist)),
+                    false,
+                ),
+            };
+            if stands {
+                kept += 1;
+            } else if i < drafted {
+                // The cache ran every draft: forget those from the rejected one on.
+                if let Err(e) = self.cache.trim(drafted - i) {
+                    outcome = Err(ModelError::from(e).into());
+                    break;
+                }
+            }
+            outcome = self.emit(shared, token, raw.as_deref());
+            if !stands || !matches!(outcome, Ok(None)) {
+                break;
+            }
+        }
+        spec.record(drafted, kept, step_secs);
+        shared.record_speculation(drafted, kept);
+        self.spec = Some(spec);
+        outcome
+    }
+
+    /// Sends `token` (chosen from logits `raw`, when logprobs are asked for) and decides
+    /// whether the choice goes on.
+    fn emit(
+        &mut self,
+        shared: &Shared,
+        token: u32,
+        raw: Option<&[f32]>,
+    ) -> Result<Option<FinishReason>, EngineError> {
+        let req = &self.request;
         self.generated.push(token);
         if self.generated.len() == 1 {
             self.timings.time_to_first_token = self.started.elapsed();
@@ -262,7 +369,8 @@ impl Decoding {
             return Ok(Some(FinishReason::Length));
         }
         shared.fault_point(req, self.generated.len());
-        self.next = [token];
+        self.feed.clear();
+        self.feed.push(token);
         Ok(None)
     }
 
@@ -303,9 +411,14 @@ impl Decoding {
         // The cache holds the prompt and every generated token but the last (never fed back).
         let mut held: Vec<u32> = self.ids.iter().chain(&self.generated).copied().collect();
         held.truncate(self.cache.len());
+        // A choice that ended on a kept draft has run drafts past it.
+        let excess = self.cache.len() - held.len();
+        let whole = excess == 0 || self.cache.trim(excess).is_ok();
         self.gauge.set(0);
         let stop_string = self.stop.matched().map(str::to_string);
-        shared.prompt_cache.store(held, self.cache, self.kv);
+        if whole {
+            shared.prompt_cache.store(held, self.cache, self.kv);
+        }
         let _ = self.sink.events.send(Event::Done {
             finish,
             usage,

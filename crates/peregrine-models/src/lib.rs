@@ -47,14 +47,15 @@ pub trait CausalLm: Send + Sync {
     /// logits `[positions, vocab]` for the positions `want` selects.
     fn forward(&self, tokens: &[u32], cache: &mut SequenceCache, want: Logits) -> Result<Tensor>;
     /// Runs several sequences' next tokens (decode steps and prefill chunks mixed) in one
-    /// pass and returns f32 logits `[sequences, vocab]` for each one's last new position.
+    /// pass and returns f32 logits `[rows, vocab]`: each sequence's last new position, or all
+    /// of its new positions where its [`BatchSeq::logits`] asks (in batch order).
     /// Matmuls run on the stacked rows of all sequences, so weights are read once per pass;
     /// attention runs per sequence over its own cache. A sequence's logits equal those of its
     /// own [`forward`](Self::forward) (bit for bit on the CPU's batch-invariant kernels). This
     /// default runs `forward` per sequence.
     fn forward_batch(&self, batch: &mut [BatchSeq]) -> Result<Tensor> {
         let rows = (batch.iter_mut())
-            .map(|s| self.forward(s.tokens, s.cache, Logits::Last))
+            .map(|s| self.forward(s.tokens, s.cache, s.logits))
             .collect::<Result<Vec<_>>>()?;
         Ok(Tensor::cat(&rows, 0)?)
     }

@@ -137,10 +137,7 @@ fn a_batched_pass_equals_each_sequences_own() {
                 .enumerate()
                 .filter_map(|(s, c)| (sizes[s] > 0).then_some((c, s)))
             {
-                batch.push(BatchSeq {
-                    tokens: &ids[s][at[s]..at[s] + sizes[s]],
-                    cache,
-                });
+                batch.push(BatchSeq::last(&ids[s][at[s]..at[s] + sizes[s]], cache));
             }
             let got = model.forward_batch(&mut batch).unwrap();
             for (row, (s, range)) in spans.iter().enumerate() {

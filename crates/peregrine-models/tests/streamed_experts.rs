@@ -270,14 +270,8 @@ fn sequences_of_different_top_k_share_a_batched_pass() {
     let (short, long) = (&ids[..ids.len() - 3], &ids[..]);
     let (mut own, mut one) = (new_cache(None), new_cache(Some(1)));
     let batch = &mut [
-        BatchSeq {
-            tokens: short,
-            cache: &mut own,
-        },
-        BatchSeq {
-            tokens: long,
-            cache: &mut one,
-        },
+        BatchSeq::last(short, &mut own),
+        BatchSeq::last(long, &mut one),
     ];
     let rows = model
         .forward_batch(batch)

@@ -17,7 +17,7 @@ mod sampler;
 pub use logprobs::{TokenLogprob, logsumexp, token_logprobs};
 pub use params::{MAX_TEMPERATURE, PENALTY_RANGE, SamplingError, SamplingParams};
 pub use rng::Rng;
-pub use sampler::{Sampler, argmax};
+pub use sampler::{Distribution, Sampler, Verdict, argmax};
 
 // The README's examples compile and run as doctests.
 #[cfg(doctest)]

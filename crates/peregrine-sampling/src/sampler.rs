@@ -180,13 +180,30 @@ impl Sampler {
 
     /// Temperature, top-k, top-p, min-p, then a draw proportional to the remaining mass.
     fn draw(&mut self, logits: &[f32]) -> u32 {
+        let Some(total) = self.filter(logits) else {
+            return argmax(logits);
+        };
+        let mut u = self.rng.next_f64() * total;
+        for c in &self.cand {
+            u -= c.1 as f64;
+            if u < 0.0 {
+                return c.0;
+            }
+        }
+        // Rounding left a sliver of mass after the last candidate.
+        self.cand.last().map_or_else(|| argmax(logits), |c| c.0)
+    }
+
+    /// Temperature, top-k, top-p and min-p: leaves the surviving candidates in `self.cand`
+    /// with their weights and returns the weights' sum; `None` when the distribution is a
+    /// point mass on the argmax (everything masked, or an infinite logit).
+    fn filter(&mut self, logits: &[f32]) -> Option<f64> {
         let max = logits
             .iter()
             .copied()
             .fold(f32::NEG_INFINITY, |m, l| if l > m { l } else { m });
         if !max.is_finite() {
-            // Everything masked, or an infinite logit: the distribution is a point mass.
-            return argmax(logits);
+            return None;
         }
         let inv_t = 1.0 / self.params.temperature;
         let scaled = logits
@@ -210,16 +227,140 @@ impl Sampler {
             self.cand.retain(|c| c.1 >= min_p);
             total = self.cand.iter().map(|c| c.1 as f64).sum();
         }
-        let mut u = self.rng.next_f64() * total;
-        for c in &self.cand {
-            u -= c.1 as f64;
-            if u < 0.0 {
-                return c.0;
+        Some(total)
+    }
+
+    /// The distribution [`sample`](Self::sample) draws from at this position, into `out`:
+    /// penalties applied to `logits` in place as `sample` does, then temperature and the
+    /// filters (a point mass on the argmax when greedy). Speculative decoding compares the
+    /// target's and the draft's.
+    pub fn distribution(
+        &mut self,
+        logits: &mut [f32],
+        prompt_tokens: &[u32],
+        generated: &[u32],
+        out: &mut Distribution,
+    ) {
+        self.apply_penalties(logits, prompt_tokens, generated);
+        out.probs.clear();
+        let total = match self.params.is_greedy() {
+            true => None,
+            false => self.filter(logits),
+        };
+        match total {
+            Some(total) if total > 0.0 => {
+                let inv = 1.0 / total;
+                (out.probs).extend(self.cand.iter().map(|c| (c.0, (c.1 as f64 * inv) as f32)));
+                out.probs.sort_unstable_by_key(|c| c.0);
+            }
+            _ => out.probs.push((argmax(logits), 1.0)),
+        }
+    }
+
+    /// A token drawn from `dist`.
+    pub fn draw_from(&mut self, dist: &Distribution) -> u32 {
+        let u = self.rng.next_f64();
+        dist.pick(u, |_, p| p as f64)
+    }
+
+    /// Speculative verification of `token`, drafted from `proposal` (`None`: proposed
+    /// deterministically, as prompt lookup does), against the target's distribution at that
+    /// position: kept with probability `min(1, p/q)`, otherwise replaced by a draw from the
+    /// normalized `max(0, p − q)`. The emitted token is then distributed exactly as `target`
+    /// (Leviathan et al., 2023). A point-mass target (greedy) keeps `token` only if it is
+    /// the argmax, and draws nothing.
+    pub fn verify(
+        &mut self,
+        target: &Distribution,
+        token: u32,
+        proposal: Option<&Distribution>,
+    ) -> Verdict {
+        if let Some(only) = target.point() {
+            return match only == token {
+                true => Verdict::Accept,
+                false => Verdict::Replace(only),
+            };
+        }
+        let q_of = |t: u32| match proposal {
+            Some(d) => d.prob(t),
+            None => f32::from(t == token),
+        };
+        let (p, q) = (target.prob(token), q_of(token));
+        // q is 0 only for a proposal that did not come from its distribution: treat it as
+        // deterministic.
+        let ratio = if q > 0.0 {
+            p as f64 / q as f64
+        } else {
+            p as f64
+        };
+        if self.rng.next_f64() < ratio {
+            return Verdict::Accept;
+        }
+        let residual = |t: u32, p: f32| (p - q_of(t)).max(0.0) as f64;
+        let total: f64 = target.probs.iter().map(|&(t, p)| residual(t, p)).sum();
+        let u = self.rng.next_f64();
+        match total > 0.0 {
+            true => Verdict::Replace(target.pick(u, residual)),
+            // Rounding left no residual mass (p ≤ q everywhere): p itself is the fallback.
+            false => Verdict::Replace(target.pick(u, |_, p| p as f64)),
+        }
+    }
+}
+
+/// A next-token distribution after the sampler's processing: the tokens that can be drawn and
+/// their probabilities (summing to 1), by token id.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Distribution {
+    probs: Vec<(u32, f32)>,
+}
+
+impl Distribution {
+    /// The tokens that can be drawn and their probabilities, by token id.
+    pub fn probs(&self) -> &[(u32, f32)] {
+        &self.probs
+    }
+
+    /// The probability of `token` (0 outside the support).
+    pub fn prob(&self, token: u32) -> f32 {
+        (self.probs.binary_search_by_key(&token, |c| c.0)).map_or(0.0, |i| self.probs[i].1)
+    }
+
+    /// The only token that can be drawn, for a point mass (greedy).
+    pub fn point(&self) -> Option<u32> {
+        match self.probs.as_slice() {
+            [(t, _)] => Some(*t),
+            _ => None,
+        }
+    }
+
+    /// The token where `u` (uniform in [0, 1)) falls among the weights `w(token, p)`, scaled
+    /// to their sum.
+    fn pick(&self, u: f64, w: impl Fn(u32, f32) -> f64) -> u32 {
+        let total: f64 = self.probs.iter().map(|&(t, p)| w(t, p)).sum();
+        let mut left = u * total;
+        let mut last = self.probs.first().map_or(0, |c| c.0);
+        for &(t, p) in &self.probs {
+            let wt = w(t, p);
+            if wt > 0.0 {
+                last = t;
+                left -= wt;
+                if left < 0.0 {
+                    return t;
+                }
             }
         }
-        // Rounding left a sliver of mass after the last candidate.
-        self.cand.last().map_or_else(|| argmax(logits), |c| c.0)
+        // Rounding left a sliver of mass after the last candidate with weight.
+        last
     }
+}
+
+/// What speculative verification made of a drafted token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// The drafted token stands.
+    Accept,
+    /// It was rejected; this token takes its place (and drafting restarts after it).
+    Replace(u32),
 }
 
 /// Keeps the smallest most-likely prefix of weighted candidates whose mass reaches `top_p` of

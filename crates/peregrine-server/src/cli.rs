@@ -3,6 +3,7 @@
 use std::io::Write;
 use std::ops::Range;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use clap::builder::{PossibleValuesParser, TypedValueParser};
@@ -10,9 +11,11 @@ use clap::{Args, Parser, Subcommand};
 use peregrine_engine::tensor::device::parse_device;
 use peregrine_engine::tensor::{DType, error_message};
 use peregrine_engine::{
-    ChatMessage, Engine, EngineConfig, Event, ExpertOptions, KvOptions, KvQuant, LoadProgress,
-    MlxActivations, Prompt, Request, SamplingParams, TurboOptions,
+    ChatMessage, Engine, EngineConfig, Event, ExpertOptions, KvOptions, KvQuant, LoadOptions,
+    LoadProgress, MlxActivations, Prompt, Request, SamplingParams, SpeculativeConfig, TurboOptions,
 };
+
+use peregrine_engine::speculative::{DraftModel, DraftSource, PromptLookup};
 
 use crate::hub::resolve_model;
 
@@ -130,6 +133,24 @@ pub struct ModelArgs {
     /// the output away from the model's: a quality trade, measured in docs/benchmarks.md.
     #[arg(long)]
     pub moe_top_k: Option<usize>,
+    /// Speculative decoding with this draft model (a GGUF file or checkpoint folder sharing
+    /// the model's tokenizer): it drafts `--num-draft-tokens` tokens, the model verifies them
+    /// in one pass; output is distributed exactly as without it (identical when greedy).
+    #[arg(long, conflicts_with = "spec_ngram")]
+    pub draft_model: Option<String>,
+    /// Speculative decoding by prompt lookup: drafts what followed an earlier occurrence of
+    /// the context's last tokens (no second model; pays off where output repeats the input,
+    /// as edits and code do).
+    #[arg(long)]
+    pub spec_ngram: bool,
+    /// Most tokens drafted per pass; fewer (or none) while the measured acceptance and cost
+    /// say drafting loses, unless `--draft-fixed`.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u8).range(1..=16)
+        .map(usize::from))]
+    pub num_draft_tokens: usize,
+    /// Always draft `--num-draft-tokens` (no adaptation; for measurements).
+    #[arg(long)]
+    pub draft_fixed: bool,
 }
 
 impl ModelArgs {
@@ -178,12 +199,45 @@ impl ModelArgs {
         let device = parse_device(&self.device)
             .map_err(|e| anyhow::anyhow!("--device {}: {}", self.device, error_message(&e)))?;
         let progress = std::sync::Arc::new(LoadProgress::default());
+        let speculative = self.speculative(&device, &config)?;
         let config = EngineConfig {
             device,
             load_progress: Some(progress.clone()),
+            speculative,
             ..config
         };
         crate::progress::show(&path, progress, || Engine::load(&path, config)).map_err(Into::into)
+    }
+
+    /// The drafter the speculative flags ask for, a draft model loaded on `device`.
+    fn speculative(
+        &self,
+        device: &peregrine_engine::tensor::Device,
+        config: &EngineConfig,
+    ) -> Result<Option<SpeculativeConfig>> {
+        let source: Arc<dyn DraftSource> = match (&self.draft_model, self.spec_ngram) {
+            (Some(draft), _) => {
+                let path = resolve_model(draft)?;
+                let opts = LoadOptions {
+                    device: device.clone(),
+                    max_context: config.max_context,
+                    mlx_activations: config.mlx_activations,
+                    experts: ExpertOptions::default(),
+                    progress: None,
+                };
+                let model = DraftModel::load(&path, &opts, config.prefill_size)
+                    .map_err(|e| anyhow::anyhow!("--draft-model {draft}: {e}"))?;
+                tracing::info!("drafting with {}", path.display());
+                Arc::new(model)
+            }
+            (None, true) => Arc::new(PromptLookup::default()),
+            (None, false) => return Ok(None),
+        };
+        Ok(Some(SpeculativeConfig {
+            source,
+            max_draft: self.num_draft_tokens,
+            adaptive: !self.draft_fixed,
+        }))
     }
 
     /// Loads the engine the arguments describe.

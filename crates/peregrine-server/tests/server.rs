@@ -367,3 +367,41 @@ fn think_blocks_go_to_reasoning_content() {
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The server: a request may opt out (`"speculative": false`, and a non-boolean is a 400
+/// naming the field), and `/metrics` counts drafted and kept tokens.
+#[test]
+fn the_server_reports_speculation_and_lets_a_request_opt_out() {
+    let server = Server::start(&["--spec-ngram", "--draft-fixed"]);
+    let body = |speculative: serde_json::Value| {
+        json!({
+            "model": "tiny",
+            "prompt": "one two three one two three one two",
+            "max_tokens": 24,
+            "temperature": 0,
+            "speculative": speculative,
+        })
+    };
+    let drafted = |server: &Server| {
+        let text = server.get("/metrics").body;
+        let line = (text.lines())
+            .find(|l| l.starts_with("peregrine_speculative_drafted_tokens_total "))
+            .unwrap_or_else(|| panic!("no drafted counter in {text}"))
+            .to_string();
+        line.split(' ').nth(1).unwrap().parse::<u64>().unwrap()
+    };
+    let off = server.post("/v1/completions", &body(json!(false)));
+    assert_eq!(off.status, 200, "{}", off.body);
+    assert_eq!(drafted(&server), 0, "an opted-out request drafts nothing");
+    let on = server.post("/v1/completions", &body(json!(true)));
+    assert_eq!(on.status, 200);
+    assert!(drafted(&server) > 0);
+    assert_eq!(
+        on.json()["choices"][0]["text"],
+        off.json()["choices"][0]["text"],
+        "greedy text is the same either way"
+    );
+    let bad = server.post("/v1/completions", &body(json!("yes")));
+    assert_eq!(bad.status, 400);
+    assert_eq!(bad.json()["error"]["param"], "speculative");
+}

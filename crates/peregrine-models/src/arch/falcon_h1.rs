@@ -16,7 +16,7 @@ use peregrine_tensor::{DType, Device, Embedding, QLinear, RotaryEmbedding, Tenso
 
 use crate::config::Fields;
 use crate::layers::attention::Attention;
-use crate::layers::batch::{BatchSeq, Segment, check_batch, last_logits, run_layers, stacked_ids};
+use crate::layers::batch::{BatchSeq, Segment, batch_logits, check_batch, run_layers, stacked_ids};
 use crate::layers::decoder::SelfAttention;
 use crate::layers::ssm::{Mamba2Mixer, SsmConfig};
 use crate::weights::gguf_config::GgufMeta;
@@ -253,7 +253,7 @@ impl CausalLm for FalconH1Lm {
 
     fn forward(&self, tokens: &[u32], cache: &mut SequenceCache, want: Logits) -> Result<Tensor> {
         let eps = self.config.rms_norm_eps as f32;
-        let x = self.hidden(&mut [BatchSeq { tokens, cache }])?;
+        let x = self.hidden(&mut [BatchSeq::last(tokens, cache)])?;
         let logits = crate::layers::output_logits(&x, want, &self.norm, eps, &self.lm_head)?;
         Ok((logits * self.m.lm_head)?)
     }
@@ -261,7 +261,7 @@ impl CausalLm for FalconH1Lm {
     fn forward_batch(&self, batch: &mut [BatchSeq]) -> Result<Tensor> {
         let eps = self.config.rms_norm_eps as f32;
         let x = self.hidden(batch)?;
-        let logits = last_logits(&x, batch, &self.norm, eps, &self.lm_head)?;
+        let logits = batch_logits(&x, batch, &self.norm, eps, &self.lm_head)?;
         Ok((logits * self.m.lm_head)?)
     }
 

@@ -10,7 +10,7 @@ use peregrine_tensor::ops::rms_norm;
 use peregrine_tensor::{DType, Device, Embedding, QLinear, Tensor};
 
 use crate::config::Fields;
-use crate::layers::batch::{BatchSeq, Segment, check_batch, last_logits, run_layers, stacked_ids};
+use crate::layers::batch::{BatchSeq, Segment, batch_logits, check_batch, run_layers, stacked_ids};
 use crate::layers::ssm::{Mamba2Mixer, SsmConfig};
 use crate::weights::Weights;
 use crate::weights::gguf_config::GgufMeta;
@@ -193,14 +193,14 @@ impl CausalLm for Mamba2Lm {
 
     fn forward(&self, tokens: &[u32], cache: &mut SequenceCache, want: Logits) -> Result<Tensor> {
         let eps = self.config.rms_norm_eps as f32;
-        let x = self.hidden(&mut [BatchSeq { tokens, cache }])?;
+        let x = self.hidden(&mut [BatchSeq::last(tokens, cache)])?;
         crate::layers::output_logits(&x, want, &self.norm_f, eps, &self.lm_head)
     }
 
     fn forward_batch(&self, batch: &mut [BatchSeq]) -> Result<Tensor> {
         let eps = self.config.rms_norm_eps as f32;
         let x = self.hidden(batch)?;
-        last_logits(&x, batch, &self.norm_f, eps, &self.lm_head)
+        batch_logits(&x, batch, &self.norm_f, eps, &self.lm_head)
     }
 
     fn device(&self) -> &Device {

@@ -8,7 +8,7 @@ use peregrine_kv::{LayerCache, SequenceCache};
 use peregrine_tensor::ops::rms_norm;
 use peregrine_tensor::{DType, QLinear, Tensor};
 
-use crate::Result;
+use crate::{Logits, Result};
 
 /// One sequence of a batched forward pass: its next tokens and its cache.
 pub struct BatchSeq<'a> {
@@ -16,6 +16,28 @@ pub struct BatchSeq<'a> {
     pub tokens: &'a [u32],
     /// The sequence's cache; the pass appends the tokens' keys and values.
     pub cache: &'a mut SequenceCache,
+    /// Which of its positions' logits the pass returns: the last (generation) or all of them
+    /// (a speculative draft's verification).
+    pub logits: Logits,
+}
+
+impl<'a> BatchSeq<'a> {
+    /// `tokens` after what `cache` holds, returning the last position's logits.
+    pub fn last(tokens: &'a [u32], cache: &'a mut SequenceCache) -> Self {
+        Self {
+            tokens,
+            cache,
+            logits: Logits::Last,
+        }
+    }
+
+    /// How many rows of logits the pass returns for this sequence.
+    pub fn logit_rows(&self) -> usize {
+        match self.logits {
+            Logits::Last => 1,
+            Logits::All => self.tokens.len(),
+        }
+    }
 }
 
 /// One sequence's rows in a layer of a batched pass: that layer's cache, the position of its
@@ -92,24 +114,26 @@ pub fn per_segment(
     }
 }
 
-/// The output head on each sequence's last row of `x` (`[1, rows, hidden]`): the final
-/// RMSNorm and `lm_head`, f32 `[sequences, vocab]`.
-pub fn last_logits(
+/// The output head on the rows of `x` (`[1, rows, hidden]`) each sequence asks for (its last,
+/// or all of them): the final RMSNorm and `lm_head`, f32 `[rows asked, vocab]` in batch order.
+pub fn batch_logits(
     x: &Tensor,
     batch: &[BatchSeq],
     norm: &Tensor,
     eps: f32,
     lm_head: &QLinear,
 ) -> Result<Tensor> {
-    let mut end = 0u32;
-    let last: Vec<u32> = (batch.iter())
-        .map(|s| {
-            end += s.tokens.len() as u32;
-            end - 1
-        })
-        .collect();
-    let idx = Tensor::new(last.as_slice(), x.device())?;
-    let x = x.index_select(&idx, 1)?; // [1, sequences, hidden]
+    let mut rows = Vec::with_capacity(batch.len());
+    let mut start = 0u32;
+    for s in batch {
+        let end = start + s.tokens.len() as u32;
+        rows.extend(end - s.logit_rows() as u32..end);
+        start = end;
+    }
+    let x = match rows.len() as u32 == start {
+        true => x.clone(),
+        false => x.index_select(&Tensor::new(rows.as_slice(), x.device())?, 1)?,
+    };
     let logits = lm_head.forward(&rms_norm(&x, norm, eps)?)?;
     Ok(logits.squeeze(0)?.to_dtype(DType::F32)?)
 }

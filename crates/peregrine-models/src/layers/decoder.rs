@@ -10,7 +10,7 @@ use peregrine_tensor::{DType, Device, Embedding, QLinear, RotaryEmbedding, Tenso
 
 use crate::layers::attention::Attention;
 use crate::layers::batch::{
-    BatchSeq, Segment, check_batch, last_logits, moe_limits, run_layers, stacked_ids,
+    BatchSeq, Segment, batch_logits, check_batch, moe_limits, run_layers, stacked_ids,
 };
 use crate::layers::mlp::GatedMlp;
 use crate::layers::moe::Ffn;
@@ -200,14 +200,14 @@ impl<A: SelfAttention + 'static> CausalLm for DecoderLm<A> {
 
     fn forward(&self, tokens: &[u32], cache: &mut SequenceCache, want: Logits) -> Result<Tensor> {
         let eps = self.config.rms_norm_eps as f32;
-        let x = self.hidden(&mut [BatchSeq { tokens, cache }])?;
+        let x = self.hidden(&mut [BatchSeq::last(tokens, cache)])?;
         super::output_logits(&x, want, &self.norm, eps, &self.lm_head)
     }
 
     fn forward_batch(&self, batch: &mut [BatchSeq]) -> Result<Tensor> {
         let eps = self.config.rms_norm_eps as f32;
         let x = self.hidden(batch)?;
-        last_logits(&x, batch, &self.norm, eps, &self.lm_head)
+        batch_logits(&x, batch, &self.norm, eps, &self.lm_head)
     }
 
     fn decode(&self, token: u32, cache: &mut SequenceCache, logits: &mut Vec<f32>) -> Result<()> {

@@ -24,8 +24,9 @@ use peregrine_models::ModelConfig;
 use peregrine_models::config::{Fields, read_json_object};
 use peregrine_models::weights::gguf_name;
 
-/// `--type` values: llama.cpp's 32-element block types that candle quantizes on the CPU.
-pub const TYPES: [&str; 5] = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"];
+/// `--type` values: llama.cpp's 32-element block types that candle quantizes on the CPU, and
+/// plain f16 / f32.
+pub const TYPES: [&str; 7] = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "f16", "f32"];
 
 fn ggml_type(name: &str) -> Result<(GgmlDType, u32)> {
     // The second value is llama.cpp's `general.file_type` (LLAMA_FTYPE_MOSTLY_*).
@@ -35,6 +36,8 @@ fn ggml_type(name: &str) -> Result<(GgmlDType, u32)> {
         "q8_0" => (GgmlDType::Q8_0, 7),
         "q5_0" => (GgmlDType::Q5_0, 8),
         "q5_1" => (GgmlDType::Q5_1, 9),
+        "f32" => (GgmlDType::F32, 0),
+        "f16" => (GgmlDType::F16, 1),
         other => bail!("--type {other}: supported are {}", TYPES.join(", ")),
     })
 }
@@ -429,6 +432,9 @@ pub fn run(model: &Path, out: &Path, type_name: &str) -> Result<()> {
     if out.exists() {
         bail!("{}: already exists", out.display());
     }
+    if model.is_file() {
+        return convert(model, out, qtype, file_type, type_name);
+    }
     let config = read_config(model)?;
     let mut metadata = model_metadata(&config, file_type)?;
     metadata.extend(super::gguf_tokenizer::tokenizer_metadata(
@@ -498,6 +504,66 @@ pub fn run(model: &Path, out: &Path, type_name: &str) -> Result<()> {
         tensors.insert("rope_freqs.weight".into(), freqs);
         kept += 1;
     }
+    write(out, &metadata, &tensors)?;
+    eprintln!(
+        "wrote {}: {quantized} tensors as {type_name}, {kept} as f32",
+        out.display()
+    );
+    Ok(())
+}
+
+/// Rewrites the GGUF file `model` with its matrices as `qtype` (dequantized first), the rest
+/// and every metadata key as they are: an f32 or f16 copy of a quantized file, for example.
+fn convert(
+    model: &Path,
+    out: &Path,
+    qtype: GgmlDType,
+    file_type: u32,
+    type_name: &str,
+) -> Result<()> {
+    let mut file =
+        std::fs::File::open(model).with_context(|| format!("{}: cannot open", model.display()))?;
+    let content = gguf_file::Content::read(&mut file)
+        .with_context(|| format!("{}: not a GGUF file", model.display()))?;
+    let mut metadata: Vec<(String, Value)> = (content.metadata.iter())
+        .filter(|(k, _)| k.as_str() != "general.file_type")
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    metadata.push(("general.file_type".into(), Value::U32(file_type)));
+    let (mut converted, mut kept) = (0, 0);
+    let mut tensors = BTreeMap::new();
+    for name in content.tensor_infos.keys() {
+        let t = (content.tensor(&mut file, name, &Device::Cpu))
+            .with_context(|| format!("{}: tensor `{name}`", model.display()))?;
+        let dims = t.shape().dims().to_vec();
+        let fits = dims.last().is_some_and(|d| d % qtype.block_size() == 0);
+        let q = match dims.len() >= 2 && fits && t.dtype() != qtype {
+            true => {
+                converted += 1;
+                QTensor::quantize(&t.dequantize(&Device::Cpu)?, qtype)
+                    .with_context(|| format!("tensor `{name}`"))?
+            }
+            false => {
+                kept += 1;
+                t
+            }
+        };
+        tensors.insert(name.clone(), q);
+    }
+    write(out, &metadata, &tensors)?;
+    eprintln!(
+        "wrote {}: {converted} tensors as {type_name}, {kept} as they were",
+        out.display()
+    );
+    Ok(())
+}
+
+/// Writes a GGUF file of `metadata` and `tensors`.
+fn write(
+    out: &Path,
+    metadata: &[(String, Value)],
+    tensors: &BTreeMap<String, QTensor>,
+) -> Result<()> {
     let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -509,10 +575,5 @@ pub fn run(model: &Path, out: &Path, type_name: &str) -> Result<()> {
     );
     gguf_file::write(&mut f, &md, &ts)
         .and_then(|()| std::io::Write::flush(&mut f).map_err(Into::into))
-        .with_context(|| format!("{}: cannot write", out.display()))?;
-    eprintln!(
-        "wrote {}: {quantized} tensors as {type_name}, {kept} as f32",
-        out.display()
-    );
-    Ok(())
+        .with_context(|| format!("{}: cannot write", out.display()))
 }

@@ -30,7 +30,8 @@ const COPIED: &[&str] = &[
 /// Arguments of `peregrine quantize`.
 #[derive(Debug, Args)]
 pub struct QuantizeArgs {
-    /// HF checkpoint folder (config.json + safetensors).
+    /// HF checkpoint folder (config.json + safetensors), or a GGUF file to convert to
+    /// another `--type` (`--format gguf`; an f32 copy of a quantized file, say).
     #[arg(long, short)]
     pub model: PathBuf,
     /// Output folder for MLX (created; must not hold a config.json already), output file for
@@ -46,7 +47,8 @@ pub struct QuantizeArgs {
     /// MLX: weights sharing one scale and bias: 32, 64 or 128.
     #[arg(long, default_value_t = 64)]
     pub group_size: usize,
-    /// GGUF: block type of the 2-D weights (1-D tensors stay f32).
+    /// GGUF: block type of the 2-D weights (1-D tensors stay f32); f16 and f32 leave them
+    /// unquantized.
     #[arg(long = "type", default_value = "q4_0", value_parser = gguf::TYPES)]
     pub gguf_type: String,
 }

@@ -48,6 +48,7 @@ const KEYS: &[&str] = &[
     "content",
     "text",
     "ignore_eos",
+    "speculative",
     "tools",
     "name",
     "unknown",

@@ -5,7 +5,7 @@ use std::fmt::Write;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-use peregrine_engine::PromptCacheStats;
+use peregrine_engine::{PromptCacheStats, SpeculationStats};
 
 /// Upper bounds (seconds) of the time-to-first-token histogram.
 const TTFT_BUCKETS: [f64; 10] = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
@@ -87,6 +87,8 @@ pub struct EngineFigures {
     pub batch_steps: (u64, u64),
     /// Streamed experts (`--stream-experts`), when the model streams them.
     pub expert_reads: Option<ExpertFigures>,
+    /// Speculative decoding's counters (all 0 when it is off).
+    pub speculation: SpeculationStats,
 }
 
 /// What streamed MoE layers read.
@@ -130,6 +132,7 @@ impl Metrics {
             running,
             batch_steps,
             expert_reads,
+            speculation,
         } = engine;
         let count = |c: &AtomicU64| c.load(Ordering::Relaxed) as usize;
         let mut out = String::new();
@@ -179,6 +182,30 @@ impl Metrics {
                 "counter",
                 "Sequences carried by those passes (divided by the steps: the mean batch).",
                 batch_steps.1 as usize,
+            ),
+            (
+                "speculative_rounds_total",
+                "counter",
+                "Forward passes that verified drafted tokens.",
+                speculation.rounds as usize,
+            ),
+            (
+                "speculative_drafted_tokens_total",
+                "counter",
+                "Tokens drafted for verification.",
+                speculation.drafted as usize,
+            ),
+            (
+                "speculative_accepted_tokens_total",
+                "counter",
+                "Drafted tokens verification kept (divided by the drafted: the acceptance rate).",
+                speculation.accepted as usize,
+            ),
+            (
+                "speculative_skipped_steps_total",
+                "counter",
+                "Steps of speculating sequences that drafted nothing: drafting measured as a loss.",
+                speculation.skipped as usize,
             ),
             (
                 "connections",

@@ -137,6 +137,8 @@ pub fn decode(
     let kv = kv_request(&f)?;
     // Experts per token (a quality trade): the engine checks it against the model.
     let moe_top_k = f.uint("moe_top_k", 1, 1024)?.map(|k| k as usize);
+    // Speculative decoding, where the server drafts: on unless the request says otherwise.
+    let speculative = f.bool("speculative")?.unwrap_or(true);
     let template = Prompt::Tokens(vec![]);
     let base = Request {
         sampling,
@@ -146,6 +148,7 @@ pub fn decode(
         ignore_eos,
         kv,
         moe_top_k,
+        speculative,
         ..Request::new(template)
     };
     let (prompts, echo) = match endpoint {

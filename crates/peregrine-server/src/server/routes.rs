@@ -289,6 +289,7 @@ fn simple_get(
                     guessed: p.stats().speculation(),
                     hot_hits: p.stats().hot_hits(),
                 }),
+                speculation: e.speculation_stats(),
             });
             let text = state.metrics.render(state.parallel, figures);
             let mut response = Response::new(sse::full(text));

@@ -13,7 +13,7 @@ use peregrine_tensor::{DType, Device, Embedding, QLinear, RopeScaling, RotaryEmb
 use crate::config::PerLayerInput;
 use crate::layers::attention::{Attention, KvProjections};
 use crate::layers::batch::{
-    BatchSeq, Segment, check_batch, last_logits, moe_limits, run_layers, stacked_ids,
+    BatchSeq, Segment, batch_logits, check_batch, moe_limits, run_layers, stacked_ids,
 };
 use crate::layers::decoder::SelfAttention;
 use crate::layers::mlp::GatedMlp;
@@ -385,7 +385,7 @@ impl CausalLm for GemmaLm {
 
     fn forward(&self, tokens: &[u32], cache: &mut SequenceCache, want: Logits) -> Result<Tensor> {
         let eps = self.config.rms_norm_eps as f32;
-        let x = self.hidden(&mut [BatchSeq { tokens, cache }])?;
+        let x = self.hidden(&mut [BatchSeq::last(tokens, cache)])?;
         let logits = crate::layers::output_logits(&x, want, &self.norm, eps, &self.lm_head)?;
         softcapped(logits, self.config.final_logit_softcapping)
     }
@@ -393,7 +393,7 @@ impl CausalLm for GemmaLm {
     fn forward_batch(&self, batch: &mut [BatchSeq]) -> Result<Tensor> {
         let eps = self.config.rms_norm_eps as f32;
         let x = self.hidden(batch)?;
-        let logits = last_logits(&x, batch, &self.norm, eps, &self.lm_head)?;
+        let logits = batch_logits(&x, batch, &self.norm, eps, &self.lm_head)?;
         softcapped(logits, self.config.final_logit_softcapping)
     }
 

@@ -1,0 +1,188 @@
+//! Speculative decoding: a [`Drafter`] proposes a few tokens, the target model runs them all in
+//! one pass, and verification ([`Sampler::verify`]) keeps each drafted token with probability
+//! `min(1, p/q)` or replaces it, so the output is distributed exactly as without drafting, at any
+//! temperature (greedy output is identical token for token). Rejected positions are trimmed from
+//! the target's cache ([`SequenceCache::trim`], exact on every cache kind). How many tokens to
+//! draft adapts to the measured acceptance and cost ([`DraftLength`]).
+//!
+//! Drafters: [`DraftModel`] (a smaller model sharing the vocabulary) and [`PromptLookup`] (the
+//! continuation of an earlier occurrence of the context's last tokens; no second model). Other
+//! crates can plug their own through [`DraftSource`].
+
+mod adaptive;
+mod draft_model;
+mod ngram;
+
+use std::sync::Arc;
+
+use peregrine_models::{CausalLm, KvOptions};
+use peregrine_sampling::{Distribution, SamplingParams};
+
+pub use adaptive::DraftLength;
+pub use draft_model::DraftModel;
+pub use ngram::PromptLookup;
+
+use crate::error::EngineError;
+use crate::tokenizer::Tokenizer;
+
+/// The most tokens one verification may draft.
+pub const MAX_DRAFT_TOKENS: usize = 16;
+
+/// What a drafter proposes for one verification pass.
+#[derive(Debug, Clone, Default)]
+pub struct Proposal {
+    /// The drafted tokens, in order.
+    pub tokens: Vec<u32>,
+    /// The distribution each token was drawn from, for a drafter that samples; empty for a
+    /// deterministic proposal (verification then treats each as certain: `q = 1`).
+    pub dists: Vec<Distribution>,
+}
+
+impl Proposal {
+    /// Forgets the last proposal, keeping the buffers.
+    pub fn clear(&mut self) {
+        self.tokens.clear();
+        self.dists.clear();
+    }
+}
+
+/// Proposes the next tokens of one sequence.
+pub trait Drafter: Send {
+    /// Up to `max` tokens likely to follow `prompt` then `generated` (whose last token the
+    /// target has not run yet), into `out` (cleared first). Proposing fewer, or none, is fine.
+    fn propose(
+        &mut self,
+        prompt: &[u32],
+        generated: &[u32],
+        max: usize,
+        out: &mut Proposal,
+    ) -> Result<(), EngineError>;
+}
+
+/// Makes a [`Drafter`] for each sequence that speculates.
+pub trait DraftSource: Send + Sync {
+    /// A short name for logs and metrics (`draft-model`, `prompt-lookup`).
+    fn name(&self) -> &str;
+    /// Fails when this source cannot draft for `target` (a draft model with another
+    /// vocabulary); the engine calls it once, when it starts.
+    fn check(&self, target: &dyn CausalLm, tokenizer: &Tokenizer) -> Result<(), EngineError> {
+        let _ = (target, tokenizer);
+        Ok(())
+    }
+    /// A drafter for one sequence, drawing with the request's `sampling` where it samples (its
+    /// seed is the request's, so seeded runs repeat) and storing any KV as `kv` says.
+    fn start(&self, sampling: &SamplingParams, kv: &KvOptions) -> Box<dyn Drafter>;
+}
+
+/// Speculative decoding's settings ([`EngineConfig::speculative`](crate::EngineConfig)).
+#[derive(Clone)]
+pub struct SpeculativeConfig {
+    /// Where drafts come from.
+    pub source: Arc<dyn DraftSource>,
+    /// The most tokens drafted per verification (`--num-draft-tokens`).
+    pub max_draft: usize,
+    /// Shorten or stop drafting when the measured acceptance and cost say it loses; off, every
+    /// round drafts `max_draft`.
+    pub adaptive: bool,
+}
+
+impl std::fmt::Debug for SpeculativeConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SpeculativeConfig")
+            .field("source", &self.source.name())
+            .field("max_draft", &self.max_draft)
+            .field("adaptive", &self.adaptive)
+            .finish()
+    }
+}
+
+/// Counters of speculative decoding since the engine started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SpeculationStats {
+    /// Verification passes that carried drafted tokens.
+    pub rounds: u64,
+    /// Tokens drafted.
+    pub drafted: u64,
+    /// Drafted tokens kept.
+    pub accepted: u64,
+    /// Decode steps of speculating sequences that drafted nothing because the draft length
+    /// adapted to 0 (drafting measured as a loss).
+    pub skipped: u64,
+}
+
+impl SpeculationStats {
+    /// The share of drafted tokens kept.
+    pub fn acceptance_rate(&self) -> f64 {
+        self.accepted as f64 / self.drafted.max(1) as f64
+    }
+
+    /// Tokens kept per verification pass, the bonus or replacement token not counted.
+    pub fn mean_accepted(&self) -> f64 {
+        self.accepted as f64 / self.rounds.max(1) as f64
+    }
+}
+
+/// One choice's speculation: its drafter, the last proposal and the draft length.
+pub(crate) struct Speculation {
+    drafter: Box<dyn Drafter>,
+    proposal: Proposal,
+    length: DraftLength,
+    /// Seconds the last proposal took.
+    draft_secs: f64,
+}
+
+impl Speculation {
+    /// A choice sampling with `sampling` drafts from `config`'s source. A seeded request
+    /// drafts a fixed length: lengths adapted to measured times would make its output vary.
+    pub fn start(config: &SpeculativeConfig, sampling: &SamplingParams, kv: &KvOptions) -> Self {
+        // The draft's cache is plain: its precision does not change what verification emits.
+        let kv = KvOptions {
+            quant: None,
+            turbo: None,
+            ..*kv
+        };
+        let adaptive = config.adaptive && sampling.seed.is_none();
+        Self {
+            drafter: config.source.start(sampling, &kv),
+            proposal: Proposal::default(),
+            length: DraftLength::new(config.max_draft, adaptive),
+            draft_secs: 0.0,
+        }
+    }
+
+    /// Drafts up to `room` tokens after `prompt` + `generated` (as many as the draft length
+    /// says), returning them.
+    pub fn draft(
+        &mut self,
+        prompt: &[u32],
+        generated: &[u32],
+        room: usize,
+        shared: &crate::engine::Shared,
+    ) -> Result<&[u32], EngineError> {
+        self.proposal.clear();
+        let want = self.length.choose();
+        if want == 0 && room > 0 {
+            shared.record_skipped_draft();
+        }
+        let want = want.min(room);
+        if want > 0 {
+            let start = std::time::Instant::now();
+            (self.drafter).propose(prompt, generated, want, &mut self.proposal)?;
+            self.proposal.tokens.truncate(want);
+            self.draft_secs = start.elapsed().as_secs_f64();
+        }
+        Ok(&self.proposal.tokens)
+    }
+
+    /// The distribution the `i`th drafted token was drawn from (`None`: proposed
+    /// deterministically).
+    pub fn proposal_dist(&self, i: usize) -> Option<&Distribution> {
+        self.proposal.dists.get(i)
+    }
+
+    /// Records a pass that verified `drafted` tokens (0: a plain step) and kept `kept`.
+    pub fn record(&mut self, drafted: usize, kept: usize, step_secs: f64) {
+        let draft_secs = if drafted > 0 { self.draft_secs } else { 0.0 };
+        self.length.record(drafted, kept, draft_secs, step_secs);
+    }
+}
