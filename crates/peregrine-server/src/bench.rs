@@ -48,6 +48,22 @@ pub struct BenchArgs {
     /// per token (median, p99), timed by replaying the generated tokens through the grammar.
     #[arg(long, value_name = "FILE")]
     schema: Option<std::path::PathBuf>,
+    /// The prompt: this file's text as a user message through the chat template, the same
+    /// for every run (instead of `--prompt-tokens` of synthetic text); for measuring
+    /// speculative decoding on real work, such as a code edit.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["cached_prefix", "concurrency"])]
+    chat_file: Option<std::path::PathBuf>,
+}
+
+/// The text of `path` as a user message, through the model's chat template.
+fn chat_prompt(engine: &Engine, path: &std::path::Path) -> Result<Vec<u32>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("--chat-file {}: cannot read", path.display()))?;
+    let prompt = Prompt::Chat {
+        messages: vec![peregrine_engine::ChatMessage::text("user", text)],
+        template_kwargs: Default::default(),
+    };
+    Ok(engine.prompt_ids(&prompt)?)
 }
 
 fn synthetic_prompt(engine: &Engine, n: usize) -> Result<Vec<u32>> {
@@ -125,11 +141,21 @@ pub fn run(args: BenchArgs, threads: Option<usize>) -> Result<()> {
     // run's prompt starts one token further into the text, sharing no prefix with the others.
     let runs_total = args.warmup + args.repeat;
     let streams = args.concurrency.unwrap_or(0);
-    let text = synthetic_prompt(&engine, args.prompt_tokens + runs_total + streams)?;
-    let prompt = |r: usize| &text[r..r + args.prompt_tokens];
+    let (text, prompt_tokens, shift) = match &args.chat_file {
+        Some(path) => {
+            let ids = chat_prompt(&engine, path)?;
+            (ids.clone(), ids.len(), 0)
+        }
+        None => {
+            let n = args.prompt_tokens + runs_total + streams;
+            (synthetic_prompt(&engine, n)?, args.prompt_tokens, 1)
+        }
+    };
+    let prompt = |r: usize| &text[r * shift..r * shift + prompt_tokens];
     for r in 0..args.warmup {
         run_once(&engine, prompt(r), args.gen_tokens.min(8))?;
     }
+    let spec_before = engine.speculation_stats();
     let runs = (args.warmup..runs_total)
         .map(|r| run_once(&engine, prompt(r), args.gen_tokens))
         .collect::<Result<Vec<_>>>()?;
@@ -147,7 +173,7 @@ pub fn run(args: BenchArgs, threads: Option<usize>) -> Result<()> {
     let mut report = json!({
         "model": args.model.model,
         "threads": rayon_threads(threads),
-        "prompt_tokens": args.prompt_tokens,
+        "prompt_tokens": prompt_tokens,
         "gen_tokens": args.gen_tokens,
         "repeat": args.repeat,
         "prefill_tps": pick(&|(u, t)| t.prefill_tps(u.prompt_tokens)),
@@ -163,6 +189,22 @@ pub fn run(args: BenchArgs, threads: Option<usize>) -> Result<()> {
     });
     if let Some(cache) = prompt_cache {
         report["prompt_cache"] = cache;
+    }
+    if args.model.draft_model.is_some() || args.model.spec_ngram {
+        let (now, then) = (engine.speculation_stats(), spec_before);
+        let rounds = now.rounds - then.rounds;
+        let (drafted, accepted) = (now.drafted - then.drafted, now.accepted - then.accepted);
+        report["speculative"] = json!({
+            "drafter": if args.model.spec_ngram { "prompt-lookup" } else { "draft-model" },
+            "max_draft_tokens": args.model.num_draft_tokens,
+            "adaptive": !args.model.draft_fixed,
+            "verify_passes": rounds,
+            "drafted_tokens": drafted,
+            "accepted_tokens": accepted,
+            "acceptance_rate": accepted as f64 / drafted.max(1) as f64,
+            "mean_accepted_per_pass": accepted as f64 / rounds.max(1) as f64,
+            "steps_without_drafts": now.skipped - then.skipped,
+        });
     }
     if let Some(pool) = engine.expert_reads() {
         let (reads, prefetched) = pool.stats().counts();

@@ -145,7 +145,7 @@ pub struct ModelArgs {
     pub spec_ngram: bool,
     /// Most tokens drafted per pass; fewer (or none) while the measured acceptance and cost
     /// say drafting loses, unless `--draft-fixed`.
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u8).range(1..=16)
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u8).range(1..=16)
         .map(usize::from))]
     pub num_draft_tokens: usize,
     /// Always draft `--num-draft-tokens` (no adaptation; for measurements).

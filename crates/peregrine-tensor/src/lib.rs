@@ -9,6 +9,7 @@ pub use candle_nn as nn;
 pub mod attention;
 mod attention_cpu;
 pub mod cpu;
+pub mod dense;
 pub mod device;
 pub mod linear;
 pub mod mlx;

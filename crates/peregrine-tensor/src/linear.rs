@@ -5,6 +5,7 @@ use std::sync::Arc;
 use candle_core::quantized::QTensor;
 use candle_core::{D, DType, Device, Result, Tensor};
 
+use crate::dense;
 use crate::mlx::MlxQuantized;
 use crate::quant::{GgufMatrix, Kernel, MAX_GROUP, Q8Input};
 
@@ -84,7 +85,8 @@ impl QLinear {
     /// [`forward_group`](Self::forward_group) for one input row into the caller's buffers
     /// (the decode step): `x` is `[in]`, each `outs[i]` is `[out_i]` and is overwritten. GGUF
     /// weights (and MLX weights regrouped into blocks) allocate nothing once `scratch` has
-    /// grown; dense and MLX-f32 weights run through candle and copy their result.
+    /// grown; f32 dense weights go through [`dense::matmul_rows`], MLX-f32 ones through candle
+    /// (copying their result).
     pub fn forward_group_into(
         layers: &[&Self],
         x: &[f32],
@@ -107,7 +109,7 @@ impl QLinear {
             }
             _ => {
                 for (l, out) in layers.iter().zip(outs.iter_mut()) {
-                    if l.dense_gguf_row_into(x, out)? {
+                    if l.dense_row_into(x, out)? {
                         continue;
                     }
                     let xt = Tensor::from_slice(x, (1, x.len()), &Device::Cpu)?;
@@ -127,40 +129,45 @@ impl QLinear {
         Ok(())
     }
 
-    /// A small GGUF f32/f16 matrix held dense on the CPU (MoE routers, which llama.cpp keeps
-    /// in f32): multiplied by [`dense_rows_into`] in prefill and decode alike, so the two give
-    /// the same bits and the step allocates nothing. Larger ones go through candle.
-    fn small_dense(&self) -> Option<&Tensor> {
-        match self {
-            Self::Gguf { w, .. } => w.dense().filter(|_| w.dims().0 <= SMALL_DENSE_ROWS),
-            _ => None,
-        }
+    /// The f32 CPU weight `[out, in]` that [`dense::matmul_rows`] multiplies, and whether
+    /// it does so for inputs of any number of rows: small GGUF f32/f16 matrices (MoE routers,
+    /// which llama.cpp keeps in f32) always, so that prefill and decode route alike; larger
+    /// ones up to [`dense::MAX_ROWS`] rows (decode, verification, small batches), more going
+    /// through candle's GEMM.
+    fn dense_f32(&self) -> Option<(&Tensor, bool)> {
+        let (w, small) = match self {
+            Self::Dense { w, .. } => (w, false),
+            Self::Gguf { w, .. } => (w.dense()?, w.dims().0 <= SMALL_DENSE_ROWS),
+            Self::MlxAffine { .. } => return None,
+        };
+        (w.dtype() == DType::F32 && w.device().is_cpu()).then_some((w, small))
     }
 
-    /// `out = W x` for a [`small_dense`](Self::small_dense) weight; `false` for every other.
-    fn dense_gguf_row_into(&self, x: &[f32], out: &mut [f32]) -> Result<bool> {
-        let Some(dense) = self.small_dense() else {
+    /// `out = W x` for one f32 row, when [`dense_f32`](Self::dense_f32) applies.
+    fn dense_row_into(&self, x: &[f32], out: &mut [f32]) -> Result<bool> {
+        let Some((w, _)) = self.dense_f32() else {
             return Ok(false);
         };
-        Ok(crate::ops::with_f32(dense, |w| dense_rows_into(w, x, out))?.is_some())
+        Ok(crate::ops::with_f32(w, |w| dense::matmul_rows(w, x, x.len(), out))?.is_some())
     }
 
-    /// [`forward_unbiased`](Self::forward_unbiased) of a small dense GGUF weight over f32 CPU
-    /// rows, row by row as the decode step computes it.
-    fn small_dense_forward(&self, x: &Tensor) -> Result<Option<Tensor>> {
-        let Some(dense) = self.small_dense() else {
+    /// [`forward_unbiased`](Self::forward_unbiased) by [`dense::matmul_rows`], when
+    /// [`dense_f32`](Self::dense_f32) applies to `x`'s rows.
+    fn dense_rows_forward(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        let Some((w, small)) = self.dense_f32() else {
             return Ok(None);
         };
-        let (out_dim, in_dim) = dense.dims2()?;
+        let (out_dim, in_dim) = w.dims2()?;
         let mut dims = x.dims().to_vec();
         let rows = x.elem_count() / in_dim.max(1);
+        if !small && rows > dense::MAX_ROWS {
+            return Ok(None);
+        }
         let x = x.contiguous()?;
         let y = crate::ops::with_f32(&x, |x| {
-            crate::ops::with_f32(dense, |w| {
+            crate::ops::with_f32(w, |w| {
                 let mut y = vec![0f32; rows * out_dim];
-                for (x, y) in x.chunks_exact(in_dim).zip(y.chunks_exact_mut(out_dim)) {
-                    dense_rows_into(w, x, y);
-                }
+                dense::matmul_rows(w, x, in_dim, &mut y);
                 y
             })
         })?;
@@ -188,7 +195,7 @@ impl QLinear {
     }
 
     fn forward_unbiased(&self, x: &Tensor) -> Result<Tensor> {
-        if let Some(y) = self.small_dense_forward(x)? {
+        if let Some(y) = self.dense_rows_forward(x)? {
             return Ok(y);
         }
         match self {
@@ -225,13 +232,6 @@ fn add_bias(b: &Tensor, out: &mut [f32]) -> Result<()> {
 /// Rows of the largest GGUF f32/f16 matrix multiplied by [`dense_rows_into`] (a router has
 /// one row per expert; DeepSeek-V3 has 256).
 const SMALL_DENSE_ROWS: usize = 1024;
-
-/// `out[r] = w[r] · x` for the rows of `w` (`[out.len(), x.len()]`).
-fn dense_rows_into(w: &[f32], x: &[f32], out: &mut [f32]) {
-    for (o, row) in out.iter_mut().zip(w.chunks_exact(x.len())) {
-        *o = row.iter().zip(x).map(|(a, b)| a * b).sum();
-    }
-}
 
 /// Buffers a [`QLinear::forward_group_into`] call reuses: the input's 8-bit blocks.
 #[derive(Debug, Default)]

@@ -105,9 +105,9 @@ impl DraftLength {
             .unwrap_or(0)
     }
 
-    /// Records a round: `drafted` tokens proposed (taking `draft_secs`), `kept` of them kept,
-    /// and a forward pass of `step_secs`.
-    pub fn record(&mut self, drafted: usize, kept: usize, draft_secs: f64, step_secs: f64) {
+    /// Records a round: `drafted` tokens proposed (taking `draft_secs`; `None`: not a fair
+    /// measure), `kept` of them kept, and a forward pass of `step_secs`.
+    pub fn record(&mut self, drafted: usize, kept: usize, draft_secs: Option<f64>, step_secs: f64) {
         if drafted == 0 {
             self.base.add(step_secs);
             return;
@@ -118,7 +118,9 @@ impl DraftLength {
             self.per_row
                 .add(((step_secs - base) / drafted as f64).max(0.0));
         }
-        self.per_draft.add(draft_secs / drafted as f64);
+        if let Some(secs) = draft_secs {
+            self.per_draft.add(secs / drafted as f64);
+        }
     }
 }
 
@@ -137,7 +139,7 @@ mod tests {
             let kept = (0..k)
                 .take_while(|i| accept.powi(*i as i32 + 1) >= 0.5)
                 .count();
-            len.record(k, kept, draft * k as f64, base + row * k as f64);
+            len.record(k, kept, Some(draft * k as f64), base + row * k as f64);
         }
         chosen
     }
@@ -167,7 +169,7 @@ mod tests {
         let mut len = DraftLength::new(5, false);
         for _ in 0..50 {
             assert_eq!(len.choose(), 5);
-            len.record(5, 0, 1.0, 1.0);
+            len.record(5, 0, Some(1.0), 1.0);
         }
     }
 }

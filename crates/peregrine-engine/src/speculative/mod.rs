@@ -127,8 +127,10 @@ pub(crate) struct Speculation {
     drafter: Box<dyn Drafter>,
     proposal: Proposal,
     length: DraftLength,
-    /// Seconds the last proposal took.
-    draft_secs: f64,
+    /// Seconds the last proposal took; `None` for the first, which also brought the drafter
+    /// up to the prompt (a draft model's prefill) and would overstate drafting's cost.
+    draft_secs: Option<f64>,
+    proposals: u64,
 }
 
 impl Speculation {
@@ -146,7 +148,8 @@ impl Speculation {
             drafter: config.source.start(sampling, &kv),
             proposal: Proposal::default(),
             length: DraftLength::new(config.max_draft, adaptive),
-            draft_secs: 0.0,
+            draft_secs: None,
+            proposals: 0,
         }
     }
 
@@ -169,7 +172,9 @@ impl Speculation {
             let start = std::time::Instant::now();
             (self.drafter).propose(prompt, generated, want, &mut self.proposal)?;
             self.proposal.tokens.truncate(want);
-            self.draft_secs = start.elapsed().as_secs_f64();
+            self.proposals += 1;
+            let secs = start.elapsed().as_secs_f64();
+            self.draft_secs = (self.proposals > 1).then_some(secs);
         }
         Ok(&self.proposal.tokens)
     }
@@ -182,7 +187,11 @@ impl Speculation {
 
     /// Records a pass that verified `drafted` tokens (0: a plain step) and kept `kept`.
     pub fn record(&mut self, drafted: usize, kept: usize, step_secs: f64) {
-        let draft_secs = if drafted > 0 { self.draft_secs } else { 0.0 };
+        let draft_secs = if drafted > 0 {
+            self.draft_secs
+        } else {
+            Some(0.0)
+        };
         self.length.record(drafted, kept, draft_secs, step_secs);
     }
 }

@@ -1,0 +1,177 @@
+//! f32 matrix × a few rows on the CPU (decode steps, speculative verification, small batches):
+//! each weight row is read once for all input rows, and every output is one dot product whose
+//! summation order depends on nothing but the input length, so a row's result has the same bits
+//! whatever the number of rows beside it or of threads (batch-invariant). Larger inputs (prefill)
+//! go through candle's GEMM.
+
+use rayon::prelude::*;
+
+/// Most input rows this kernel takes; more go to the GEMM.
+pub const MAX_ROWS: usize = 64;
+/// Weight rows per parallel task.
+const TASK_ROWS: usize = 32;
+/// Input rows that share each load of a weight row.
+const SHARE: usize = 4;
+
+/// `out[i · n + j] = x[i] · w[j]` for `x`: `[m, k]` and `w`: `[n, k]` (row-major), `out`:
+/// `[m, n]`. Parallel over blocks of weight rows.
+pub fn matmul_rows(w: &[f32], x: &[f32], k: usize, out: &mut [f32]) {
+    let (n, m) = (w.len() / k.max(1), x.len() / k.max(1));
+    assert_eq!(out.len(), m * n, "dense: output is not [rows, out]");
+    let out_ptr = SendPtr(out.as_mut_ptr());
+    let blocks = n.div_ceil(TASK_ROWS);
+    let task = |b: usize| {
+        let rows = b * TASK_ROWS..((b + 1) * TASK_ROWS).min(n);
+        let mut tile = [0f32; TASK_ROWS * SHARE];
+        for i0 in (0..m).step_by(SHARE) {
+            let r = SHARE.min(m - i0);
+            let xs: [&[f32]; SHARE] = std::array::from_fn(|s| &x[(i0 + s.min(r - 1)) * k..][..k]);
+            for (t, j) in rows.clone().enumerate() {
+                let sums = dots(&w[j * k..][..k], &xs, r);
+                tile[t * SHARE..][..SHARE].copy_from_slice(&sums);
+            }
+            for s in 0..r {
+                for (t, j) in rows.clone().enumerate() {
+                    // SAFETY: tasks own disjoint column blocks `rows` of `out`, which is m × n.
+                    unsafe { *out_ptr.at((i0 + s) * n + j) = tile[t * SHARE + s] };
+                }
+            }
+        }
+    };
+    match blocks {
+        0 | 1 => (0..blocks).for_each(task),
+        _ => (0..blocks).into_par_iter().for_each(task),
+    }
+}
+
+/// A raw output pointer shared by tasks that write disjoint elements.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: the tasks holding it write disjoint elements (see `matmul_rows`).
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    fn at(self, i: usize) -> *mut f32 {
+        // SAFETY: callers stay within the output slice.
+        unsafe { self.0.add(i) }
+    }
+}
+
+/// `w · xs[s]` for the first `r` of `xs`.
+fn dots(w: &[f32], xs: &[&[f32]; SHARE], r: usize) -> [f32; SHARE] {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the features were detected; every slice is `w.len()` long.
+        return unsafe { avx2::dots(w, xs, r) };
+    }
+    let mut out = [0f32; SHARE];
+    for (o, x) in out.iter_mut().zip(xs).take(r) {
+        *o = portable_dot(w, x);
+    }
+    out
+}
+
+/// A dot product in 16 lanes, summed pairwise at the end: the order the AVX2 path also uses,
+/// spelled out for the compiler to vectorise.
+fn portable_dot(w: &[f32], x: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let body = w.len() / 16 * 16;
+    for (wc, xc) in w[..body].chunks_exact(16).zip(x[..body].chunks_exact(16)) {
+        for l in 0..16 {
+            acc[l] = wc[l].mul_add(xc[l], acc[l]);
+        }
+    }
+    let mut sum: f32 = acc.iter().sum();
+    for (a, b) in w[body..].iter().zip(&x[body..]) {
+        sum += a * b;
+    }
+    sum
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::SHARE;
+
+    /// `w · xs[s]` for `s < r`, two 8-lane accumulators per row; rows beyond `r` are computed
+    /// on a repeat of row `r - 1` and dropped.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dots(w: &[f32], xs: &[&[f32]; SHARE], r: usize) -> [f32; SHARE] {
+        let k = w.len();
+        let body = k / 16 * 16;
+        let mut acc = [[_mm256_setzero_ps(); 2]; SHARE];
+        let (wp, xp) = (w.as_ptr(), xs.map(|x| x.as_ptr()));
+        let mut c = 0;
+        while c < body {
+            // SAFETY: c + 16 <= k, and every slice is k long.
+            unsafe {
+                let w0 = _mm256_loadu_ps(wp.add(c));
+                let w1 = _mm256_loadu_ps(wp.add(c + 8));
+                for s in 0..SHARE {
+                    let x0 = _mm256_loadu_ps(xp[s].add(c));
+                    let x1 = _mm256_loadu_ps(xp[s].add(c + 8));
+                    acc[s][0] = _mm256_fmadd_ps(w0, x0, acc[s][0]);
+                    acc[s][1] = _mm256_fmadd_ps(w1, x1, acc[s][1]);
+                }
+            }
+            c += 16;
+        }
+        let mut out = [0f32; SHARE];
+        for s in 0..r {
+            let mut lanes = [0f32; 16];
+            // SAFETY: `lanes` holds 16 floats.
+            unsafe {
+                _mm256_storeu_ps(lanes.as_mut_ptr(), acc[s][0]);
+                _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[s][1]);
+            }
+            let mut sum: f32 = lanes.iter().sum();
+            for (a, b) in w[body..].iter().zip(&xs[s][body..]) {
+                sum += a * b;
+            }
+            out[s] = sum;
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(len: usize, seed: u32) -> Vec<f32> {
+        (0..len)
+            .map(|i| {
+                ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 1000) as f32 / 500.0 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn matches_a_plain_product_and_each_row_its_solo_bits() {
+        for (n, k) in [(70, 37), (33, 576), (1, 16), (96, 1536)] {
+            let w = values(n * k, 1);
+            let m = 9;
+            let x = values(m * k, 2);
+            let mut out = vec![0f32; m * n];
+            matmul_rows(&w, &x, k, &mut out);
+            for i in 0..m {
+                let mut solo = vec![0f32; n];
+                matmul_rows(&w, &x[i * k..][..k], k, &mut solo);
+                assert_eq!(
+                    &out[i * n..][..n],
+                    &solo[..],
+                    "row {i} of {m} (n {n}, k {k})"
+                );
+                for j in 0..n {
+                    let exact: f64 = (0..k)
+                        .map(|c| w[j * k + c] as f64 * x[i * k + c] as f64)
+                        .sum();
+                    let got = out[i * n + j] as f64;
+                    assert!((got - exact).abs() < 1e-4 * k as f64, "{got} vs {exact}");
+                }
+            }
+        }
+    }
+}
