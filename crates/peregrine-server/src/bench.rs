@@ -48,22 +48,12 @@ pub struct BenchArgs {
     /// per token (median, p99), timed by replaying the generated tokens through the grammar.
     #[arg(long, value_name = "FILE")]
     schema: Option<std::path::PathBuf>,
-    /// The prompt: this file's text as a user message through the chat template, the same
-    /// for every run (instead of `--prompt-tokens` of synthetic text); for measuring
-    /// speculative decoding on real work, such as a code edit.
+    /// The prompt: this file's text, tokenized as `generate --prompt` does (write the chat
+    /// markup in it for a chat model), the same for every run (instead of `--prompt-tokens`
+    /// of synthetic text); for measuring speculative decoding on real work, such as a code
+    /// edit, with llama.cpp given the same text.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["cached_prefix", "concurrency"])]
-    chat_file: Option<std::path::PathBuf>,
-}
-
-/// The text of `path` as a user message, through the model's chat template.
-fn chat_prompt(engine: &Engine, path: &std::path::Path) -> Result<Vec<u32>> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("--chat-file {}: cannot read", path.display()))?;
-    let prompt = Prompt::Chat {
-        messages: vec![peregrine_engine::ChatMessage::text("user", text)],
-        template_kwargs: Default::default(),
-    };
-    Ok(engine.prompt_ids(&prompt)?)
+    prompt_file: Option<std::path::PathBuf>,
 }
 
 fn synthetic_prompt(engine: &Engine, n: usize) -> Result<Vec<u32>> {
@@ -141,9 +131,11 @@ pub fn run(args: BenchArgs, threads: Option<usize>) -> Result<()> {
     // run's prompt starts one token further into the text, sharing no prefix with the others.
     let runs_total = args.warmup + args.repeat;
     let streams = args.concurrency.unwrap_or(0);
-    let (text, prompt_tokens, shift) = match &args.chat_file {
+    let (text, prompt_tokens, shift) = match &args.prompt_file {
         Some(path) => {
-            let ids = chat_prompt(&engine, path)?;
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("--prompt-file {}: cannot read", path.display()))?;
+            let ids = engine.prompt_ids(&Prompt::Text(text))?;
             (ids.clone(), ids.len(), 0)
         }
         None => {
