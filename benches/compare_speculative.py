@@ -5,11 +5,11 @@ Runs, alternating, for --rounds rounds (greedy, --gen-tokens tokens after the pr
   peregrine bench: plain, --draft-model DRAFT (adaptive), --draft-model DRAFT --draft-fixed,
                    --spec-ngram
   llama.cpp:       llama-completion (plain), llama-speculative-simple -md DRAFT, llama-lookup
-with --num-draft-tokens / --draft-max N on both sides, and prints one JSON line per run, then
+with --num-draft-tokens / --spec-draft-n-max N on both sides, and prints one JSON line per run, then
 the medians and each pair's ratio (ours / llama.cpp's decode tok/s).
 
 usage: benches/compare_speculative.py --target T.gguf --draft D.gguf --prompt-file F
-           --llama-bin DIR [--peregrine target/release/peregrine] [--gen-tokens 128]
+           --llama-bin DIR [--peregrine target/release/peregrine] [--gen-tokens 100]
            [--draft-max 8] [--threads 2] [--rounds 2]
 The llama.cpp binaries: built natively from the llama-cpp-python sdist's vendor/llama.cpp
 (cmake -DGGML_NATIVE=ON, targets llama-completion llama-speculative-simple llama-lookup).
@@ -57,7 +57,7 @@ def main():
     p.add_argument("--prompt-file", required=True)
     p.add_argument("--llama-bin", required=True)
     p.add_argument("--peregrine", default="target/release/peregrine")
-    p.add_argument("--gen-tokens", type=int, default=128)
+    p.add_argument("--gen-tokens", type=int, default=100)
     p.add_argument("--draft-max", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2)
@@ -69,8 +69,8 @@ def main():
         "peregrine draft model, fixed": lambda: peregrine(a, ["--draft-model", a.draft, "--draft-fixed"]),
         "peregrine prompt lookup": lambda: peregrine(a, ["--spec-ngram"]),
         "llama.cpp plain": lambda: llama(a, "llama-completion", ["-no-cnv"]),
-        "llama.cpp draft model": lambda: llama(a, "llama-speculative-simple", ["-md", a.draft, "--draft-max", n]),
-        "llama.cpp prompt lookup": lambda: llama(a, "llama-lookup", ["--draft-max", n]),
+        "llama.cpp draft model": lambda: llama(a, "llama-speculative-simple", ["-md", a.draft, "--spec-type", "draft-simple", "--spec-draft-n-max", n]),
+        "llama.cpp prompt lookup": lambda: llama(a, "llama-lookup", ["--spec-draft-n-max", n]),
     }
     results = {k: [] for k in runs}
     for r in range(a.rounds):

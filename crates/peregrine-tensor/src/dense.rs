@@ -22,18 +22,17 @@ pub fn matmul_rows(w: &[f32], x: &[f32], k: usize, out: &mut [f32]) {
     let blocks = n.div_ceil(TASK_ROWS);
     let task = |b: usize| {
         let rows = b * TASK_ROWS..((b + 1) * TASK_ROWS).min(n);
-        let mut tile = [0f32; TASK_ROWS * SHARE];
-        for i0 in (0..m).step_by(SHARE) {
-            let r = SHARE.min(m - i0);
-            let xs: [&[f32]; SHARE] = std::array::from_fn(|s| &x[(i0 + s.min(r - 1)) * k..][..k]);
-            for (t, j) in rows.clone().enumerate() {
-                let sums = dots(&w[j * k..][..k], &xs, r);
-                tile[t * SHARE..][..SHARE].copy_from_slice(&sums);
-            }
-            for s in 0..r {
-                for (t, j) in rows.clone().enumerate() {
+        // Each weight row stays in L1 while every input row meets it.
+        for j in rows {
+            let wj = &w[j * k..][..k];
+            for i0 in (0..m).step_by(SHARE) {
+                let r = SHARE.min(m - i0);
+                let xs: [&[f32]; SHARE] =
+                    std::array::from_fn(|s| &x[(i0 + s.min(r - 1)) * k..][..k]);
+                let sums = dots(wj, &xs, r);
+                for (s, &v) in sums.iter().enumerate().take(r) {
                     // SAFETY: tasks own disjoint column blocks `rows` of `out`, which is m × n.
-                    unsafe { *out_ptr.at((i0 + s) * n + j) = tile[t * SHARE + s] };
+                    unsafe { *out_ptr.at((i0 + s) * n + j) = v };
                 }
             }
         }
@@ -72,7 +71,7 @@ fn dots(w: &[f32], xs: &[&[f32]; SHARE], r: usize) -> [f32; SHARE] {
     out
 }
 
-/// A dot product in 16 lanes, summed pairwise at the end: the order the AVX2 path also uses,
+/// A dot product in 16 lanes, summed as a tree at the end: the order the AVX2 path also uses,
 /// spelled out for the compiler to vectorise.
 fn portable_dot(w: &[f32], x: &[f32]) -> f32 {
     let mut acc = [0f32; 16];
@@ -82,11 +81,19 @@ fn portable_dot(w: &[f32], x: &[f32]) -> f32 {
             acc[l] = wc[l].mul_add(xc[l], acc[l]);
         }
     }
-    let mut sum: f32 = acc.iter().sum();
+    let mut sum = reduce(&acc);
     for (a, b) in w[body..].iter().zip(&x[body..]) {
         sum += a * b;
     }
     sum
+}
+
+/// 16 lanes summed as a fixed tree: lane `l` with `l + 8`, then with `l + 4`, `l + 2`, `l + 1`.
+fn reduce(acc: &[f32; 16]) -> f32 {
+    let s8: [f32; 8] = std::array::from_fn(|l| acc[l] + acc[l + 8]);
+    let s4: [f32; 4] = std::array::from_fn(|l| s8[l] + s8[l + 4]);
+    let s2: [f32; 2] = std::array::from_fn(|l| s4[l] + s4[l + 2]);
+    s2[0] + s2[1]
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -95,21 +102,35 @@ mod avx2 {
 
     use super::SHARE;
 
-    /// `w · xs[s]` for `s < r`, two 8-lane accumulators per row; rows beyond `r` are computed
-    /// on a repeat of row `r - 1` and dropped.
+    /// `w · xs[s]` for `s < r`: the rows' dot products, each in two 8-lane accumulators.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn dots(w: &[f32], xs: &[&[f32]; SHARE], r: usize) -> [f32; SHARE] {
+        // SAFETY (all arms): the caller's guarantees are passed on.
+        unsafe {
+            match r {
+                1 => dots_n::<1>(w, xs),
+                2 => dots_n::<2>(w, xs),
+                3 => dots_n::<3>(w, xs),
+                _ => dots_n::<4>(w, xs),
+            }
+        }
+    }
+
+    /// [`dots`] for `R` rows: the same operations per row whatever `R` is.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dots_n<const R: usize>(w: &[f32], xs: &[&[f32]; SHARE]) -> [f32; SHARE] {
         let k = w.len();
         let body = k / 16 * 16;
-        let mut acc = [[_mm256_setzero_ps(); 2]; SHARE];
-        let (wp, xp) = (w.as_ptr(), xs.map(|x| x.as_ptr()));
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        let wp = w.as_ptr();
+        let xp: [*const f32; R] = std::array::from_fn(|s| xs[s].as_ptr());
         let mut c = 0;
         while c < body {
             // SAFETY: c + 16 <= k, and every slice is k long.
             unsafe {
                 let w0 = _mm256_loadu_ps(wp.add(c));
                 let w1 = _mm256_loadu_ps(wp.add(c + 8));
-                for s in 0..SHARE {
+                for s in 0..R {
                     let x0 = _mm256_loadu_ps(xp[s].add(c));
                     let x1 = _mm256_loadu_ps(xp[s].add(c + 8));
                     acc[s][0] = _mm256_fmadd_ps(w0, x0, acc[s][0]);
@@ -119,14 +140,15 @@ mod avx2 {
             c += 16;
         }
         let mut out = [0f32; SHARE];
-        for s in 0..r {
-            let mut lanes = [0f32; 16];
-            // SAFETY: `lanes` holds 16 floats.
-            unsafe {
-                _mm256_storeu_ps(lanes.as_mut_ptr(), acc[s][0]);
-                _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[s][1]);
-            }
-            let mut sum: f32 = lanes.iter().sum();
+        for s in 0..R {
+            // The tree `reduce` spells out: 16 lanes to 8, 4, 2, 1.
+            // SAFETY: plain register arithmetic.
+            let mut sum = unsafe {
+                let v = _mm256_add_ps(acc[s][0], acc[s][1]);
+                let v4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+                let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+                _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1)))
+            };
             for (a, b) in w[body..].iter().zip(&xs[s][body..]) {
                 sum += a * b;
             }
@@ -146,6 +168,17 @@ mod tests {
                 ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 1000) as f32 / 500.0 - 1.0
             })
             .collect()
+    }
+
+    #[test]
+    fn the_portable_dot_sums_in_the_same_order() {
+        for k in [16, 37, 576] {
+            let (w, x) = (values(k, 3), values(k, 4));
+            assert_eq!(
+                dots(&w, &[&x; SHARE], 1)[0].to_bits(),
+                portable_dot(&w, &x).to_bits()
+            );
+        }
     }
 
     #[test]
