@@ -12,6 +12,8 @@ pub const MAX_ROWS: usize = 64;
 const TASK_ROWS: usize = 32;
 /// Input rows that share each load of a weight row.
 const SHARE: usize = 4;
+/// Weight rows that share each load of an input row (AVX-512).
+const WIDE_ROWS: usize = 4;
 
 /// `out[i · n + j] = x[i] · w[j]` for `x`: `[m, k]` and `w`: `[n, k]` (row-major), `out`:
 /// `[m, n]`. Parallel over blocks of weight rows.
@@ -20,21 +22,35 @@ pub fn matmul_rows(w: &[f32], x: &[f32], k: usize, out: &mut [f32]) {
     assert_eq!(out.len(), m * n, "dense: output is not [rows, out]");
     let out_ptr = SendPtr(out.as_mut_ptr());
     let blocks = n.div_ceil(TASK_ROWS);
+    let wide = has_avx512();
     let task = |b: usize| {
         let rows = b * TASK_ROWS..((b + 1) * TASK_ROWS).min(n);
-        // Each weight row stays in L1 while every input row meets it.
-        for j in rows {
-            let wj = &w[j * k..][..k];
+        // Each weight row stays in L1 while every input row meets it; with AVX-512, four weight
+        // rows at a time share each load of an input row.
+        let mut j = rows.start;
+        while j < rows.end {
+            let take = if wide && rows.end - j >= WIDE_ROWS {
+                WIDE_ROWS
+            } else {
+                1
+            };
             for i0 in (0..m).step_by(SHARE) {
                 let r = SHARE.min(m - i0);
                 let xs: [&[f32]; SHARE] =
                     std::array::from_fn(|s| &x[(i0 + s.min(r - 1)) * k..][..k]);
-                let sums = dots(wj, &xs, r);
-                for (s, &v) in sums.iter().enumerate().take(r) {
-                    // SAFETY: tasks own disjoint column blocks `rows` of `out`, which is m × n.
-                    unsafe { *out_ptr.at((i0 + s) * n + j) = v };
+                let mut sums = [[0f32; SHARE]; WIDE_ROWS];
+                match take {
+                    1 => sums[0] = dots(&w[j * k..][..k], &xs, r),
+                    _ => sums = wide_dots(&w[j * k..][..WIDE_ROWS * k], &xs, r),
+                }
+                for (a, row) in sums.iter().enumerate().take(take) {
+                    for (s, &v) in row.iter().enumerate().take(r) {
+                        // SAFETY: tasks own disjoint column blocks `rows` of `out` (m × n).
+                        unsafe { *out_ptr.at((i0 + s) * n + j + a) = v };
+                    }
                 }
             }
+            j += take;
         }
     };
     match blocks {
@@ -69,6 +85,26 @@ fn dots(w: &[f32], xs: &[&[f32]; SHARE], r: usize) -> [f32; SHARE] {
         *o = portable_dot(w, x);
     }
     out
+}
+
+/// Whether the AVX-512 tile runs here.
+fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return std::arch::is_x86_feature_detected!("avx512f");
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// `w[a] · xs[s]` for the [`WIDE_ROWS`] rows of `w` and the first `r` of `xs`, where
+/// [`has_avx512`]; each output summed exactly as [`dots`] sums it.
+fn wide_dots(w: &[f32], xs: &[&[f32]; SHARE], r: usize) -> [[f32; SHARE]; WIDE_ROWS] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: callers check `has_avx512`; `w` holds WIDE_ROWS rows as long as each of xs.
+        unsafe { avx512::dots(w, xs, r) }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("the AVX-512 tile runs only on x86_64")
 }
 
 /// A dot product in 16 lanes, summed as a tree at the end: the order the AVX2 path also uses,
@@ -142,17 +178,75 @@ mod avx2 {
         let mut out = [0f32; SHARE];
         for s in 0..R {
             // The tree `reduce` spells out: 16 lanes to 8, 4, 2, 1.
-            // SAFETY: plain register arithmetic.
-            let mut sum = unsafe {
-                let v = _mm256_add_ps(acc[s][0], acc[s][1]);
-                let v4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-                let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
-                _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1)))
-            };
+            let v = _mm256_add_ps(acc[s][0], acc[s][1]);
+            let v4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+            let mut sum = _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1)));
             for (a, b) in w[body..].iter().zip(&xs[s][body..]) {
                 sum += a * b;
             }
             out[s] = sum;
+        }
+        out
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{SHARE, WIDE_ROWS};
+
+    /// `w[a] · xs[s]` for the WIDE_ROWS rows of `w` and `s < r`: one 16-lane accumulator per
+    /// output, whose lanes are the AVX2 path's two 8-lane ones, reduced by the same tree.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dots(w: &[f32], xs: &[&[f32]; SHARE], r: usize) -> [[f32; SHARE]; WIDE_ROWS] {
+        // SAFETY (all arms): the caller's guarantees are passed on.
+        unsafe {
+            match r {
+                1 => tile::<1>(w, xs),
+                2 => tile::<2>(w, xs),
+                3 => tile::<3>(w, xs),
+                _ => tile::<4>(w, xs),
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn tile<const R: usize>(w: &[f32], xs: &[&[f32]; SHARE]) -> [[f32; SHARE]; WIDE_ROWS] {
+        let k = xs[0].len();
+        let body = k / 16 * 16;
+        let mut acc = [[_mm512_setzero_ps(); R]; WIDE_ROWS];
+        let wp: [*const f32; WIDE_ROWS] = std::array::from_fn(|a| w[a * k..].as_ptr());
+        let xp: [*const f32; R] = std::array::from_fn(|s| xs[s].as_ptr());
+        let mut c = 0;
+        while c < body {
+            // SAFETY: c + 16 <= k, and every row is k long.
+            unsafe {
+                let xv: [__m512; R] = std::array::from_fn(|s| _mm512_loadu_ps(xp[s].add(c)));
+                for a in 0..WIDE_ROWS {
+                    let wv = _mm512_loadu_ps(wp[a].add(c));
+                    for s in 0..R {
+                        acc[a][s] = _mm512_fmadd_ps(wv, xv[s], acc[a][s]);
+                    }
+                }
+            }
+            c += 16;
+        }
+        let mut out = [[0f32; SHARE]; WIDE_ROWS];
+        for a in 0..WIDE_ROWS {
+            for s in 0..R {
+                let z = acc[a][s];
+                let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1));
+                let v = _mm256_add_ps(_mm512_castps512_ps256(z), hi);
+                let v4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+                let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+                let mut sum = _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1)));
+                for (p, q) in w[a * k + body..(a + 1) * k].iter().zip(&xs[s][body..]) {
+                    sum += p * q;
+                }
+                out[a][s] = sum;
+            }
         }
         out
     }
@@ -168,6 +262,29 @@ mod tests {
                 ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 1000) as f32 / 500.0 - 1.0
             })
             .collect()
+    }
+
+    #[test]
+    fn the_avx512_tile_sums_as_the_row_kernel_does() {
+        if !has_avx512() {
+            return; // nothing to compare on this machine
+        }
+        for k in [16, 37, 576] {
+            let w = values(WIDE_ROWS * k, 5);
+            let x = values(3 * k, 6);
+            let xs: [&[f32]; SHARE] = std::array::from_fn(|s| &x[s.min(2) * k..][..k]);
+            let wide = wide_dots(&w, &xs, 3);
+            for a in 0..WIDE_ROWS {
+                let narrow = dots(&w[a * k..][..k], &xs, 3);
+                for s in 0..3 {
+                    assert_eq!(
+                        wide[a][s].to_bits(),
+                        narrow[s].to_bits(),
+                        "k {k}, row {a}, input {s}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
