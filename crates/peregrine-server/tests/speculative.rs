@@ -423,3 +423,93 @@ fn the_cli_takes_a_draft_model_and_refuses_a_foreign_vocabulary() {
         "{err}"
     );
 }
+
+/// Everything a plain run reports, for comparison: tokens, text, logprobs, finish, stop string.
+#[derive(Debug, PartialEq)]
+struct Outcome {
+    tokens: Vec<u32>,
+    text: String,
+    logprobs: Vec<(u32, f32, Vec<(u32, f32)>)>,
+    finish: Option<peregrine_engine::FinishReason>,
+    stop: Option<String>,
+    cached: usize,
+}
+
+fn outcome(engine: &Engine, request: Request) -> Outcome {
+    let mut o = Outcome {
+        tokens: vec![],
+        text: String::new(),
+        logprobs: vec![],
+        finish: None,
+        stop: None,
+        cached: 0,
+    };
+    for event in engine.submit(request).unwrap() {
+        match event {
+            Event::Delta {
+                text,
+                tokens,
+                logprobs,
+            } => {
+                o.text.push_str(&text);
+                o.tokens.extend(tokens);
+                (o.logprobs).extend(logprobs.into_iter().map(|l| (l.id, l.logprob, l.top)));
+            }
+            Event::Done {
+                finish,
+                stop_string,
+                usage,
+                ..
+            } => {
+                o.finish = Some(finish);
+                o.stop = stop_string;
+                o.cached = usage.cached_tokens;
+            }
+            Event::Error(e) => panic!("{e}"),
+        }
+    }
+    o
+}
+
+/// A stop string met inside a run of kept drafts, logprobs, and a second request served from
+/// the prompt cache (whose entry a speculating choice left) all come out as without drafts.
+#[test]
+fn stop_strings_logprobs_and_the_prompt_cache_match_plain_decoding() {
+    let model = fixture("llama");
+    let with_cache = |speculative| EngineConfig {
+        prompt_cache_entries: 4,
+        ..config(KvOptions::default(), speculative)
+    };
+    let plain = Engine::load(&model, with_cache(None)).unwrap();
+    let request = |stop: Vec<String>| {
+        let mut r = Request::new(Prompt::Tokens(prompt(24)));
+        r.sampling = SamplingParams::greedy();
+        r.max_tokens = Some(40);
+        r.logprobs = Some(2);
+        r.stop = stop;
+        r
+    };
+    let free = outcome(&plain, request(vec![]));
+    // A stop string from the middle of the free run's text.
+    let chars: Vec<char> = free.text.chars().collect();
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 3].iter().collect();
+    let mut expected = outcome(&plain, request(vec![stop.clone()]));
+    expected.cached = 0;
+    assert_eq!(expected.stop.as_deref(), Some(stop.as_str()));
+    let source = Arc::new(Scripted {
+        truth: Arc::new(free.tokens.clone()),
+        always_wrong: false,
+    });
+    let engine = Engine::load(&model, with_cache(fixed(source, 4))).unwrap();
+    let mut first = outcome(&engine, request(vec![stop.clone()]));
+    first.cached = 0;
+    assert_eq!(first, expected);
+    let mut again = outcome(&engine, request(vec![stop.clone()]));
+    assert!(
+        again.cached > 0,
+        "the second request reuses the first's cache"
+    );
+    again.cached = 0;
+    assert_eq!(again, expected);
+    assert!(engine.speculation_stats().accepted > 0);
+}
