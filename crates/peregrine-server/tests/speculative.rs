@@ -424,12 +424,15 @@ fn the_cli_takes_a_draft_model_and_refuses_a_foreign_vocabulary() {
     );
 }
 
+/// A token's logprob as reported: id, logprob, the top alternatives.
+type Logprob = (u32, f32, Vec<(u32, f32)>);
+
 /// Everything a plain run reports, for comparison: tokens, text, logprobs, finish, stop string.
 #[derive(Debug, PartialEq)]
 struct Outcome {
     tokens: Vec<u32>,
     text: String,
-    logprobs: Vec<(u32, f32, Vec<(u32, f32)>)>,
+    logprobs: Vec<Logprob>,
     finish: Option<peregrine_engine::FinishReason>,
     stop: Option<String>,
     cached: usize,
