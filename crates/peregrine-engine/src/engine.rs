@@ -484,7 +484,8 @@ impl Engine {
     /// The KV bytes `choices` choices of `request` (a prompt of `prompt` tokens) can grow to,
     /// and to how many positions. Without `max_tokens`, a request whose context would not fit
     /// the budget gets the positions that do (it ends with `length` there); with it, or when
-    /// not even the prompt fits, an error naming the budget.
+    /// not even the prompt fits, an error naming the budget. A speculating request's draft
+    /// caches count too.
     fn kv_reservation(
         &self,
         request: &Request,
@@ -494,7 +495,12 @@ impl Engine {
     ) -> Result<(usize, usize), EngineError> {
         let s = &self.shared;
         let (config, spec) = (s.model.config(), s.model.cache_spec());
-        let bytes = |positions| kv_bytes(config, &spec, kv, positions) * choices;
+        // A speculating request's draft model keeps a cache per choice too.
+        let drafter = (s.speculative.as_ref())
+            .filter(|_| request.speculative && request.constraint.is_none());
+        let draft = |positions| drafter.map_or(0, |d| d.source.kv_bytes(kv, positions));
+        let bytes =
+            |positions| (kv_bytes(config, &spec, kv, positions) + draft(positions)) * choices;
         let wanted = request.max_tokens.map_or(s.max_context, |m| {
             prompt.saturating_add(m).min(s.max_context)
         });

@@ -516,3 +516,42 @@ fn stop_strings_logprobs_and_the_prompt_cache_match_plain_decoding() {
     assert_eq!(again, expected);
     assert!(engine.speculation_stats().accepted > 0);
 }
+
+/// A draft model's caches count in a request's KV reservation: at the smallest budget a plain
+/// request fits, the same request drafting with a model of the same shape is refused (400
+/// naming `max_tokens`), and fits at twice the budget.
+#[test]
+fn a_draft_models_cache_counts_in_the_kv_budget() {
+    let model = fixture("llama");
+    let draft_dir = model.parent().unwrap().join("mlx-q8-g64");
+    let engine = |budget: usize| {
+        let draft = DraftModel::load(&draft_dir, &LoadOptions::default(), 512).unwrap();
+        let config = EngineConfig {
+            kv_budget: Some(budget),
+            ..config(KvOptions::default(), fixed(Arc::new(draft), 4))
+        };
+        Engine::load(&model, config).unwrap()
+    };
+    let submit = |engine: &Engine, speculative: bool| {
+        let mut r = Request::new(Prompt::Tokens(prompt(8)));
+        r.max_tokens = Some(200);
+        r.speculative = speculative;
+        engine.submit(r).map(drop)
+    };
+    // The smallest budget (to 1 %) that a plain request fits.
+    let (mut lo, mut hi) = (1usize, 64 << 20);
+    while hi - lo > hi / 100 {
+        let mid = lo + (hi - lo) / 2;
+        match submit(&engine(mid), false) {
+            Ok(()) => hi = mid,
+            Err(_) => lo = mid,
+        }
+    }
+    let at = engine(hi);
+    assert!(submit(&at, false).is_ok());
+    match submit(&at, true) {
+        Err(EngineError::Unsupported { param, .. }) => assert_eq!(param, "max_tokens"),
+        other => panic!("a drafting request beyond the budget: {other:?}"),
+    }
+    assert!(submit(&engine(2 * hi), true).is_ok());
+}

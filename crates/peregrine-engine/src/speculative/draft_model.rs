@@ -98,6 +98,12 @@ impl DraftSource for DraftModel {
             .map_err(|why| ModelError::config(&self.path, why).into())
     }
 
+    fn kv_bytes(&self, kv: &KvOptions, positions: usize) -> usize {
+        let model = self.model.as_ref();
+        let kv = super::draft_kv(kv);
+        crate::kv_budget::kv_bytes(model.config(), &model.cache_spec(), &kv, positions)
+    }
+
     fn start(&self, sampling: &SamplingParams, kv: &KvOptions) -> Box<dyn Drafter> {
         let mut sampling = sampling.clone();
         sampling.seed = sampling.seed.map(|s| s ^ DRAFT_SEED_OFFSET);

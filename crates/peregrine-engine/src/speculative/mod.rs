@@ -1,9 +1,11 @@
 //! Speculative decoding: a [`Drafter`] proposes a few tokens, the target model runs them all in
-//! one pass, and verification ([`Sampler::verify`]) keeps each drafted token with probability
-//! `min(1, p/q)` or replaces it, so the output is distributed exactly as without drafting, at any
-//! temperature (greedy output is identical token for token). Rejected positions are trimmed from
-//! the target's cache ([`SequenceCache::trim`], exact on every cache kind). How many tokens to
-//! draft adapts to the measured acceptance and cost ([`DraftLength`]).
+//! one pass, and verification
+//! ([`Sampler::verify`](peregrine_sampling::Sampler::verify)) keeps each drafted token with
+//! probability `min(1, p/q)` or replaces it, so the output is distributed exactly as without
+//! drafting, at any temperature (greedy output is identical token for token). Rejected positions
+//! are trimmed from the target's cache
+//! ([`SequenceCache::trim`](peregrine_models::SequenceCache::trim), exact on every cache kind).
+//! How many tokens to draft adapts to the measured acceptance and cost ([`DraftLength`]).
 //!
 //! Drafters: [`DraftModel`] (a smaller model sharing the vocabulary) and [`PromptLookup`] (the
 //! continuation of an earlier occurrence of the context's last tokens; no second model). Other
@@ -72,6 +74,22 @@ pub trait DraftSource: Send + Sync {
     /// A drafter for one sequence, drawing with the request's `sampling` where it samples (its
     /// seed is the request's, so seeded runs repeat) and storing any KV as `kv` says.
     fn start(&self, sampling: &SamplingParams, kv: &KvOptions) -> Box<dyn Drafter>;
+    /// The most KV cache bytes one sequence's drafter holds at `positions` positions with
+    /// `kv` (a draft model's cache): counted in the request's share of the KV budget.
+    fn kv_bytes(&self, kv: &KvOptions, positions: usize) -> usize {
+        let _ = (kv, positions);
+        0
+    }
+}
+
+/// The KV options of a drafter's cache: the request's precision, never quantized or
+/// TurboQuant (the draft's precision does not change what verification emits).
+pub(crate) fn draft_kv(kv: &KvOptions) -> KvOptions {
+    KvOptions {
+        quant: None,
+        turbo: None,
+        ..*kv
+    }
 }
 
 /// Speculative decoding's settings ([`EngineConfig::speculative`](crate::EngineConfig)).
@@ -137,12 +155,7 @@ impl Speculation {
     /// A choice sampling with `sampling` drafts from `config`'s source. A seeded request
     /// drafts a fixed length: lengths adapted to measured times would make its output vary.
     pub fn start(config: &SpeculativeConfig, sampling: &SamplingParams, kv: &KvOptions) -> Self {
-        // The draft's cache is plain: its precision does not change what verification emits.
-        let kv = KvOptions {
-            quant: None,
-            turbo: None,
-            ..*kv
-        };
+        let kv = draft_kv(kv);
         let adaptive = config.adaptive && sampling.seed.is_none();
         Self {
             drafter: config.source.start(sampling, &kv),
