@@ -10,8 +10,8 @@ use std::time::Instant;
 
 use peregrine_models::weights::MlxActivations;
 use peregrine_models::{
-    CausalLm, ExpertOptions, KvOptions, LayerKind, LoadOptions, LoadProgress, Logits, ReadPool,
-    SequenceCache, open_model,
+    CausalLm, ExpertOptions, KvOptions, LoadOptions, LoadProgress, Logits, ReadPool, SequenceCache,
+    open_model,
 };
 use peregrine_tensor::{Device, Tensor};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
@@ -23,7 +23,7 @@ use crate::error::EngineError;
 use crate::kv_budget::{default_kv_budget, kv_bytes};
 use crate::prompt_cache::{PromptCache, PromptCacheStats};
 use crate::sequence::prefill;
-use crate::speculative::{SpeculationStats, SpeculativeConfig};
+use crate::speculative::{SpeculationCounters, SpeculationStats, SpeculativeConfig};
 use crate::tokenizer::Tokenizer;
 
 /// How the engine runs.
@@ -149,29 +149,12 @@ pub(crate) struct Shared {
     pub steps: AtomicU64,
     pub step_rows: AtomicU64,
     pub speculative: Option<SpeculativeConfig>,
-    /// Speculative decoding's counters ([`SpeculationStats`]).
-    spec_rounds: AtomicU64,
-    spec_drafted: AtomicU64,
-    spec_accepted: AtomicU64,
-    spec_skipped: AtomicU64,
+    pub spec_counters: SpeculationCounters,
     panic_marker: Option<String>,
     grammars: Compiler,
 }
 
 impl Shared {
-    /// Counts a verification pass of `drafted` tokens that kept `kept`.
-    pub fn record_speculation(&self, drafted: usize, kept: usize) {
-        self.spec_rounds.fetch_add(1, Ordering::Relaxed);
-        (self.spec_drafted).fetch_add(drafted as u64, Ordering::Relaxed);
-        (self.spec_accepted).fetch_add(kept as u64, Ordering::Relaxed);
-    }
-
-    /// Counts a step where a speculating sequence drafted nothing, its draft length having
-    /// adapted to 0.
-    pub fn record_skipped_draft(&self) {
-        self.spec_skipped.fetch_add(1, Ordering::Relaxed);
-    }
-
     /// Panics where the test hook says to, standing in for a bug in a forward pass.
     pub fn fault_point(&self, req: &Request, generated: usize) {
         if generated == 1
@@ -232,7 +215,7 @@ impl Engine {
             experts: config.experts,
             progress: config.load_progress.clone(),
         };
-        tune_allocator();
+        crate::allocator::tune();
         // The tokenizer first: building a large vocabulary's takes memory for a moment, and
         // that moment should not come on top of the weights.
         let open = open_model(path, &opts)?;
@@ -255,7 +238,7 @@ impl Engine {
         let loaded = open.load()?;
         let (model, max_context) = (loaded.model, loaded.max_context);
         drop(loaded.gguf);
-        release_freed_memory();
+        crate::allocator::release_freed();
         let mut engine = Self::new(model, tokenizer, max_context, config)?;
         engine.expert_reads = loaded.expert_reads;
         Ok(engine)
@@ -283,7 +266,7 @@ impl Engine {
             });
         }
         let speculative = match config.speculative {
-            Some(spec) => Some(check_speculative(
+            Some(spec) => Some(crate::speculative::checked(
                 spec,
                 model.as_ref(),
                 &tokenizer,
@@ -312,10 +295,7 @@ impl Engine {
             steps: AtomicU64::new(0),
             step_rows: AtomicU64::new(0),
             speculative,
-            spec_rounds: AtomicU64::new(0),
-            spec_drafted: AtomicU64::new(0),
-            spec_accepted: AtomicU64::new(0),
-            spec_skipped: AtomicU64::new(0),
+            spec_counters: SpeculationCounters::default(),
             panic_marker: config.panic_marker,
             grammars: Compiler::default(),
         });
@@ -401,14 +381,7 @@ impl Engine {
 
     /// Speculative decoding's counters since the engine started (all 0 when it is off).
     pub fn speculation_stats(&self) -> SpeculationStats {
-        let s = &self.shared;
-        let read = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        SpeculationStats {
-            rounds: read(&s.spec_rounds),
-            drafted: read(&s.spec_drafted),
-            accepted: read(&s.spec_accepted),
-            skipped: read(&s.spec_skipped),
-        }
+        self.shared.spec_counters.stats()
     }
 
     /// The prompt cache's counters and size.
@@ -615,71 +588,5 @@ impl Engine {
         Ok(all
             .narrow(0, positions.start.min(ids.len()), len)
             .map_err(peregrine_models::ModelError::from)?)
-    }
-}
-
-/// `spec` checked against the model it drafts for: a draft model's vocabulary, and a draft
-/// length within what every cache can roll back (recurrent layers keep a few states).
-fn check_speculative(
-    mut spec: SpeculativeConfig,
-    model: &dyn CausalLm,
-    tokenizer: &Tokenizer,
-    kv: &KvOptions,
-) -> Result<SpeculativeConfig, EngineError> {
-    spec.source.check(model, tokenizer)?;
-    let recurrent = (model.cache_spec().iter()).any(|k| matches!(k, LayerKind::Recurrent { .. }));
-    let most = match recurrent {
-        true => kv
-            .recurrent_depth()
-            .min(crate::speculative::MAX_DRAFT_TOKENS),
-        false => crate::speculative::MAX_DRAFT_TOKENS,
-    };
-    if spec.max_draft > most {
-        tracing::warn!(
-            "drafting at most {most} tokens a pass, not {}: {}",
-            spec.max_draft,
-            match recurrent {
-                true => "the recurrent layers roll back no further (--recurrent-rollback)",
-                false => "the most a pass verifies",
-            }
-        );
-        spec.max_draft = most;
-    }
-    Ok(spec)
-}
-
-/// Keeps the allocator from returning activation-sized buffers to the system between forward
-/// passes. glibc maps every block over its threshold (128 KiB until a large mapped block is
-/// freed) afresh and unmaps it on free, so each prefill chunk's multi-megabyte buffers page-fault
-/// and zero anew (measured: 20-40 % of a 512-token prefill, depending on what loading happened to
-/// free). Blocks up to 32 MiB now come from the heap, and up to 64 MiB of free heap top stays.
-/// Process-wide, as every glibc tuning is; weights (larger blocks) are still mapped on their own.
-fn tune_allocator() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        unsafe extern "C" {
-            fn mallopt(param: i32, value: i32) -> i32;
-        }
-        const M_TRIM_THRESHOLD: i32 = -1;
-        const M_MMAP_THRESHOLD: i32 = -3;
-        // SAFETY: mallopt only changes glibc's thresholds; both values are within its limits.
-        unsafe {
-            mallopt(M_MMAP_THRESHOLD, 32 << 20);
-            mallopt(M_TRIM_THRESHOLD, 64 << 20);
-        }
-    }
-}
-
-/// Hands the allocator's freed pages back to the system: loading frees the GGUF metadata and the
-/// tokenizer's build tables (about 100 MB for a 262K vocabulary), which glibc would otherwise keep
-/// resident.
-fn release_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        unsafe extern "C" {
-            fn malloc_trim(pad: usize) -> i32;
-        }
-        // SAFETY: glibc's malloc_trim only returns free heap pages to the kernel.
-        unsafe { malloc_trim(0) };
     }
 }

@@ -13,6 +13,7 @@
 //! ```
 #![warn(missing_docs)]
 
+mod allocator;
 pub mod api;
 pub mod chat_template;
 pub mod constraint;

@@ -318,7 +318,7 @@ impl Decoding {
             }
         }
         spec.record(drafted, kept, step_secs);
-        shared.record_speculation(drafted, kept);
+        shared.spec_counters.verified(drafted, kept);
         self.spec = Some(spec);
         outcome
     }

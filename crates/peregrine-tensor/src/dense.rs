@@ -152,6 +152,19 @@ mod avx2 {
         }
     }
 
+    /// The sum of the 8 lanes `v` (lane `l` holding accumulator lanes `l` and `l + 8`) by the
+    /// tree [`super::reduce`] spells out, then the tail `w · x` beyond the 16-wide body, in order.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn finish(v: __m256, w: &[f32], x: &[f32]) -> f32 {
+        let v4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+        let mut sum = _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1)));
+        for (a, b) in w.iter().zip(x) {
+            sum += a * b;
+        }
+        sum
+    }
+
     /// [`dots`] for `R` rows: the same operations per row whatever `R` is.
     #[target_feature(enable = "avx2,fma")]
     unsafe fn dots_n<const R: usize>(w: &[f32], xs: &[&[f32]; SHARE]) -> [f32; SHARE] {
@@ -179,13 +192,7 @@ mod avx2 {
         for s in 0..R {
             // The tree `reduce` spells out: 16 lanes to 8, 4, 2, 1.
             let v = _mm256_add_ps(acc[s][0], acc[s][1]);
-            let v4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-            let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
-            let mut sum = _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1)));
-            for (a, b) in w[body..].iter().zip(&xs[s][body..]) {
-                sum += a * b;
-            }
-            out[s] = sum;
+            out[s] = finish(v, &w[body..], &xs[s][body..]);
         }
         out
     }
@@ -239,13 +246,8 @@ mod avx512 {
                 let z = acc[a][s];
                 let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1));
                 let v = _mm256_add_ps(_mm512_castps512_ps256(z), hi);
-                let v4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-                let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
-                let mut sum = _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1)));
-                for (p, q) in w[a * k + body..(a + 1) * k].iter().zip(&xs[s][body..]) {
-                    sum += p * q;
-                }
-                out[a][s] = sum;
+                let tail = &w[a * k + body..(a + 1) * k];
+                out[a][s] = super::avx2::finish(v, tail, &xs[s][body..]);
             }
         }
         out

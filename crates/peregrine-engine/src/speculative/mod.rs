@@ -16,8 +16,9 @@ mod draft_model;
 mod ngram;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
-use peregrine_models::{CausalLm, KvOptions};
+use peregrine_models::{CausalLm, KvOptions, LayerKind};
 use peregrine_sampling::{Distribution, SamplingParams};
 
 pub use adaptive::DraftLength;
@@ -140,6 +141,69 @@ impl SpeculationStats {
     }
 }
 
+/// `spec` checked against the model it drafts for: a draft model's vocabulary, and a draft
+/// length within what every cache can roll back (recurrent layers keep a few states).
+pub(crate) fn checked(
+    mut spec: SpeculativeConfig,
+    model: &dyn CausalLm,
+    tokenizer: &Tokenizer,
+    kv: &KvOptions,
+) -> Result<SpeculativeConfig, EngineError> {
+    spec.source.check(model, tokenizer)?;
+    let recurrent = (model.cache_spec().iter()).any(|k| matches!(k, LayerKind::Recurrent { .. }));
+    let most = match recurrent {
+        true => kv.recurrent_depth().min(MAX_DRAFT_TOKENS),
+        false => MAX_DRAFT_TOKENS,
+    };
+    if spec.max_draft > most {
+        tracing::warn!(
+            "drafting at most {most} tokens a pass, not {}: {}",
+            spec.max_draft,
+            match recurrent {
+                true => "the recurrent layers roll back no further (--recurrent-rollback)",
+                false => "the most a pass verifies",
+            }
+        );
+        spec.max_draft = most;
+    }
+    Ok(spec)
+}
+
+/// Speculative decoding's counters, shared by the scheduler and the engine's handle.
+#[derive(Debug, Default)]
+pub(crate) struct SpeculationCounters {
+    rounds: AtomicU64,
+    drafted: AtomicU64,
+    accepted: AtomicU64,
+    skipped: AtomicU64,
+}
+
+impl SpeculationCounters {
+    /// Counts a verification pass of `drafted` tokens that kept `kept`.
+    pub fn verified(&self, drafted: usize, kept: usize) {
+        self.rounds.fetch_add(1, Ordering::Relaxed);
+        self.drafted.fetch_add(drafted as u64, Ordering::Relaxed);
+        self.accepted.fetch_add(kept as u64, Ordering::Relaxed);
+    }
+
+    /// Counts a step where a speculating sequence drafted nothing, its draft length having
+    /// adapted to 0.
+    pub fn skipped(&self) {
+        self.skipped.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The counts so far.
+    pub fn stats(&self) -> SpeculationStats {
+        let read = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        SpeculationStats {
+            rounds: read(&self.rounds),
+            drafted: read(&self.drafted),
+            accepted: read(&self.accepted),
+            skipped: read(&self.skipped),
+        }
+    }
+}
+
 /// One choice's speculation: its drafter, the last proposal and the draft length.
 pub(crate) struct Speculation {
     drafter: Box<dyn Drafter>,
@@ -178,7 +242,7 @@ impl Speculation {
         self.proposal.clear();
         let want = self.length.choose();
         if want == 0 && room > 0 {
-            shared.record_skipped_draft();
+            shared.spec_counters.skipped();
         }
         let want = want.min(room);
         if want > 0 {
