@@ -228,17 +228,16 @@ impl Decoding {
         let Some(spec) = &mut self.spec else { return };
         // The pass's tokens all fit the budget: kept drafts and the bonus token after them.
         let room = self.budget.saturating_sub(self.generated.len() + 1);
+        let (ids, generated, feed) = (&self.ids, &self.generated, &mut self.feed);
         let drafted = catch_unwind(AssertUnwindSafe(|| {
-            (spec.draft(&self.ids, &self.generated, room, shared)).map(<[u32]>::to_vec)
+            spec.draft(ids, generated, room, shared, feed)
         }));
         let drafted =
             drafted.unwrap_or_else(|_| Err(EngineError::Internal("a drafter panicked".into())));
-        match drafted {
-            Ok(drafts) => self.feed.extend_from_slice(&drafts),
-            Err(e) => {
-                tracing::warn!("drafting failed; the sequence goes on without: {e}");
-                self.spec = None;
-            }
+        if let Err(e) = drafted {
+            tracing::warn!("drafting failed; the sequence goes on without: {e}");
+            self.feed.truncate(1);
+            self.spec = None;
         }
     }
 
@@ -280,7 +279,6 @@ impl Decoding {
         step_secs: f64,
     ) -> Result<Option<FinishReason>, EngineError> {
         let drafted = self.feed.len() - 1;
-        let drafts: Vec<u32> = self.feed[1..].to_vec();
         let mut spec = self
             .spec
             .take()
@@ -292,7 +290,7 @@ impl Decoding {
             let mut row = std::mem::take(&mut self.rows[i]);
             let raw = self.request.logprobs.map(|_| row.clone());
             (self.sampler).distribution(&mut row, &self.ids, &self.generated, &mut dist);
-            let (token, stands) = match drafts.get(i) {
+            let (token, stands) = match spec.drafts().get(i) {
                 Some(&t) => match self.sampler.verify(&dist, t, spec.proposal_dist(i)) {
                     Verdict::Accept => (t, true),
                     Verdict::Replace(r) => (r, false),

@@ -116,6 +116,7 @@ impl DraftSource for DraftModel {
             fed: Vec::new(),
             logits: Vec::new(),
             seen: Vec::new(),
+            context: Vec::new(),
         })
     }
 }
@@ -131,6 +132,8 @@ struct Running {
     logits: Vec<f32>,
     /// `generated` and the tokens drafted so far (the penalties' view).
     seen: Vec<u32>,
+    /// The prompt and `generated`, rebuilt each round in a kept buffer.
+    context: Vec<u32>,
 }
 
 impl Running {
@@ -176,8 +179,12 @@ impl Drafter for Running {
         if max == 0 {
             return Ok(());
         }
-        let context: Vec<u32> = prompt.iter().chain(generated).copied().collect();
-        self.catch_up(&context)?;
+        let mut context = std::mem::take(&mut self.context);
+        context.clear();
+        context.extend(prompt.iter().chain(generated));
+        let caught_up = self.catch_up(&context);
+        self.context = context;
+        caught_up?;
         self.seen.clear();
         self.seen.extend_from_slice(generated);
         for i in 0..max {

@@ -231,14 +231,15 @@ impl Speculation {
     }
 
     /// Drafts up to `room` tokens after `prompt` + `generated` (as many as the draft length
-    /// says), returning them.
+    /// says), appending them to `feed`.
     pub fn draft(
         &mut self,
         prompt: &[u32],
         generated: &[u32],
         room: usize,
         shared: &crate::engine::Shared,
-    ) -> Result<&[u32], EngineError> {
+        feed: &mut Vec<u32>,
+    ) -> Result<(), EngineError> {
         self.proposal.clear();
         let want = self.length.choose();
         if want == 0 && room > 0 {
@@ -253,7 +254,13 @@ impl Speculation {
             let secs = start.elapsed().as_secs_f64();
             self.draft_secs = (self.proposals > 1).then_some(secs);
         }
-        Ok(&self.proposal.tokens)
+        feed.extend_from_slice(&self.proposal.tokens);
+        Ok(())
+    }
+
+    /// The tokens of the last proposal.
+    pub fn drafts(&self) -> &[u32] {
+        &self.proposal.tokens
     }
 
     /// The distribution the `i`th drafted token was drawn from (`None`: proposed
