@@ -6,6 +6,7 @@
 #![warn(missing_docs)]
 
 mod buffer;
+mod mtp;
 mod parallel;
 mod recurrent;
 mod rotating;
@@ -13,6 +14,7 @@ mod sequence;
 mod simple;
 pub mod turbo;
 
+pub use mtp::{MTP_HIDDEN_KEPT, MtpState};
 pub use parallel::ParallelCache;
 pub use recurrent::{DEFAULT_RECURRENT_ROLLBACK, RecurrentCache};
 pub use rotating::RotatingCache;

@@ -2,6 +2,7 @@
 
 use peregrine_tensor::{DType, Result};
 
+use crate::mtp::MtpState;
 use crate::turbo::{TurboCache, TurboOptions};
 use crate::{
     DEFAULT_RECURRENT_ROLLBACK, LayerCache, ParallelCache, RecurrentCache, RotatingCache,
@@ -113,6 +114,8 @@ pub struct SequenceCache {
     layers: Vec<Box<dyn LayerCache>>,
     /// Experts each token of this sequence is routed to, when fewer than the model's.
     moe_top_k: Option<usize>,
+    /// A multi-token-prediction head's memory, when this sequence drafts with one.
+    mtp: Option<Box<MtpState>>,
 }
 
 /// Positions a sliding-window cache keeps beyond its window so that speculative rollback stays exact.
@@ -155,6 +158,7 @@ impl SequenceCache {
         Self {
             layers,
             moe_top_k: None,
+            mtp: None,
         }
     }
 
@@ -183,12 +187,43 @@ impl SequenceCache {
         if let Some(layer) = self.layers.iter().find(|l| !l.can_trim(n)) {
             return layer.as_ref().snapshot()?.trim(n); // reports why, changing nothing here
         }
-        self.layers.iter_mut().try_for_each(|l| l.trim(n))
+        self.layers.iter_mut().try_for_each(|l| l.trim(n))?;
+        let len = self.len();
+        if let Some(mtp) = &mut self.mtp {
+            mtp.trim_to(len);
+        }
+        Ok(())
     }
 
-    /// Bytes held by all layers.
+    /// Bytes held by all layers (and a multi-token-prediction head's memory).
     pub fn bytes(&self) -> usize {
-        self.layers.iter().map(|l| l.bytes()).sum()
+        let mtp = self.mtp.as_ref().map_or(0, |m| m.bytes());
+        self.layers.iter().map(|l| l.bytes()).sum::<usize>() + mtp
+    }
+
+    /// Keeps a multi-token-prediction head's memory beside this cache (head layers `spec`,
+    /// hidden states of `width`), which the model then fills on every pass. On a cache that
+    /// already holds positions the head has missed them, so it starts lost. Does nothing when
+    /// the cache has one.
+    pub fn enable_mtp(&mut self, spec: &[LayerKind], options: &KvOptions, width: usize) {
+        if self.mtp.is_some() {
+            return;
+        }
+        let mut state = MtpState::new(spec, options, width);
+        if !self.is_empty() {
+            state.lose();
+        }
+        self.mtp = Some(Box::new(state));
+    }
+
+    /// Drops the multi-token-prediction head's memory (the model then runs no head rows).
+    pub fn disable_mtp(&mut self) {
+        self.mtp = None;
+    }
+
+    /// The multi-token-prediction head's memory, when kept.
+    pub fn mtp(&mut self) -> Option<&mut MtpState> {
+        self.mtp.as_deref_mut()
     }
 
     /// An independent copy of every layer.
@@ -200,6 +235,10 @@ impl SequenceCache {
                 .map(|l| l.snapshot())
                 .collect::<Result<_>>()?,
             moe_top_k: self.moe_top_k,
+            mtp: match &self.mtp {
+                Some(m) => Some(Box::new(m.snapshot()?)),
+                None => None,
+            },
         })
     }
 

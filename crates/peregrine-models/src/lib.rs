@@ -17,7 +17,8 @@ pub use config::ModelConfig;
 pub use error::{ModelError, Result};
 pub use layers::batch::BatchSeq;
 pub use peregrine_kv::{
-    DEFAULT_RECURRENT_ROLLBACK, KvOptions, KvQuant, LayerKind, SequenceCache, TurboOptions,
+    DEFAULT_RECURRENT_ROLLBACK, KvOptions, KvQuant, LayerKind, MTP_HIDDEN_KEPT, MtpState,
+    SequenceCache, TurboOptions,
 };
 pub use peregrine_moe::{ReadPool, StreamStats};
 pub use registry::{
@@ -65,6 +66,27 @@ pub trait CausalLm: Send + Sync {
     /// through [`forward`](Self::forward).
     fn decode(&self, token: u32, cache: &mut SequenceCache, logits: &mut Vec<f32>) -> Result<()> {
         decode_with_forward(self, token, cache, logits)
+    }
+    /// The cache kinds of the multi-token-prediction head, when the model loaded one
+    /// ([`LoadOptions::mtp`]). A sequence that drafts with it keeps the head's memory beside
+    /// its cache ([`SequenceCache::enable_mtp`]), which every pass then brings up to date.
+    fn mtp_spec(&self) -> Option<Vec<LayerKind>> {
+        None
+    }
+    /// One row of the multi-token-prediction head at the next position of `cache` (the head's,
+    /// [`MtpState::cache`](peregrine_kv::MtpState::cache)): joins `input`'s hidden state (the
+    /// target's final one, or the head's own output for a chained draft) with its token, and
+    /// writes the following token's f32 logits and the head's output into `output`.
+    fn mtp_step(
+        &self,
+        input: (&[f32], u32),
+        cache: &mut SequenceCache,
+        output: (&mut Vec<f32>, &mut Vec<f32>),
+    ) -> Result<()> {
+        let _ = (input, cache, output);
+        Err(ModelError::Tensor(peregrine_tensor::candle::Error::Msg(
+            "this model has no multi-token-prediction head".into(),
+        )))
     }
     /// The device the weights live on.
     fn device(&self) -> &Device;

@@ -144,6 +144,10 @@ pub struct LoadOptions {
     pub experts: ExpertOptions,
     /// Where the bytes read are counted, for a progress display.
     pub progress: Option<Arc<LoadProgress>>,
+    /// Also load the multi-token-prediction layers the checkpoint carries
+    /// ([`ModelConfig::mtp_layers`]), which speculative decoding drafts with; off, they are
+    /// not read (they can be large: DeepSeek-V3's is a whole MoE layer).
+    pub mtp: bool,
 }
 
 /// How a mixture-of-experts model's experts are held and routed.
@@ -227,6 +231,7 @@ impl Default for LoadOptions {
             mlx_activations: MlxActivations::default(),
             experts: ExpertOptions::default(),
             progress: None,
+            mtp: false,
         }
     }
 }
@@ -407,6 +412,9 @@ pub fn open_model(path: &Path, opts: &LoadOptions) -> Result<OpenModel> {
         (config, weights, *build)
     };
     let mut config = config;
+    if !opts.mtp {
+        config.mtp_layers = 0;
+    }
     let pool = opts.experts.apply(&mut config, path)?;
     let weights = weights.with_streamed_experts(pool);
     Ok(OpenModel {

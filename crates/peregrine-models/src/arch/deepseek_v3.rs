@@ -16,8 +16,10 @@
 //!   `moe_intermediate_size · n_shared_experts`): sigmoid scores, `n_group` / `topk_group`
 //!   group-limited choice, `norm_topk_prob`, weights times `routed_scaling_factor`.
 //! - Real checkpoints carry `num_nextn_predict_layers` multi-token-prediction layers after the
-//!   last one (`model.layers.61.*` in DeepSeek-V3); only layers `< num_hidden_layers` are read,
-//!   so they are ignored (in GGUF files too: `block_count` less `nextn_predict_layers`).
+//!   last one (`model.layers.61.*` in DeepSeek-V3: `enorm`, `hnorm`, `eh_proj`,
+//!   `shared_head.norm` around a decoder layer); the model reads them only when asked
+//!   (`LoadOptions::mtp`, for speculative decoding: `layers/decoder/mtp.rs`). GGUF files' are
+//!   skipped (`block_count` less `nextn_predict_layers`).
 //! - GGUF files (`deepseek2`) are read by `configure_gguf`.
 //!
 //! Everything else is the llama-family decoder: the model is `DecoderLm<Mla>`.
@@ -65,6 +67,7 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
     // DeepSeek's checkpoints keep the RoPE dimensions in adjacent pairs (transformers' default).
     let interleaved = fields.opt_bool("rope_interleave")?.unwrap_or(true);
     set_mla(config, mla, interleaved);
+    config.mtp_layers = fields.opt_usize("num_nextn_predict_layers")?.unwrap_or(0);
     let experts = fields.usize("n_routed_experts")?;
     let top_k = fields.usize("num_experts_per_tok")?;
     if top_k > experts {

@@ -31,6 +31,7 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
     config.norm_weight_offset = 1.0;
     config.attn_output_gate = true;
     config.delta_net = Some(DeltaNetConfig::from_hf(fields, config.num_hidden_layers)?);
+    config.mtp_layers = fields.opt_usize("mtp_num_hidden_layers")?.unwrap_or(0);
     if fields.opt_usize("num_experts")?.unwrap_or(0) > 0 {
         let mut moe = MoeConfig::from_hf(fields, config, ExpertNaming::Qwen, true)?;
         moe.shared_intermediate_size = fields.opt_usize("shared_expert_intermediate_size")?;

@@ -103,6 +103,10 @@ pub struct ModelConfig {
     pub no_rope: bool,
     /// `q_proj` also gives a per-head output gate, `o_proj(attn · sigmoid(gate))` (Qwen3-Next).
     pub attn_output_gate: bool,
+    /// Multi-token-prediction layers the checkpoint carries after the last decoder layer
+    /// (DeepSeek-V3's `num_nextn_predict_layers`, Qwen3-Next's and Qwen3.5's
+    /// `mtp_num_hidden_layers`); read only when [`LoadOptions::mtp`](crate::LoadOptions) asks.
+    pub mtp_layers: usize,
 }
 
 /// Gemma 4's per-layer input embeddings: a second embedding table of `vocab` rows holding
@@ -317,6 +321,7 @@ impl ModelConfig {
             falcon: None,
             no_rope: false,
             attn_output_gate: false,
+            mtp_layers: 0,
         };
         config.validate(&fields.file)?;
         Ok(config)

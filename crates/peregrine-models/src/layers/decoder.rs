@@ -4,6 +4,8 @@
 //! [`Attention`], or DeepSeek's latent [`Mla`](super::mla::Mla)). Architectures that differ only in such flags
 //! reuse it rather than copying it.
 
+mod mtp;
+
 use peregrine_kv::{LayerCache, LayerKind, SequenceCache};
 use peregrine_tensor::ops::rms_norm;
 use peregrine_tensor::{DType, Device, Embedding, QLinear, RotaryEmbedding, Tensor};
@@ -76,39 +78,25 @@ pub struct DecoderLm<A = Attention> {
     device: Device,
     dtype: DType,
     steps: StepPool,
+    /// The multi-token-prediction head, when loaded ([`ModelConfig::mtp_layers`]).
+    mtp: Option<mtp::MtpHead<A>>,
 }
 
 impl<A: SelfAttention> DecoderLm<A> {
     /// Loads the weights for `config`; RoPE tables cover `max_context` positions. Layers past
-    /// `num_hidden_layers` (DeepSeek's multi-token-prediction layers) are not read.
+    /// `num_hidden_layers` (multi-token-prediction layers) are read only when
+    /// [`ModelConfig::mtp_layers`] asks.
     pub fn load(config: ModelConfig, w: &Weights, max_context: usize) -> Result<Self> {
         let c = &config;
         let h = c.hidden_size;
         let layers = (0..c.num_hidden_layers)
-            .map(|i| {
-                let p = format!("model.layers.{i}");
-                // Phi-3 fuses gate/up: split at load, the layer stays the same.
-                let mlp = format!("{p}.mlp");
-                Ok(DecoderLayer {
-                    input_layernorm: norm_weight(c, w, &format!("{p}.input_layernorm.weight"), h)?,
-                    self_attn: A::load(c, w, i)?,
-                    post_attention_layernorm: norm_weight(
-                        c,
-                        w,
-                        &format!("{p}.post_attention_layernorm.weight"),
-                        h,
-                    )?,
-                    mlp: match w.contains(&format!("{mlp}.gate_up_proj.weight")) {
-                        true => Ffn::Dense(GatedMlp::load_fused(c, w, &mlp)?),
-                        false => Ffn::load(c, w, i)?,
-                    },
-                })
-            })
+            .map(|i| DecoderLayer::load(c, w, i))
             .collect::<Result<Vec<_>>>()?;
         let embed_tokens = w.embedding("model.embed_tokens.weight", c.vocab_size, h)?;
         let lm_head = super::lm_head(c, w, &embed_tokens)?;
         let rope = crate::layers::rope_table(c, w, A::rope_dims(c), max_context)?;
         Ok(Self {
+            mtp: mtp::MtpHead::load(c, w)?,
             norm: norm_weight(c, w, "model.norm.weight", h)?,
             embed_tokens,
             layers,
@@ -143,7 +131,37 @@ impl<A: SelfAttention> DecoderLm<A> {
     }
 }
 
+impl<A: SelfAttention> DecoderLm<A> {
+    /// Runs the MTP head's rows of the pass just run for the sequences that keep one; `x` is
+    /// the last layer's output.
+    fn mtp_catch_up(&self, x: &Tensor, batch: &mut [BatchSeq]) -> Result<()> {
+        let Some(mtp) = &self.mtp else { return Ok(()) };
+        if batch.iter_mut().all(|s| s.cache.mtp().is_none()) {
+            return Ok(());
+        }
+        let normed = rms_norm(x, &self.norm, self.config.rms_norm_eps as f32)?;
+        mtp.catch_up(self, &normed, batch)
+    }
+}
+
 impl<A: SelfAttention> DecoderLayer<A> {
+    /// Loads `model.layers.{i}`.
+    fn load(c: &ModelConfig, w: &Weights, i: usize) -> Result<Self> {
+        let (p, h) = (format!("model.layers.{i}"), c.hidden_size);
+        // Phi-3 fuses gate/up: split at load, the layer stays the same.
+        let mlp = format!("{p}.mlp");
+        let norm = |name: &str| norm_weight(c, w, &format!("{p}.{name}.weight"), h);
+        Ok(DecoderLayer {
+            input_layernorm: norm("input_layernorm")?,
+            self_attn: A::load(c, w, i)?,
+            post_attention_layernorm: norm("post_attention_layernorm")?,
+            mlp: match w.contains(&format!("{mlp}.gate_up_proj.weight")) {
+                true => Ffn::Dense(GatedMlp::load_fused(c, w, &mlp)?),
+                false => Ffn::load(c, w, i)?,
+            },
+        })
+    }
+
     /// `x: [1, rows, hidden]`, the stacked rows of `segments`, each routed to at most
     /// `limits[row]` experts (when given). `next`: the next layer's feed-forward, whose experts a
     /// streaming store starts reading on a guess from this layer's input to its own.
@@ -200,18 +218,41 @@ impl<A: SelfAttention + 'static> CausalLm for DecoderLm<A> {
 
     fn forward(&self, tokens: &[u32], cache: &mut SequenceCache, want: Logits) -> Result<Tensor> {
         let eps = self.config.rms_norm_eps as f32;
-        let x = self.hidden(&mut [BatchSeq::last(tokens, cache)])?;
+        let mut batch = [BatchSeq::last(tokens, cache)];
+        let x = self.hidden(&mut batch)?;
+        self.mtp_catch_up(&x, &mut batch)?;
         super::output_logits(&x, want, &self.norm, eps, &self.lm_head)
     }
 
     fn forward_batch(&self, batch: &mut [BatchSeq]) -> Result<Tensor> {
         let eps = self.config.rms_norm_eps as f32;
         let x = self.hidden(batch)?;
+        self.mtp_catch_up(&x, batch)?;
         batch_logits(&x, batch, &self.norm, eps, &self.lm_head)
     }
 
+    fn mtp_spec(&self) -> Option<Vec<LayerKind>> {
+        self.mtp.as_ref().map(|m| m.spec().to_vec())
+    }
+
+    fn mtp_step(
+        &self,
+        input: (&[f32], u32),
+        cache: &mut SequenceCache,
+        output: (&mut Vec<f32>, &mut Vec<f32>),
+    ) -> Result<()> {
+        match &self.mtp {
+            Some(mtp) => mtp.step(self, input, cache, output),
+            None => Err(crate::ModelError::config(
+                std::path::Path::new(&self.config.model_type),
+                "this model was loaded without multi-token-prediction layers",
+            )),
+        }
+    }
+
     fn decode(&self, token: u32, cache: &mut SequenceCache, logits: &mut Vec<f32>) -> Result<()> {
-        if !self.device.is_cpu() || !A::steps(&self.config) {
+        // The MTP head's rows run on the forward path.
+        if !self.device.is_cpu() || !A::steps(&self.config) || cache.mtp().is_some() {
             return crate::decode_with_forward(self, token, cache, logits);
         }
         let (pos, limit) = (cache.len(), cache.moe_top_k());
@@ -235,7 +276,8 @@ impl<A: SelfAttention + 'static> CausalLm for DecoderLm<A> {
     fn weight_bytes(&self) -> usize {
         let layers = self.layers.iter();
         let layer_bytes = layers.map(|l| l.self_attn.weight_bytes() + l.mlp.weight_bytes());
-        super::decoder_weight_bytes(
+        let mtp = self.mtp.as_ref().map_or(0, |m| m.weight_bytes());
+        mtp + super::decoder_weight_bytes(
             &self.config,
             self.dtype,
             2,

@@ -286,6 +286,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         falcon: None,
         no_rope: false,
         attn_output_gate: false,
+        mtp_layers: 0,
     };
     if let Some(experts) = meta.opt_usize("expert_count")? {
         // llama.cpp makes every layer of these families sparse and renormalises the chosen

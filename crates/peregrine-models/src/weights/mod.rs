@@ -86,6 +86,8 @@ pub struct Weights {
     /// Every read a positioned read, never through the mapping (a streamed store's reads: a
     /// file cut short while serving is then an error, not a crash).
     positional: bool,
+    /// Names under the first prefix are read under the second ([`aliased`](Self::aliased)).
+    alias: Option<Arc<(String, String)>>,
 }
 
 impl Weights {
@@ -99,6 +101,27 @@ impl Weights {
             mlx_activations: MlxActivations::default(),
             expert_reads: None,
             positional: false,
+            alias: None,
+        }
+    }
+
+    /// A clone that reads names under `from` from under `to` instead: a layer the checkpoint
+    /// stores apart (Qwen3-Next's MTP layer under `mtp.layers.0.`) loads with the code of the
+    /// layer `from` names.
+    pub fn aliased(&self, from: &str, to: &str) -> Self {
+        Self {
+            alias: Some(Arc::new((from.to_string(), to.to_string()))),
+            ..self.clone()
+        }
+    }
+
+    /// `name` as the checkpoint stores it.
+    fn resolve<'a>(&self, name: &'a str) -> std::borrow::Cow<'a, str> {
+        match &self.alias {
+            Some(a) if name.starts_with(a.0.as_str()) => {
+                format!("{}{}", a.1, &name[a.0.len()..]).into()
+            }
+            _ => name.into(),
         }
     }
 
@@ -180,6 +203,7 @@ impl Weights {
 
     /// Whether the checkpoint holds `name` (HF naming).
     pub fn contains(&self, name: &str) -> bool {
+        let name = &*self.resolve(name);
         match &*self.source {
             Source::Safetensors(s) => s.contains(name),
             Source::Gguf(g) => g.contains(name),
@@ -188,6 +212,7 @@ impl Weights {
 
     /// The stored shape of `name` (HF naming), without loading it.
     pub fn dims(&self, name: &str) -> Result<Vec<usize>> {
+        let name = &*self.resolve(name);
         match &*self.source {
             Source::Safetensors(s) => Ok(s.dims(name)?.to_vec()),
             Source::Gguf(g) => g.dims(name),
@@ -208,6 +233,7 @@ impl Weights {
 
     /// A dense tensor of the given shape in the compute dtype.
     pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let name = &*self.resolve(name);
         let t = match &*self.source {
             Source::Safetensors(s) if self.positional => {
                 let dims = s.dims(name)?.to_vec();
@@ -230,6 +256,7 @@ impl Weights {
         in_dim: usize,
         bias: bool,
     ) -> Result<QLinear> {
+        let prefix = &*self.resolve(prefix);
         let w_name = format!("{prefix}.weight");
         let b = match bias {
             true => Some(self.tensor(&format!("{prefix}.bias"), &[out_dim])?),
@@ -267,6 +294,7 @@ impl Weights {
         in_dim: usize,
         bias: bool,
     ) -> Result<Vec<QLinear>> {
+        let prefix = &*self.resolve(prefix);
         let out_dim: usize = parts.iter().sum();
         let w_name = format!("{prefix}.weight");
         let b = match bias {
@@ -334,6 +362,7 @@ impl Weights {
         out: usize,
         inp: usize,
     ) -> Result<QLinear> {
+        let stacked = &*self.resolve(stacked);
         if self.contains(&format!("{}.weight", each(0))) {
             return self.linear(&each(e), out, inp, false);
         }
@@ -370,6 +399,7 @@ impl Weights {
         parts: &[usize],
         inp: usize,
     ) -> Result<Vec<QLinear>> {
+        let name = &*self.resolve(name);
         let total: usize = parts.iter().sum();
         match &*self.source {
             Source::Gguf(g) => {
@@ -397,6 +427,7 @@ impl Weights {
 
     /// The embedding table `name` `[vocab, hidden]`, kept quantized when the file is.
     pub fn embedding(&self, name: &str, vocab: usize, hidden: usize) -> Result<Embedding> {
+        let name = &*self.resolve(name);
         if let Some(prefix) = name.strip_suffix(".weight")
             && let Some(q) = self.mlx_matrix(prefix, vocab, hidden)?
         {
