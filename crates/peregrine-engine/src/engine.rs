@@ -155,6 +155,12 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// The speculative settings `request` decodes with: the engine's, unless it opts out or
+    /// its output is constrained.
+    pub fn speculation_for(&self, request: &Request) -> Option<&SpeculativeConfig> {
+        (self.speculative.as_ref()).filter(|_| request.speculative && request.constraint.is_none())
+    }
+
     /// Panics where the test hook says to, standing in for a bug in a forward pass.
     pub fn fault_point(&self, req: &Request, generated: usize) {
         if generated == 1
@@ -214,6 +220,7 @@ impl Engine {
             mlx_activations: config.mlx_activations,
             experts: config.experts,
             progress: config.load_progress.clone(),
+            mtp: (config.speculative.as_ref()).is_some_and(|s| s.source.loads_mtp()),
         };
         crate::allocator::tune();
         // The tokenizer first: building a large vocabulary's takes memory for a moment, and
@@ -469,9 +476,9 @@ impl Engine {
         let s = &self.shared;
         let (config, spec) = (s.model.config(), s.model.cache_spec());
         // A speculating request's draft model keeps a cache per choice too.
-        let drafter = (s.speculative.as_ref())
-            .filter(|_| request.speculative && request.constraint.is_none());
-        let draft = |positions| drafter.map_or(0, |d| d.source.kv_bytes(kv, positions));
+        let drafter = s.speculation_for(request);
+        let target = s.model.as_ref();
+        let draft = |positions| drafter.map_or(0, |d| d.source.kv_bytes(target, kv, positions));
         let bytes =
             |positions| (kv_bytes(config, &spec, kv, positions) + draft(positions)) * choices;
         let wanted = request.max_tokens.map_or(s.max_context, |m| {

@@ -37,7 +37,8 @@ pub use error::EngineError;
 pub use kv_budget::{LayerMemory, cache_memory};
 pub use peregrine_models::weights::MlxActivations;
 pub use peregrine_models::{
-    ExpertOptions, KvOptions, KvQuant, LoadOptions, LoadProgress, TurboOptions,
+    CausalLm, ExpertOptions, KvOptions, KvQuant, LoadOptions, LoadProgress, SequenceCache,
+    TurboOptions,
 };
 /// The samplers, for callers that handle distributions (speculative drafters).
 pub use peregrine_sampling as sampling;

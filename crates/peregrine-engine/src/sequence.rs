@@ -19,7 +19,7 @@ use crate::detok::{IncrementalDetokenizer, PROMPT_TAIL};
 use crate::engine::{ChoiceSink, Job, Shared};
 use crate::error::EngineError;
 use crate::kv_budget::KvGauge;
-use crate::speculative::Speculation;
+use crate::speculative::{DraftContext, Speculation};
 use crate::stop::StopMatcher;
 
 /// Runs the prompt through the model in chunks of `prefill_size`, returning the last
@@ -69,12 +69,16 @@ impl Prefilling {
     pub fn start(shared: &Shared, job: Job) -> Self {
         let queued = job.submitted.elapsed();
         let top_k = job.request.moe_top_k;
-        let (cache, cached) = (shared.prompt_cache.lookup(&job.ids, &job.kv, top_k))
+        let (mut cache, cached) = (shared.prompt_cache.lookup(&job.ids, &job.kv, top_k))
             .unwrap_or_else(|| {
                 let mut cache = SequenceCache::new(&shared.model.cache_spec(), &job.kv);
                 cache.set_moe_top_k(top_k);
                 (cache, 0)
             });
+        match shared.speculation_for(&job.request) {
+            Some(spec) => (spec.source).prepare(shared.model.as_ref(), &mut cache, &job.kv),
+            None => cache.disable_mtp(),
+        }
         let gauge = KvGauge::holding(&shared.live_kv, cache.bytes());
         let reservation = Arc::new(KvGauge::holding(&shared.kv_reserved, job.reserve));
         Self {
@@ -159,9 +163,8 @@ impl Prefilling {
                     KvGauge::holding(&shared.live_kv, cache.bytes())
                 }
             };
-            let speculation = (shared.speculative.as_ref())
-                .filter(|_| request.speculative && request.constraint.is_none())
-                .map(|config| Speculation::start(config, &sampling, &kv));
+            let speculation = (shared.speculation_for(&request))
+                .map(|config| Speculation::start(config, &shared.model, &sampling, &kv));
             out.push(Decoding {
                 spec: speculation,
                 detok: IncrementalDetokenizer::new(&ids[ids.len().saturating_sub(PROMPT_TAIL)..]),
@@ -228,10 +231,13 @@ impl Decoding {
         let Some(spec) = &mut self.spec else { return };
         // The pass's tokens all fit the budget: kept drafts and the bonus token after them.
         let room = self.budget.saturating_sub(self.generated.len() + 1);
-        let (ids, generated, feed) = (&self.ids, &self.generated, &mut self.feed);
-        let drafted = catch_unwind(AssertUnwindSafe(|| {
-            spec.draft(ids, generated, room, shared, feed)
-        }));
+        let context = DraftContext {
+            prompt: &self.ids,
+            generated: &self.generated,
+            target: &mut self.cache,
+        };
+        let feed = &mut self.feed;
+        let drafted = catch_unwind(AssertUnwindSafe(|| spec.draft(context, room, shared, feed)));
         let drafted =
             drafted.unwrap_or_else(|_| Err(EngineError::Internal("a drafter panicked".into())));
         if let Err(e) = drafted {

@@ -182,12 +182,12 @@ pub fn run(args: BenchArgs, threads: Option<usize>) -> Result<()> {
     if let Some(cache) = prompt_cache {
         report["prompt_cache"] = cache;
     }
-    if args.model.draft_model.is_some() || args.model.spec_ngram {
+    if let Some(drafter) = args.model.drafter_name() {
         let (now, then) = (engine.speculation_stats(), spec_before);
         let rounds = now.rounds - then.rounds;
         let (drafted, accepted) = (now.drafted - then.drafted, now.accepted - then.accepted);
         report["speculative"] = json!({
-            "drafter": if args.model.spec_ngram { "prompt-lookup" } else { "draft-model" },
+            "drafter": drafter,
             "max_draft_tokens": args.model.num_draft_tokens,
             "adaptive": !args.model.draft_fixed,
             "verify_passes": rounds,

@@ -15,7 +15,7 @@ use peregrine_engine::{
     LoadProgress, MlxActivations, Prompt, Request, SamplingParams, SpeculativeConfig, TurboOptions,
 };
 
-use peregrine_engine::speculative::{DraftModel, DraftSource, PromptLookup};
+use peregrine_engine::speculative::{DraftModel, DraftSource, MtpDraft, PromptLookup};
 
 use crate::hub::resolve_model;
 
@@ -141,8 +141,13 @@ pub struct ModelArgs {
     /// Speculative decoding by prompt lookup: drafts what followed an earlier occurrence of
     /// the context's last tokens (no second model; pays off where output repeats the input,
     /// as edits and code do).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "spec_mtp")]
     pub spec_ngram: bool,
+    /// Speculative decoding with the model's own multi-token-prediction layer (DeepSeek-V3,
+    /// Qwen3-Next, Qwen3.5 checkpoints that carry it), loaded for the purpose and chained for
+    /// drafts longer than one token.
+    #[arg(long, conflicts_with = "draft_model")]
+    pub spec_mtp: bool,
     /// Most tokens drafted per pass; fewer (or none) while the measured acceptance and cost
     /// say drafting loses, unless `--draft-fixed`.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u8).range(1..=16)
@@ -224,6 +229,7 @@ impl ModelArgs {
                     mlx_activations: config.mlx_activations,
                     experts: ExpertOptions::default(),
                     progress: None,
+                    mtp: false,
                 };
                 let model = DraftModel::load(&path, &opts, config.prefill_size)
                     .map_err(|e| anyhow::anyhow!("--draft-model {draft}: {e}"))?;
@@ -231,6 +237,7 @@ impl ModelArgs {
                 Arc::new(model)
             }
             (None, true) => Arc::new(PromptLookup::default()),
+            (None, false) if self.spec_mtp => Arc::new(MtpDraft),
             (None, false) => return Ok(None),
         };
         Ok(Some(SpeculativeConfig {
@@ -238,6 +245,16 @@ impl ModelArgs {
             max_draft: self.num_draft_tokens,
             adaptive: !self.draft_fixed,
         }))
+    }
+
+    /// The drafter the speculative flags name, if any.
+    pub fn drafter_name(&self) -> Option<&'static str> {
+        match (&self.draft_model, self.spec_ngram, self.spec_mtp) {
+            (Some(_), _, _) => Some("draft-model"),
+            (None, true, _) => Some("prompt-lookup"),
+            (None, false, true) => Some("mtp"),
+            (None, false, false) => None,
+        }
     }
 
     /// Loads the engine the arguments describe.

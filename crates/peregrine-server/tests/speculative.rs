@@ -10,10 +10,12 @@ use std::sync::Arc;
 
 use cli_support::{peregrine, real_model, scratch};
 use peregrine_engine::sampling::{Sampler, SamplingParams};
-use peregrine_engine::speculative::{DraftModel, DraftSource, Drafter, PromptLookup, Proposal};
+use peregrine_engine::speculative::{
+    DraftContext, DraftModel, DraftSource, Drafter, PromptLookup, Proposal,
+};
 use peregrine_engine::{
-    Engine, EngineConfig, EngineError, Event, KvOptions, KvQuant, LoadOptions, Prompt, Request,
-    SpeculativeConfig, TurboOptions,
+    CausalLm, Engine, EngineConfig, EngineError, Event, KvOptions, KvQuant, LoadOptions, Prompt,
+    Request, SpeculativeConfig, TurboOptions,
 };
 
 /// A drafter that knows the right continuation (the plain run's tokens): each round it proposes
@@ -34,7 +36,7 @@ impl DraftSource for Scripted {
     fn name(&self) -> &str {
         "scripted"
     }
-    fn start(&self, _: &SamplingParams, _: &KvOptions) -> Box<dyn Drafter> {
+    fn start(&self, _: &Arc<dyn CausalLm>, _: &SamplingParams, _: &KvOptions) -> Box<dyn Drafter> {
         Box::new(ScriptedRun {
             truth: self.truth.clone(),
             always_wrong: self.always_wrong,
@@ -46,11 +48,11 @@ impl DraftSource for Scripted {
 impl Drafter for ScriptedRun {
     fn propose(
         &mut self,
-        _: &[u32],
-        generated: &[u32],
+        context: DraftContext,
         max: usize,
         out: &mut Proposal,
     ) -> Result<(), EngineError> {
+        let generated = context.generated;
         out.clear();
         self.round += 1;
         let right = if self.always_wrong {

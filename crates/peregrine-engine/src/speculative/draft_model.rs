@@ -11,13 +11,13 @@ use peregrine_models::{
 use peregrine_sampling::{Distribution, Sampler, SamplingParams};
 use peregrine_tensor::device::in_compute_pool;
 
-use super::{DraftSource, Drafter, Proposal};
+use super::{DraftContext, DraftSource, Drafter, Proposal};
 use crate::error::EngineError;
 use crate::tokenizer::Tokenizer;
 
 /// Seeds of draft samplers are the request's, moved by this so that the draft's draws and the
 /// verification's are not the same numbers.
-const DRAFT_SEED_OFFSET: u64 = 0x5eed_d4af_7000_0001;
+pub(super) const DRAFT_SEED_OFFSET: u64 = 0x5eed_d4af_7000_0001;
 
 /// Drafts with a second model (`--draft-model`). Its vocabulary must be the target's: the
 /// engine checks that when it starts ([`DraftSource::check`]).
@@ -98,13 +98,18 @@ impl DraftSource for DraftModel {
             .map_err(|why| ModelError::config(&self.path, why).into())
     }
 
-    fn kv_bytes(&self, kv: &KvOptions, positions: usize) -> usize {
+    fn kv_bytes(&self, _: &dyn CausalLm, kv: &KvOptions, positions: usize) -> usize {
         let model = self.model.as_ref();
         let kv = super::draft_kv(kv);
         crate::kv_budget::kv_bytes(model.config(), &model.cache_spec(), &kv, positions)
     }
 
-    fn start(&self, sampling: &SamplingParams, kv: &KvOptions) -> Box<dyn Drafter> {
+    fn start(
+        &self,
+        _: &Arc<dyn CausalLm>,
+        sampling: &SamplingParams,
+        kv: &KvOptions,
+    ) -> Box<dyn Drafter> {
         let mut sampling = sampling.clone();
         sampling.seed = sampling.seed.map(|s| s ^ DRAFT_SEED_OFFSET);
         Box::new(Running {
@@ -170,11 +175,11 @@ impl Running {
 impl Drafter for Running {
     fn propose(
         &mut self,
-        prompt: &[u32],
-        generated: &[u32],
+        context: DraftContext,
         max: usize,
         out: &mut Proposal,
     ) -> Result<(), EngineError> {
+        let (prompt, generated) = (context.prompt, context.generated);
         out.clear();
         if max == 0 {
             return Ok(());

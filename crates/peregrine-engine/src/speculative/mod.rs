@@ -7,22 +7,25 @@
 //! ([`SequenceCache::trim`](peregrine_models::SequenceCache::trim), exact on every cache kind).
 //! How many tokens to draft adapts to the measured acceptance and cost ([`DraftLength`]).
 //!
-//! Drafters: [`DraftModel`] (a smaller model sharing the vocabulary) and [`PromptLookup`] (the
-//! continuation of an earlier occurrence of the context's last tokens; no second model). Other
-//! crates can plug their own through [`DraftSource`].
+//! Drafters: [`DraftModel`] (a smaller model sharing the vocabulary), [`PromptLookup`] (the
+//! continuation of an earlier occurrence of the context's last tokens; no second model) and
+//! [`MtpDraft`] (the target's own multi-token-prediction layer). Other crates can plug their
+//! own through [`DraftSource`].
 
 mod adaptive;
 mod draft_model;
+mod mtp;
 mod ngram;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use peregrine_models::{CausalLm, KvOptions, LayerKind};
+use peregrine_models::{CausalLm, KvOptions, LayerKind, SequenceCache};
 use peregrine_sampling::{Distribution, SamplingParams};
 
 pub use adaptive::DraftLength;
 pub use draft_model::DraftModel;
+pub use mtp::MtpDraft;
 pub use ngram::PromptLookup;
 
 use crate::error::EngineError;
@@ -49,14 +52,23 @@ impl Proposal {
     }
 }
 
+/// The sequence a [`Drafter`] proposes for.
+pub struct DraftContext<'a> {
+    /// The prompt.
+    pub prompt: &'a [u32],
+    /// The tokens generated so far; the target has not run the last one yet.
+    pub generated: &'a [u32],
+    /// The target's cache of the sequence (an MTP head's memory rides in it).
+    pub target: &'a mut SequenceCache,
+}
+
 /// Proposes the next tokens of one sequence.
 pub trait Drafter: Send {
-    /// Up to `max` tokens likely to follow `prompt` then `generated` (whose last token the
-    /// target has not run yet), into `out` (cleared first). Proposing fewer, or none, is fine.
+    /// Up to `max` tokens likely to follow the context's prompt then its generated tokens,
+    /// into `out` (cleared first). Proposing fewer, or none, is fine.
     fn propose(
         &mut self,
-        prompt: &[u32],
-        generated: &[u32],
+        context: DraftContext,
         max: usize,
         out: &mut Proposal,
     ) -> Result<(), EngineError>;
@@ -72,13 +84,30 @@ pub trait DraftSource: Send + Sync {
         let _ = (target, tokenizer);
         Ok(())
     }
-    /// A drafter for one sequence, drawing with the request's `sampling` where it samples (its
-    /// seed is the request's, so seeded runs repeat) and storing any KV as `kv` says.
-    fn start(&self, sampling: &SamplingParams, kv: &KvOptions) -> Box<dyn Drafter>;
+    /// Whether the target must load its multi-token-prediction layers
+    /// ([`LoadOptions::mtp`](peregrine_models::LoadOptions)) for this source to draft.
+    fn loads_mtp(&self) -> bool {
+        false
+    }
+    /// Readies `cache`, a new sequence's cache of `target` (perhaps from the prompt cache),
+    /// for drafting with KV options `kv`: an MTP head's memory is enabled there.
+    fn prepare(&self, target: &dyn CausalLm, cache: &mut SequenceCache, kv: &KvOptions) {
+        let _ = (target, cache, kv);
+    }
+    /// A drafter for one sequence of `target`, drawing with the request's `sampling` where it
+    /// samples (its seed is the request's, so seeded runs repeat) and storing any KV as `kv`
+    /// says.
+    fn start(
+        &self,
+        target: &Arc<dyn CausalLm>,
+        sampling: &SamplingParams,
+        kv: &KvOptions,
+    ) -> Box<dyn Drafter>;
     /// The most KV cache bytes one sequence's drafter holds at `positions` positions with
-    /// `kv` (a draft model's cache): counted in the request's share of the KV budget.
-    fn kv_bytes(&self, kv: &KvOptions, positions: usize) -> usize {
-        let _ = (kv, positions);
+    /// `kv` (a draft model's cache, an MTP head's): counted in the request's share of the KV
+    /// budget.
+    fn kv_bytes(&self, target: &dyn CausalLm, kv: &KvOptions, positions: usize) -> usize {
+        let _ = (target, kv, positions);
         0
     }
 }
@@ -218,11 +247,16 @@ pub(crate) struct Speculation {
 impl Speculation {
     /// A choice sampling with `sampling` drafts from `config`'s source. A seeded request
     /// drafts a fixed length: lengths adapted to measured times would make its output vary.
-    pub fn start(config: &SpeculativeConfig, sampling: &SamplingParams, kv: &KvOptions) -> Self {
+    pub fn start(
+        config: &SpeculativeConfig,
+        target: &Arc<dyn CausalLm>,
+        sampling: &SamplingParams,
+        kv: &KvOptions,
+    ) -> Self {
         let kv = draft_kv(kv);
         let adaptive = config.adaptive && sampling.seed.is_none();
         Self {
-            drafter: config.source.start(sampling, &kv),
+            drafter: config.source.start(target, sampling, &kv),
             proposal: Proposal::default(),
             length: DraftLength::new(config.max_draft, adaptive),
             draft_secs: None,
@@ -230,12 +264,11 @@ impl Speculation {
         }
     }
 
-    /// Drafts up to `room` tokens after `prompt` + `generated` (as many as the draft length
-    /// says), appending them to `feed`.
+    /// Drafts up to `room` tokens after the context (as many as the draft length says),
+    /// appending them to `feed`.
     pub fn draft(
         &mut self,
-        prompt: &[u32],
-        generated: &[u32],
+        context: DraftContext,
         room: usize,
         shared: &crate::engine::Shared,
         feed: &mut Vec<u32>,
@@ -248,7 +281,7 @@ impl Speculation {
         let want = want.min(room);
         if want > 0 {
             let start = std::time::Instant::now();
-            (self.drafter).propose(prompt, generated, want, &mut self.proposal)?;
+            (self.drafter).propose(context, want, &mut self.proposal)?;
             self.proposal.tokens.truncate(want);
             self.proposals += 1;
             let secs = start.elapsed().as_secs_f64();
@@ -277,5 +310,29 @@ impl Speculation {
             Some(0.0)
         };
         self.length.record(drafted, kept, draft_secs, step_secs);
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use std::path::PathBuf;
+    use std::sync::Arc;
+
+    use peregrine_models::{CausalLm, LoadOptions, load_model};
+
+    /// `tests/fixtures/<arch>/hf` at the repository root.
+    pub fn fixture_dir(arch: &str) -> PathBuf {
+        (PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures"))
+            .join(arch)
+            .join("hf")
+    }
+
+    /// The tiny fixture `arch`, with its MTP layer when `mtp`.
+    pub fn fixture_model(arch: &str, mtp: bool) -> Arc<dyn CausalLm> {
+        let opts = LoadOptions {
+            mtp,
+            ..LoadOptions::default()
+        };
+        load_model(&fixture_dir(arch), &opts).unwrap().model
     }
 }

@@ -2,10 +2,12 @@
 //! tokens that followed them then are proposed now. Free to compute, and right often on edits,
 //! code and quoting, where the output repeats the input.
 
-use peregrine_models::KvOptions;
+use std::sync::Arc;
+
+use peregrine_models::{CausalLm, KvOptions};
 use peregrine_sampling::SamplingParams;
 
-use super::{DraftSource, Drafter, Proposal};
+use super::{DraftContext, DraftSource, Drafter, Proposal};
 use crate::error::EngineError;
 
 /// Drafts by prompt lookup (`--spec-ngram`): the longest suffix of the context, from `max_ngram`
@@ -34,7 +36,7 @@ impl DraftSource for PromptLookup {
         "prompt-lookup"
     }
 
-    fn start(&self, _: &SamplingParams, _: &KvOptions) -> Box<dyn Drafter> {
+    fn start(&self, _: &Arc<dyn CausalLm>, _: &SamplingParams, _: &KvOptions) -> Box<dyn Drafter> {
         Box::new(Lookup {
             params: *self,
             context: Vec::new(),
@@ -50,11 +52,11 @@ struct Lookup {
 impl Drafter for Lookup {
     fn propose(
         &mut self,
-        prompt: &[u32],
-        generated: &[u32],
+        context: DraftContext,
         max: usize,
         out: &mut Proposal,
     ) -> Result<(), EngineError> {
+        let (prompt, generated) = (context.prompt, context.generated);
         out.clear();
         self.context.clear();
         self.context.extend_from_slice(prompt);
@@ -91,10 +93,18 @@ mod tests {
 
     fn propose(context: &[u32], max: usize) -> Vec<u32> {
         let source = PromptLookup::default();
-        let mut d = source.start(&SamplingParams::greedy(), &KvOptions::default());
+        let (model, kv) = (
+            super::super::tests::fixture_model("llama", false),
+            KvOptions::default(),
+        );
+        let mut d = source.start(&model, &SamplingParams::greedy(), &kv);
         let mut out = Proposal::default();
-        d.propose(&context[..2], &context[2..], max, &mut out)
-            .unwrap();
+        let context = DraftContext {
+            prompt: &context[..2],
+            generated: &context[2..],
+            target: &mut peregrine_models::SequenceCache::new(&[], &kv),
+        };
+        d.propose(context, max, &mut out).unwrap();
         assert!(out.dists.is_empty(), "prompt lookup is deterministic");
         out.tokens
     }
