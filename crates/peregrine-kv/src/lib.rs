@@ -14,7 +14,7 @@ mod sequence;
 mod simple;
 pub mod turbo;
 
-pub use mtp::{MTP_HIDDEN_KEPT, MtpState};
+pub use mtp::{MTP_HIDDEN_KEPT, MtpState, SharedView};
 pub use parallel::ParallelCache;
 pub use recurrent::{DEFAULT_RECURRENT_ROLLBACK, RecurrentCache};
 pub use rotating::RotatingCache;
@@ -52,6 +52,22 @@ pub trait LayerCache: Send + Sync {
     /// Attends `q: [1, heads, n, head_dim]`, the queries of the last `n` appended positions,
     /// over everything they may see. Returns `[1, heads, n, head_dim]`.
     fn attend(&self, q: &Tensor, params: &AttnParams) -> Result<Tensor>;
+    /// Attends one query row `q: [1, heads, 1, head_dim]` that is not in the cache (a drafter
+    /// reading it, as Gemma 4's assistant reads its target's) over the last `last` positions,
+    /// or all of them (`None`). Caches that cannot widen their window refuse `Some`.
+    fn attend_shared(
+        &self,
+        q: &Tensor,
+        params: &AttnParams,
+        last: Option<usize>,
+    ) -> Result<Tensor> {
+        match last {
+            None => self.attend(q, params),
+            Some(n) => peregrine_tensor::candle::bail!(
+                "this cache cannot be read over its last {n} positions by a query past its end"
+            ),
+        }
+    }
     /// [`append`](Self::append) of one position from f32 rows `k, v` (`kv_heads · head_dim`
     /// each), the decode step's form: caches that can write in place allocate nothing (but
     /// when they grow). The default wraps the rows in tensors.

@@ -4,9 +4,9 @@
 //! head's cache holds one row fewer than the target's: rows `0..len - 1`, each of whose next
 //! token the target has run.
 
-use peregrine_tensor::Result;
+use peregrine_tensor::{Result, Tensor};
 
-use crate::{KvOptions, LayerKind, SequenceCache};
+use crate::{AttnParams, KvOptions, LayerCache, LayerKind, SequenceCache};
 
 /// Hidden states kept behind the latest position, so that a rollback this deep (speculative
 /// rejection, a prompt-cache entry trimmed near its end) still finds the row the head resumes
@@ -121,10 +121,55 @@ impl MtpState {
     }
 }
 
+/// Another layer's cache as a drafter's attention sees it (Gemma 4's assistant, whose layers
+/// project no keys or values): its query, one row past the cache's end, reads the last
+/// `last` positions ([`LayerCache::attend_shared`]); nothing is written.
+pub struct SharedView<'a> {
+    inner: &'a dyn LayerCache,
+    last: Option<usize>,
+}
+
+impl<'a> SharedView<'a> {
+    /// A view of `inner` over its last `last` positions (`None`: all).
+    pub fn new(inner: &'a dyn LayerCache, last: Option<usize>) -> Self {
+        Self { inner, last }
+    }
+}
+
+impl LayerCache for SharedView<'_> {
+    fn append(&mut self, _: &Tensor, _: &Tensor) -> Result<()> {
+        peregrine_tensor::candle::bail!("a shared view of a cache is read-only")
+    }
+
+    fn attend(&self, q: &Tensor, params: &AttnParams) -> Result<Tensor> {
+        self.inner.attend_shared(q, params, self.last)
+    }
+
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+
+    fn can_trim(&self, _: usize) -> bool {
+        false
+    }
+
+    fn trim(&mut self, _: usize) -> Result<()> {
+        peregrine_tensor::candle::bail!("a shared view of a cache is read-only")
+    }
+
+    fn bytes(&self) -> usize {
+        0
+    }
+
+    fn snapshot(&self) -> Result<Box<dyn LayerCache>> {
+        peregrine_tensor::candle::bail!("a shared view of a cache is read-only")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use peregrine_tensor::{DType, Device, Tensor};
+    use peregrine_tensor::{DType, Device};
 
     fn state() -> MtpState {
         let kv = KvOptions {

@@ -55,6 +55,17 @@ impl LayerCache for RotatingCache {
         self.buf.attend(q, params, Some(self.window))
     }
 
+    /// Over the last `last` kept positions (the window and the rollback margin bound it).
+    fn attend_shared(
+        &self,
+        q: &Tensor,
+        params: &AttnParams,
+        last: Option<usize>,
+    ) -> Result<Tensor> {
+        self.buf
+            .attend(q, params, Some(last.unwrap_or(self.window)))
+    }
+
     fn append_row(&mut self, k: &[f32], v: &[f32], head_dim: usize) -> Result<()> {
         self.buf.append_row(k, v, head_dim, Some(self.keep()))
     }

@@ -13,6 +13,7 @@ pub mod layers;
 pub mod registry;
 pub mod weights;
 
+pub use arch::gemma4::assistant::Gemma4Assistant;
 pub use config::ModelConfig;
 pub use error::{ModelError, Result};
 pub use layers::batch::BatchSeq;
@@ -88,10 +89,33 @@ pub trait CausalLm: Send + Sync {
             "this model has no multi-token-prediction head".into(),
         )))
     }
+    /// Where a drafter that reads this model's keys and values finds them (Gemma 4's
+    /// assistant); `None` for a model that offers none.
+    fn shared_kv(&self) -> Option<SharedKv> {
+        None
+    }
+    /// The first layer's input for `token` (`[1, 1, hidden]`; Gemma's embedding scaled by
+    /// `sqrt(hidden)`), for a drafter that starts from it.
+    fn input_embedding(&self, token: u32) -> Result<Tensor> {
+        let _ = token;
+        Err(ModelError::Tensor(peregrine_tensor::candle::Error::Msg(
+            "this model does not hand out its input embeddings".into(),
+        )))
+    }
     /// The device the weights live on.
     fn device(&self) -> &Device;
     /// Bytes of weights held in memory.
     fn weight_bytes(&self) -> usize;
+}
+
+/// The cache slots of a model's last full-attention and last sliding-window layers, and the
+/// window, which a drafter sharing its keys and values reads ([`CausalLm::shared_kv`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SharedKv {
+    /// The last full-attention layer's cache slot.
+    pub full: usize,
+    /// The last sliding layer's cache slot and its window, when the model has one.
+    pub sliding: Option<(usize, usize)>,
 }
 
 /// [`CausalLm::decode`] through [`CausalLm::forward`] (allocating tensors on the way).

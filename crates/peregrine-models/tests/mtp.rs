@@ -159,3 +159,61 @@ fn a_checkpoint_without_the_head_is_refused_when_it_is_asked_for() {
     let named = err.contains(&*dir.to_string_lossy());
     assert!(err.contains("mtp.fc.weight") && named, "{err}");
 }
+
+/// Gemma 4's assistant drafting for the gemma4_text fixture (scripts/fixtures/
+/// make_gemma4_assistant.py): four chained steps after the prompt, each step's logits against
+/// transformers' drafting loop (its ordered-embeddings head included), reading the target's
+/// sliding layer past its 8-position window. Same tolerance as above.
+#[test]
+fn gemma4_assistant_drafts_match_transformers() {
+    use peregrine_models::Gemma4Assistant;
+    let target = model("gemma4_text", false);
+    let dir = common::fixture("gemma4_assistant/hf");
+    assert!(Gemma4Assistant::is_assistant(&dir));
+    let assistant = Gemma4Assistant::load(&dir, &LoadOptions::default()).unwrap();
+    assistant.check(target.as_ref()).unwrap();
+    let r = load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
+    let ids: Vec<u32> = r["input_ids"]
+        .to_dtype(DType::U32)
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let first = r["first_token"]
+        .to_dtype(DType::U32)
+        .unwrap()
+        .to_scalar::<u32>()
+        .unwrap();
+    let kv = KvOptions::default();
+    let mut cache = SequenceCache::new(&target.cache_spec(), &kv);
+    cache.enable_mtp(&[], &kv, target.config().hidden_size);
+    target.forward(&ids, &mut cache, Logits::Last).unwrap();
+    let mut hidden = cache
+        .mtp()
+        .unwrap()
+        .hidden_at(ids.len() - 1)
+        .unwrap()
+        .to_vec();
+    let (mut logits, mut out, mut token) = (Vec::new(), Vec::new(), first);
+    for step in 0..4 {
+        let input = (&hidden[..], token);
+        (assistant.step(target.as_ref(), &mut cache, input, (&mut logits, &mut out))).unwrap();
+        let diff = row_diff(&logits, &r["draft_logits"].get(step).unwrap());
+        eprintln!("gemma4_assistant step {step}: max abs diff {diff:.2e}");
+        assert!(diff < TOLERANCE, "step {step}: {diff}");
+        token = (0..logits.len() as u32)
+            .max_by(|&a, &b| logits[a as usize].total_cmp(&logits[b as usize]))
+            .unwrap();
+        hidden = out.clone();
+    }
+    assert_eq!(
+        cache.len(),
+        ids.len(),
+        "the assistant writes nothing to the target's cache"
+    );
+    let plain = model("llama", false);
+    let err = assistant.check(plain.as_ref()).unwrap_err().to_string();
+    assert!(
+        err.contains("Gemma 4 models") && err.contains("llama"),
+        "{err}"
+    );
+}

@@ -14,6 +14,7 @@
 //! have MLPs twice as wide with `use_double_wide_mlp`; output logits are soft-capped. The decoder
 //! is in [`model`].
 
+pub mod assistant;
 pub(crate) mod gguf;
 pub mod model;
 

@@ -137,7 +137,12 @@ impl<'a> Fields<'a> {
         }
     }
 
-    /// A nested object.
+    /// The JSON object these fields read.
+    pub fn map(&self) -> &'a Map<String, Value> {
+        self.map
+    }
+
+    /// The nested object `key` as fields of the same file, when present.
     pub fn object(&self, key: &str) -> Result<Option<Fields<'a>>> {
         match self.get(key) {
             None => Ok(None),

@@ -145,3 +145,23 @@ pub fn check_batch(batch: &[BatchSeq], max: usize) -> Result<()> {
     }
     Ok(())
 }
+
+/// Records each sequence's final hidden states (its rows of `normed`, `[1, rows, hidden]`) in
+/// its cache's MTP memory, where it keeps one ([`SequenceCache::enable_mtp`]), for a drafter
+/// that starts from them.
+pub fn record_hidden(normed: &Tensor, batch: &mut [BatchSeq]) -> Result<()> {
+    let mut at = 0;
+    for s in batch.iter_mut() {
+        let n = s.tokens.len();
+        let start = s.cache.len() - n;
+        if let Some(state) = s.cache.mtp() {
+            let rows = normed
+                .narrow(1, at, n)?
+                .flatten_all()?
+                .to_dtype(DType::F32)?;
+            state.record(start, &rows.to_vec1::<f32>()?);
+        }
+        at += n;
+    }
+    Ok(())
+}

@@ -6,14 +6,15 @@
 //! scalar on each layer's output (see the [module above](super)), each `None` or 1 when the
 //! config or checkpoint has none.
 
-use peregrine_kv::{LayerCache, LayerKind, SequenceCache};
+use peregrine_kv::{LayerCache, LayerKind, SequenceCache, SharedView};
 use peregrine_tensor::ops::{Gate, gelu_mul, rms_norm};
 use peregrine_tensor::{DType, Device, Embedding, QLinear, RopeScaling, RotaryEmbedding, Tensor};
 
 use crate::config::PerLayerInput;
 use crate::layers::attention::{Attention, KvProjections};
 use crate::layers::batch::{
-    BatchSeq, Segment, batch_logits, check_batch, moe_limits, run_layers, stacked_ids,
+    BatchSeq, Segment, batch_logits, check_batch, moe_limits, record_hidden, run_layers,
+    stacked_ids,
 };
 use crate::layers::decoder::SelfAttention;
 use crate::layers::mlp::GatedMlp;
@@ -24,7 +25,7 @@ use crate::layers::step::{
 };
 use crate::layers::{add_normed, norm_weight, softcapped};
 use crate::weights::Weights;
-use crate::{CausalLm, Logits, ModelConfig, Result};
+use crate::{CausalLm, Logits, ModelConfig, Result, SharedKv};
 
 /// The MoE block and the norms that join it to the dense MLP's output.
 struct Moe {
@@ -97,6 +98,17 @@ pub struct GemmaLm {
 impl GemmaLm {
     /// Loads the weights for `config`; RoPE tables cover `max_context` positions.
     pub fn load(config: ModelConfig, w: &Weights, max_context: usize) -> Result<Self> {
+        Self::load_with(config, w, max_context, false)
+    }
+
+    /// [`load`](Self::load); `shared`: every layer projects only queries, reading another
+    /// model's keys and values ([`run_shared`](Self::run_shared), Gemma 4's assistant).
+    pub(crate) fn load_with(
+        config: ModelConfig,
+        w: &Weights,
+        max_context: usize,
+        shared: bool,
+    ) -> Result<Self> {
         let c = &config;
         let h = c.hidden_size;
         // Without a pattern every layer slides when the config has a window (Mistral-style).
@@ -113,13 +125,15 @@ impl GemmaLm {
             let (p, lc) = (format!("model.layers.{i}"), c.for_layer(i));
             let spec = c.layer_specs.get(i);
             let kv = match spec {
+                _ if shared => KvProjections::Shared,
                 Some(s) if s.kv_source.is_some() => KvProjections::Shared,
                 Some(s) if s.values_from_keys => KvProjections::ValuesFromKeys,
                 _ => KvProjections::Own,
             };
-            let slot = match spec.and_then(|s| s.kv_source) {
-                Some(source) => layers.get(source).map_or(0, |l: &Layer| l.slot),
-                None => {
+            let slot = match (shared, spec.and_then(|s| s.kv_source)) {
+                (true, _) => 0,
+                (false, Some(source)) => layers.get(source).map_or(0, |l: &Layer| l.slot),
+                (false, None) => {
                     slots.push(match slides {
                         true => LayerKind::Sliding { window },
                         false => LayerKind::Full,
@@ -242,11 +256,57 @@ impl GemmaLm {
         })
     }
 
+    /// One row `x` (`[1, 1, hidden]`, already embedded) at position `pos` through every layer,
+    /// each reading the slot `kv` names for its kind in `target` as a query past its end
+    /// (sliding layers over the last `window + 1` positions, as transformers' flipped
+    /// bidirectional window has it): the final norm's output. For a model loaded `shared`.
+    pub(crate) fn run_shared(
+        &self,
+        x: &Tensor,
+        target: &mut SequenceCache,
+        pos: usize,
+        kv: SharedKv,
+    ) -> Result<Tensor> {
+        let eps = self.config.rms_norm_eps as f32;
+        let mut x = x.clone();
+        for layer in &self.layers {
+            let (slot, last) = match (layer.sliding, kv.sliding) {
+                (true, Some((slot, window))) => (slot, Some(window + 1)),
+                _ => (kv.full, None),
+            };
+            let mut view = SharedView::new(&*target.layer(slot), last);
+            let mut segment = [Segment {
+                cache: &mut view,
+                start: pos,
+                len: 1,
+            }];
+            x = layer.forward(&x, None, eps, self.rope(layer), (&mut segment, &[]))?;
+        }
+        Ok(rms_norm(&x, &self.norm, eps)?)
+    }
+
+    /// The output head (the embedding table, tied).
+    pub(crate) fn lm_head(&self) -> &QLinear {
+        &self.lm_head
+    }
+
     fn rope(&self, layer: &Layer) -> &RotaryEmbedding {
         match layer.sliding {
             true => &self.rope_local,
             false => &self.rope_global,
         }
+    }
+}
+
+impl GemmaLm {
+    /// Keeps the final hidden states of the sequences whose caches ask for them (a drafter
+    /// starting from them, [`SequenceCache::enable_mtp`]); `x` is the last layer's output.
+    fn keep_hidden(&self, x: &Tensor, batch: &mut [BatchSeq]) -> Result<()> {
+        if batch.iter_mut().all(|s| s.cache.mtp().is_none()) {
+            return Ok(());
+        }
+        let normed = rms_norm(x, &self.norm, self.config.rms_norm_eps as f32)?;
+        record_hidden(&normed, batch)
     }
 }
 
@@ -385,7 +445,9 @@ impl CausalLm for GemmaLm {
 
     fn forward(&self, tokens: &[u32], cache: &mut SequenceCache, want: Logits) -> Result<Tensor> {
         let eps = self.config.rms_norm_eps as f32;
-        let x = self.hidden(&mut [BatchSeq::last(tokens, cache)])?;
+        let mut batch = [BatchSeq::last(tokens, cache)];
+        let x = self.hidden(&mut batch)?;
+        self.keep_hidden(&x, &mut batch)?;
         let logits = crate::layers::output_logits(&x, want, &self.norm, eps, &self.lm_head)?;
         softcapped(logits, self.config.final_logit_softcapping)
     }
@@ -393,12 +455,29 @@ impl CausalLm for GemmaLm {
     fn forward_batch(&self, batch: &mut [BatchSeq]) -> Result<Tensor> {
         let eps = self.config.rms_norm_eps as f32;
         let x = self.hidden(batch)?;
+        self.keep_hidden(&x, batch)?;
         let logits = batch_logits(&x, batch, &self.norm, eps, &self.lm_head)?;
         softcapped(logits, self.config.final_logit_softcapping)
     }
 
+    fn shared_kv(&self) -> Option<SharedKv> {
+        let last = |sliding| (self.layers.iter().rev()).find(|l| l.sliding == sliding);
+        let window = self.config.sliding_window.unwrap_or(usize::MAX);
+        Some(SharedKv {
+            full: last(false)?.slot,
+            sliding: last(true).map(|l| (l.slot, window)),
+        })
+    }
+
+    fn input_embedding(&self, token: u32) -> Result<Tensor> {
+        let ids = Tensor::new(&[token], &self.device)?.unsqueeze(0)?;
+        let x = self.embed_tokens.forward(&ids, self.dtype)?;
+        Ok(x.broadcast_mul(&self.embed_scale)?)
+    }
+
     fn decode(&self, token: u32, cache: &mut SequenceCache, logits: &mut Vec<f32>) -> Result<()> {
-        if !self.device.is_cpu() {
+        // A drafter's hidden states are kept on the forward path.
+        if !self.device.is_cpu() || cache.mtp().is_some() {
             return crate::decode_with_forward(self, token, cache, logits);
         }
         let (pos, limit) = (cache.len(), cache.moe_top_k());
