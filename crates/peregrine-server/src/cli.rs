@@ -15,7 +15,10 @@ use peregrine_engine::{
     LoadProgress, MlxActivations, Prompt, Request, SamplingParams, SpeculativeConfig, TurboOptions,
 };
 
-use peregrine_engine::speculative::{DraftModel, DraftSource, MtpDraft, PromptLookup};
+use peregrine_engine::speculative::{
+    AssistantDraft, DraftModel, DraftSource, MtpDraft, PromptLookup,
+};
+use peregrine_models::Gemma4Assistant;
 
 use crate::hub::resolve_model;
 
@@ -134,8 +137,9 @@ pub struct ModelArgs {
     #[arg(long)]
     pub moe_top_k: Option<usize>,
     /// Speculative decoding with this draft model (a GGUF file or checkpoint folder sharing
-    /// the model's tokenizer): it drafts `--num-draft-tokens` tokens, the model verifies them
-    /// in one pass; output is distributed exactly as without it (identical when greedy).
+    /// the model's tokenizer, or a Gemma 4 assistant checkpoint for a Gemma 4 model): it
+    /// drafts `--num-draft-tokens` tokens, the model verifies them in one pass; output is
+    /// distributed exactly as without it (identical when greedy).
     #[arg(long, conflicts_with = "spec_ngram")]
     pub draft_model: Option<String>,
     /// Speculative decoding by prompt lookup: drafts what followed an earlier occurrence of
@@ -231,10 +235,18 @@ impl ModelArgs {
                     progress: None,
                     mtp: false,
                 };
-                let model = DraftModel::load(&path, &opts, config.prefill_size)
-                    .map_err(|e| anyhow::anyhow!("--draft-model {draft}: {e}"))?;
                 tracing::info!("drafting with {}", path.display());
-                Arc::new(model)
+                let failed =
+                    |e: &dyn std::fmt::Display| anyhow::anyhow!("--draft-model {draft}: {e}");
+                if Gemma4Assistant::is_assistant(&path) {
+                    let assistant = Gemma4Assistant::load(&path, &opts).map_err(|e| failed(&e))?;
+                    Arc::new(AssistantDraft(Arc::new(assistant)))
+                } else {
+                    Arc::new(
+                        DraftModel::load(&path, &opts, config.prefill_size)
+                            .map_err(|e| failed(&e))?,
+                    )
+                }
             }
             (None, true) => Arc::new(PromptLookup::default()),
             (None, false) if self.spec_mtp => Arc::new(MtpDraft),
@@ -250,6 +262,9 @@ impl ModelArgs {
     /// The drafter the speculative flags name, if any.
     pub fn drafter_name(&self) -> Option<&'static str> {
         match (&self.draft_model, self.spec_ngram, self.spec_mtp) {
+            (Some(d), _, _) if Gemma4Assistant::is_assistant(std::path::Path::new(d)) => {
+                Some("gemma4-assistant")
+            }
             (Some(_), _, _) => Some("draft-model"),
             (None, true, _) => Some("prompt-lookup"),
             (None, false, true) => Some("mtp"),

@@ -1,7 +1,9 @@
 //! Speculative decoding with the model's own multi-token-prediction layer (`--spec-mtp`) on the
 //! fixtures that carry one (DeepSeek-V3: MLA and experts; Qwen3-Next: delta-net and attention
-//! over recurrent states): greedy output equals the plain run's token for token, alone, in a
-//! batch, and from the prompt cache; a model without the layer is refused by name.
+//! over recurrent states), and with Gemma 4's assistant on the Gemma 4 fixture (sliding and
+//! full layers, KV-shared ones among them): greedy output equals the plain run's token for
+//! token, alone, in a batch, and from the prompt cache; a model without the layer is refused
+//! by name.
 
 mod cli_support;
 
@@ -10,21 +12,34 @@ use std::sync::Arc;
 
 use cli_support::peregrine;
 use peregrine_engine::sampling::SamplingParams;
-use peregrine_engine::speculative::MtpDraft;
+use peregrine_engine::speculative::{AssistantDraft, DraftSource, MtpDraft};
 use peregrine_engine::{
-    Engine, EngineConfig, Event, KvOptions, Prompt, Request, SpeculativeConfig,
+    Engine, EngineConfig, Event, KvOptions, LoadOptions, Prompt, Request, SpeculativeConfig,
 };
+use peregrine_models::Gemma4Assistant;
 
-const ARCHS: [&str; 2] = ["deepseek_v3", "qwen3_next"];
+/// The targets, each with what drafts for it: its MTP layer, or Gemma 4's assistant.
+const ARCHS: [&str; 3] = ["deepseek_v3", "qwen3_next", "gemma4_text"];
+
+fn drafter(arch: &str) -> Arc<dyn DraftSource> {
+    match arch {
+        "gemma4_text" => {
+            let dir = fixture("gemma4_assistant");
+            let assistant = Gemma4Assistant::load(&dir, &LoadOptions::default()).unwrap();
+            Arc::new(AssistantDraft(Arc::new(assistant)))
+        }
+        _ => Arc::new(MtpDraft),
+    }
+}
 
 fn fixture(arch: &str) -> PathBuf {
     cli_support::fixture(arch)
 }
 
-fn config(mtp: bool, parallel: usize, prompt_cache_entries: usize) -> EngineConfig {
+fn config(draft: Option<&str>, parallel: usize, prompt_cache_entries: usize) -> EngineConfig {
     EngineConfig {
-        speculative: mtp.then(|| SpeculativeConfig {
-            source: Arc::new(MtpDraft),
+        speculative: draft.map(|arch| SpeculativeConfig {
+            source: drafter(arch),
             max_draft: 3,
             adaptive: false,
         }),
@@ -66,13 +81,13 @@ fn prompt(len: usize, salt: usize) -> Vec<u32> {
 fn mtp_drafts_leave_greedy_output_unchanged() {
     for arch in ARCHS {
         let model = fixture(arch);
-        let plain = Engine::load(&model, config(false, 1, 0)).unwrap();
+        let plain = Engine::load(&model, config(None, 1, 0)).unwrap();
         let prompts: Vec<Vec<u32>> = (0..3).map(|i| prompt(9 + 8 * i, i)).collect();
         let want: Vec<Vec<u32>> = (prompts.iter())
             .map(|p| tokens(plain.submit(request(p, 40)).unwrap()).0)
             .collect();
         // Alone.
-        let engine = Engine::load(&model, config(true, 1, 0)).unwrap();
+        let engine = Engine::load(&model, config(Some(arch), 1, 0)).unwrap();
         for (p, want) in prompts.iter().zip(&want) {
             assert_eq!(
                 &tokens(engine.submit(request(p, 40)).unwrap()).0,
@@ -86,7 +101,7 @@ fn mtp_drafts_leave_greedy_output_unchanged() {
             "{arch}: {stats:?}"
         );
         // Batched: three speculating sequences share every pass.
-        let engine = Engine::load(&model, config(true, 3, 0)).unwrap();
+        let engine = Engine::load(&model, config(Some(arch), 3, 0)).unwrap();
         let streams: Vec<_> = (prompts.iter())
             .map(|p| engine.submit(request(p, 40)).unwrap())
             .collect();
@@ -105,12 +120,12 @@ fn mtp_drafting_resumes_from_the_prompt_cache() {
     for arch in ARCHS {
         let model = fixture(arch);
         let first = prompt(20, 5);
-        let plain = Engine::load(&model, config(false, 1, 0)).unwrap();
+        let plain = Engine::load(&model, config(None, 1, 0)).unwrap();
         let reply = tokens(plain.submit(request(&first, 24)).unwrap()).0;
         let mut second = [first.clone(), reply.clone()].concat();
         second.extend([7, 8, 9]);
         let want = tokens(plain.submit(request(&second, 24)).unwrap()).0;
-        let engine = Engine::load(&model, config(true, 1, 4)).unwrap();
+        let engine = Engine::load(&model, config(Some(arch), 1, 4)).unwrap();
         assert_eq!(
             tokens(engine.submit(request(&first, 24)).unwrap()).0,
             reply,
@@ -128,8 +143,9 @@ fn mtp_drafting_resumes_from_the_prompt_cache() {
     }
 }
 
-/// `generate --spec-mtp` prints the plain greedy text; on a model without the layer it is
-/// refused, naming the flag and the alternatives.
+/// `generate --spec-mtp` (and `--draft-model` naming Gemma 4's assistant) prints the plain
+/// greedy text; on a model without the layer it is refused, naming the flag and the
+/// alternatives, and the assistant is refused for a model that is not Gemma 4.
 #[test]
 fn the_cli_takes_spec_mtp_and_refuses_a_model_without_the_layer() {
     let run = |arch: &str, extra: &[&str]| {
@@ -140,20 +156,24 @@ fn the_cli_takes_spec_mtp_and_refuses_a_model_without_the_layer() {
         a.extend(extra);
         peregrine(&a)
     };
-    for arch in ARCHS {
-        let (plain, mtp) = (run(arch, &[]), run(arch, &["--spec-mtp"]));
-        assert!(
-            mtp.status.success(),
-            "{}",
-            String::from_utf8_lossy(&mtp.stderr)
-        );
-        assert_eq!(mtp.stdout, plain.stdout, "{arch}");
+    let assistant = fixture("gemma4_assistant");
+    let assistant = ["--draft-model", assistant.to_str().unwrap()];
+    for (arch, flags) in [
+        ("deepseek_v3", &["--spec-mtp"][..]),
+        ("qwen3_next", &["--spec-mtp"]),
+        ("gemma4_text", &assistant),
+    ] {
+        let (plain, drafted) = (run(arch, &[]), run(arch, flags));
+        let err = String::from_utf8_lossy(&drafted.stderr);
+        assert!(drafted.status.success(), "{err}");
+        assert_eq!(drafted.stdout, plain.stdout, "{arch}");
     }
-    let out = run("llama", &["--spec-mtp"]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(
-        err.contains("--spec-mtp") && err.contains("--draft-model"),
-        "{err}"
-    );
+    let refused = |flags: &[&str], words: &[&str]| {
+        let out = run("llama", flags);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(words.iter().all(|w| err.contains(w)), "{err}");
+    };
+    refused(&["--spec-mtp"], &["--spec-mtp", "--draft-model"]);
+    refused(&assistant, &["gemma4_assistant", "Gemma 4 models"]);
 }

@@ -9,8 +9,9 @@
 //!
 //! Drafters: [`DraftModel`] (a smaller model sharing the vocabulary), [`PromptLookup`] (the
 //! continuation of an earlier occurrence of the context's last tokens; no second model) and
-//! [`MtpDraft`] (the target's own multi-token-prediction layer). Other crates can plug their
-//! own through [`DraftSource`].
+//! [`MtpDraft`] (the target's own multi-token-prediction layer) and [`AssistantDraft`] (Gemma 4's
+//! assistant, reading the target's keys and values). Other crates can plug their own through
+//! [`DraftSource`].
 
 mod adaptive;
 mod draft_model;
@@ -25,7 +26,7 @@ use peregrine_sampling::{Distribution, SamplingParams};
 
 pub use adaptive::DraftLength;
 pub use draft_model::DraftModel;
-pub use mtp::MtpDraft;
+pub use mtp::{AssistantDraft, MtpDraft};
 pub use ngram::PromptLookup;
 
 use crate::error::EngineError;

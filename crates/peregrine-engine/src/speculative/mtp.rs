@@ -1,12 +1,13 @@
-//! Drafting with the target's own multi-token-prediction layer (`--spec-mtp`: DeepSeek-V3,
-//! Qwen3-Next, Qwen3.5): every pass of the target brings the head up to the tokens it ran
-//! (its memory rides in the sequence's cache, [`SequenceCache::enable_mtp`]); a proposal
-//! chains the head from the last position's hidden state, sampling with the request's
-//! parameters, and its distributions go to verification.
+//! Drafting from the target's own final hidden states: with its multi-token-prediction layer
+//! (`--spec-mtp`: DeepSeek-V3, Qwen3-Next, Qwen3.5), whose cache every pass of the target
+//! brings up to the tokens it ran, or with Gemma 4's assistant (`--draft-model` naming one),
+//! which reads the target's keys and values. Either's memory rides in the sequence's cache
+//! ([`SequenceCache::enable_mtp`]); a proposal chains the head from the last position's hidden
+//! state, sampling with the request's parameters, and its distributions go to verification.
 
 use std::sync::Arc;
 
-use peregrine_models::{CausalLm, KvOptions, ModelError, SequenceCache};
+use peregrine_models::{CausalLm, Gemma4Assistant, KvOptions, ModelError, SequenceCache};
 use peregrine_sampling::{Distribution, Sampler, SamplingParams};
 use peregrine_tensor::device::in_compute_pool;
 
@@ -55,16 +56,7 @@ impl DraftSource for MtpDraft {
         sampling: &SamplingParams,
         _: &KvOptions,
     ) -> Box<dyn Drafter> {
-        let mut sampling = sampling.clone();
-        sampling.seed = sampling.seed.map(|s| s ^ DRAFT_SEED_OFFSET);
-        Box::new(Chain {
-            model: target.clone(),
-            sampler: Sampler::new(sampling),
-            hidden: Vec::new(),
-            out: Vec::new(),
-            logits: Vec::new(),
-            seen: Vec::new(),
-        })
+        Box::new(Chain::new(target, None, sampling))
     }
 
     fn kv_bytes(&self, target: &dyn CausalLm, kv: &KvOptions, positions: usize) -> usize {
@@ -77,15 +69,68 @@ impl DraftSource for MtpDraft {
     }
 }
 
+/// Drafts with Gemma 4's assistant (`--draft-model` naming a `gemma4_assistant` checkpoint),
+/// which reads the target's keys and values and starts from its final hidden state.
+pub struct AssistantDraft(pub Arc<Gemma4Assistant>);
+
+impl DraftSource for AssistantDraft {
+    fn name(&self) -> &str {
+        "gemma4-assistant"
+    }
+
+    fn check(&self, target: &dyn CausalLm, _: &Tokenizer) -> Result<(), EngineError> {
+        Ok(self.0.check(target)?)
+    }
+
+    fn prepare(&self, target: &dyn CausalLm, cache: &mut SequenceCache, kv: &KvOptions) {
+        cache.enable_mtp(&[], kv, target.config().hidden_size);
+    }
+
+    fn start(
+        &self,
+        target: &Arc<dyn CausalLm>,
+        sampling: &SamplingParams,
+        _: &KvOptions,
+    ) -> Box<dyn Drafter> {
+        Box::new(Chain::new(target, Some(self.0.clone()), sampling))
+    }
+
+    fn kv_bytes(&self, target: &dyn CausalLm, _: &KvOptions, _: usize) -> usize {
+        peregrine_models::MTP_HIDDEN_KEPT * target.config().hidden_size * 4
+    }
+}
+
 /// One sequence's drafting: buffers reused from round to round.
 struct Chain {
     model: Arc<dyn CausalLm>,
+    /// Gemma 4's assistant; `None`: the target's MTP layer.
+    assistant: Option<Arc<Gemma4Assistant>>,
     sampler: Sampler,
     hidden: Vec<f32>,
     out: Vec<f32>,
     logits: Vec<f32>,
     /// The generated tokens and those drafted so far (the penalties' view).
     seen: Vec<u32>,
+}
+
+impl Chain {
+    fn new(
+        target: &Arc<dyn CausalLm>,
+        assistant: Option<Arc<Gemma4Assistant>>,
+        sampling: &SamplingParams,
+    ) -> Self {
+        let mut sampling = sampling.clone();
+        sampling.seed = sampling.seed.map(|s| s ^ DRAFT_SEED_OFFSET);
+        Self {
+            model: target.clone(),
+            assistant,
+            sampler: Sampler::new(sampling),
+            hidden: Vec::new(),
+            out: Vec::new(),
+            logits: Vec::new(),
+            seen: Vec::new(),
+        }
+    }
 }
 
 impl Drafter for Chain {
@@ -100,9 +145,9 @@ impl Drafter for Chain {
         let (Some(state), Some(&last)) = (context.target.mtp(), context.generated.last()) else {
             return Ok(());
         };
-        // The head holds a row per position but the last, whose hidden state it joins with
-        // the token the target runs next; otherwise (lost to a deep rollback) it drafts nothing.
-        let ready = len > 0 && state.cache().len() + 1 == len;
+        // An MTP layer holds a row per position but the last, whose hidden state it joins with
+        // the token the target runs next; lost to a deep rollback, it drafts nothing.
+        let ready = len > 0 && (self.assistant.is_some() || state.cache().len() + 1 == len);
         let Some(hidden) = state.hidden_at(len.wrapping_sub(1)).filter(|_| ready) else {
             return Ok(());
         };
@@ -110,13 +155,20 @@ impl Drafter for Chain {
         self.hidden.extend_from_slice(hidden);
         self.seen.clear();
         self.seen.extend_from_slice(context.generated);
-        let (model, head) = (self.model.as_ref(), state.cache());
+        let model = self.model.as_ref();
         let mut token = last;
         let mut chained = 0;
         let drafted = (|| -> Result<(), ModelError> {
             for _ in 0..max {
-                let output = (&mut self.logits, &mut self.out);
-                in_compute_pool(|| model.mtp_step((&self.hidden, token), head, output))?;
+                let (input, output) =
+                    ((&self.hidden[..], token), (&mut self.logits, &mut self.out));
+                in_compute_pool(|| match &self.assistant {
+                    Some(a) => a.step(model, context.target, input, output),
+                    None => {
+                        let head = context.target.mtp().expect("checked above").cache();
+                        model.mtp_step(input, head, output)
+                    }
+                })?;
                 chained += 1;
                 let mut dist = Distribution::default();
                 let (prompt, seen) = (context.prompt, &self.seen);
@@ -132,8 +184,12 @@ impl Drafter for Chain {
             }
             Ok(())
         })();
-        // The chained rows joined the head's guesses, not the target's states: forget them.
-        head.trim(chained).map_err(ModelError::from)?;
+        // An MTP layer's chained rows joined its guesses, not the target's states: forget
+        // them (the assistant writes nothing).
+        if self.assistant.is_none() {
+            let head = context.target.mtp().expect("checked above").cache();
+            head.trim(chained).map_err(ModelError::from)?;
+        }
         Ok(drafted?)
     }
 }
