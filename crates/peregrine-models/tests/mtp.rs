@@ -11,7 +11,7 @@ use peregrine_tensor::candle::safetensors::load;
 use peregrine_tensor::{DType, Device, Tensor};
 
 const TOLERANCE: f32 = 1e-3;
-const ARCHS: [&str; 2] = ["deepseek_v3", "qwen3_next"];
+const ARCHS: [&str; 3] = ["deepseek_v3", "qwen3_next", "qwen3_5_moe"];
 
 fn model(arch: &str, mtp: bool) -> std::sync::Arc<dyn CausalLm> {
     let opts = LoadOptions {
