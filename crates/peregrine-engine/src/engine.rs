@@ -277,7 +277,7 @@ impl Engine {
                 spec,
                 model.as_ref(),
                 &tokenizer,
-                &config.kv,
+                (&config.kv, config.experts.stream),
             )?),
             None => None,
         };

@@ -14,8 +14,8 @@ use peregrine_engine::speculative::{
     DraftContext, DraftModel, DraftSource, Drafter, PromptLookup, Proposal,
 };
 use peregrine_engine::{
-    CausalLm, Engine, EngineConfig, EngineError, Event, KvOptions, KvQuant, LoadOptions, Prompt,
-    Request, SpeculativeConfig, TurboOptions,
+    CausalLm, Engine, EngineConfig, EngineError, Event, ExpertOptions, KvOptions, KvQuant,
+    LoadOptions, Prompt, Request, SpeculativeConfig, TurboOptions,
 };
 
 /// A drafter that knows the right continuation (the plain run's tokens): each round it proposes
@@ -556,4 +556,39 @@ fn a_draft_models_cache_counts_in_the_kv_budget() {
         other => panic!("a drafting request beyond the budget: {other:?}"),
     }
     assert!(submit(&engine(2 * hi), true).is_ok());
+}
+
+/// With the experts streamed from disk, drafts are capped at one token a pass (each drafted
+/// token's experts are more reads in the verifying pass), whatever the configuration asks;
+/// output is unchanged. The scripted drafter proposes as many tokens as it is allowed.
+#[test]
+fn streamed_experts_cap_drafts_at_one_token_a_pass() {
+    let (model, prompt) = (fixture("qwen3_moe"), prompt(24));
+    let plain = Engine::load(&model, config(KvOptions::default(), None)).unwrap();
+    let plain = greedy(&plain, &prompt, 30);
+    let truth = Arc::new(plain.clone());
+    let lookup = fixed(
+        Arc::new(Scripted {
+            truth,
+            always_wrong: false,
+        }),
+        8,
+    );
+    let engine = Engine::load(
+        &model,
+        EngineConfig {
+            experts: ExpertOptions {
+                stream: true,
+                ..ExpertOptions::default()
+            },
+            ..config(KvOptions::default(), lookup)
+        },
+    )
+    .unwrap();
+    assert_eq!(greedy(&engine, &prompt, 30), plain);
+    let stats = engine.speculation_stats();
+    assert!(
+        stats.rounds > 5 && stats.drafted == stats.rounds,
+        "{stats:?}"
+    );
 }

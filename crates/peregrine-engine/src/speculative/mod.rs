@@ -172,27 +172,33 @@ impl SpeculationStats {
 }
 
 /// `spec` checked against the model it drafts for: a draft model's vocabulary, and a draft
-/// length within what every cache can roll back (recurrent layers keep a few states).
+/// length within what every cache can roll back (recurrent layers keep a few states) and, when
+/// the model's experts stream from disk (`streaming`), of 1: each drafted token's experts are
+/// more reads in the verifying pass.
 pub(crate) fn checked(
     mut spec: SpeculativeConfig,
     model: &dyn CausalLm,
     tokenizer: &Tokenizer,
-    kv: &KvOptions,
+    (kv, streaming): (&KvOptions, bool),
 ) -> Result<SpeculativeConfig, EngineError> {
     spec.source.check(model, tokenizer)?;
     let recurrent = (model.cache_spec().iter()).any(|k| matches!(k, LayerKind::Recurrent { .. }));
-    let most = match recurrent {
-        true => kv.recurrent_depth().min(MAX_DRAFT_TOKENS),
-        false => MAX_DRAFT_TOKENS,
+    let (most, why) = match (streaming, recurrent) {
+        (true, _) => (
+            1,
+            "the experts stream from disk, and every drafted token routes to experts of its own \
+             that the verifying pass must read",
+        ),
+        (false, true) => (
+            kv.recurrent_depth().min(MAX_DRAFT_TOKENS),
+            "the recurrent layers roll back no further (--recurrent-rollback)",
+        ),
+        (false, false) => (MAX_DRAFT_TOKENS, "the most a pass verifies"),
     };
     if spec.max_draft > most {
         tracing::warn!(
-            "drafting at most {most} tokens a pass, not {}: {}",
-            spec.max_draft,
-            match recurrent {
-                true => "the recurrent layers roll back no further (--recurrent-rollback)",
-                false => "the most a pass verifies",
-            }
+            "drafting at most {most} tokens a pass, not {}: {why}",
+            spec.max_draft
         );
         spec.max_draft = most;
     }
