@@ -1,10 +1,34 @@
-//! f32 matrix × a few rows on the CPU (decode steps, speculative verification, small batches):
-//! each weight row is read once for all input rows, and every output is one dot product whose
-//! summation order depends on nothing but the input length, so a row's result has the same bits
-//! whatever the number of rows beside it or of threads (batch-invariant). Larger inputs (prefill)
-//! go through candle's GEMM.
+//! f32 or bf16 matrix × a few f32 rows on the CPU (decode steps, speculative verification, small
+//! batches): each weight row is read once for all input rows, and every output is one dot product
+//! whose summation order depends on nothing but the input length, so a row's result has the same
+//! bits whatever the number of rows beside it or of threads (batch-invariant). bf16 weights are
+//! widened to f32 as they are loaded (exactly: a bf16 is an f32's upper half), so they give the
+//! bits their f32 copy would, in half the memory. Larger inputs (prefill) go through candle's GEMM.
 
+use half::bf16;
 use rayon::prelude::*;
+
+/// A weight element the row kernels read.
+pub trait WeightElem: Copy + Send + Sync + 'static {
+    /// Whether the element is a bf16 (widened as loaded) rather than an f32.
+    const BF16: bool;
+    /// The value as f32, exactly.
+    fn to_f32(self) -> f32;
+}
+
+impl WeightElem for f32 {
+    const BF16: bool = false;
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl WeightElem for bf16 {
+    const BF16: bool = true;
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+}
 
 /// Most input rows this kernel takes; more go to the GEMM.
 pub const MAX_ROWS: usize = 64;
@@ -17,7 +41,7 @@ const WIDE_ROWS: usize = 4;
 
 /// `out[i · n + j] = x[i] · w[j]` for `x`: `[m, k]` and `w`: `[n, k]` (row-major), `out`:
 /// `[m, n]`. Parallel over blocks of weight rows.
-pub fn matmul_rows(w: &[f32], x: &[f32], k: usize, out: &mut [f32]) {
+pub fn matmul_rows<W: WeightElem>(w: &[W], x: &[f32], k: usize, out: &mut [f32]) {
     let (n, m) = (w.len() / k.max(1), x.len() / k.max(1));
     assert_eq!(out.len(), m * n, "dense: output is not [rows, out]");
     let out_ptr = SendPtr(out.as_mut_ptr());
@@ -74,7 +98,7 @@ impl SendPtr {
 }
 
 /// `w · xs[s]` for the first `r` of `xs`.
-fn dots(w: &[f32], xs: &[&[f32]; SHARE], r: usize) -> [f32; SHARE] {
+fn dots<W: WeightElem>(w: &[W], xs: &[&[f32]; SHARE], r: usize) -> [f32; SHARE] {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
         // SAFETY: the features were detected; every slice is `w.len()` long.
@@ -97,7 +121,7 @@ fn has_avx512() -> bool {
 
 /// `w[a] · xs[s]` for the [`WIDE_ROWS`] rows of `w` and the first `r` of `xs`, where
 /// [`has_avx512`]; each output summed exactly as [`dots`] sums it.
-fn wide_dots(w: &[f32], xs: &[&[f32]; SHARE], r: usize) -> [[f32; SHARE]; WIDE_ROWS] {
+fn wide_dots<W: WeightElem>(w: &[W], xs: &[&[f32]; SHARE], r: usize) -> [[f32; SHARE]; WIDE_ROWS] {
     #[cfg(target_arch = "x86_64")]
     {
         // SAFETY: callers check `has_avx512`; `w` holds WIDE_ROWS rows as long as each of xs.
@@ -109,17 +133,17 @@ fn wide_dots(w: &[f32], xs: &[&[f32]; SHARE], r: usize) -> [[f32; SHARE]; WIDE_R
 
 /// A dot product in 16 lanes, summed as a tree at the end: the order the AVX2 path also uses,
 /// spelled out for the compiler to vectorise.
-fn portable_dot(w: &[f32], x: &[f32]) -> f32 {
+fn portable_dot<W: WeightElem>(w: &[W], x: &[f32]) -> f32 {
     let mut acc = [0f32; 16];
     let body = w.len() / 16 * 16;
     for (wc, xc) in w[..body].chunks_exact(16).zip(x[..body].chunks_exact(16)) {
         for l in 0..16 {
-            acc[l] = wc[l].mul_add(xc[l], acc[l]);
+            acc[l] = wc[l].to_f32().mul_add(xc[l], acc[l]);
         }
     }
     let mut sum = reduce(&acc);
     for (a, b) in w[body..].iter().zip(&x[body..]) {
-        sum += a * b;
+        sum += a.to_f32() * b;
     }
     sum
 }
@@ -136,18 +160,34 @@ fn reduce(acc: &[f32; 16]) -> f32 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::SHARE;
+    use super::{SHARE, WeightElem};
+
+    /// 8 weights from `p + c` as f32 (bf16 ones widened).
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    pub(super) unsafe fn load8<W: WeightElem>(p: *const W, c: usize) -> __m256 {
+        // SAFETY: the caller keeps `c + 8` within the row.
+        unsafe {
+            match W::BF16 {
+                true => {
+                    let h = _mm_loadu_si128(p.add(c) as *const __m128i);
+                    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                }
+                false => _mm256_loadu_ps(p.add(c) as *const f32),
+            }
+        }
+    }
 
     /// `w · xs[s]` for `s < r`: the rows' dot products, each in two 8-lane accumulators.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dots(w: &[f32], xs: &[&[f32]; SHARE], r: usize) -> [f32; SHARE] {
+    pub unsafe fn dots<W: WeightElem>(w: &[W], xs: &[&[f32]; SHARE], r: usize) -> [f32; SHARE] {
         // SAFETY (all arms): the caller's guarantees are passed on.
         unsafe {
             match r {
-                1 => dots_n::<1>(w, xs),
-                2 => dots_n::<2>(w, xs),
-                3 => dots_n::<3>(w, xs),
-                _ => dots_n::<4>(w, xs),
+                1 => dots_n::<W, 1>(w, xs),
+                2 => dots_n::<W, 2>(w, xs),
+                3 => dots_n::<W, 3>(w, xs),
+                _ => dots_n::<W, 4>(w, xs),
             }
         }
     }
@@ -155,19 +195,19 @@ mod avx2 {
     /// The sum of the 8 lanes `v` (lane `l` holding accumulator lanes `l` and `l + 8`) by the
     /// tree [`super::reduce`] spells out, then the tail `w · x` beyond the 16-wide body, in order.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) fn finish(v: __m256, w: &[f32], x: &[f32]) -> f32 {
+    pub(super) fn finish<W: WeightElem>(v: __m256, w: &[W], x: &[f32]) -> f32 {
         let v4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
         let mut sum = _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1)));
         for (a, b) in w.iter().zip(x) {
-            sum += a * b;
+            sum += a.to_f32() * b;
         }
         sum
     }
 
     /// [`dots`] for `R` rows: the same operations per row whatever `R` is.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn dots_n<const R: usize>(w: &[f32], xs: &[&[f32]; SHARE]) -> [f32; SHARE] {
+    unsafe fn dots_n<W: WeightElem, const R: usize>(w: &[W], xs: &[&[f32]; SHARE]) -> [f32; SHARE] {
         let k = w.len();
         let body = k / 16 * 16;
         let mut acc = [[_mm256_setzero_ps(); 2]; R];
@@ -177,8 +217,8 @@ mod avx2 {
         while c < body {
             // SAFETY: c + 16 <= k, and every slice is k long.
             unsafe {
-                let w0 = _mm256_loadu_ps(wp.add(c));
-                let w1 = _mm256_loadu_ps(wp.add(c + 8));
+                let w0 = load8(wp, c);
+                let w1 = load8(wp, c + 8);
                 for s in 0..R {
                     let x0 = _mm256_loadu_ps(xp[s].add(c));
                     let x1 = _mm256_loadu_ps(xp[s].add(c + 8));
@@ -202,29 +242,52 @@ mod avx2 {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{SHARE, WIDE_ROWS};
+    use super::{SHARE, WIDE_ROWS, WeightElem};
+
+    /// 16 weights from `p + c` as f32 (bf16 ones widened).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn load16<W: WeightElem>(p: *const W, c: usize) -> __m512 {
+        // SAFETY: the caller keeps `c + 16` within the row.
+        unsafe {
+            match W::BF16 {
+                true => {
+                    let h = _mm256_loadu_si256(p.add(c) as *const __m256i);
+                    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                }
+                false => _mm512_loadu_ps(p.add(c) as *const f32),
+            }
+        }
+    }
 
     /// `w[a] · xs[s]` for the WIDE_ROWS rows of `w` and `s < r`: one 16-lane accumulator per
     /// output, whose lanes are the AVX2 path's two 8-lane ones, reduced by the same tree.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn dots(w: &[f32], xs: &[&[f32]; SHARE], r: usize) -> [[f32; SHARE]; WIDE_ROWS] {
+    pub unsafe fn dots<W: WeightElem>(
+        w: &[W],
+        xs: &[&[f32]; SHARE],
+        r: usize,
+    ) -> [[f32; SHARE]; WIDE_ROWS] {
         // SAFETY (all arms): the caller's guarantees are passed on.
         unsafe {
             match r {
-                1 => tile::<1>(w, xs),
-                2 => tile::<2>(w, xs),
-                3 => tile::<3>(w, xs),
-                _ => tile::<4>(w, xs),
+                1 => tile::<W, 1>(w, xs),
+                2 => tile::<W, 2>(w, xs),
+                3 => tile::<W, 3>(w, xs),
+                _ => tile::<W, 4>(w, xs),
             }
         }
     }
 
     #[target_feature(enable = "avx512f")]
-    unsafe fn tile<const R: usize>(w: &[f32], xs: &[&[f32]; SHARE]) -> [[f32; SHARE]; WIDE_ROWS] {
+    unsafe fn tile<W: WeightElem, const R: usize>(
+        w: &[W],
+        xs: &[&[f32]; SHARE],
+    ) -> [[f32; SHARE]; WIDE_ROWS] {
         let k = xs[0].len();
         let body = k / 16 * 16;
         let mut acc = [[_mm512_setzero_ps(); R]; WIDE_ROWS];
-        let wp: [*const f32; WIDE_ROWS] = std::array::from_fn(|a| w[a * k..].as_ptr());
+        let wp: [*const W; WIDE_ROWS] = std::array::from_fn(|a| w[a * k..].as_ptr());
         let xp: [*const f32; R] = std::array::from_fn(|s| xs[s].as_ptr());
         let mut c = 0;
         while c < body {
@@ -232,7 +295,7 @@ mod avx512 {
             unsafe {
                 let xv: [__m512; R] = std::array::from_fn(|s| _mm512_loadu_ps(xp[s].add(c)));
                 for a in 0..WIDE_ROWS {
-                    let wv = _mm512_loadu_ps(wp[a].add(c));
+                    let wv = load16(wp[a], c);
                     for s in 0..R {
                         acc[a][s] = _mm512_fmadd_ps(wv, xv[s], acc[a][s]);
                     }
@@ -286,6 +349,24 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn bf16_weights_give_the_bits_of_their_f32_copy() {
+        for (n, k) in [(70, 37), (33, 576), (5, 16)] {
+            let w16: Vec<bf16> = values(n * k, 7).into_iter().map(bf16::from_f32).collect();
+            let w32: Vec<f32> = w16.iter().map(|w| w.to_f32()).collect();
+            let x = values(6 * k, 8);
+            let (mut a, mut b) = (vec![0f32; 6 * n], vec![0f32; 6 * n]);
+            matmul_rows(&w16, &x, k, &mut a);
+            matmul_rows(&w32, &x, k, &mut b);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a), bits(&b), "n {n}, k {k}");
+            assert_eq!(
+                portable_dot(&w16[..k], &x[..k]).to_bits(),
+                portable_dot(&w32[..k], &x[..k]).to_bits()
+            );
         }
     }
 

@@ -129,32 +129,33 @@ impl QLinear {
         Ok(())
     }
 
-    /// The f32 CPU weight `[out, in]` that [`dense::matmul_rows`] multiplies, and whether
-    /// it does so for inputs of any number of rows: small GGUF f32/f16 matrices (MoE routers,
-    /// which llama.cpp keeps in f32) always, so that prefill and decode route alike; larger
-    /// ones up to [`dense::MAX_ROWS`] rows (decode, verification, small batches), more going
-    /// through candle's GEMM.
-    fn dense_f32(&self) -> Option<(&Tensor, bool)> {
+    /// The f32 or bf16 CPU weight `[out, in]` that [`dense::matmul_rows`] multiplies, and
+    /// whether it does so for inputs of any number of rows: small GGUF f32/f16 matrices (MoE
+    /// routers, which llama.cpp keeps in f32) always, so that prefill and decode route alike;
+    /// larger ones up to [`dense::MAX_ROWS`] rows (decode, verification, small batches), more
+    /// going through candle's GEMM.
+    fn dense_cpu(&self) -> Option<(&Tensor, bool)> {
         let (w, small) = match self {
             Self::Dense { w, .. } => (w, false),
             Self::Gguf { w, .. } => (w.dense()?, w.dims().0 <= SMALL_DENSE_ROWS),
             Self::MlxAffine { .. } => return None,
         };
-        (w.dtype() == DType::F32 && w.device().is_cpu()).then_some((w, small))
+        let kernel_dtype = matches!(w.dtype(), DType::F32 | DType::BF16);
+        (kernel_dtype && w.device().is_cpu()).then_some((w, small))
     }
 
-    /// `out = W x` for one f32 row, when [`dense_f32`](Self::dense_f32) applies.
+    /// `out = W x` for one f32 row, when [`dense_cpu`](Self::dense_cpu) applies.
     fn dense_row_into(&self, x: &[f32], out: &mut [f32]) -> Result<bool> {
-        let Some((w, _)) = self.dense_f32() else {
+        let Some((w, _)) = self.dense_cpu() else {
             return Ok(false);
         };
-        Ok(crate::ops::with_f32(w, |w| dense::matmul_rows(w, x, x.len(), out))?.is_some())
+        Ok(dense_rows(w, x, x.len(), out)?)
     }
 
     /// [`forward_unbiased`](Self::forward_unbiased) by [`dense::matmul_rows`], when
-    /// [`dense_f32`](Self::dense_f32) applies to `x`'s rows.
+    /// [`dense_cpu`](Self::dense_cpu) applies to `x`'s rows.
     fn dense_rows_forward(&self, x: &Tensor) -> Result<Option<Tensor>> {
-        let Some((w, small)) = self.dense_f32() else {
+        let Some((w, small)) = self.dense_cpu() else {
             return Ok(None);
         };
         let (out_dim, in_dim) = w.dims2()?;
@@ -164,12 +165,9 @@ impl QLinear {
             return Ok(None);
         }
         let x = x.contiguous()?;
-        let y = crate::ops::with_f32(&x, |x| {
-            crate::ops::with_f32(w, |w| {
-                let mut y = vec![0f32; rows * out_dim];
-                dense::matmul_rows(w, x, in_dim, &mut y);
-                y
-            })
+        let y = crate::ops::with_f32(&x, |x| -> Result<Option<Vec<f32>>> {
+            let mut y = vec![0f32; rows * out_dim];
+            Ok(dense_rows(w, x, in_dim, &mut y)?.then_some(y))
         })?;
         let Some(Some(y)) = y.transpose()? else {
             return Ok(None);
@@ -199,6 +197,10 @@ impl QLinear {
             return Ok(y);
         }
         match self {
+            // bf16 weights kept for the row kernels are widened for the GEMM, one at a time.
+            Self::Dense { w, .. } if w.dtype() != x.dtype() => {
+                dense_matmul(x, &w.to_dtype(x.dtype())?)
+            }
             Self::Dense { w, .. } => dense_matmul(x, w),
             Self::Gguf { w, .. } => w.forward(x),
             Self::MlxAffine { w, .. } => w.forward(x),
@@ -214,6 +216,15 @@ impl QLinear {
             Self::MlxAffine { w, b } => w.weight_bytes() + bias(b),
         }
     }
+}
+
+/// `out = x · w^T` for f32 rows `x` (`[m, k]`) by [`dense::matmul_rows`] over `w`'s f32 or
+/// bf16 CPU elements; `false` (nothing written) for a weight it cannot read in place.
+fn dense_rows(w: &Tensor, x: &[f32], k: usize, out: &mut [f32]) -> Result<bool> {
+    if let Some(()) = crate::ops::with_f32(w, |w| dense::matmul_rows(w, x, k, out))? {
+        return Ok(true);
+    }
+    Ok(crate::ops::with_bf16(w, |w| dense::matmul_rows(w, x, k, out))?.is_some())
 }
 
 /// `out += b`, reading an f32 CPU bias in place (others are converted first).

@@ -156,6 +156,19 @@ pub fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<Option<R>>
     Ok(Some(f(&cpu.as_slice::<f32>()?[start..end])))
 }
 
+/// `f` over a contiguous bf16 CPU tensor's elements, without copying; `None` for any other
+/// tensor.
+pub fn with_bf16<R>(t: &Tensor, f: impl FnOnce(&[half::bf16]) -> R) -> Result<Option<R>> {
+    if t.dtype() != DType::BF16 || !matches!(t.device(), Device::Cpu) {
+        return Ok(None);
+    }
+    let (storage, layout) = t.storage_and_layout();
+    let (Storage::Cpu(cpu), Some((start, end))) = (&*storage, layout.contiguous_offsets()) else {
+        return Ok(None);
+    };
+    Ok(Some(f(&cpu.as_slice::<half::bf16>()?[start..end])))
+}
+
 /// `1 / (1 + exp(-x))` elementwise, from plain ops.
 pub fn sigmoid(x: &Tensor) -> Result<Tensor> {
     (x.neg()?.exp()? + 1.0)?.recip()

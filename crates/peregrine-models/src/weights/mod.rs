@@ -233,6 +233,11 @@ impl Weights {
 
     /// A dense tensor of the given shape in the compute dtype.
     pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        Ok(self.stored_tensor(name, shape)?.to_dtype(self.dtype)?)
+    }
+
+    /// [`tensor`](Self::tensor) in the dtype the file stores it in.
+    fn stored_tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         let name = &*self.resolve(name);
         let t = match &*self.source {
             Source::Safetensors(s) if self.positional => {
@@ -245,7 +250,7 @@ impl Weights {
             Source::Gguf(g) => g.qtensor(name, &self.device)?.dequantize(&self.device)?,
         };
         self.check_shape(name, t.dims(), shape)?;
-        Ok(t.to_dtype(self.dtype)?)
+        Ok(t)
     }
 
     /// The linear layer `{prefix}.weight` `[out, in]` (and `{prefix}.bias` `[out]` when `bias`).
@@ -269,10 +274,19 @@ impl Weights {
             };
         }
         match &*self.source {
-            Source::Safetensors(_) => Ok(QLinear::Dense {
-                w: self.tensor(&w_name, &[out_dim, in_dim])?,
-                b,
-            }),
+            Source::Safetensors(_) => {
+                let w = self.stored_tensor(&w_name, &[out_dim, in_dim])?;
+                // bf16 matrices stay bf16 on the CPU: the row kernels widen them as they load
+                // (the bits of an f32 copy, in half the memory).
+                let keep = w.dtype() == DType::BF16 && self.dtype == DType::F32;
+                Ok(QLinear::Dense {
+                    w: match keep && self.device.is_cpu() {
+                        true => w,
+                        false => w.to_dtype(self.dtype)?,
+                    },
+                    b,
+                })
+            }
             Source::Gguf(g) => {
                 self.check_shape(&w_name, &g.dims(&w_name)?, &[out_dim, in_dim])?;
                 let w = g.matrix(&w_name, &self.device)?;
