@@ -149,7 +149,7 @@ impl QLinear {
         let Some((w, _)) = self.dense_cpu() else {
             return Ok(false);
         };
-        Ok(dense_rows(w, x, x.len(), out)?)
+        dense_rows(w, x, x.len(), out)
     }
 
     /// [`forward_unbiased`](Self::forward_unbiased) by [`dense::matmul_rows`], when
