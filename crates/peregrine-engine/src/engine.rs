@@ -222,7 +222,7 @@ impl Engine {
             progress: config.load_progress.clone(),
             mtp: (config.speculative.as_ref()).is_some_and(|s| s.source.loads_mtp()),
         };
-        crate::allocator::tune();
+        crate::allocator::tune(opts.experts.stream);
         // The tokenizer first: building a large vocabulary's takes memory for a moment, and
         // that moment should not come on top of the weights.
         let open = open_model(path, &opts)?;

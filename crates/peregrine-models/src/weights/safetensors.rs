@@ -159,11 +159,26 @@ impl SafetensorsFiles {
     /// of exactly their bytes: the mapping is not touched, so a file cut short since it was
     /// opened gives an error naming it, never a crash. Returns the bytes and the stored dtype.
     pub fn read_rows(&self, name: &str, first: usize, count: usize) -> Result<(Vec<u8>, Dtype)> {
+        let (_, info) = self.find(name)?;
+        let row_bytes = info.shape.last().copied().unwrap_or(1) * info.dtype.bitsize() / 8;
+        let mut bytes = vec![0u8; count * row_bytes];
+        let dtype = self.read_rows_into(name, first, count, &mut bytes)?;
+        Ok((bytes, dtype))
+    }
+
+    /// [`read_rows`](Self::read_rows) into `bytes`, which must hold exactly those rows.
+    fn read_rows_into(
+        &self,
+        name: &str,
+        first: usize,
+        count: usize,
+        bytes: &mut [u8],
+    ) -> Result<Dtype> {
         let (file, info) = self.find(name)?;
         let last = info.shape.last().copied().unwrap_or(1);
         let rows = info.shape.iter().product::<usize>() / last.max(1);
         let row_bytes = last * info.dtype.bitsize() / 8;
-        if first + count > rows {
+        if first + count > rows || bytes.len() != count * row_bytes {
             return Err(ModelError::Checkpoint {
                 file: file.path.clone(),
                 message: format!(
@@ -173,16 +188,52 @@ impl SafetensorsFiles {
                 ),
             });
         }
-        let mut bytes = vec![0u8; count * row_bytes];
         self.progress.add(bytes.len());
         let at = file.data_start + info.data_offsets.0 + first * row_bytes;
-        super::read_exact_at(&file.file, &mut bytes, at as u64).map_err(|e| {
-            ModelError::Checkpoint {
-                file: file.path.clone(),
-                message: format!("tensor `{name}`: {e}"),
-            }
+        super::read_exact_at(&file.file, bytes, at as u64).map_err(|e| ModelError::Checkpoint {
+            file: file.path.clone(),
+            message: format!("tensor `{name}`: {e}"),
         })?;
-        Ok((bytes, info.dtype))
+        Ok(info.dtype)
+    }
+
+    /// Rows of an f32, f16 or bf16 tensor read straight into the tensor's own buffer on the
+    /// CPU (a streamed expert then costs its size once, not a byte copy besides); `None` for
+    /// other dtypes and devices.
+    fn load_rows_in_place(
+        &self,
+        name: &str,
+        (first, count): (usize, usize),
+        device: &Device,
+    ) -> Result<Option<Tensor>> {
+        fn typed<T: peregrine_tensor::candle::WithDType>(
+            s: &SafetensorsFiles,
+            name: &str,
+            (first, count, last): (usize, usize, usize),
+        ) -> Result<Tensor> {
+            let mut values = vec![T::from_f64(0.0); count * last];
+            // SAFETY: any bytes are a valid f32/f16/bf16, and the slice covers exactly `values`.
+            let bytes = unsafe {
+                std::slice::from_raw_parts_mut(
+                    values.as_mut_ptr() as *mut u8,
+                    std::mem::size_of_val(values.as_slice()),
+                )
+            };
+            s.read_rows_into(name, first, count, bytes)?;
+            Ok(Tensor::from_vec(values, (count, last), &Device::Cpu)?)
+        }
+        // The file's bytes are little-endian, as the values in memory must be.
+        if !device.is_cpu() || cfg!(target_endian = "big") {
+            return Ok(None);
+        }
+        let (_, info) = self.find(name)?;
+        let shape = (first, count, info.shape.last().copied().unwrap_or(1));
+        Ok(match info.dtype {
+            Dtype::F32 => Some(typed::<f32>(self, name, shape)?),
+            Dtype::F16 => Some(typed::<half::f16>(self, name, shape)?),
+            Dtype::BF16 => Some(typed::<half::bf16>(self, name, shape)?),
+            _ => None,
+        })
     }
 
     /// [`read_rows`](Self::read_rows) as a tensor `[count, last]` in the stored dtype.
@@ -193,6 +244,9 @@ impl SafetensorsFiles {
         count: usize,
         device: &Device,
     ) -> Result<Tensor> {
+        if let Some(t) = self.load_rows_in_place(name, (first, count), device)? {
+            return Ok(t);
+        }
         let (bytes, dtype) = self.read_rows(name, first, count)?;
         let last = self.dims(name)?.last().copied().unwrap_or(1);
         let view = TensorView::new(dtype, vec![count, last], &bytes);
