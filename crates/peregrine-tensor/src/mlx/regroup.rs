@@ -175,10 +175,8 @@ fn regroup_row<S: ScaleType>(
         let g = i * values / group_size;
         let (scale, bias) = (s[g].widen(), b[g].widen());
         // All-zero codes make the scale irrelevant (MLX gives constant groups a 1e-7 scale).
-        let codes_zero = words[g * group_words..][..group_words]
-            .iter()
-            .all(|&w| w == 0);
-        if !exact(bias) || !(exact(scale) || codes_zero) {
+        let codes_zero = || (words[g * group_words..][..group_words].iter()).all(|&w| w == 0);
+        if !exact(bias) || !(exact(scale) || codes_zero()) {
             return false;
         }
         block[..2].copy_from_slice(&f16::from_f32(scale).to_le_bytes());
@@ -189,10 +187,57 @@ fn regroup_row<S: ScaleType>(
             }
             continue;
         }
-        let code = |i: usize| ((w[i / 8] >> (4 * (i % 8))) & 0xF) as u8;
-        for (j, q) in block[4..].iter_mut().enumerate() {
-            *q = code(j) | code(j + values / 2) << 4;
-        }
+        let q: &mut [u8; 16] = (&mut block[4..]).try_into().expect("a Q4_1 block holds 16 bytes");
+        pair_nibbles(w.try_into().expect("a Q4_1 block is 4 MLX words"), q);
     }
     true
+}
+
+/// 32 MLX 4-bit codes (value `i` in nibble `i % 8` of word `i / 8`) as Q4_1's 16 bytes (value
+/// `j` in the low nibble of byte `j`, value `j + 16` in its high nibble). The words' bytes hold
+/// the values in order, two a byte, low nibble first: spreading each half's nibbles to bytes
+/// puts values `0..16` and `16..32` in order, and byte `j` joins the two.
+fn pair_nibbles(w: &[u32; 4], q: &mut [u8; 16]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::*;
+        // SAFETY: SSE2 is part of x86_64; the loads and the store cover 16 bytes each.
+        unsafe {
+            let v = _mm_loadu_si128(w.as_ptr() as *const __m128i);
+            let mask = _mm_set1_epi8(0x0F);
+            let lo = _mm_and_si128(v, mask);
+            let hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+            let first = _mm_unpacklo_epi8(lo, hi); // values 0..16
+            let second = _mm_unpackhi_epi8(lo, hi); // values 16..32
+            let out = _mm_or_si128(first, _mm_slli_epi16(second, 4));
+            _mm_storeu_si128(q.as_mut_ptr() as *mut __m128i, out);
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let code = |i: usize| ((w[i / 8] >> (4 * (i % 8))) & 0xF) as u8;
+        for (j, q) in q.iter_mut().enumerate() {
+            *q = code(j) | code(j + 16) << 4;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pair_nibbles;
+
+    #[test]
+    fn nibbles_pair_as_q4_1_packs_them() {
+        let mut w = [0u32; 4];
+        for i in 0..32 {
+            let code = (i * 7 + 3) % 16;
+            w[i / 8] |= (code as u32) << (4 * (i % 8));
+        }
+        let mut q = [0u8; 16];
+        pair_nibbles(&w, &mut q);
+        for (j, &byte) in q.iter().enumerate() {
+            let (lo, hi) = ((j * 7 + 3) % 16, ((j + 16) * 7 + 3) % 16);
+            assert_eq!(byte, (lo | hi << 4) as u8, "byte {j}");
+        }
+    }
 }
