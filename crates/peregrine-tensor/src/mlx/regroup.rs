@@ -17,6 +17,7 @@ use std::ops::Range;
 
 use candle_core::{DType, Device, Result, Tensor};
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 use super::kernels::ScaleType;
@@ -164,23 +165,31 @@ fn regroup_row<S: ScaleType>(
     group_size: usize,
     out: &mut [u8],
 ) -> bool {
-    let exact = |v: f32| f16::from_f32(v).to_f32().to_bits() == v.to_bits();
     // 32-bit words per block and per group.
     let bits = if format == Format::Q4_1 { 4 } else { 8 };
     let (values, group_words) = (format.block_len(), group_size * bits / 32);
+    // Each group's scale and bias as f16, converted once for the row, and checked exact.
+    let widen = |v: &[S]| v.iter().map(|v| v.widen()).collect::<Vec<f32>>();
+    let (s32, b32) = (widen(s), widen(b));
+    let mut s16 = vec![f16::ZERO; s32.len()];
+    let mut b16 = vec![f16::ZERO; b32.len()];
+    s16.convert_from_f32_slice(&s32);
+    b16.convert_from_f32_slice(&b32);
+    for g in 0..s32.len() {
+        let exact = |h: f16, v: f32| h.to_f32().to_bits() == v.to_bits();
+        // All-zero codes make the scale irrelevant (MLX gives constant groups a 1e-7 scale).
+        let codes_zero = || (words[g * group_words..][..group_words].iter()).all(|&w| w == 0);
+        if !exact(b16[g], b32[g]) || !(exact(s16[g], s32[g]) || codes_zero()) {
+            return false;
+        }
+    }
     let blocks = words
         .chunks_exact(values * bits / 32)
         .zip(out.chunks_exact_mut(format.block_bytes()));
     for (i, (w, block)) in blocks.enumerate() {
         let g = i * values / group_size;
-        let (scale, bias) = (s[g].widen(), b[g].widen());
-        // All-zero codes make the scale irrelevant (MLX gives constant groups a 1e-7 scale).
-        let codes_zero = || (words[g * group_words..][..group_words].iter()).all(|&w| w == 0);
-        if !exact(bias) || !(exact(scale) || codes_zero()) {
-            return false;
-        }
-        block[..2].copy_from_slice(&f16::from_f32(scale).to_le_bytes());
-        block[2..4].copy_from_slice(&f16::from_f32(bias).to_le_bytes());
+        block[..2].copy_from_slice(&s16[g].to_le_bytes());
+        block[2..4].copy_from_slice(&b16[g].to_le_bytes());
         if bits == 8 {
             for (q, w) in block[4..].chunks_exact_mut(4).zip(w) {
                 q.copy_from_slice(&w.to_le_bytes());
