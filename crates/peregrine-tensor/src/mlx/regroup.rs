@@ -110,9 +110,7 @@ impl MlxQuantized {
         for r0 in (0..out).step_by(band) {
             let rows = r0..(r0 + band).min(out);
             let codes = rows.start * words_per_row * 4..rows.end * words_per_row * 4;
-            words.clear();
-            let le = packed[codes.clone()].chunks_exact(4);
-            words.extend(le.map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]])));
+            le_words(&packed[codes.clone()], &mut words);
             let view = CpuView::new(
                 &words,
                 sb.rows(rows.clone(), groups),
@@ -127,6 +125,23 @@ impl MlxQuantized {
             done(codes);
         }
         GgufMatrix::from_blocks(format, bytes, (out, in_dim)).map(Some)
+    }
+}
+
+/// `bytes` (little-endian u32 words, any alignment) as words into `words` (replaced).
+fn le_words(bytes: &[u8], words: &mut Vec<u32>) {
+    words.clear();
+    words.resize(bytes.len() / 4, 0);
+    if cfg!(target_endian = "little") {
+        // SAFETY: `words` holds exactly `bytes.len() / 4` words; any bits are a valid u32.
+        unsafe {
+            let dst = words.as_mut_ptr() as *mut u8;
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, words.len() * 4);
+        }
+    } else {
+        for (w, b) in words.iter_mut().zip(bytes.chunks_exact(4)) {
+            *w = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
     }
 }
 
