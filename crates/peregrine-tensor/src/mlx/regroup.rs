@@ -211,7 +211,9 @@ fn regroup_row<S: ScaleType>(
             }
             continue;
         }
-        let q: &mut [u8; 16] = (&mut block[4..]).try_into().expect("a Q4_1 block holds 16 bytes");
+        let q: &mut [u8; 16] = (&mut block[4..])
+            .try_into()
+            .expect("a Q4_1 block holds 16 bytes");
         pair_nibbles(w.try_into().expect("a Q4_1 block is 4 MLX words"), q);
     }
     true
