@@ -11,7 +11,7 @@ use peregrine_tensor::candle::safetensors::load;
 use peregrine_tensor::{DType, Device, Tensor};
 
 const TOLERANCE: f32 = 1e-3;
-const ARCHS: [&str; 3] = ["deepseek_v3", "qwen3_next", "qwen3_5_moe"];
+const ARCHS: [&str; 4] = ["deepseek_v3", "qwen3_next", "qwen3_5", "qwen3_5_moe"];
 
 fn model(arch: &str, mtp: bool) -> std::sync::Arc<dyn CausalLm> {
     let opts = LoadOptions {
@@ -136,14 +136,15 @@ fn a_checkpoint_without_the_head_is_refused_when_it_is_asked_for() {
         mtp: true,
         ..LoadOptions::default()
     };
-    // The fixture names no MTP layer in its config: nothing to load, nothing refused.
-    let plain = load_model(&common::fixture("qwen3_5/hf"), &opts).unwrap();
+    // A config naming no MTP layer: nothing to load, nothing refused.
+    let plain = load_model(&common::fixture("llama/hf"), &opts).unwrap();
     assert!(plain.model.mtp_spec().is_none());
-    // A config naming one over weights without it: the error names the checkpoint and the
-    // tensors looked for.
+    // A config naming one over weights without it (DeepSeek-V3's cut to one layer: its second
+    // is a plain layer, not an MTP one): the error names the checkpoint and the tensors
+    // looked for.
     let dir = std::env::temp_dir().join(format!("peregrine-mtp-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let src = common::fixture("qwen3_5/hf");
+    let src = common::fixture("deepseek_v3/hf");
     for f in [
         "model.safetensors",
         "tokenizer.json",
@@ -152,12 +153,15 @@ fn a_checkpoint_without_the_head_is_refused_when_it_is_asked_for() {
         std::fs::copy(src.join(f), dir.join(f)).unwrap();
     }
     let config = std::fs::read_to_string(src.join("config.json")).unwrap();
-    let config = config.replacen('{', "{\n  \"mtp_num_hidden_layers\": 1,", 1);
+    let config = config.replace("\"num_hidden_layers\": 2", "\"num_hidden_layers\": 1");
     std::fs::write(dir.join("config.json"), config).unwrap();
     let err = load_model(&dir, &opts).err().expect("refused").to_string();
     std::fs::remove_dir_all(&dir).unwrap();
     let named = err.contains(&*dir.to_string_lossy());
-    assert!(err.contains("mtp.fc.weight") && named, "{err}");
+    assert!(
+        err.contains("model.layers.1.eh_proj.weight") && named,
+        "{err}"
+    );
 }
 
 /// Gemma 4's assistant drafting for the gemma4_text fixture (scripts/fixtures/

@@ -1,6 +1,6 @@
 //! Speculative decoding with the model's own multi-token-prediction layer (`--spec-mtp`) on the
-//! fixtures that carry one (DeepSeek-V3: MLA and experts; Qwen3-Next and Qwen3.5-MoE: delta-net
-//! and attention over recurrent states), and with Gemma 4's assistant on the Gemma 4 fixture (sliding and
+//! fixtures that carry one (DeepSeek-V3: MLA and experts; Qwen3-Next, Qwen3.5 and Qwen3.5-MoE:
+//! delta-net and attention over recurrent states), and with Gemma 4's assistant on the Gemma 4 fixture (sliding and
 //! full layers, KV-shared ones among them): greedy output equals the plain run's token for
 //! token, alone, in a batch, and from the prompt cache; a model without the layer is refused
 //! by name.
@@ -19,7 +19,13 @@ use peregrine_engine::{
 use peregrine_models::Gemma4Assistant;
 
 /// The targets, each with what drafts for it: its MTP layer, or Gemma 4's assistant.
-const ARCHS: [&str; 4] = ["deepseek_v3", "qwen3_next", "qwen3_5_moe", "gemma4_text"];
+const ARCHS: [&str; 5] = [
+    "deepseek_v3",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "gemma4_text",
+];
 
 fn drafter(arch: &str) -> Arc<dyn DraftSource> {
     match arch {
@@ -161,6 +167,7 @@ fn the_cli_takes_spec_mtp_and_refuses_a_model_without_the_layer() {
     for (arch, flags) in [
         ("deepseek_v3", &["--spec-mtp"][..]),
         ("qwen3_next", &["--spec-mtp"]),
+        ("qwen3_5", &["--spec-mtp"]),
         ("qwen3_5_moe", &["--spec-mtp"]),
         ("gemma4_text", &assistant),
     ] {

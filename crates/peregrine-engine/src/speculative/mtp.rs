@@ -206,7 +206,7 @@ mod tests {
     /// prompt's last row (scripts/fixtures/add_mtp.py) give it. The chained rows are forgotten.
     #[test]
     fn the_first_draft_is_the_heads_prediction_and_the_chain_is_forgotten() {
-        for arch in ["deepseek_v3", "qwen3_next", "qwen3_5_moe"] {
+        for arch in ["deepseek_v3", "qwen3_next", "qwen3_5", "qwen3_5_moe"] {
             let dir = super::super::tests::fixture_dir(arch);
             let model = super::super::tests::fixture_model(arch, true);
             let r = load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
