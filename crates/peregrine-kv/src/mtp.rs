@@ -61,15 +61,16 @@ impl MtpState {
 
     /// The target's final hidden state at `pos`, when kept.
     pub fn hidden_at(&self, pos: usize) -> Option<&[f32]> {
-        let i = pos.checked_sub(self.first)?;
-        self.hidden.get(i * self.width..(i + 1) * self.width)
+        let at = pos.checked_sub(self.first)?.checked_mul(self.width)?;
+        self.hidden.get(at..at.checked_add(self.width)?)
     }
 
     /// Records the target's final hidden states of positions `start..` (`rows`, whole rows of
     /// the width), keeping the last [`MTP_HIDDEN_KEPT`]. A gap before `start` loses the head.
     pub fn record(&mut self, start: usize, rows: &[f32]) {
         let end = self.first + self.hidden.len() / self.width;
-        if start > end && !self.hidden.is_empty() {
+        // A gap after the kept states, or rows before them (which trims never leave): lost.
+        if (start > end || start < self.first) && !self.hidden.is_empty() {
             self.lose();
         }
         if self.lost {
@@ -208,5 +209,9 @@ mod tests {
         s.record(0, &[0.0; 6]);
         s.record(5, &[0.0; 2]);
         assert!(s.is_lost());
+        let mut s = state();
+        s.record(0, &[0.0; 200]); // positions 0..100, the last 64 kept
+        s.record(10, &[0.0; 2]);
+        assert!(s.is_lost(), "rows before the kept ones");
     }
 }
