@@ -1,7 +1,10 @@
 //! Tool calls in model output: each family's native call syntax (Hermes/Qwen `<tool_call>`,
-//! Llama 3.x bare JSON, Mistral `[TOOL_CALLS]`, DeepSeek's `<｜tool▁calls▁begin｜>`), found in a
+//! Llama 3.x bare JSON, Mistral `[TOOL_CALLS]`, DeepSeek's `<｜tool▁calls▁begin｜>`, Gemma 4's
+//! `<|tool_call>call:name{…}<tool_call|>`), found in a
 //! stream of text deltas so that calls can be streamed as they close. Text that only looks like
 //! the start of a call is held back until it is decided; a call that does not parse is text.
+
+mod gemma4;
 
 use serde_json::Value;
 
@@ -34,12 +37,15 @@ pub enum CallFormat {
     Mistral,
     /// `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>…<｜tool▁sep｜>…<｜tool▁call▁end｜>…` (DeepSeek).
     DeepSeek,
+    /// `<|tool_call>call:name{key:<|"|>text<|"|>,n:3}<tool_call|>` (Gemma 4; [`gemma4`]).
+    Gemma4,
 }
 
 const HERMES: (&str, Option<&str>) = ("<tool_call>", Some("</tool_call>"));
 const PYTHON_TAG: (&str, Option<&str>) = ("<|python_tag|>", None);
 const MISTRAL: (&str, Option<&str>) = ("[TOOL_CALLS]", None);
 const DEEPSEEK: (&str, Option<&str>) = ("<｜tool▁calls▁begin｜>", Some("<｜tool▁calls▁end｜>"));
+const GEMMA4: (&str, Option<&str>) = ("<|tool_call>", Some("<tool_call|>"));
 
 impl CallFormat {
     /// The format a chat template's tool section writes; Hermes when it shows none.
@@ -51,6 +57,8 @@ impl CallFormat {
             Self::Mistral
         } else if t.contains("tool▁calls▁begin") {
             Self::DeepSeek
+        } else if t.contains("<|tool_call>") {
+            Self::Gemma4
         } else if t.contains("<|start_header_id|>") {
             Self::LlamaJson
         } else {
@@ -60,7 +68,7 @@ impl CallFormat {
 
     /// Whether the format's markers are control tokens, which the text keeps only when asked.
     pub fn markers_are_special(self) -> bool {
-        matches!(self, Self::Mistral | Self::DeepSeek)
+        matches!(self, Self::Mistral | Self::DeepSeek | Self::Gemma4)
     }
 
     /// The key holding a call's arguments.
@@ -71,8 +79,8 @@ impl CallFormat {
         }
     }
 
-    /// Text around one forced call's JSON. Mistral's and DeepSeek's markers are control
-    /// tokens a grammar cannot spell as text, so forced calls there use Hermes tags (which
+    /// Text around one forced call's JSON. Mistral's, DeepSeek's and Gemma 4's markers are
+    /// control tokens a grammar cannot spell as text, so forced calls there use Hermes tags (which
     /// every format's parser also reads).
     pub fn grammar_markers(self) -> (&'static str, &'static str) {
         match self {
@@ -88,6 +96,7 @@ impl CallFormat {
             Self::LlamaJson => &[PYTHON_TAG, HERMES],
             Self::Mistral => &[MISTRAL, HERMES],
             Self::DeepSeek => &[DEEPSEEK, HERMES],
+            Self::Gemma4 => &[GEMMA4, HERMES],
         }
     }
 }
@@ -207,6 +216,7 @@ fn parse_body(start: &str, body: &str) -> Option<Vec<ToolCall>> {
     match start {
         "[TOOL_CALLS]" => mistral(body),
         s if s == DEEPSEEK.0 => deepseek(body),
+        s if s == GEMMA4.0 => gemma4::calls(body),
         // Llama 3.2 separates parallel calls with `;`.
         "" | "<|python_tag|>" => (body.split(';').filter(|s| !s.trim().is_empty()))
             .map(|s| json_call(s.trim()))
@@ -429,6 +439,46 @@ mod tests {
         );
     }
 
+    // Gemma 4: the call Google's function-calling guide shows the model answering with, then
+    // two calls after text with nested arguments (the template's argument syntax).
+    #[test]
+    fn gemma4_calls() {
+        let out =
+            "<|tool_call>call:get_current_temperature{location:<|\"|>London<|\"|>}<tool_call|>";
+        let (text, calls) = parse(CallFormat::Gemma4, out);
+        assert_eq!(
+            (text.as_str(), calls),
+            (
+                "",
+                vec![call("get_current_temperature", r#"{"location":"London"}"#)]
+            )
+        );
+        let out = "Checking both.<|tool_call>call:get_weather{city:<|\"|>Paris, FR<|\"|>,days:2}<tool_call|><|tool_call>call:book{when:{day:<|\"|>mon<|\"|>,late:false},seats:[1,2]}<tool_call|>";
+        let (text, calls) = parse(CallFormat::Gemma4, out);
+        assert_eq!(text, "Checking both.");
+        assert_eq!(
+            calls,
+            [
+                call("get_weather", r#"{"city":"Paris, FR","days":2}"#),
+                call(
+                    "book",
+                    r#"{"when":{"day":"mon","late":false},"seats":[1,2]}"#
+                )
+            ]
+        );
+        // A block that does not parse stays text; a forced call's Hermes tags are read too.
+        let (text, calls) = parse(CallFormat::Gemma4, "<|tool_call>call:f{a:}<tool_call|>");
+        assert_eq!(
+            (text.as_str(), calls.len()),
+            ("<|tool_call>call:f{a:}<tool_call|>", 0)
+        );
+        let (_, calls) = parse(
+            CallFormat::Gemma4,
+            "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>",
+        );
+        assert_eq!(calls, [call("f", "{}")]);
+    }
+
     #[test]
     fn formats_follow_the_template() {
         assert_eq!(CallFormat::of_template(None), CallFormat::Hermes);
@@ -438,5 +488,7 @@ mod tests {
         assert_eq!(CallFormat::of_template(Some(llama)), CallFormat::LlamaJson);
         let mistral = "{%- if tools %}[AVAILABLE_TOOLS]{%- endif %}[TOOL_CALLS]";
         assert_eq!(CallFormat::of_template(Some(mistral)), CallFormat::Mistral);
+        let gemma4 = "{%- if tools %}<|tool>declaration:{%- endif %}<|tool_call>call:";
+        assert_eq!(CallFormat::of_template(Some(gemma4)), CallFormat::Gemma4);
     }
 }
