@@ -1,4 +1,5 @@
-//! Anthropic Messages and OpenAI Responses over raw HTTP with the tiny llama fixture: streamed
+//! Anthropic Messages, OpenAI Responses and a Gemma 4 tool template over raw HTTP with the tiny
+//! llama fixture: streamed
 //! and whole answers agree at temperature 0, the event sequences are in the specs' order, the
 //! Responses store answers `GET`, `DELETE` and `previous_response_id`, and errors take each
 //! API's shape.
@@ -173,4 +174,88 @@ fn responses_stream_store_and_previous_response() {
         server.post("/v1/responses", &bad).json()["error"]["param"],
         "max_output_tokens"
     );
+}
+
+/// The llama fixture with a chat template that writes Gemma 4's tool syntax: tools declared as
+/// `<|tool>declaration:…<tool|>`, earlier calls as `<|tool_call>call:…<tool_call|>`, results as
+/// `<|tool_response>…`.
+fn gemma4_tools_fixture() -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("peregrine-gemma4-tools-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(support::fixture()).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+    }
+    let config = dir.join("tokenizer_config.json");
+    let mut tokenizer: Value = serde_json::from_slice(&std::fs::read(&config).unwrap()).unwrap();
+    tokenizer["chat_template"] = json!(concat!(
+        "{%- if tools %}<|turn>system\n{%- for t in tools %}<|tool>declaration:",
+        "{{ t['function']['name'] }}<tool|>{%- endfor %}<turn|>\n{%- endif %}",
+        "{%- for m in messages %}{%- if m['role'] == 'tool' %}<|tool_response>response:",
+        "{{ m['content'] }}<tool_response|>{%- else %}<|turn>{{ m['role'] }}\n{{ m['content'] or '' }}",
+        "{%- for c in m['tool_calls'] or [] %}<|tool_call>call:{{ c['function']['name'] }}",
+        "{{ c['function']['arguments'] | tojson }}<tool_call|>{%- endfor %}<turn|>\n{%- endif %}",
+        "{%- endfor %}{%- if add_generation_prompt %}<|turn>model\n{%- endif %}"
+    ));
+    std::fs::write(&config, tokenizer.to_string()).unwrap();
+    dir
+}
+
+/// A template in Gemma 4's syntax selects its call parser: output in Gemma 4's call syntax (held
+/// there by a `grammar`, the random model would not write it) comes back as a call, and so does
+/// a forced call (spelled in the Hermes tags the tool grammar holds it to, which that parser
+/// also reads), whole and streamed, after a history with an earlier call and its result.
+#[test]
+fn gemma4_template_forced_call_whole_and_streamed() {
+    let dir = gemma4_tools_fixture();
+    let server = Server::start_model(&dir, &[]);
+    let tools = json!([{"type": "function", "function": {"name": "get_time",
+        "description": "The time now", "parameters": {"type": "object", "properties": {}}}}]);
+    let mut body = json!({"model": "tiny", "max_tokens": 120, "temperature": 0,
+        "tools": tools, "tool_choice": "required", "messages": [
+            {"role": "user", "content": "what time is it"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
+                "function": {"name": "get_time", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "noon"},
+            {"role": "user", "content": "and now?"}]});
+    let whole = server.post("/v1/chat/completions", &body);
+    assert_eq!(whole.status, 200, "{}", whole.body);
+    let choice = &whole.json()["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{choice}");
+    let call = &choice["message"]["tool_calls"][0]["function"];
+    assert_eq!(
+        (&call["name"], &call["arguments"]),
+        (&json!("get_time"), &json!("{}"))
+    );
+
+    body["stream"] = json!(true);
+    let reply = server.post("/v1/chat/completions", &body);
+    let chunks: Vec<Value> = (reply.events().iter())
+        .filter(|e| e.as_str() != "[DONE]")
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let names: Vec<&Value> = (chunks.iter())
+        .filter_map(|c| c["choices"][0]["delta"]["tool_calls"][0]["function"].get("name"))
+        .collect();
+    assert_eq!(names, [&json!("get_time")]);
+    let last = chunks
+        .iter()
+        .rev()
+        .find(|c| !c["choices"][0]["finish_reason"].is_null());
+    assert_eq!(last.unwrap()["choices"][0]["finish_reason"], "tool_calls");
+
+    let native = json!({"model": "tiny", "max_tokens": 120, "temperature": 0, "tools": tools,
+        "messages": [{"role": "user", "content": "time in UTC?"}],
+        "grammar": "start: \"Checking.<|tool_call>call:get_time{zone:<|\\\"|>UTC<|\\\"|>}<tool_call|>\""});
+    let reply = server.post("/v1/chat/completions", &native);
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let choice = &reply.json()["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{choice}");
+    assert_eq!(choice["message"]["content"], "Checking.");
+    let call = &choice["message"]["tool_calls"][0]["function"];
+    assert_eq!(
+        (&call["name"], &call["arguments"]),
+        (&json!("get_time"), &json!(r#"{"zone":"UTC"}"#))
+    );
+    let _ = std::fs::remove_dir_all(dir);
 }
