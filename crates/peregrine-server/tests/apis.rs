@@ -1,8 +1,7 @@
 //! Anthropic Messages, OpenAI Responses and a Gemma 4 tool template over raw HTTP with the tiny
-//! llama fixture: streamed
-//! and whole answers agree at temperature 0, the event sequences are in the specs' order, the
-//! Responses store answers `GET`, `DELETE` and `previous_response_id`, and errors take each
-//! API's shape.
+//! llama fixture: streamed and whole answers agree at temperature 0, the event sequences are in
+//! the specs' order, the Responses store answers `GET`, `DELETE` and `previous_response_id`,
+//! errors take each API's shape, and Gemma 4's call syntax is read where the template writes it.
 
 mod support;
 
