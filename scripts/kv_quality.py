@@ -3,7 +3,7 @@ long English prompt, compared with the f32 cache's logits at the positions past 
 agreement and the mean KL divergence KL(p_f32 || p_mode) of the next-token distributions.
 
 usage: .venv-ref/bin/python scripts/kv_quality.py --model M [--text FILE ...] [--chars 16000] [--from 2048]
-       [--positions 200] [--modes f16,bf16,q8,q4,turbo] [--kv-group-size 64]
+       [--positions 200] [--modes f16,bf16,q8,q4,turbo] [--kv-group-size 64] [--turbo-hot-window 256]
        [--peregrine target/release/peregrine] [--threads 2]
 
 Modes: f32/f16/bf16 (`--cache-type`), q8/q4 (`--kv-bits 8|4`, in groups of `--kv-group-size`), turbo (`--turbo-kv`,
@@ -24,7 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def kv_args(a, mode):
     group = ["--kv-group-size", str(a.kv_group_size)]
-    modes = {"q8": ["--kv-bits", "8", *group], "q4": ["--kv-bits", "4", *group], "turbo": ["--turbo-kv"]}
+    turbo = ["--turbo-kv", "--turbo-hot-window", str(a.turbo_hot_window)]
+    modes = {"q8": ["--kv-bits", "8", *group], "q4": ["--kv-bits", "4", *group], "turbo": turbo}
     return modes.get(mode, ["--cache-type", mode])
 
 
@@ -53,6 +54,7 @@ def main():
     ap.add_argument("--positions", type=int, default=200)
     ap.add_argument("--modes", default="f16,bf16,q8,q4,turbo")
     ap.add_argument("--kv-group-size", type=int, default=64, help="q8/q4 group size (32, 64, 128)")
+    ap.add_argument("--turbo-hot-window", type=int, default=256, help="turbo's uncompressed recent tokens")
     ap.add_argument("--peregrine", default=os.path.join(ROOT, "target/release/peregrine"))
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()

@@ -135,6 +135,16 @@ impl SequenceCache {
                     (LayerKind::Full, Some(turbo)) => {
                         Box::new(TurboCache::new(turbo, None, DEFAULT_ROLLBACK))
                     }
+                    // A sliding layer never holds more than its window: at or under the
+                    // activation threshold it has nothing to compress (its window is all recent
+                    // context, which compressed measurably hurts: Gemma 3's 512-wide layers).
+                    (LayerKind::Sliding { window }, Some(turbo)) if window <= turbo.threshold => {
+                        Box::new(RotatingCache::new(
+                            window,
+                            DEFAULT_ROLLBACK,
+                            Some(DType::F16),
+                        ))
+                    }
                     (LayerKind::Sliding { window }, Some(turbo)) => {
                         Box::new(TurboCache::new(turbo, Some(window), DEFAULT_ROLLBACK))
                     }

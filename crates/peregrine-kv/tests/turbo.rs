@@ -213,3 +213,33 @@ fn the_first_positions_are_read_exact() {
     eprintln!("sink: max error {err:.4}");
     assert!(err < 0.05, "{err}");
 }
+
+#[test]
+fn sliding_layers_within_the_threshold_stay_f16_and_wider_ones_compress() {
+    use peregrine_kv::{KvOptions, LayerKind, SequenceCache};
+    let d = 64;
+    let kv = KvOptions {
+        turbo: Some(small(16, 64)),
+        ..KvOptions::default()
+    };
+    // Windows 64 (= the threshold: never holds more, nothing to compress) and 100 (compresses).
+    let spec = [
+        LayerKind::Sliding { window: 64 },
+        LayerKind::Sliding { window: 100 },
+    ];
+    let mut seq = SequenceCache::new(&spec, &kv);
+    for (i, window) in [64, 100].into_iter().enumerate() {
+        let mut f16 = RotatingCache::new(window, 64, Some(DType::F16));
+        fill_chunked(seq.layer(i), 600, 100, d);
+        fill_chunked(&mut f16, 600, 100, d);
+        let (q, p) = queries(600, 3, d);
+        let diff = max_diff(
+            &seq.layer(i).attend(&q, &p).unwrap(),
+            &f16.attend(&q, &p).unwrap(),
+        );
+        match window {
+            64 => assert_eq!(diff, 0.0, "window 64 reads as f16"),
+            _ => assert!(diff > 0.0, "window 100 reads compressed keys"),
+        }
+    }
+}
