@@ -83,7 +83,7 @@ pub struct ModelArgs {
         .map(|s| s.parse::<usize>().expect("a listed value")))]
     pub kv_group_size: usize,
     /// TurboQuant KV: once a sequence passes `--turbo-threshold` tokens, keys and values older
-    /// than `--turbo-hot-window` are kept at ~4.25 / ~3.125 bits per value (head_dim 128) and
+    /// than `--turbo-hot-window` are kept at ~5 / ~3.125 bits per value (head_dim 128) and
     /// attended without decompressing; replaces `--cache-type` and `--kv-bits`.
     #[arg(long)]
     pub turbo_kv: bool,

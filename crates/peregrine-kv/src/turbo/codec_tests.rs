@@ -99,7 +99,8 @@ fn bias_check(d: usize, trials: u64) {
         let k: Vec<f32> = q.iter().zip(e).map(|(q, e)| 2.0 * (lean * q + e)).collect();
         (q, k)
     });
-    let (mut pq, mut key, mut k_hat) = (PreparedQuery::default(), vec![0; 4 + d / 2], vec![0.0; d]);
+    let key_bytes = TurboCodec::new(d, 0).unwrap().key_bytes();
+    let (mut pq, mut key, mut k_hat) = (PreparedQuery::default(), vec![0; key_bytes], vec![0.0; d]);
     // Per pair: Σ and Σ² of the TurboQuant and the MSE-only estimates, Σ (error²) of the
     // TurboQuant and the paper's.
     let mut stats = [[0f64; 6]; 4];
@@ -220,7 +221,7 @@ fn values_round_trip() {
 
 #[test]
 fn sizes_errors_and_seeds() {
-    for (d, kb, vb) in [(64, 36, 26), (128, 68, 50), (256, 132, 98)] {
+    for (d, kb, vb) in [(64, 36, 26), (128, 80, 50), (256, 156, 98), (512, 324, 194)] {
         let c = TurboCodec::new(d, 0).unwrap();
         assert_eq!((c.key_bytes(), c.value_bytes(), c.head_dim()), (kb, vb, d));
     }
@@ -296,5 +297,43 @@ fn avx2_matches_scalar() {
         let size: f32 = k.chunks_exact(d).map(norm).sum();
         let tol = 1e-5 * size * simd.centroids[7];
         assert!(max_diff(&a, &b) <= tol, "d {d}: values");
+    }
+}
+
+#[test]
+fn a_key_rows_largest_values_are_kept_exact() {
+    for d in [128, 256, 512] {
+        let codec = TurboCodec::new(d, 3).unwrap();
+        let mut k = gaussian(&mut SplitMix64(d as u64), d);
+        // A few channels far larger than the rest, as some models' keys have.
+        let big = [(5, 90.0), (d - 1, -70.5), (d / 2, 40.25)];
+        for &(i, v) in &big {
+            k[i] = v;
+        }
+        let mut key = vec![0; codec.key_bytes()];
+        codec.encode_keys(&k, &mut key);
+        let mut k_hat = vec![0.0; d];
+        codec.decode_key_mse(&key, &mut k_hat);
+        let (mut pq, mut score) = (PreparedQuery::default(), [0.0]);
+        for &(i, v) in &big {
+            // The decoded channel is the value plus the codec's small error on the rest.
+            assert!(
+                (k_hat[i] - v).abs() < 0.5,
+                "d {d} channel {i}: {}",
+                k_hat[i]
+            );
+            let mut q = vec![0.0; d];
+            q[i] = 1.0;
+            codec.prepare_query(&q, &mut pq);
+            codec.scores(&pq, &key, 1.0, &mut score);
+            assert!(
+                (score[0] - v).abs() < 0.5,
+                "d {d} score of channel {i}: {}",
+                score[0]
+            );
+        }
+        // The rest's norm is what the codes carry: the outliers are not in it.
+        let n = f16::from_le_bytes([key[0], key[1] & 0x7f]).to_f32();
+        assert!(n < 0.2 * norm(&k), "d {d}: {n} of {}", norm(&k));
     }
 }

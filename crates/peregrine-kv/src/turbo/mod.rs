@@ -1,7 +1,8 @@
 //! TurboQuant KV compression (`--turbo-kv`): once a sequence passes an activation threshold,
-//! positions older than a hot window are kept only as [`TurboCodec`] rows (≈4.25 bits per key
+//! positions older than a hot window are kept only as [`TurboCodec`] rows (≈5 bits per key
 //! value, ≈3.125 per value value at `head_dim` 128) and attention scores them in the rotated
-//! domain; the hot window stays f16. The same on full-attention and sliding-window layers.
+//! domain; the hot window stays f16. The same on full-attention and sliding-window layers
+//! (though `SequenceCache` gives a window within the threshold a plain f16 ring).
 //! Rows closer to their head's mean key or value (of the positions before the threshold) than
 //! to zero are stored as the difference, which shrinks the codec's error (see `Means`).
 //!
