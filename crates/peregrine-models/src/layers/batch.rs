@@ -7,6 +7,7 @@
 use peregrine_kv::{LayerCache, SequenceCache};
 use peregrine_tensor::ops::rms_norm;
 use peregrine_tensor::{DType, QLinear, Tensor};
+use rayon::prelude::*;
 
 use crate::{Logits, Result};
 
@@ -97,17 +98,26 @@ pub fn run_layers(
 
 /// `f(rows, segment)` for each sequence, `rows` its part of the stacked rows (a range along
 /// dimension 1), the outputs (`[1, len, d]` each) joined again in order: the per-sequence part
-/// of a layer (attention over each one's own cache).
+/// of a layer (attention over each one's own cache). Sequences run in parallel (each its own
+/// cache; one parallel region instead of one per sequence's attention, whose few heads leave
+/// threads idle), each computing exactly what it would alone.
 pub fn per_segment(
     segments: &mut [Segment],
-    mut f: impl FnMut(std::ops::Range<usize>, &mut Segment) -> Result<Tensor>,
+    f: impl Fn(std::ops::Range<usize>, &mut Segment) -> Result<Tensor> + Sync,
 ) -> Result<Tensor> {
     let mut at = 0;
-    let mut parts = Vec::with_capacity(segments.len());
-    for s in segments.iter_mut() {
-        parts.push(f(at..at + s.len, s)?);
-        at += s.len;
-    }
+    let ranges: Vec<std::ops::Range<usize>> = (segments.iter())
+        .map(|s| {
+            at += s.len;
+            at - s.len..at
+        })
+        .collect();
+    let mut parts: Vec<Tensor> = match segments.len() {
+        1 => vec![f(ranges[0].clone(), &mut segments[0])?],
+        _ => (segments.par_iter_mut().zip(ranges))
+            .map(|(s, rows)| f(rows, s))
+            .collect::<Result<_>>()?,
+    };
     match parts.len() {
         1 => Ok(parts.remove(0)),
         _ => Ok(Tensor::cat(&parts, 1)?),
