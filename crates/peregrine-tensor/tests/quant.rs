@@ -219,8 +219,9 @@ fn interleaved_rows_equal_the_file_layout() {
         );
         let wf = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap();
         let wf: Vec<f32> = wf.to_vec1().unwrap();
-        // Decode, a 4-input tile plus each size of tail, and a prefill-sized batch.
-        for m in [1, 5, 6, 7, 70] {
+        // Decode, a 4-input tile plus each size of tail, two tiles with and without tails, and
+        // a prefill-sized batch.
+        for m in [1, 5, 6, 7, 8, 13, 15, 70] {
             let x = values(m * k, m as u64);
             for kernel in Kernel::available() {
                 let (a, b) = (
