@@ -177,9 +177,10 @@ fn responses_stream_store_and_previous_response() {
 
 /// The llama fixture with a chat template that writes Gemma 4's tool syntax: tools declared as
 /// `<|tool>declaration:…<tool|>`, earlier calls as `<|tool_call>call:…<tool_call|>`, results as
-/// `<|tool_response>…`.
-fn gemma4_tools_fixture() -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("peregrine-gemma4-tools-{}", std::process::id()));
+/// `<|tool_response>…`, and an empty thought channel after the generation prompt unless
+/// `enable_thinking` is set (the official template's shape).
+fn gemma4_tools_fixture(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("peregrine-gemma4-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     for entry in std::fs::read_dir(support::fixture()).unwrap() {
         let path = entry.unwrap().path();
@@ -194,7 +195,8 @@ fn gemma4_tools_fixture() -> std::path::PathBuf {
         "{{ m['content'] }}<tool_response|>{%- else %}<|turn>{{ m['role'] }}\n{{ m['content'] or '' }}",
         "{%- for c in m['tool_calls'] or [] %}<|tool_call>call:{{ c['function']['name'] }}",
         "{{ c['function']['arguments'] | tojson }}<tool_call|>{%- endfor %}<turn|>\n{%- endif %}",
-        "{%- endfor %}{%- if add_generation_prompt %}<|turn>model\n{%- endif %}"
+        "{%- endfor %}{%- if add_generation_prompt %}<|turn>model\n",
+        "{%- if not enable_thinking %}<|channel>thought\n<channel|>{%- endif %}{%- endif %}"
     ));
     std::fs::write(&config, tokenizer.to_string()).unwrap();
     dir
@@ -206,7 +208,7 @@ fn gemma4_tools_fixture() -> std::path::PathBuf {
 /// also reads), whole and streamed, after a history with an earlier call and its result.
 #[test]
 fn gemma4_template_forced_call_whole_and_streamed() {
-    let dir = gemma4_tools_fixture();
+    let dir = gemma4_tools_fixture("tools");
     let server = Server::start_model(&dir, &[]);
     let tools = json!([{"type": "function", "function": {"name": "get_time",
         "description": "The time now", "parameters": {"type": "object", "properties": {}}}}]);
@@ -255,6 +257,39 @@ fn gemma4_template_forced_call_whole_and_streamed() {
     assert_eq!(
         (&call["name"], &call["arguments"]),
         (&json!("get_time"), &json!(r#"{"zone":"UTC"}"#))
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A template with Gemma 4's thought channel: a thinking answer's channel becomes
+/// `reasoning_content`, whole and streamed (the channel's markers are control tokens in Gemma
+/// 4's vocabulary, kept in the text for this).
+#[test]
+fn gemma4_thought_channel_is_reasoning() {
+    let dir = gemma4_tools_fixture("thought");
+    let server = Server::start_model(&dir, &[]);
+    // The random model would not think: a grammar holds it to a thought and an answer.
+    let grammar = "start: \"<|channel>thought\\nadd them<channel|>It is 4.\"";
+    let mut body = json!({"model": "tiny", "max_tokens": 60, "temperature": 0,
+        "chat_template_kwargs": {"enable_thinking": true}, "grammar": grammar,
+        "messages": [{"role": "user", "content": "2+2?"}]});
+    let reply = server.post("/v1/chat/completions", &body);
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let message = &reply.json()["choices"][0]["message"];
+    assert_eq!(message["reasoning_content"], "\nadd them", "{message}");
+    assert_eq!(message["content"], "It is 4.");
+    body["stream"] = json!(true);
+    let reply = server.post("/v1/chat/completions", &body);
+    let (mut reasoning, mut content) = (String::new(), String::new());
+    for event in reply.events().iter().filter(|e| e.as_str() != "[DONE]") {
+        let chunk: Value = serde_json::from_str(event).unwrap();
+        let delta = &chunk["choices"][0]["delta"];
+        reasoning += delta["reasoning_content"].as_str().unwrap_or_default();
+        content += delta["content"].as_str().unwrap_or_default();
+    }
+    assert_eq!(
+        (reasoning.as_str(), content.as_str()),
+        ("\nadd them", "It is 4.")
     );
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -14,6 +14,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 use super::error::ApiError;
 use super::openai::{self, Decoded, Endpoint};
+use super::reasoning::{Tags, Think};
 use super::responses::{self, Context};
 use super::semantic::{Part, Reader};
 use super::sse::{self, Body, Closed, SseSender};
@@ -40,8 +41,8 @@ struct Prepared {
     streams: Vec<EventStream>,
     /// Text prepended to each prompt's choices (`echo`), per prompt.
     echo: Vec<String>,
-    /// `Some(starts inside)` when the output's think block goes to `reasoning_content`.
-    think: Option<bool>,
+    /// Where the output's thinking is, when it goes to `reasoning_content`.
+    think: Option<Think>,
     /// The call syntax to look for, when the request has tools.
     calls: Option<CallFormat>,
     /// The prompt's length in tokens, for an Anthropic stream's `message_start`.
@@ -224,6 +225,17 @@ fn prepare(state: &State, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, A
     let (mut decoded, responses) = decode(state, endpoint, body, false)?;
     let engine = state.engine()?;
     let calls = apply_tools(engine, &mut decoded);
+    let tags = match (endpoint, engine.tokenizer().chat_template()) {
+        (Endpoint::Chat | Endpoint::Messages | Endpoint::Responses, Some(t)) => {
+            Tags::of_template(t)
+        }
+        _ => None,
+    };
+    if tags.is_some_and(Tags::markers_are_special) {
+        for request in &mut decoded.requests {
+            request.special_tokens = true;
+        }
+    }
     if let Some((grammar, param)) = &decoded.grammar {
         let constraint = (engine.compile(grammar)).map_err(|e| ApiError::from_engine(&e, param))?;
         for request in &mut decoded.requests {
@@ -246,14 +258,10 @@ fn prepare(state: &State, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, A
             _ => String::new(),
         });
     }
-    let think = match (endpoint, engine.tokenizer().chat_template()) {
-        (Endpoint::Chat | Endpoint::Messages | Endpoint::Responses, Some(t))
-            if t.contains("</think>") =>
-        {
-            Some(opens_think(engine, &decoded.requests[0].prompt))
-        }
-        _ => None,
-    };
+    let think = tags.map(|tags| Think {
+        tags,
+        inside: opens_think(engine, &decoded.requests[0].prompt, tags),
+    });
     let prompt_tokens = match endpoint {
         Endpoint::Messages if decoded.stream => engine
             .prompt_ids(&decoded.requests[0].prompt)
@@ -295,19 +303,19 @@ fn merge(state: &Arc<State>, streams: Vec<EventStream>) -> UnboundedReceiver<(us
     rx
 }
 
-/// Whether the rendered prompt ends inside an open `<think>` block (templates that start the
+/// Whether the rendered prompt ends inside an open thinking block (templates that start the
 /// block in the generation prompt).
-fn opens_think(engine: &Engine, prompt: &Prompt) -> bool {
+fn opens_think(engine: &Engine, prompt: &Prompt, tags: Tags) -> bool {
     let ids = engine.prompt_ids(prompt).unwrap_or_default();
     let tail = &ids[ids.len().saturating_sub(8)..];
     let text = engine.tokenizer().decode(tail, false).unwrap_or_default();
-    text.trim_end().ends_with("<think>")
+    text.trim_end().ends_with(tags.open)
 }
 
 /// A submitted request being answered.
 pub(super) struct Job {
-    /// `Some(starts inside)` when the output's think block goes to `reasoning_content`.
-    pub(super) think: Option<bool>,
+    /// Where the output's thinking is, when it goes to `reasoning_content`.
+    pub(super) think: Option<Think>,
     /// The call syntax to look for, when the request has tools.
     pub(super) calls: Option<CallFormat>,
     pub(super) state: Arc<State>,

@@ -1,12 +1,55 @@
-//! Splitting a reasoning model's output into `reasoning_content` (inside `<think>…</think>`) and
-//! `content`, incrementally, so streamed deltas and whole answers split identically.
+//! Splitting a reasoning model's output into `reasoning_content` (inside `<think>…</think>`, or
+//! Gemma 4's `<|channel>thought…<channel|>`) and `content`, incrementally, so streamed deltas and
+//! whole answers split identically.
 //!
-//! Applies only when the chat template mentions `</think>`. A template may open the think block
-//! in the generation prompt itself (the output then starts inside it); otherwise the block
-//! counts only at the very start of the output, after whitespace.
+//! Applies only when the chat template mentions the closing marker ([`Tags::of_template`]). A
+//! template may open the block in the generation prompt itself (the output then starts inside
+//! it); otherwise the block counts only at the very start of the output, after whitespace.
 
-const OPEN: &str = "<think>";
-const CLOSE: &str = "</think>";
+/// A reasoning template's markers around its thinking.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tags {
+    /// What opens the block.
+    pub open: &'static str,
+    /// What closes it.
+    pub close: &'static str,
+}
+
+/// `<think>…</think>` (Qwen3, DeepSeek-R1 and most reasoning templates).
+pub const THINK: Tags = Tags {
+    open: "<think>",
+    close: "</think>",
+};
+
+/// Gemma 4's thought channel. Its markers are control tokens: a request reading them keeps
+/// them in its text ([`Tags::markers_are_special`]).
+pub const GEMMA4_THOUGHT: Tags = Tags {
+    open: "<|channel>thought",
+    close: "<channel|>",
+};
+
+impl Tags {
+    /// The markers a chat template's reasoning uses, if it has any.
+    pub fn of_template(template: &str) -> Option<Self> {
+        [THINK, GEMMA4_THOUGHT]
+            .into_iter()
+            .find(|tags| template.contains(tags.close))
+    }
+
+    /// Whether the markers are control tokens, which the text keeps only when asked.
+    pub fn markers_are_special(self) -> bool {
+        self == GEMMA4_THOUGHT
+    }
+}
+
+/// Where a choice's reasoning is: its markers, and whether the prompt already opened the block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Think {
+    /// The block's markers.
+    pub tags: Tags,
+    /// The prompt ends inside the block.
+    pub inside: bool,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
@@ -23,6 +66,7 @@ enum Phase {
 /// An incremental splitter for one choice.
 #[derive(Debug, Clone)]
 pub struct ThinkSplitter {
+    tags: Tags,
     phase: Phase,
     /// Text held back because it may be the start of a tag.
     pending: String,
@@ -38,14 +82,15 @@ pub struct Split {
 }
 
 impl ThinkSplitter {
-    /// A splitter; `inside` when the prompt already opened the think block.
-    pub fn new(inside: bool) -> Self {
-        let phase = if inside {
+    /// A splitter for `think`'s markers, starting inside the block when the prompt opened it.
+    pub fn new(think: Think) -> Self {
+        let phase = if think.inside {
             Phase::Thinking
         } else {
             Phase::Start
         };
         Self {
+            tags: think.tags,
             phase,
             pending: String::new(),
         }
@@ -59,22 +104,23 @@ impl ThinkSplitter {
             match self.phase {
                 Phase::Start => {
                     let trimmed = self.pending.trim_start();
-                    if let Some(rest) = trimmed.strip_prefix(OPEN) {
+                    if let Some(rest) = trimmed.strip_prefix(self.tags.open) {
                         self.pending = rest.to_string();
                         self.phase = Phase::Thinking;
-                    } else if OPEN.starts_with(trimmed) {
+                    } else if self.tags.open.starts_with(trimmed) {
                         return out; // all whitespace, or a prefix of the tag: wait
                     } else {
                         self.phase = Phase::Answer;
                     }
                 }
                 Phase::Thinking => {
-                    if let Some(at) = self.pending.find(CLOSE) {
+                    let close = self.tags.close;
+                    if let Some(at) = self.pending.find(close) {
                         out.reasoning.push_str(&self.pending[..at]);
-                        self.pending.drain(..at + CLOSE.len());
+                        self.pending.drain(..at + close.len());
                         self.phase = Phase::Closed;
                     } else {
-                        let keep = held_suffix(&self.pending, CLOSE);
+                        let keep = held_suffix(&self.pending, close);
                         let emit = self.pending.len() - keep;
                         out.reasoning.push_str(&self.pending[..emit]);
                         self.pending.drain(..emit);
@@ -130,7 +176,11 @@ mod tests {
     use super::*;
 
     fn split_in_pieces(text: &str, inside: bool, piece: usize) -> Split {
-        let mut s = ThinkSplitter::new(inside);
+        split_tags_in_pieces(THINK, text, inside, piece)
+    }
+
+    fn split_tags_in_pieces(tags: Tags, text: &str, inside: bool, piece: usize) -> Split {
+        let mut s = ThinkSplitter::new(Think { tags, inside });
         let mut all = Split::default();
         let chars: Vec<char> = text.chars().collect();
         for chunk in chars.chunks(piece) {
@@ -177,5 +227,29 @@ mod tests {
                 assert_eq!(got.content, content, "{text:?} in pieces of {piece}");
             }
         }
+    }
+
+    #[test]
+    fn gemma4_thought_channel_splits_whatever_the_delta_sizes() {
+        let text = "<|channel>thought\nplan: 2+2<channel|>It is 4.";
+        for piece in [1, 2, 3, 7, 100] {
+            let split = split_tags_in_pieces(GEMMA4_THOUGHT, text, false, piece);
+            assert_eq!(split.reasoning, "\nplan: 2+2", "piece {piece}");
+            assert_eq!(split.content, "It is 4.", "piece {piece}");
+        }
+        // `<think>` means nothing to Gemma 4's splitter, and its markers nothing to the other.
+        let split = split_tags_in_pieces(GEMMA4_THOUGHT, "<think>a</think>b", false, 1);
+        assert_eq!(
+            (split.reasoning.as_str(), split.content.as_str()),
+            ("", "<think>a</think>b")
+        );
+        let split = split_tags_in_pieces(THINK, text, false, 1);
+        assert_eq!(split.content, text);
+        assert_eq!(
+            Tags::of_template("{{ '<|channel>thought\n<channel|>' }}"),
+            Some(GEMMA4_THOUGHT)
+        );
+        assert_eq!(Tags::of_template("{{ '<think>' }}...</think>"), Some(THINK));
+        assert_eq!(Tags::of_template("<|im_start|>"), None);
     }
 }

@@ -2,7 +2,7 @@
 //! reasoning, answer text and tool calls. Each API (chat completions, Anthropic Messages) only
 //! renders these parts in its own shape.
 
-use super::reasoning::ThinkSplitter;
+use super::reasoning::{Think, ThinkSplitter};
 use super::tool_calls::{CallFormat, CallParser, Piece, ToolCall};
 
 /// One decided part of a choice's output.
@@ -25,9 +25,9 @@ pub struct Reader {
 }
 
 impl Reader {
-    /// A reader; `think`: `Some(starts inside)` for reasoning templates; `calls`: the call syntax
-    /// to look for, when the request has tools.
-    pub fn new(think: Option<bool>, calls: Option<CallFormat>) -> Self {
+    /// A reader; `think`: where reasoning templates' thinking is; `calls`: the call syntax to
+    /// look for, when the request has tools.
+    pub fn new(think: Option<Think>, calls: Option<CallFormat>) -> Self {
         Self {
             think: think.map(ThinkSplitter::new),
             calls: calls.map(CallParser::new),
@@ -96,7 +96,11 @@ mod tests {
     #[test]
     fn reasoning_text_and_a_call_come_apart_in_order() {
         let out = "<think>plan</think>Sure.<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>";
-        let parts = Reader::new(Some(false), Some(CallFormat::Hermes)).read_all(out);
+        let think = Think {
+            tags: super::super::reasoning::THINK,
+            inside: false,
+        };
+        let parts = Reader::new(Some(think), Some(CallFormat::Hermes)).read_all(out);
         assert_eq!(parts[0], Part::Reasoning("plan".into()));
         assert_eq!(parts[1], Part::Text("Sure.".into()));
         assert!(matches!(&parts[2], Part::Call(c) if c.name == "f" && c.arguments == "{}"));
