@@ -53,10 +53,12 @@ def test_the_chat_page_streams_an_answer_and_stops_it(browser, base_url, model):
     stop = browser.find_element(By.ID, "stop")
     assert not stop.is_displayed()
 
-    # Long enough that the stop button lands mid-answer.
+    # Long enough that the stop button lands mid-answer; greedy, so that the answer is the same
+    # long story every run (sampled, a short one ended before it grew: a CI run timed out here).
     browser.execute_script(
-        "const e = document.getElementById('max-tokens'); e.value = '800';"
-        "e.dispatchEvent(new Event('change'));")
+        "for (const [id, v] of [['max-tokens', '800'], ['temperature', '0']]) {"
+        "  const e = document.getElementById(id); e.value = v;"
+        "  e.dispatchEvent(new Event('change')); }")
     browser.find_element(By.ID, "input").send_keys(PROMPT)
     browser.find_element(By.ID, "send").click()
 
