@@ -59,9 +59,11 @@ pub struct ModelArgs {
     /// A GGUF file, an HF/MLX checkpoint folder, or a hub id (`owner/name`, `owner/name:file.gguf`).
     #[arg(long, short)]
     pub model: String,
-    /// Where the model runs: `cpu`, or `metal` in a build with the `metal` feature (untested:
-    /// it cannot be built on the Linux machines Peregrine is tested on).
-    #[arg(long, default_value = "cpu")]
+    /// Where the model runs: `auto` (the first CUDA GPU in a build with the `cuda` feature when
+    /// one is present, else the CPU), `cpu`, `cuda`, `cuda:N`, or `metal` in a build with the
+    /// `metal` feature (untested: it cannot be built on the Linux machines Peregrine is tested
+    /// on).
+    #[arg(long, default_value = "auto")]
     pub device: String,
     /// Context length (default: the model's).
     #[arg(long)]

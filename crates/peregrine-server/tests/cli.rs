@@ -219,6 +219,16 @@ fn loading_logs_one_line_and_a_missing_backend_is_named() {
         "{stderr}"
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
+
+    // A CPU-only build names the feature a GPU needs.
+    if !cfg!(feature = "cuda") {
+        let run = peregrine(&[
+            "generate", "--model", model, "--prompt", "Hi", "--device", "cuda:1",
+        ]);
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        assert!(!run.status.success());
+        assert!(stderr.contains("--features cuda"), "{stderr}");
+    }
 }
 
 /// KV storage the model's layers cannot use is refused at load, by name, not at the first

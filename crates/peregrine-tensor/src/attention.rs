@@ -1,7 +1,7 @@
 //! Scaled dot-product attention with grouped-query heads, causal and sliding-window masks, and
 //! optional soft-capping of the scores (Gemma 2's `cap · tanh(s / cap)` before the mask).
 
-use candle_core::{D, Device, Result, Tensor};
+use candle_core::{D, DType, Device, Result, Tensor};
 use half::{bf16, f16};
 
 /// Which keys a query may see, in absolute positions.
@@ -62,7 +62,14 @@ pub fn attention(
     if let Some(y) = crate::attention_cpu::attention(q, k, v, scale, softcap, mask)? {
         return Ok(y);
     }
-    let (k, v) = (&k.to_dtype(q.dtype())?, &v.to_dtype(q.dtype())?);
+    // Off the CPU the queries take the cache's dtype (a copy of a few rows), not the cache the
+    // queries' (a copy of the whole cache every step); the output goes back to the queries'.
+    let out_dtype = q.dtype();
+    let work = match k.dtype() {
+        DType::F16 | DType::BF16 if !q.device().is_cpu() && v.dtype() == k.dtype() => k.dtype(),
+        _ => out_dtype,
+    };
+    let (q, k, v) = (&q.to_dtype(work)?, &k.to_dtype(work)?, &v.to_dtype(work)?);
     let (b, heads, q_len, d) = q.dims4()?;
     let (_, kv_heads, k_len, _) = k.dims4()?;
     let groups = heads / kv_heads;
@@ -94,7 +101,10 @@ pub fn attention(
             .reshape((b * kv_heads, groups * q_len, k_len))?
     };
     let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-    probs.matmul(&v)?.reshape((b, heads, q_len, d))
+    probs
+        .matmul(&v)?
+        .reshape((b, heads, q_len, d))?
+        .to_dtype(out_dtype)
 }
 
 /// Reference attention: k/v repeated per query head, plain softmax, f32.

@@ -2,19 +2,43 @@
 
 use candle_core::{DType, Device, Result};
 
-/// The device named by a user-facing string: `cpu`, `cuda`, `cuda:N` or `metal`.
+/// The device named by a user-facing string: `auto`, `cpu`, `cuda`, `cuda:N` or `metal`.
 pub fn parse_device(name: &str) -> Result<Device> {
+    let missing = |feature: &str| {
+        candle_core::bail!(
+            "this build has no `{feature}` feature: build with `--features {feature}` to run \
+             on `{name}` (docs/cuda.md for CUDA)"
+        )
+    };
+    if name.starts_with("cuda") && !cfg!(feature = "cuda") {
+        return missing("cuda");
+    }
+    if name == "metal" && !cfg!(feature = "metal") {
+        return missing("metal");
+    }
     match name {
+        "auto" => Ok(default_device()),
         "cpu" => Ok(Device::Cpu),
         "cuda" => Device::new_cuda(0),
         "metal" => Device::new_metal(0),
         other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
             Some(Ok(ordinal)) => Device::new_cuda(ordinal),
-            _ => {
-                candle_core::bail!("unknown device `{other}` (expected cpu, cuda, cuda:N or metal)")
-            }
+            _ => candle_core::bail!(
+                "unknown device `{other}` (expected auto, cpu, cuda, cuda:N or metal)"
+            ),
         },
     }
+}
+
+/// What `auto` picks: the first CUDA GPU in a build with the `cuda` feature when one answers,
+/// otherwise the CPU (Metal is never picked unasked: it is untested).
+pub fn default_device() -> Device {
+    if cfg!(feature = "cuda") {
+        if let Ok(gpu) = Device::new_cuda(0) {
+            return gpu;
+        }
+    }
+    Device::Cpu
 }
 
 /// The dtype activations are computed in: f32 on CPU (candle's bf16 CPU matmul is slow and

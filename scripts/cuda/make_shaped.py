@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""A random-weight checkpoint of a real model's shape, made where it will run (a GPU machine:
+multi-GB weights cannot be carried there), for speed runs.
+
+usage: make_shaped.py OUT [--shape llama-3.1-8b|qwen3-30b-a3b] [--layers N]
+Writes bf16 safetensors (in shards of at most 4 GiB), config.json and a word-level tokenizer of
+the model's full vocabulary (`w0` ... `wN`), so the output head costs what the real one costs.
+Weights: Gaussian, std 0.02 (norm weights 1), drawn on the GPU when there is one. Needs torch
+and safetensors. Convert afterwards with `peregrine quantize` (MLX 4-bit, GGUF blocks).
+"""
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+SHAPES = {
+    "llama-3.1-8b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, rms_norm_eps=1e-5,
+        rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+        intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=40960, tie_word_embeddings=False),
+}
+
+
+def tensors(c):
+    h, hd, v = c["hidden_size"], c["head_dim"], c["vocab_size"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    yield "model.embed_tokens.weight", (v, h)
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", (h,)
+        yield p + "post_attention_layernorm.weight", (h,)
+        for name, shape in [("q", (q, h)), ("k", (kv, h)), ("v", (kv, h)), ("o", (h, q))]:
+            yield f"{p}self_attn.{name}_proj.weight", shape
+        if c["model_type"] == "qwen3_moe":
+            yield p + "self_attn.q_norm.weight", (hd,)
+            yield p + "self_attn.k_norm.weight", (hd,)
+            m = c["moe_intermediate_size"]
+            yield p + "mlp.gate.weight", (c["num_experts"], h)
+            for e in range(c["num_experts"]):
+                yield from mlp(f"{p}mlp.experts.{e}.", h, m)
+        else:
+            yield from mlp(p + "mlp.", h, c["intermediate_size"])
+    yield "model.norm.weight", (h,)
+    yield "lm_head.weight", (v, h)
+
+
+def mlp(p, h, m):
+    yield p + "gate_proj.weight", (m, h)
+    yield p + "up_proj.weight", (m, h)
+    yield p + "down_proj.weight", (h, m)
+
+
+def tokenizer(vocab):
+    words = {f"w{i}": i for i in range(vocab)}
+    special = [{"id": i, "content": f"w{i}", "single_word": False, "lstrip": False,
+                "rstrip": False, "normalized": False, "special": True} for i in (0, 1)]
+    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": special,
+            "normalizer": None, "pre_tokenizer": {"type": "Whitespace"},
+            "post_processor": None, "decoder": None,
+            "model": {"type": "WordLevel", "vocab": words, "unk_token": "w2"}}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--shape", choices=SHAPES, default="llama-3.1-8b")
+    ap.add_argument("--layers", type=int, help="fewer layers than the model's (a quicker run)")
+    a = ap.parse_args()
+    c = dict(SHAPES[a.shape], torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1)
+    if a.layers:
+        c["num_hidden_layers"] = a.layers
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    shard, size, index, n = {}, 0, {}, 0
+
+    def flush():
+        nonlocal shard, size, n
+        name = f"model-{n:05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        index.update({k: name for k in shard})
+        shard, size, n = {}, 0, n + 1
+
+    for name, shape in tensors(c):
+        if len(shape) == 1:
+            t = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            t = (torch.randn(shape, generator=gen, device=dev) * 0.02).to(torch.bfloat16).cpu()
+        shard[name] = t
+        size += t.numel() * 2
+        if size >= 4 << 30:
+            flush()
+    if shard:
+        flush()
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": index}))
+    (out / "config.json").write_text(json.dumps(c, indent=1))
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer(c["vocab_size"])))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "w0", "eos_token": "w1", "add_bos_token": True}))
+    print(f"wrote {out}: {a.shape}, {c['num_hidden_layers']} layers, {n} shards")
+
+
+if __name__ == "__main__":
+    main()
