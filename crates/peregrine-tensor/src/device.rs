@@ -19,10 +19,10 @@ pub fn parse_device(name: &str) -> Result<Device> {
     match name {
         "auto" => Ok(default_device()),
         "cpu" => Ok(Device::Cpu),
-        "cuda" => Device::new_cuda(0),
+        "cuda" => cuda(0),
         "metal" => Device::new_metal(0),
         other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
-            Some(Ok(ordinal)) => Device::new_cuda(ordinal),
+            Some(Ok(ordinal)) => cuda(ordinal),
             _ => candle_core::bail!(
                 "unknown device `{other}` (expected auto, cpu, cuda, cuda:N or metal)"
             ),
@@ -33,12 +33,27 @@ pub fn parse_device(name: &str) -> Result<Device> {
 /// What `auto` picks: the first CUDA GPU in a build with the `cuda` feature when one answers,
 /// otherwise the CPU (Metal is never picked unasked: it is untested).
 pub fn default_device() -> Device {
-    if cfg!(feature = "cuda") {
-        if let Ok(gpu) = Device::new_cuda(0) {
-            return gpu;
-        }
+    if cfg!(feature = "cuda")
+        && let Ok(gpu) = cuda(0)
+    {
+        return gpu;
     }
     Device::Cpu
+}
+
+/// CUDA device `ordinal`. Everything Peregrine runs on it goes through its one stream, so
+/// cudarc's cross-stream event tracking (an event recorded per tensor per launch) is turned off:
+/// it only adds launch overhead here.
+fn cuda(ordinal: usize) -> Result<Device> {
+    let device = Device::new_cuda(ordinal)?;
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(gpu) = &device
+        && std::env::var_os("PEREGRINE_CUDA_EVENT_TRACKING").is_none()
+    {
+        // SAFETY: one stream per device (see above): nothing needs the events.
+        unsafe { gpu.disable_event_tracking() }
+    }
+    Ok(device)
 }
 
 /// The dtype activations are computed in: f32 on CPU (candle's bf16 CPU matmul is slow and

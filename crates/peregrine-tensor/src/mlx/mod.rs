@@ -6,6 +6,8 @@
 //! stay in their stored dtype (bf16, f16 or f32) and are widened one group at a time, so resident
 //! memory is the checkpoint's size.
 
+#[cfg(feature = "cuda")]
+mod cuda;
 mod kernels;
 mod regroup;
 
@@ -185,8 +187,8 @@ impl MlxQuantized {
         crate::linear::dense_matmul(x, &w)
     }
 
-    /// `x: [.., in]` → `[.., out]` in `x`'s dtype; computes in f32. CPU uses the fused kernels,
-    /// other devices the reference path until they get kernels of their own.
+    /// `x: [.., in]` → `[.., out]` in `x`'s dtype; computes in f32. CPU and CUDA use their fused
+    /// kernels, other devices the reference path.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.forward_with(x, 0, Kernel::best())
     }
@@ -200,6 +202,10 @@ impl MlxQuantized {
     /// [`forward_tiled`](Self::forward_tiled) with the decode kernel chosen: tests use
     /// [`Kernel::Scalar`] to check the portable path on machines that have AVX2.
     pub fn forward_with(&self, x: &Tensor, tile_rows: usize, kernel: Kernel) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            return cuda::matmul(self, x);
+        }
         if !matches!(x.device(), Device::Cpu) {
             return self.forward_ref(x);
         }
@@ -256,6 +262,11 @@ impl MlxQuantized {
         let out = self.dims().0;
         if let Some(bad) = ids.iter().find(|&&i| i as usize >= out) {
             bail!("mlx: row {bad} out of range for {out} rows");
+        }
+        #[cfg(feature = "cuda")]
+        if self.packed.device().is_cuda() {
+            let idx = Tensor::new(ids, self.packed.device())?;
+            return cuda::dequantize(self, Some(&idx), DType::F32);
         }
         if !matches!(self.packed.device(), Device::Cpu) {
             let idx = Tensor::new(ids, self.packed.device())?;

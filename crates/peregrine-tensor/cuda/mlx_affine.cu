@@ -1,0 +1,1 @@
+../../../kernels/cuda/mlx_affine.cu
