@@ -10,14 +10,14 @@
 //! rotated and sketched once per step ([`TurboCodec::prepare_query`]), a value sum rotated back
 //! once ([`TurboCodec::finish_values`]).
 //!
-//! From `d` = 128 on, a key row's `d/32` largest values are first taken out and kept exact
+//! From `d` = 128 on, a key row's `d/32` largest values (`d/16` at 256) are taken out and kept exact
 //! (index and f16 value), per row (KVQuant's dense-and-sparse split, with no calibration): a few
 //! channels of some models' keys are far larger than the rest, and the codec's error grows with
 //! the norm of what it quantizes. Their exact `q_i k_i` joins the score estimate.
 //!
 //! Key row: `||k||` f16, `γ` f16, `3d/8` bytes of codes, `d/8` bytes of signs, then its
 //! outliers, each an index (u8 up to d = 256, else u16) and an f16 value (5 bits/dim at d = 128;
-//! 4.5 at d = 64, which has none). Value row: `||v||` f16, `3d/8` bytes of codes (3.125
+//! 5.625 at d = 256; 4.5 at d = 64, which has none). Value row: `||v||` f16, `3d/8` bytes of codes (3.125
 //! bits/dim). A norm's sign bit marks a row stored as its difference from a caller's mean
 //! ([`TurboCodec::encode_key_near`]). Every 8 codes fill 3 bytes, code `j` at bits `3j..3j+3`
 //! of their little-endian 24-bit integer; sign `i` is bit `i % 8` of byte `i / 8`, set for
@@ -111,11 +111,15 @@ impl TurboCodec {
         4 + self.dim / 2 + self.outliers() * self.outlier_bytes()
     }
 
-    /// Values of a key row kept exact: `d / 32` from `d` = 128 on (Gemma 3's keys at d = 256:
-    /// mean KL against f32 0.021 with none, 0.013 with d/64, 0.009 with d/32, 0.008 with d/16);
-    /// none at smaller `d`, where their bytes would leave the cache under 3.5× smaller than f16.
+    /// Values of a key row kept exact: `d / 32` from `d` = 128 on, `d / 16` at `d` = 256
+    /// (Gemma 3's keys: mean KL against f32 0.021 with none, 0.013 with d/64, 0.009 with d/32,
+    /// 0.008 with d/16, and top-1 agreement 0.935 with d/32, 0.950 with d/16). Each costs 3
+    /// bytes (4 past `d` = 256); d/16 leaves a `d` = 256 row pair 3.68× smaller than f16, while
+    /// at 128 (3.61×) and 512 (3.52×) the hot window and allocation slack would take the cache
+    /// under 3.5×. None at smaller `d`, for the same reason.
     pub fn outliers(&self) -> usize {
         match self.dim {
+            256 => 16,
             d if d >= 128 => d / 32,
             _ => 0,
         }
