@@ -4,17 +4,18 @@
 weights: transformers on the same weights dequantized) and, off the CPU, with the CPU's logits
 (the only comparison for quantized GGUF files, whose reference is llama.cpp's).
 
-usage: scripts/cuda/parity.py PEREGRINE [--devices cpu,cuda] [--tolerance 0.1] [--only NAME]
+usage: scripts/cuda/parity.py PEREGRINE [--devices cpu,cuda] [--tolerance 0.15] [--margin 0.3] [--only NAME]
 Needs numpy and safetensors. Prints one line per fixture and device; exits 1 when a device
 other than the CPU differs from the reference by more than the tolerance at any logit, or
 picks another top token where the reference's top two are more than `--margin` apart
-(a near-tie may flip under any change of precision).
+(twice the tolerance: two logits each moved by up to the tolerance may trade places).
 
-Tolerance: the GPU computes in bf16 (8 significant bits: each rounding moves a value by up to
-2^-9 of itself) while the reference is f32. The fixtures' logits have a standard deviation of
-about 1 and reach about 4; a few layers of bf16 activations move them by a few hundredths. A
-real bug (a wrong RoPE pair, a missing bias, a mask off by one) moves them by 0.3 or more, as
-the CPU's golden tests found.
+Tolerance 0.15: the GPU computes in bf16 (8 significant bits: each rounding moves a value by up
+to 2^-9 of itself) while the reference is f32. The fixtures' logits have a standard deviation of
+about 1 and reach about 4; on the H200 (2026-12-05) Llama, Mistral, Mixtral, Qwen 2/3, Phi-3,
+Gemma 2/3, DeepSeek-V3, Mamba 2 and Falcon-H1 landed at 0.02-0.10, MLX weights of every bit width
+included (docs/cuda.md has the rest). A real bug (a wrong RoPE pair, a missing
+bias, a mask off by one) moves them by 0.3 or more, as the CPU's golden tests found.
 """
 import argparse
 import subprocess
@@ -63,8 +64,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("exe")
     ap.add_argument("--devices", default="cpu,cuda")
-    ap.add_argument("--tolerance", type=float, default=0.1)
-    ap.add_argument("--margin", type=float, default=0.05)
+    ap.add_argument("--tolerance", type=float, default=0.15)
+    ap.add_argument("--margin", type=float, default=0.3)
     ap.add_argument("--only")
     a = ap.parse_args()
     failed = 0

@@ -134,7 +134,14 @@ impl GgufMatrix {
                 )))
             }
             _ => Layout::Rows {
-                fallback: QMatMul::from_arc(qtensor.clone())?,
+                fallback: match QMatMul::from_arc(qtensor.clone())? {
+                    // Float tensors, dequantized to f32 by candle: off the CPU they take the
+                    // activations' dtype once, here (a GPU multiplies bf16 by bf16).
+                    QMatMul::Tensor(w) | QMatMul::TensorF16(w) if !cpu => {
+                        QMatMul::Tensor(w.to_dtype(crate::device::compute_dtype(w.device()))?)
+                    }
+                    other => other,
+                },
                 qtensor,
             },
         };
