@@ -14,6 +14,7 @@ use crate::attention::{CpuKv, CpuRows, MaskSpec, QuantPlane};
 
 mod quant;
 mod rows;
+mod softmax;
 
 use quant::QuantRows;
 pub use quant::{quantize_rows, row_sizes};
@@ -501,13 +502,7 @@ impl Shape {
             scores.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());
         }
         for (row, stat) in scores.chunks_exact_mut(n).zip(stats.iter_mut()) {
-            let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-            let mut total = 0f32;
-            for s in row.iter_mut() {
-                *s = (*s - max).exp();
-                total += *s;
-            }
-            *stat = (max, total);
+            *stat = softmax::exp_row(row);
         }
         for h0 in (0..groups).step_by(simd::HEADS) {
             let g = (groups - h0).min(simd::HEADS);
