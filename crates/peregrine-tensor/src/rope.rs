@@ -363,8 +363,6 @@ impl RotaryEmbedding {
     /// Rotates `x: [batch, heads, seq, head_dim]` whose first token sits at position `start`.
     pub fn apply(&self, x: &Tensor, start: usize) -> Result<Tensor> {
         let (cos, sin) = self.tables(start, x.dim(2)?)?;
-        // candle's kernels take tables of the input's dtype (bf16 activations on a GPU).
-        let (cos, sin) = (cos.to_dtype(x.dtype())?, sin.to_dtype(x.dtype())?);
         let (x, pass) = self.split(x)?;
         let x = x.contiguous()?;
         let rotated = match self.style {

@@ -101,7 +101,8 @@ pub(crate) fn causal_conv_silu(
 }
 
 /// The RoPE table for heads of `(width, rotated dimensions)` over `max_context` positions,
-/// from the config's theta, scaling and style.
+/// from the config's theta, scaling and style, in the activations' dtype (candle's GPU RoPE
+/// kernel takes tables of its input's dtype; on the CPU both are f32).
 pub fn rope_table(
     c: &ModelConfig,
     w: &Weights,
@@ -114,7 +115,7 @@ pub fn rope_table(
         &c.rope_scaling,
         c.rope_style,
         max_context,
-        DType::F32,
+        w.dtype(),
         w.device(),
     )?)
 }

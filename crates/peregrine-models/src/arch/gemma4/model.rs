@@ -205,7 +205,7 @@ impl GemmaLm {
                 scaling,
                 style,
                 max_context,
-                DType::F32,
+                w.dtype(),
                 w.device(),
             )
         };
