@@ -7,3 +7,4 @@ mod examples;
 mod numerics;
 mod prompt_cache;
 mod real_models;
+mod vision;

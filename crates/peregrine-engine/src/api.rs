@@ -1,7 +1,9 @@
 //! The request/event types of the engine's public API.
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use peregrine_models::vision::RgbImage;
 use peregrine_models::{KvOptions, KvQuant};
 use peregrine_sampling::{SamplingParams, TokenLogprob};
 use serde_json::{Map, Value};
@@ -68,6 +70,9 @@ pub struct Request {
     /// Decode speculatively when the engine has a drafter (default); `false` opts out. Output
     /// is distributed the same either way; constrained requests never speculate.
     pub speculative: bool,
+    /// Pictures for the chat's image parts, in order (the template marks where each goes).
+    /// Only an engine with a vision tower takes them ([`Engine::accepts_images`](crate::Engine::accepts_images)).
+    pub images: Vec<Arc<RgbImage>>,
 }
 
 /// A request's KV storage choices (the API's `kv_bits`, `kv_group_size`, `turbo_kv`); what it
@@ -119,6 +124,7 @@ impl Request {
             special_tokens: false,
             moe_top_k: None,
             speculative: true,
+            images: Vec::new(),
         }
     }
 }

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
 use std::time::Instant;
 
+use peregrine_models::vision::ImageEncoder;
 use peregrine_models::weights::MlxActivations;
 use peregrine_models::{
     CausalLm, ExpertOptions, KvOptions, LoadOptions, LoadProgress, Logits, ReadPool, SequenceCache,
@@ -21,6 +22,7 @@ use crate::chat_template::{ChatTemplate, fallback_template};
 use crate::constraint::{Compiler, Constraint, Grammar};
 use crate::error::EngineError;
 use crate::kv_budget::{default_kv_budget, kv_bytes};
+use crate::media::ImageSpan;
 use crate::prompt_cache::{PromptCache, PromptCacheStats};
 use crate::sequence::prefill;
 use crate::speculative::{SpeculationCounters, SpeculationStats, SpeculativeConfig};
@@ -76,6 +78,9 @@ pub struct EngineConfig {
     /// after its first token, so tests can see the scheduler survive a bug.
     #[doc(hidden)]
     pub panic_marker: Option<String>,
+    /// Fail to load a vision-language checkpoint whose vision tower cannot load, instead of
+    /// serving its text model alone with a warning.
+    pub require_vision: bool,
 }
 
 impl Default for EngineConfig {
@@ -98,6 +103,7 @@ impl Default for EngineConfig {
             speculative: None,
             load_progress: None,
             panic_marker: None,
+            require_vision: false,
         }
     }
 }
@@ -112,6 +118,8 @@ pub(crate) struct Job {
     /// KV bytes its choices can grow to, and the positions that bound holds.
     pub reserve: usize,
     pub positions: usize,
+    /// The prompt's images, encoded, at their runs of image tokens.
+    pub images: Vec<ImageSpan>,
 }
 
 /// Where one choice's events go.
@@ -130,6 +138,8 @@ impl ChoiceSink {
 /// What the scheduler thread and the engine's handle share.
 pub(crate) struct Shared {
     pub model: Arc<dyn CausalLm>,
+    /// The vision tower of a VLM checkpoint.
+    pub vision: Option<Arc<dyn ImageEncoder>>,
     pub tokenizer: Tokenizer,
     template: ChatTemplate,
     pub prefill_size: usize,
@@ -246,7 +256,28 @@ impl Engine {
         let (model, max_context) = (loaded.model, loaded.max_context);
         drop(loaded.gguf);
         crate::allocator::release_freed();
-        let mut engine = Self::new(model, tokenizer, max_context, config)?;
+        // A VLM whose tower cannot load still serves text, unless vision is required.
+        let vision = match peregrine_models::vision::load_vision(path, &opts.device) {
+            Ok(Some(vision)) => {
+                let p = vision.prompt();
+                tracing::info!(
+                    "vision tower loaded: {} tokens per image",
+                    p.tokens_per_image
+                );
+                Some(vision)
+            }
+            Ok(None) if config.require_vision => {
+                let why = "--vision: this checkpoint has no vision tower (`vision_config`)";
+                return Err(peregrine_models::ModelError::config(path, why).into());
+            }
+            Ok(None) => None,
+            Err(e) if config.require_vision => return Err(e.into()),
+            Err(e) => {
+                tracing::warn!("{e}; serving the text model only (--vision makes this an error)");
+                None
+            }
+        };
+        let mut engine = Self::build(model, vision, tokenizer, max_context, config)?;
         engine.expert_reads = loaded.expert_reads;
         Ok(engine)
     }
@@ -254,6 +285,16 @@ impl Engine {
     /// Builds an engine from parts and starts its scheduler thread.
     pub fn new(
         model: Arc<dyn CausalLm>,
+        tokenizer: Tokenizer,
+        max_context: usize,
+        config: EngineConfig,
+    ) -> Result<Self, EngineError> {
+        Self::build(model, None, tokenizer, max_context, config)
+    }
+
+    fn build(
+        model: Arc<dyn CausalLm>,
+        vision: Option<Arc<dyn ImageEncoder>>,
         tokenizer: Tokenizer,
         max_context: usize,
         config: EngineConfig,
@@ -288,6 +329,7 @@ impl Engine {
         )?;
         let shared = Arc::new(Shared {
             model,
+            vision,
             tokenizer,
             template,
             prefill_size: config.prefill_size.max(1),
@@ -396,19 +438,47 @@ impl Engine {
         self.shared.prompt_cache.stats()
     }
 
-    /// Renders and tokenizes a prompt exactly as `submit` will.
+    /// Whether requests may carry images (the model loaded with a vision tower).
+    pub fn accepts_images(&self) -> bool {
+        self.shared.vision.is_some()
+    }
+
+    /// Renders and tokenizes a prompt exactly as `submit` will (without images).
     pub fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<u32>, EngineError> {
+        self.prompt_ids_with(prompt, 0)
+    }
+
+    /// The prompt ids `submit` runs for `request`: its prompt's, each image's marker
+    /// expanded into the image's run of tokens.
+    pub fn request_ids(&self, request: &Request) -> Result<Vec<u32>, EngineError> {
+        self.prompt_ids_with(&request.prompt, request.images.len())
+    }
+
+    /// [`prompt_ids`](Self::prompt_ids) of a chat with `images` image parts, each marker the
+    /// template writes expanded into the image's run of tokens.
+    fn prompt_ids_with(&self, prompt: &Prompt, images: usize) -> Result<Vec<u32>, EngineError> {
         let tok = &self.shared.tokenizer;
+        let vision = self.shared.vision.as_deref();
+        let images_refused = || EngineError::Unsupported {
+            param: "messages",
+            message: "this model takes no image input (it has no vision tower)".into(),
+        };
+        if images > 0 && (vision.is_none() || !matches!(prompt, Prompt::Chat { .. })) {
+            return Err(images_refused());
+        }
         let ids = match prompt {
             Prompt::Text(text) => tok.encode(text, true)?,
             Prompt::Chat {
                 messages,
                 template_kwargs,
             } => {
-                let text = self
+                let mut text = self
                     .shared
                     .template
                     .render(messages, true, template_kwargs)?;
+                if let (Some(vision), true) = (vision, images > 0) {
+                    text = crate::media::expand_markers(&text, images, vision)?;
+                }
                 // Templates write BOS themselves, as with HF's apply_chat_template.
                 tok.encode(&text, false)?
             }
@@ -530,7 +600,7 @@ impl Engine {
         n: usize,
     ) -> Result<Vec<EventStream>, EngineError> {
         request.sampling.validate()?;
-        let ids = self.prompt_ids(&request.prompt)?;
+        let ids = self.prompt_ids_with(&request.prompt, request.images.len())?;
         if ids.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
@@ -543,6 +613,15 @@ impl Engine {
         let kv = self.request_kv(&request.kv)?;
         self.check_moe_top_k(request.moe_top_k)?;
         let (reserve, positions) = self.kv_reservation(&request, ids.len(), &kv, n.max(1))?;
+        let images = match (&self.shared.vision, request.images.is_empty()) {
+            (Some(vision), false) => crate::media::encode(
+                &ids,
+                &request.images,
+                vision.as_ref(),
+                &self.shared.tokenizer,
+            )?,
+            _ => Vec::new(),
+        };
         let (choices, streams) = (0..n.max(1))
             .map(|_| {
                 let (tx, rx) = unbounded_channel();
@@ -562,6 +641,7 @@ impl Engine {
             choices,
             reserve,
             positions,
+            images,
         };
         match self.jobs.try_send(job) {
             Ok(()) => Ok(streams),

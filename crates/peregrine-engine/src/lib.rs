@@ -21,6 +21,7 @@ pub mod detok;
 mod engine;
 mod error;
 mod kv_budget;
+mod media;
 mod pacing;
 mod prompt_cache;
 mod scheduler;

@@ -126,19 +126,18 @@ fn step(
     let mut unpaced = 0;
     let chunks: Vec<usize> = (prefilling.iter())
         .map(|p| {
-            let k = match short(p) {
-                true => {
-                    let k = p.remaining().min(room);
-                    unpaced += k;
-                    k
-                }
-                false => {
-                    let k = p.remaining().min(room).min(paced).min(shared.prefill_size);
-                    paced -= k;
-                    k
-                }
+            let is_short = short(p);
+            let k = match is_short {
+                true => p.remaining().min(room),
+                false => p.remaining().min(room).min(paced).min(shared.prefill_size),
             };
-            room -= k;
+            // An image's run of tokens goes whole into one pass.
+            let k = crate::media::fit_chunk(&p.job.images, p.fed, k);
+            match is_short {
+                true => unpaced += k,
+                false => paced = paced.saturating_sub(k),
+            }
+            room = room.saturating_sub(k);
             k
         })
         .collect();
@@ -241,11 +240,14 @@ fn forward(
             tokens: &d.feed,
             cache: &mut d.cache,
             logits,
+            media: None,
         });
     }
     for (p, &k) in prefilling.iter_mut().zip(chunks) {
         if k > 0 {
-            batch.push(BatchSeq::last(&p.job.ids[p.fed..p.fed + k], &mut p.cache));
+            let mut seq = BatchSeq::last(&p.job.ids[p.fed..p.fed + k], &mut p.cache);
+            seq.media = crate::media::media_in(&p.job.images, p.fed, k);
+            batch.push(seq);
         }
     }
     shared.steps.fetch_add(1, Ordering::Relaxed);

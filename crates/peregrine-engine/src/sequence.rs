@@ -69,7 +69,13 @@ impl Prefilling {
     pub fn start(shared: &Shared, job: Job) -> Self {
         let queued = job.submitted.elapsed();
         let top_k = job.request.moe_top_k;
-        let (mut cache, cached) = (shared.prompt_cache.lookup(&job.ids, &job.kv, top_k))
+        // Image tokens do not say which picture they stand for: reuse only what precedes the
+        // first image.
+        let reusable = job.images.first().map_or(job.ids.len(), |s| s.start);
+        let (mut cache, cached) =
+            (shared
+                .prompt_cache
+                .lookup(&job.ids[..reusable], &job.kv, top_k))
             .unwrap_or_else(|| {
                 let mut cache = SequenceCache::new(&shared.model.cache_spec(), &job.kv);
                 cache.set_moe_top_k(top_k);
@@ -266,6 +272,7 @@ impl Decoding {
             spec.record(0, 0, step_secs);
         }
         let mut logits = std::mem::take(&mut self.rows[0]);
+        mask_padding(&mut logits, shared.tokenizer.vocab_size());
         // Logprobs are reported on the raw distribution; sampling rewrites `logits` in place.
         let raw = self.request.logprobs.map(|_| logits.clone());
         if let Some(m) = &mut self.matcher {
@@ -294,6 +301,7 @@ impl Decoding {
         let mut outcome = Ok(None);
         for i in 0..=drafted {
             let mut row = std::mem::take(&mut self.rows[i]);
+            mask_padding(&mut row, shared.tokenizer.vocab_size());
             let raw = self.request.logprobs.map(|_| row.clone());
             (self.sampler).distribution(&mut row, &self.ids, &self.generated, &mut dist);
             let (token, stands) = match spec.drafts().get(i) {
@@ -420,7 +428,8 @@ impl Decoding {
         let whole = excess == 0 || self.cache.trim(excess).is_ok();
         self.gauge.set(0);
         let stop_string = self.stop.matched().map(str::to_string);
-        if whole {
+        // A cache that holds images is not stored: its image tokens do not name the pictures.
+        if whole && self.request.images.is_empty() {
             shared.prompt_cache.store(held, self.cache, self.kv);
         }
         let _ = self.sink.events.send(Event::Done {
@@ -430,5 +439,14 @@ impl Decoding {
             stop_string,
         });
         Ok(())
+    }
+}
+
+/// Rules out the ids past the tokenizer's `vocab` that a padded output head has (Gemma 3's
+/// 262,208 rows for 262,144 tokens): no text stands for them, so they are never drawn (as vLLM
+/// cuts its logits to the tokenizer's vocabulary).
+fn mask_padding(logits: &mut [f32], vocab: usize) {
+    if let Some(padding) = logits.get_mut(vocab..) {
+        padding.fill(f32::NEG_INFINITY);
     }
 }

@@ -284,7 +284,12 @@ impl KvBuffer {
     }
 
     /// The slots the last `q_len` positions' queries may see, and their mask.
-    fn visible(&self, q_len: usize, window: Option<usize>) -> (Range<usize>, MaskSpec) {
+    fn visible(
+        &self,
+        q_len: usize,
+        window: Option<usize>,
+        both_ways: Option<(usize, usize)>,
+    ) -> (Range<usize>, MaskSpec) {
         let q_start = self.end() - q_len;
         // Keys older than the window are never visible: skip them instead of masking them.
         let first = window.map_or(self.start, |w| {
@@ -294,6 +299,7 @@ impl KvBuffer {
             q_start,
             k_start: first,
             window,
+            both_ways,
         };
         (first - self.start..self.used, mask)
     }
@@ -305,7 +311,7 @@ impl KvBuffer {
         params: &AttnParams,
         window: Option<usize>,
     ) -> Result<Tensor> {
-        let (slots, mask) = self.visible(q.dim(2)?, window);
+        let (slots, mask) = self.visible(q.dim(2)?, window, params.both_ways);
         match &self.store {
             None => bail("attend called on an empty cache"),
             Some(Store::Cpu { .. }) => {
@@ -333,7 +339,7 @@ impl KvBuffer {
         window: Option<usize>,
         (out, scratch): (&mut [f32], &mut AttnScratch),
     ) -> Result<()> {
-        let (slots, mask) = self.visible(1, window);
+        let (slots, mask) = self.visible(1, window, None);
         match &self.store {
             None => bail("attend called on an empty cache"),
             Some(Store::Cpu { .. }) => {

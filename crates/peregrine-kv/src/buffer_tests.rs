@@ -154,6 +154,7 @@ fn cpu_and_tensor_stores_attend_alike() {
     let capped = AttnParams {
         scale: 0.3,
         softcap: Some(0.8),
+        both_ways: None,
     };
     let dtypes = [None, Some(DType::F16), Some(DType::BF16)];
     let cases = [AttnParams::scaled(0.3), capped]

@@ -33,6 +33,9 @@ pub struct AttnParams {
     /// Soft cap of the scaled scores, `cap · tanh(s / cap)` before the mask and softmax
     /// (Gemma 2's `attn_logit_softcapping`); `None` leaves them as they are.
     pub softcap: Option<f32>,
+    /// Absolute positions `[start, end)` among the queries that attend to each other both
+    /// ways (an image's tokens in Gemma 3); the rest is causal.
+    pub both_ways: Option<(usize, usize)>,
 }
 
 impl AttnParams {
@@ -41,6 +44,7 @@ impl AttnParams {
         Self {
             scale,
             softcap: None,
+            both_ways: None,
         }
     }
 }

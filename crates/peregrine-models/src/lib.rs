@@ -11,12 +11,13 @@ pub mod config;
 pub mod error;
 pub mod layers;
 pub mod registry;
+pub mod vision;
 pub mod weights;
 
 pub use arch::gemma4::assistant::Gemma4Assistant;
 pub use config::ModelConfig;
 pub use error::{ModelError, Result};
-pub use layers::batch::BatchSeq;
+pub use layers::batch::{BatchSeq, Media};
 pub use peregrine_kv::{
     DEFAULT_RECURRENT_ROLLBACK, KvOptions, KvQuant, LayerKind, MTP_HIDDEN_KEPT, MtpState,
     SequenceCache, TurboOptions,
@@ -56,6 +57,9 @@ pub trait CausalLm: Send + Sync {
     /// own [`forward`](Self::forward) (bit for bit on the CPU's batch-invariant kernels). This
     /// default runs `forward` per sequence.
     fn forward_batch(&self, batch: &mut [BatchSeq]) -> Result<Tensor> {
+        if batch.iter().any(|s| s.media.is_some()) {
+            return Err(layers::batch::no_media());
+        }
         let rows = (batch.iter_mut())
             .map(|s| self.forward(s.tokens, s.cache, s.logits))
             .collect::<Result<Vec<_>>>()?;

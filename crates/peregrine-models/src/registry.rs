@@ -105,6 +105,7 @@ const ALIASES: &[(&str, &str)] = &[
 /// language model's tensors are found under these prefixes (HF's, then MLX's) as `model.…`;
 /// the vision and audio towers are skipped.
 const TEXT_MODELS: &[(&str, &[(&str, &str)])] = &[
+    ("gemma3", LANGUAGE_MODEL),
     ("gemma4", LANGUAGE_MODEL),
     ("qwen3_5", LANGUAGE_MODEL),
     ("qwen3_5_moe", LANGUAGE_MODEL),

@@ -88,24 +88,32 @@ fn half_precision_weights_load_and_stay_close() {
     }
 }
 
-/// Gemma 3 with a vision tower keeps its text model's fields under `text_config`: one error that
-/// names the field, not a "missing `hidden_size`".
+/// A Gemma 3 VLM whose vision tower this build cannot run: `load_vision` names the field and
+/// the file, while the text model still loads from `text_config` (the engine then serves text
+/// with a warning, or refuses with `--vision`).
 #[test]
-fn multimodal_gemma3_config_names_text_config() {
+fn an_unsupported_vision_tower_is_named_and_the_text_model_still_loads() {
     let dir = scratch("gemma3-vision");
-    let gemma = fixture().join("../../gemma3/hf/config.json");
-    let text: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(gemma).unwrap()).unwrap();
-    let config = serde_json::json!({"model_type": "gemma3", "text_config": text});
+    let vlm = fixture().join("../../vlm/gemma3/hf");
+    for file in ["model.safetensors", "preprocessor_config.json"] {
+        std::fs::copy(vlm.join(file), dir.join(file)).unwrap();
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(vlm.join("config.json")).unwrap()).unwrap();
+    config["vision_config"]["model_type"] = "clip_vision_model".into();
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let err = load_model(&dir, &LoadOptions::default())
+    let err = (peregrine_models::vision::load_vision(&dir, &Device::Cpu))
         .err()
         .expect("refused")
         .to_string();
     assert!(
-        err.contains("text_config") && err.contains("config.json"),
+        err.contains("vision_config")
+            && err.contains("clip_vision_model")
+            && err.contains("config.json"),
         "{err}"
     );
+    let text = load_model(&dir, &LoadOptions::default()).expect("the text model loads");
+    assert_eq!(text.model.config().hidden_size, 64);
 }
 
 /// Bytes of tensor data in a safetensors file: all of it after the length and JSON header.

@@ -116,6 +116,10 @@ pub struct ModelArgs {
     /// memory; the OS page cache keeps what fits). A model without experts is refused.
     #[arg(long)]
     pub stream_experts: bool,
+    /// Refuse to start when a vision-language checkpoint's vision tower cannot load (by
+    /// default its text model is served alone, with a warning).
+    #[arg(long)]
+    pub vision: bool,
     /// Expert reads in flight at most with `--stream-experts` (each layer's routed experts
     /// are read ahead of their use, at most this many at once and waiting in memory); 0 reads
     /// each expert only when it is used, with no prefetch.
@@ -200,6 +204,7 @@ impl ModelArgs {
                 cache_bytes: self.expert_cache_mb << 20,
                 top_k: self.moe_top_k,
             },
+            require_vision: self.vision,
             ..Default::default()
         }
     }

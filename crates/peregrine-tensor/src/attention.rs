@@ -13,11 +13,17 @@ pub struct MaskSpec {
     pub k_start: usize,
     /// Query `q` sees key `k` only when `q - k < window` (transformers' convention).
     pub window: Option<usize>,
+    /// Positions `[start, end)` that see each other both ways besides the causal rule (an
+    /// image's tokens in Gemma 3); the span's keys must all be in the cache.
+    pub both_ways: Option<(usize, usize)>,
 }
 
 impl MaskSpec {
     /// True when no key needs masking for `q_len` queries over `k_len` keys.
     pub fn is_trivial(&self, q_len: usize, k_len: usize) -> bool {
+        if self.both_ways.is_some() {
+            return false;
+        }
         let last_key = self.k_start + k_len - 1;
         let causal_ok = last_key <= self.q_start;
         let window_ok = self
@@ -26,14 +32,23 @@ impl MaskSpec {
         causal_ok && window_ok
     }
 
+    /// The keys the query at absolute position `pos` sees: positions `[lo, hi)`.
+    pub fn keys_of(&self, pos: usize) -> (usize, usize) {
+        let lo = self.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        match self.both_ways {
+            // The span's tokens see all of it, and what the causal window shows them.
+            Some((start, end)) if (start..end).contains(&pos) => (lo.min(start), end),
+            _ => (lo, pos + 1),
+        }
+    }
+
     /// Additive mask `[q_len, k_len]`: 0 where visible, -inf where not.
     pub fn build(&self, q_len: usize, k_len: usize, device: &Device) -> Result<Tensor> {
         let mut mask = Vec::with_capacity(q_len * k_len);
         for i in 0..q_len {
-            let q = self.q_start + i;
+            let (lo, hi) = self.keys_of(self.q_start + i);
             for j in 0..k_len {
-                let k = self.k_start + j;
-                let visible = k <= q && self.window.is_none_or(|w| q - k < w);
+                let visible = (lo..hi).contains(&(self.k_start + j));
                 mask.push(if visible { 0f32 } else { f32::NEG_INFINITY });
             }
         }

@@ -265,6 +265,7 @@ fn grouped_attention_matches_reference() {
                     q_start,
                     k_start,
                     window,
+                    both_ways: None,
                 };
                 let ours = attention(&q, &k, &v, 0.25, None, &mask).unwrap();
                 let reference = attention_ref(&q, &k, &v, 0.25, None, &mask).unwrap();
@@ -294,6 +295,7 @@ fn attention_reads_narrowed_caches_of_every_storage_dtype() {
                     q_start: 20 - q_len,
                     k_start: 8,
                     window,
+                    both_ways: None,
                 };
                 let ours = attention(&q, &k, &v, 0.3, None, &mask).unwrap();
                 let (kf, vf) = (
@@ -330,6 +332,7 @@ fn attention_matches_reference_on_real_model_shapes() {
             q_start: k_len - q_len,
             k_start: 0,
             window: None,
+            both_ways: None,
         };
         let ours = attention(&q, &k, &v, 0.125, None, &mask).unwrap();
         let reference =
@@ -363,6 +366,7 @@ fn softcapped_attention_matches_reference() {
             q_start: k_len - q_len,
             k_start: 0,
             window,
+            both_ways: None,
         };
         let case = format!("heads {heads}/{kv} d {d} q {q_len} k {k_len} window {window:?}");
         let reference = attention_ref(&q.contiguous().unwrap(), &k, &v, scale, cap, &mask).unwrap();
@@ -406,6 +410,7 @@ fn a_rows_attention_does_not_depend_on_its_batch_or_threads() {
                     q_start: k_len - q_len,
                     k_start: 0,
                     window,
+                    both_ways: None,
                 };
                 let out = pool.install(|| attention(&q, &k, &v, 0.125, None, &mask).unwrap());
                 let last = out.narrow(2, q_len - 1, 1).unwrap();

@@ -173,11 +173,7 @@ impl SelfAttention for HybridMixer {
         pos: usize,
     ) -> Result<()> {
         let x = Tensor::from_slice(&b.normed, (1, 1, b.normed.len()), &Device::Cpu)?;
-        let mut segment = [Segment {
-            cache,
-            start: pos,
-            len: 1,
-        }];
+        let mut segment = [Segment::causal(cache, pos, 1)];
         let y = self.forward(&x, rope, &mut segment)?;
         let y = y.flatten_all()?.to_dtype(DType::F32)?;
         b.out.copy_from_slice(&y.to_vec1::<f32>()?);

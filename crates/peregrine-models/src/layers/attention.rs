@@ -159,6 +159,7 @@ impl Attention {
         AttnParams {
             scale: self.scale,
             softcap: self.softcap,
+            both_ways: None,
         }
     }
 }
@@ -212,7 +213,11 @@ impl SelfAttention for Attention {
                 let k = turn(split(1, self.kv_heads, &self.k_norm)?)?;
                 s.cache.append(&k, &v)?;
             }
-            let y = s.cache.attend(&q, &self.params())?; // [1, heads, n, hd]
+            let params = AttnParams {
+                both_ways: s.both_ways,
+                ..self.params()
+            };
+            let y = s.cache.attend(&q, &params)?; // [1, heads, n, hd]
             Ok(y.transpose(1, 2)?
                 .reshape((1, n, self.heads * self.head_dim))?)
         })?;

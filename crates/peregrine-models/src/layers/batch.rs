@@ -6,10 +6,10 @@
 
 use peregrine_kv::{LayerCache, SequenceCache};
 use peregrine_tensor::ops::rms_norm;
-use peregrine_tensor::{DType, QLinear, Tensor};
+use peregrine_tensor::{DType, QLinear, Tensor, candle};
 use rayon::prelude::*;
 
-use crate::{Logits, Result};
+use crate::{Logits, ModelError, Result};
 
 /// One sequence of a batched forward pass: its next tokens and its cache.
 pub struct BatchSeq<'a> {
@@ -20,6 +20,20 @@ pub struct BatchSeq<'a> {
     /// Which of its positions' logits the pass returns: the last (generation) or all of them
     /// (a speculative draft's verification).
     pub logits: Logits,
+    /// Rows that replace a run of these tokens' embeddings (an image's), if any.
+    pub media: Option<Media<'a>>,
+}
+
+/// Rows that stand in for a run of a pass's new tokens' embeddings: an image encoder's output
+/// in the text model's width. Only models that take image input accept them.
+#[derive(Clone, Copy)]
+pub struct Media<'a> {
+    /// Where the run starts among the sequence's new tokens of the pass.
+    pub offset: usize,
+    /// `[n, hidden]` in the model's dtype: the run's `n` embeddings.
+    pub rows: &'a Tensor,
+    /// Whether the run's positions attend to each other both ways (Gemma 3's images).
+    pub both_ways: bool,
 }
 
 impl<'a> BatchSeq<'a> {
@@ -29,6 +43,7 @@ impl<'a> BatchSeq<'a> {
             tokens,
             cache,
             logits: Logits::Last,
+            media: None,
         }
     }
 
@@ -50,6 +65,20 @@ pub struct Segment<'a> {
     pub start: usize,
     /// Its rows.
     pub len: usize,
+    /// Absolute positions `[start, end)` of its rows that attend to each other both ways.
+    pub both_ways: Option<(usize, usize)>,
+}
+
+impl<'a> Segment<'a> {
+    /// `len` causal rows from position `start` over `cache`.
+    pub fn causal(cache: &'a mut dyn LayerCache, start: usize, len: usize) -> Self {
+        Self {
+            cache,
+            start,
+            len,
+            both_ways: None,
+        }
+    }
 }
 
 /// Each stacked row's most experts, when a sequence of `batch` routes its tokens to fewer than
@@ -85,10 +114,17 @@ pub fn run_layers(
     let starts: Vec<usize> = batch.iter().map(|s| s.cache.len()).collect();
     for i in 0..layers {
         let mut segments: Vec<Segment> = (batch.iter_mut().zip(&starts))
-            .map(|(s, &start)| Segment {
-                len: s.tokens.len(),
-                cache: s.cache.layer(slot(i)),
-                start,
+            .map(|(s, &start)| {
+                let both_ways = (s.media.as_ref()).filter(|m| m.both_ways).map(|m| {
+                    let from = start + m.offset;
+                    (from, from + m.rows.dim(0).unwrap_or(0))
+                });
+                Segment {
+                    len: s.tokens.len(),
+                    cache: s.cache.layer(slot(i)),
+                    start,
+                    both_ways,
+                }
             })
             .collect();
         x = layer(i, &x, &mut segments)?;
@@ -148,12 +184,59 @@ pub fn batch_logits(
     Ok(logits.squeeze(0)?.to_dtype(DType::F32)?)
 }
 
-/// Fails unless every sequence of `batch` has tokens that fit its context of `max`.
+/// Fails unless every sequence of `batch` has tokens that fit its context of `max` and no
+/// image rows (a model that takes them checks with [`check_media`]).
 pub fn check_batch(batch: &[BatchSeq], max: usize) -> Result<()> {
+    if batch.iter().any(|s| s.media.is_some()) {
+        return Err(no_media());
+    }
+    check_media(batch, max)
+}
+
+/// [`check_batch`] for a model that takes image rows: each run must lie within its tokens.
+pub fn check_media(batch: &[BatchSeq], max: usize) -> Result<()> {
     for s in batch {
         super::check_room(s.tokens.len(), s.cache.len(), max)?;
+        if let Some(m) = &s.media
+            && m.offset + m.rows.dim(0)? > s.tokens.len()
+        {
+            return Err(ModelError::Tensor(candle::Error::Msg(format!(
+                "image rows {}..{} lie past the pass's {} tokens",
+                m.offset,
+                m.offset + m.rows.dim(0)?,
+                s.tokens.len()
+            ))));
+        }
     }
     Ok(())
+}
+
+/// The error for image rows given to a model that takes none.
+pub fn no_media() -> ModelError {
+    ModelError::Tensor(candle::Error::Msg("this model takes no image input".into()))
+}
+
+/// `x` (`[1, rows, hidden]`, the stacked embeddings of `batch`) with each sequence's image rows
+/// in place of its run of image tokens' embeddings.
+pub fn splice_media(x: Tensor, batch: &[BatchSeq]) -> Result<Tensor> {
+    if batch.iter().all(|s| s.media.is_none()) {
+        return Ok(x);
+    }
+    let mut parts = Vec::new();
+    let mut at = 0;
+    for s in batch {
+        if let Some(m) = &s.media {
+            let n = m.rows.dim(0)?;
+            let row = at + m.offset;
+            parts.push(x.narrow(1, at, m.offset)?);
+            parts.push(m.rows.to_dtype(x.dtype())?.unsqueeze(0)?);
+            parts.push(x.narrow(1, row + n, s.tokens.len() - m.offset - n)?);
+        } else {
+            parts.push(x.narrow(1, at, s.tokens.len())?);
+        }
+        at += s.tokens.len();
+    }
+    Ok(Tensor::cat(&parts, 1)?)
 }
 
 /// Records each sequence's final hidden states (its rows of `normed`, `[1, rows, hidden]`) in

@@ -10,7 +10,7 @@ use super::openai::{Fields, MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOLS, type_err
 
 /// The chat-completions body an Anthropic Messages body means. `count_only`: a
 /// `count_tokens` body, which has no `max_tokens`.
-pub fn translate(body: &[u8], count_only: bool) -> Result<Vec<u8>, ApiError> {
+pub fn translate(body: &[u8], count_only: bool) -> Result<(Vec<u8>, Renames), ApiError> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))?;
     let Value::Object(obj) = value else {
@@ -40,7 +40,8 @@ pub fn translate(body: &[u8], count_only: bool) -> Result<Vec<u8>, ApiError> {
         out.insert("stop".into(), v.clone());
     }
     let mut messages = system(&f)?;
-    messages.extend(conversation(&f)?);
+    let (conversation, renames) = conversation(&f, messages.len())?;
+    messages.extend(conversation);
     out.insert("messages".into(), Value::Array(messages));
     if let Some(tools) = tools(&f)? {
         out.insert("tools".into(), tools);
@@ -52,7 +53,7 @@ pub fn translate(body: &[u8], count_only: bool) -> Result<Vec<u8>, ApiError> {
     if let Some(on) = thinking(&f)? {
         out.insert("enable_thinking".into(), json!(on));
     }
-    Ok(Value::Object(out).to_string().into_bytes())
+    Ok((Value::Object(out).to_string().into_bytes(), renames))
 }
 
 /// The Anthropic field an error of the shared decoder is about.
@@ -101,9 +102,10 @@ fn block_type(block: &Value) -> Option<&str> {
     block.get("type").and_then(Value::as_str)
 }
 
-/// `messages`: user and assistant turns of text, `tool_use` and `tool_result` blocks, as chat
-/// messages (a tool result becomes a `tool` message ahead of the user's text).
-fn conversation(f: &Fields) -> Result<Vec<Value>, ApiError> {
+/// `messages`: user and assistant turns of text, images, `tool_use` and `tool_result` blocks,
+/// as chat messages (a tool result becomes a `tool` message ahead of the user's text), after
+/// `skip` messages; with the chat field of each image and its Anthropic one.
+fn conversation(f: &Fields, skip: usize) -> Result<(Vec<Value>, Renames), ApiError> {
     let items = match f.array("messages", MAX_MESSAGES, "an array of messages")? {
         None => return Err(ApiError::invalid("messages", "`messages` is required")),
         Some(items) if items.is_empty() => {
@@ -114,14 +116,49 @@ fn conversation(f: &Fields) -> Result<Vec<Value>, ApiError> {
         }
         Some(items) => items,
     };
-    let mut out = vec![];
+    let (mut out, mut renames) = (vec![], Renames::default());
     for (i, item) in items.iter().enumerate() {
-        out.extend(message(i, item)?);
+        let (messages, images) = message(i, item)?;
+        let last = skip + out.len() + messages.len().saturating_sub(1);
+        for (part, param) in images {
+            (renames.0).push((format!("messages[{last}].content[{part}]"), param));
+        }
+        out.extend(messages);
     }
-    Ok(out)
+    Ok((out, renames))
 }
 
-fn message(i: usize, item: &Value) -> Result<Vec<Value>, ApiError> {
+/// Chat fields (image parts) an Anthropic body's translation moved, with the Anthropic field
+/// each came from.
+#[derive(Debug, Default)]
+pub struct Renames(Vec<(String, String)>);
+
+impl Renames {
+    /// The Anthropic field the chat field `param` came from (`param` where none moved).
+    pub fn param(&self, param: &str) -> String {
+        let moved = (self.0.iter()).find_map(|(chat, anthropic)| {
+            let rest = param.strip_prefix(chat.as_str())?;
+            Some(format!("{anthropic}{rest}"))
+        });
+        moved.unwrap_or_else(|| param.to_string())
+    }
+
+    /// `e` about the Anthropic field its chat field came from.
+    pub fn apply(&self, mut e: ApiError) -> ApiError {
+        if let Some(param) = e.param.clone() {
+            let renamed = self.param(&param);
+            e.message = e.message.replace(&param, &renamed);
+            e.param = Some(renamed);
+        }
+        e
+    }
+}
+
+/// For each image of a message: its part in the translated user message, and its block's field.
+type ImageBlocks = Vec<(usize, String)>;
+
+/// The chat messages an Anthropic message means, and where its images went.
+fn message(i: usize, item: &Value) -> Result<(Vec<Value>, ImageBlocks), ApiError> {
     let at = |field: &str| format!("messages[{i}]{field}");
     let Value::Object(obj) = item else {
         return Err(type_error(&at(""), "an object"));
@@ -136,7 +173,7 @@ fn message(i: usize, item: &Value) -> Result<Vec<Value>, ApiError> {
         None => return Err(ApiError::invalid(at(".role"), "`role` is required")),
     };
     let blocks = match obj.get("content") {
-        Some(Value::String(s)) => return Ok(vec![json!({"role": role, "content": s})]),
+        Some(Value::String(s)) => return Ok((vec![json!({"role": role, "content": s})], vec![])),
         Some(Value::Array(blocks)) if blocks.len() <= MAX_CONTENT_PARTS => blocks,
         Some(Value::Array(_)) => {
             let message = format!("a message holds at most {MAX_CONTENT_PARTS} content blocks");
@@ -151,14 +188,23 @@ fn message(i: usize, item: &Value) -> Result<Vec<Value>, ApiError> {
         None => return Err(ApiError::invalid(at(".content"), "`content` is required")),
     };
     let (mut text, mut calls, mut results) = (String::new(), vec![], vec![]);
+    // The user's text and images as chat parts, in order, and each image's block.
+    let (mut parts, mut images) = (vec![], vec![]);
     for (j, block) in blocks.iter().enumerate() {
         let param = at(&format!(".content[{j}]"));
         let field = |name: &str| block.get(name).filter(|v| !v.is_null());
         match (block_type(block), role) {
             (Some("text"), _) => match field("text") {
-                Some(Value::String(t)) => text.push_str(t),
+                Some(Value::String(t)) => {
+                    text.push_str(t);
+                    parts.push(json!({"type": "text", "text": t}));
+                }
                 _ => return Err(type_error(&format!("{param}.text"), "a string")),
             },
+            (Some("image"), "user") => {
+                images.push((parts.len(), param.clone()));
+                parts.push(image_part(&param, block)?);
+            }
             (Some("tool_use"), "assistant") => {
                 let (Some(Value::String(id)), Some(Value::String(name))) =
                     (field("id"), field("name"))
@@ -188,8 +234,8 @@ fn message(i: usize, item: &Value) -> Result<Vec<Value>, ApiError> {
             }
             // Earlier thinking is not shown again, as Anthropic's own models do not see it.
             (Some("thinking" | "redacted_thinking"), "assistant") => {}
-            (Some("image" | "document"), _) => {
-                let message = "image and document input is not supported by this server yet";
+            (Some("document"), _) => {
+                let message = "document input is not supported by this server";
                 return Err(ApiError::invalid(param, message));
             }
             (Some(kind), _) => {
@@ -204,12 +250,36 @@ fn message(i: usize, item: &Value) -> Result<Vec<Value>, ApiError> {
         if !calls.is_empty() {
             m["tool_calls"] = Value::Array(calls);
         }
-        return Ok(vec![m]);
+        return Ok((vec![m], vec![]));
     }
-    if !text.is_empty() || results.is_empty() {
+    if !images.is_empty() {
+        results.push(json!({"role": "user", "content": parts}));
+    } else if !text.is_empty() || results.is_empty() {
         results.push(json!({"role": "user", "content": text}));
     }
-    Ok(results)
+    Ok((results, images))
+}
+
+/// An `image` block (`source`: `base64` with `media_type` and `data`, or `url`) as chat's
+/// `image_url` part; the chat decoder reads it.
+fn image_part(param: &str, block: &Value) -> Result<Value, ApiError> {
+    let source = block.get("source").unwrap_or(&Value::Null);
+    let str_of = |key: &str| source.get(key).and_then(Value::as_str);
+    let url = match str_of("type") {
+        Some("base64") => match (str_of("media_type"), str_of("data")) {
+            (Some(media), Some(data)) => format!("data:{media};base64,{data}"),
+            _ => {
+                let message = "a base64 image source needs string `media_type` and `data`";
+                return Err(ApiError::invalid(format!("{param}.source"), message));
+            }
+        },
+        Some("url") => str_of("url").unwrap_or_default().to_string(),
+        _ => {
+            let message = "an image `source` must be of type `base64` (or `url`)";
+            return Err(ApiError::invalid(format!("{param}.source"), message));
+        }
+    };
+    Ok(json!({"type": "image_url", "image_url": {"url": url}}))
 }
 
 /// `tools`: `{name, description, input_schema}` as chat's function tools.

@@ -160,6 +160,12 @@ fn decode(
     if !state.serves(&decoded.model) {
         return Err(state.unknown_model(&decoded.model));
     }
+    if let Some(part) = decoded.image_parts.first()
+        && !state.engine()?.accepts_images()
+    {
+        let message = "this model takes no image input (it has no vision tower)";
+        return Err(ApiError::invalid(part.as_str(), message));
+    }
     Ok((decoded, context))
 }
 
@@ -175,12 +181,18 @@ pub(super) fn decode_body(
     let chat = |body: &[u8]| openai::decode(body, Endpoint::Chat, max_tokens, sampling);
     Ok(match endpoint {
         Endpoint::Messages => {
-            let body = anthropic::translate(body, count_only)?;
-            (chat(&body).map_err(anthropic::rename)?, Context::default())
+            let (body, renames) = anthropic::translate(body, count_only)?;
+            let mut decoded = chat(&body).map_err(|e| anthropic::rename(renames.apply(e)))?;
+            let parts = std::mem::take(&mut decoded.image_parts);
+            decoded.image_parts = parts.iter().map(|p| renames.param(p)).collect();
+            (decoded, Context::default())
         }
         Endpoint::Responses => {
             let (body, context) = responses::translate(body, store)?;
-            (chat(&body).map_err(responses::rename)?, context)
+            let mut decoded = chat(&body).map_err(responses::rename)?;
+            // Responses errors name `input` (its items do not map one to one).
+            (decoded.image_parts.iter_mut()).for_each(|p| *p = "input".into());
+            (decoded, context)
         }
         _ => (
             openai::decode(body, endpoint, max_tokens, sampling)?,
@@ -211,7 +223,7 @@ pub async fn count_tokens(state: Arc<State>, body: Bytes) -> Result<Response<Bod
         let (mut decoded, _) = decode(&state, Endpoint::Messages, &body, true)?;
         let engine = state.engine()?;
         apply_tools(engine, &mut decoded);
-        let ids = (engine.prompt_ids(&decoded.requests[0].prompt))
+        let ids = (engine.request_ids(&decoded.requests[0]))
             .map_err(|e| ApiError::from_engine(&e, "messages"))?;
         Ok::<_, ApiError>(ids.len())
     });
@@ -264,7 +276,7 @@ fn prepare(state: &State, endpoint: Endpoint, body: &[u8]) -> Result<Prepared, A
     });
     let prompt_tokens = match endpoint {
         Endpoint::Messages if decoded.stream => engine
-            .prompt_ids(&decoded.requests[0].prompt)
+            .request_ids(&decoded.requests[0])
             .map_or(0, |ids| ids.len()),
         _ => 0,
     };

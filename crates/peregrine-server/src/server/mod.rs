@@ -12,6 +12,7 @@ mod conn;
 #[cfg(test)]
 mod decode_fuzz;
 mod error;
+mod media;
 mod metrics;
 pub mod openai;
 mod prompt;

@@ -9,6 +9,7 @@ use peregrine_engine::{Grammar, KvRequest, Prompt, Request, SamplingParams};
 use serde_json::{Map, Value, json};
 
 use super::error::ApiError;
+use super::media::Images;
 use super::prompt::{chat_prompt, completion_prompts};
 use super::tools::{self, Tools};
 
@@ -67,6 +68,8 @@ pub struct Decoded {
     pub grammar: Option<(Grammar, &'static str)>,
     /// The tools the model is shown (chat).
     pub tools: Option<Tools>,
+    /// The content parts that held the requests' images (`messages[0].content[1]`).
+    pub image_parts: Vec<String>,
 }
 
 /// Parses and validates a body. `default_max_tokens` and `defaults` apply to fields the body
@@ -140,6 +143,7 @@ pub fn decode(
     // Speculative decoding, where the server drafts: on unless the request says otherwise.
     let speculative = f.bool("speculative")?.unwrap_or(true);
     let template = Prompt::Tokens(vec![]);
+    let mut images = Images::default();
     let base = Request {
         sampling,
         stop,
@@ -153,7 +157,9 @@ pub fn decode(
     };
     let (prompts, echo) = match endpoint {
         Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => {
-            (vec![chat_prompt(&f)?], false)
+            let (prompt, found) = chat_prompt(&f)?;
+            images = found;
+            (vec![prompt], false)
         }
         Endpoint::Completions => {
             if let Some(suffix) = f.string("suffix")?
@@ -172,10 +178,12 @@ pub fn decode(
         .into_iter()
         .map(|prompt| Request {
             prompt,
+            images: images.images.clone(),
             ..base.clone()
         })
         .collect();
     Ok(Decoded {
+        image_parts: images.parts,
         model,
         requests,
         echo,

@@ -4,9 +4,12 @@ use peregrine_engine::{ChatMessage, Prompt};
 use serde_json::{Map, Value};
 
 use super::error::ApiError;
+use super::media::Images;
 use super::openai::{Fields, MAX_CONTENT_PARTS, MAX_MESSAGES, ROLES, type_error};
 
-pub(super) fn chat_prompt(f: &Fields) -> Result<Prompt, ApiError> {
+/// The chat's prompt, and the pictures of its image parts (each replaced by `{"type":
+/// "image"}` for the template).
+pub(super) fn chat_prompt(f: &Fields) -> Result<(Prompt, Images), ApiError> {
     let items = match f.get("messages") {
         None => return Err(ApiError::invalid("messages", "`messages` is required")),
         Some(Value::Array(items)) => items,
@@ -25,8 +28,9 @@ pub(super) fn chat_prompt(f: &Fields) -> Result<Prompt, ApiError> {
         ));
     }
     let mut messages = Vec::with_capacity(items.len());
+    let mut images = Images::default();
     for (i, item) in items.iter().enumerate() {
-        messages.push(chat_message(i, item)?);
+        messages.push(chat_message(i, item, &mut images)?);
     }
     let mut template_kwargs = match f.get("chat_template_kwargs") {
         None => Map::new(),
@@ -36,13 +40,14 @@ pub(super) fn chat_prompt(f: &Fields) -> Result<Prompt, ApiError> {
     if let Some(on) = f.bool("enable_thinking")? {
         template_kwargs.insert("enable_thinking".into(), Value::Bool(on));
     }
-    Ok(Prompt::Chat {
+    let prompt = Prompt::Chat {
         messages,
         template_kwargs,
-    })
+    };
+    Ok((prompt, images))
 }
 
-fn chat_message(i: usize, item: &Value) -> Result<ChatMessage, ApiError> {
+fn chat_message(i: usize, item: &Value, images: &mut Images) -> Result<ChatMessage, ApiError> {
     let at = |field: &str| format!("messages[{i}].{field}");
     let Value::Object(obj) = item else {
         return Err(type_error(&format!("messages[{i}]"), "an object"));
@@ -58,8 +63,8 @@ fn chat_message(i: usize, item: &Value) -> Result<ChatMessage, ApiError> {
         Some(_) => return Err(type_error(&at("role"), "a string")),
         None => return Err(ApiError::invalid(at("role"), "`role` is required")),
     };
-    let content = obj.get("content").cloned().unwrap_or(Value::Null);
-    match &content {
+    let mut content = obj.get("content").cloned().unwrap_or(Value::Null);
+    match &mut content {
         Value::String(_) => {}
         Value::Null if role == "assistant" => {}
         Value::Array(parts) => {
@@ -69,14 +74,20 @@ fn chat_message(i: usize, item: &Value) -> Result<ChatMessage, ApiError> {
                     format!("a message holds at most {MAX_CONTENT_PARTS} content parts"),
                 ));
             }
-            for (j, part) in parts.iter().enumerate() {
+            for (j, part) in parts.iter_mut().enumerate() {
+                let param = format!("messages[{i}].content[{j}]");
                 let kind = part.get("type").and_then(Value::as_str);
                 let text = part.get("text").and_then(Value::as_str);
-                if kind != Some("text") || text.is_none() {
-                    return Err(ApiError::invalid(
-                        format!("messages[{i}].content[{j}]"),
-                        "only text content parts ({\"type\": \"text\", \"text\": ...}) are supported",
-                    ));
+                match kind {
+                    Some("text") if text.is_some() => {}
+                    Some("image_url") => *part = images.take(&param, part)?,
+                    _ => {
+                        return Err(ApiError::invalid(
+                            param,
+                            "a content part must be `text` ({\"type\": \"text\", \"text\": \
+                             ...}) or `image_url`",
+                        ));
+                    }
                 }
             }
         }

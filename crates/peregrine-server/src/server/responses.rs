@@ -290,14 +290,51 @@ fn message(at: &str, it: &Fields) -> Result<Value, ApiError> {
         }
     };
     let content = match it.get("content") {
-        Some(Value::String(s)) => s.clone(),
-        Some(Value::Array(parts)) => content_text(&format!("{at}.content"), parts)?,
+        Some(Value::String(s)) => Value::String(s.clone()),
+        Some(Value::Array(parts)) => content_parts(&format!("{at}.content"), parts)?,
         _ => {
             let expected = "a string or an array of content parts";
             return Err(type_error(&format!("{at}.content"), expected));
         }
     };
     Ok(json!({"role": role, "content": content}))
+}
+
+/// A message's parts as chat content: their text, or chat's parts where images are among
+/// them (`input_image` with an `image_url`).
+fn content_parts(at: &str, parts: &[Value]) -> Result<Value, ApiError> {
+    let kind = |p: &Value| p.get("type").and_then(Value::as_str).map(str::to_owned);
+    if !parts
+        .iter()
+        .any(|p| kind(p).as_deref() == Some("input_image"))
+    {
+        return Ok(Value::String(content_text(at, parts)?));
+    }
+    if parts.len() > MAX_CONTENT_PARTS {
+        let message = format!("a message holds at most {MAX_CONTENT_PARTS} content parts");
+        return Err(ApiError::invalid(at, message));
+    }
+    let mut out = Vec::with_capacity(parts.len());
+    for (j, part) in parts.iter().enumerate() {
+        let text = part.get("text").and_then(Value::as_str);
+        match (kind(part).as_deref(), text, part.get("image_url")) {
+            (Some("input_text" | "output_text" | "text"), Some(t), _) => {
+                out.push(json!({"type": "text", "text": t}));
+            }
+            (Some("input_image"), _, Some(Value::String(url))) => {
+                out.push(json!({"type": "image_url", "image_url": {"url": url}}));
+            }
+            (Some("input_image"), ..) => {
+                let message = "an `input_image` part needs an `image_url` (a base64 `data:` URL)";
+                return Err(ApiError::invalid(format!("{at}[{j}]"), message));
+            }
+            _ => {
+                let expected = "an `input_text` or `input_image` part";
+                return Err(type_error(&format!("{at}[{j}]"), expected));
+            }
+        }
+    }
+    Ok(Value::Array(out))
 }
 
 /// The text of `input_text` / `output_text` parts.
@@ -311,8 +348,8 @@ fn content_text(at: &str, parts: &[Value]) -> Result<String, ApiError> {
         let kind = part.get("type").and_then(Value::as_str);
         match (kind, part.get("text").and_then(Value::as_str)) {
             (Some("input_text" | "output_text" | "text"), Some(t)) => text.push_str(t),
-            (Some("input_image" | "input_file"), _) => {
-                let message = "image and file input is not supported by this server yet";
+            (Some("input_file"), _) => {
+                let message = "file input is not supported by this server";
                 return Err(ApiError::invalid(format!("{at}[{j}]"), message));
             }
             _ => return Err(type_error(&format!("{at}[{j}]"), "an `input_text` part")),

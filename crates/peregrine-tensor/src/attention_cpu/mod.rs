@@ -396,11 +396,10 @@ impl Shape {
         let task = |t: usize| -> Option<(Task<S::Rows>, usize)> {
             let (kvh, i, bi) = (t % kv_heads, t / kv_heads % q_len, t / kv_heads / q_len);
             let pos = mask.q_start + i;
-            // Visible keys: k_start + j ≤ pos, and pos - (k_start + j) < window.
-            let hi = (pos + 1).saturating_sub(mask.k_start).min(self.k_len);
-            let lo = mask.window.map_or(0, |w| {
-                (pos + 1).saturating_sub(w).saturating_sub(mask.k_start)
-            });
+            // Visible keys: k_start + j ≤ pos, and pos - (k_start + j) < window (or a span's).
+            let (lo, hi) = mask.keys_of(pos);
+            let hi = hi.saturating_sub(mask.k_start).min(self.k_len);
+            let lo = lo.saturating_sub(mask.k_start);
             (lo < hi).then(|| {
                 let task = Task {
                     queries: qv.rows(q, [bi, kvh * groups, i], 1, groups, d),

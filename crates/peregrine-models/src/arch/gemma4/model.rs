@@ -13,8 +13,8 @@ use peregrine_tensor::{DType, Device, Embedding, QLinear, RopeScaling, RotaryEmb
 use crate::config::PerLayerInput;
 use crate::layers::attention::{Attention, KvProjections};
 use crate::layers::batch::{
-    BatchSeq, Segment, batch_logits, check_batch, moe_limits, record_hidden, run_layers,
-    stacked_ids,
+    BatchSeq, Segment, batch_logits, check_batch, check_media, moe_limits, record_hidden,
+    run_layers, splice_media, stacked_ids,
 };
 use crate::layers::decoder::SelfAttention;
 use crate::layers::mlp::GatedMlp;
@@ -235,11 +235,17 @@ impl GemmaLm {
 
     /// The last layer's output `[1, rows, hidden]` for the stacked new tokens of `batch`.
     fn hidden(&self, batch: &mut [BatchSeq]) -> Result<Tensor> {
-        check_batch(batch, self.rope_global.max_positions())?;
+        let max = self.rope_global.max_positions();
+        match self.per_layer_inputs {
+            // Gemma 4's per-layer inputs of image tokens are not wired up yet.
+            Some(_) => check_batch(batch, max)?,
+            None => check_media(batch, max)?,
+        }
         let eps = self.config.rms_norm_eps as f32;
         let ids = Tensor::new(stacked_ids(batch), &self.device)?.unsqueeze(0)?; // [1, rows]
         let x = self.embed_tokens.forward(&ids, self.dtype)?;
-        let x = x.broadcast_mul(&self.embed_scale)?; // [1, rows, hidden]
+        // [1, rows, hidden]; image rows replace their tokens' embeddings unscaled.
+        let x = splice_media(x.broadcast_mul(&self.embed_scale)?, batch)?;
         let layers = self.layers.len();
         let inputs = (self.per_layer_inputs.as_ref())
             .map(|p| p.forward(&ids, &x, layers, eps))
@@ -275,11 +281,7 @@ impl GemmaLm {
                 _ => (kv.full, None),
             };
             let mut view = SharedView::new(&*target.layer(slot), last);
-            let mut segment = [Segment {
-                cache: &mut view,
-                start: pos,
-                len: 1,
-            }];
+            let mut segment = [Segment::causal(&mut view, pos, 1)];
             x = layer.forward(&x, None, eps, self.rope(layer), (&mut segment, &[]))?;
         }
         Ok(rms_norm(&x, &self.norm, eps)?)

@@ -167,11 +167,7 @@ impl<A: SelfAttention> MtpHead<A> {
             if let Some(hidden) = hidden {
                 let cache = state.cache();
                 let (start, len) = (cache.len(), tokens.len());
-                let mut segment = [Segment {
-                    cache: cache.layer(0),
-                    start,
-                    len,
-                }];
+                let mut segment = [Segment::causal(cache.layer(0), start, len)];
                 self.forward(lm, &hidden, tokens, &mut segment)?;
             }
             let values = rows.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
@@ -191,11 +187,7 @@ impl<A: SelfAttention> MtpHead<A> {
     ) -> Result<()> {
         let h = Tensor::from_slice(hidden, (1, 1, hidden.len()), &lm.device)?;
         let start = cache.len();
-        let mut segment = [Segment {
-            cache: cache.layer(0),
-            start,
-            len: 1,
-        }];
+        let mut segment = [Segment::causal(cache.layer(0), start, 1)];
         let y = self.forward(lm, &h, &[token], &mut segment)?;
         let f32_row = |t: &Tensor| -> Result<Vec<f32>> {
             Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)

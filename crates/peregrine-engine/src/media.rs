@@ -1,0 +1,187 @@
+//! Images in prompts: the chat template marks each image part, the marker expands into the
+//! family's run of image tokens, the vision tower encodes the picture, and prefill feeds the
+//! tower's rows in place of those tokens' embeddings, a whole run in one pass (its tokens may
+//! attend to each other both ways).
+
+use std::sync::Arc;
+
+use peregrine_models::Media;
+use peregrine_models::vision::{ImageEncoder, RgbImage};
+use peregrine_tensor::Tensor;
+use peregrine_tensor::device::in_compute_pool;
+
+use crate::error::EngineError;
+use crate::tokenizer::Tokenizer;
+
+/// One image's rows and where its run of image tokens starts in the prompt.
+pub(crate) struct ImageSpan {
+    pub start: usize,
+    pub rows: Tensor,
+    pub both_ways: bool,
+}
+
+impl ImageSpan {
+    fn end(&self) -> usize {
+        self.start + self.rows.dim(0).unwrap_or(0)
+    }
+}
+
+/// The error for a request whose images cannot be used.
+fn refuse(message: String) -> EngineError {
+    EngineError::Unsupported {
+        param: "messages",
+        message,
+    }
+}
+
+/// `text` (a rendered chat) with each image marker expanded into the image's tokens; the
+/// template must have written one marker per image.
+pub(crate) fn expand_markers(
+    text: &str,
+    images: usize,
+    vision: &dyn ImageEncoder,
+) -> Result<String, EngineError> {
+    let prompt = vision.prompt();
+    let found = text.matches(&prompt.marker).count();
+    if found != images {
+        return Err(refuse(format!(
+            "the request has {images} image(s) but the chat template wrote {found} image \
+             marker(s) (`{}`)",
+            prompt.marker
+        )));
+    }
+    Ok(text.replace(&prompt.marker, &prompt.expansion))
+}
+
+/// Encodes `images` and places each at its run of image tokens in `ids` (the runs in order).
+pub(crate) fn encode(
+    ids: &[u32],
+    images: &[Arc<RgbImage>],
+    vision: &dyn ImageEncoder,
+    tokenizer: &Tokenizer,
+) -> Result<Vec<ImageSpan>, EngineError> {
+    let prompt = vision.prompt();
+    let token = tokenizer.token_to_id(&prompt.image_token).ok_or_else(|| {
+        refuse(format!(
+            "the tokenizer has no image token `{}`",
+            prompt.image_token
+        ))
+    })?;
+    let starts = runs(ids, token, prompt.tokens_per_image);
+    if starts.len() != images.len() {
+        return Err(refuse(format!(
+            "the prompt holds {} run(s) of {} image tokens for {} image(s): image tokens \
+             typed into text are not allowed",
+            starts.len(),
+            prompt.tokens_per_image,
+            images.len()
+        )));
+    }
+    (starts.into_iter().zip(images))
+        .map(|(start, image)| {
+            let rows = in_compute_pool(|| -> peregrine_models::Result<Tensor> {
+                let pixels = vision.preprocess(image)?;
+                vision.encode(&pixels)
+            })?;
+            Ok(ImageSpan {
+                start,
+                rows,
+                both_ways: prompt.both_ways,
+            })
+        })
+        .collect()
+}
+
+/// Where each maximal run of `token` in `ids` starts, when every run is `len` long; a run of
+/// another length yields none (so the count check fails).
+fn runs(ids: &[u32], token: u32, len: usize) -> Vec<usize> {
+    let mut starts = Vec::new();
+    let mut i = 0;
+    while i < ids.len() {
+        if ids[i] != token {
+            i += 1;
+            continue;
+        }
+        let n = ids[i..].iter().take_while(|&&t| t == token).count();
+        if n != len {
+            return Vec::new();
+        }
+        starts.push(i);
+        i += n;
+    }
+    starts
+}
+
+/// The prompt chunk from `fed` that the scheduler offered (`k` tokens), fitted to the images:
+/// a chunk never splits a run (it ends before a run it would cut, or takes a run it starts
+/// with whole) and holds at most one.
+pub(crate) fn fit_chunk(spans: &[ImageSpan], fed: usize, k: usize) -> usize {
+    if k == 0 {
+        return 0;
+    }
+    let mut end = fed + k;
+    let mut held = false;
+    for s in spans.iter().filter(|s| s.end() > fed) {
+        if s.start >= end {
+            break;
+        }
+        if held || s.start > fed && s.end() > end {
+            // A second run, or one the chunk would cut: stop before it.
+            end = s.start;
+            break;
+        }
+        end = end.max(s.end());
+        held = true;
+    }
+    end - fed
+}
+
+/// The image rows of the chunk `fed..fed + k` (at most one run, as [`fit_chunk`] makes them).
+pub(crate) fn media_in(spans: &[ImageSpan], fed: usize, k: usize) -> Option<Media<'_>> {
+    let s = spans
+        .iter()
+        .find(|s| s.start >= fed && s.end() <= fed + k)?;
+    Some(Media {
+        offset: s.start - fed,
+        rows: &s.rows,
+        both_ways: s.both_ways,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use peregrine_tensor::{DType, Device};
+
+    fn span(start: usize, n: usize) -> ImageSpan {
+        let rows = Tensor::zeros((n, 2), DType::F32, &Device::Cpu).unwrap();
+        ImageSpan {
+            start,
+            rows,
+            both_ways: true,
+        }
+    }
+
+    #[test]
+    fn chunks_never_split_an_image_and_hold_one_at_most() {
+        let spans = [span(10, 16), span(30, 16)];
+        assert_eq!(fit_chunk(&spans, 0, 8), 8); // before the first image
+        assert_eq!(fit_chunk(&spans, 0, 12), 10); // would cut it: stop before
+        assert_eq!(fit_chunk(&spans, 10, 4), 16); // starts with it: takes it whole
+        assert_eq!(fit_chunk(&spans, 0, 40), 30); // the first whole, not the second
+        assert_eq!(fit_chunk(&spans, 26, 100), 100); // the second whole
+        assert_eq!(fit_chunk(&spans, 46, 7), 7); // past both
+        assert_eq!(fit_chunk(&spans, 0, 0), 0);
+        assert_eq!(fit_chunk(&[], 0, 5), 5);
+        let m = media_in(&spans, 5, 25).unwrap();
+        assert_eq!((m.offset, m.rows.dim(0).unwrap()), (5, 16));
+        assert!(media_in(&spans, 0, 8).is_none());
+    }
+
+    #[test]
+    fn runs_of_image_tokens_are_found_and_odd_lengths_refused() {
+        assert_eq!(runs(&[1, 7, 7, 2, 7, 7], 7, 2), [1, 4]);
+        assert!(runs(&[1, 7, 7, 7], 7, 2).is_empty());
+        assert!(runs(&[1, 2], 7, 2).is_empty());
+    }
+}

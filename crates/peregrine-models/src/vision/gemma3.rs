@@ -1,0 +1,191 @@
+//! Gemma 3's image input (`Gemma3ForConditionalGeneration`):
+//! <https://github.com/huggingface/transformers/blob/main/src/transformers/models/gemma3/modeling_gemma3.py>
+//!
+//! The processor resizes every picture to the tower's square size (no pan-and-scan), rescales and
+//! normalises it; the SigLIP tower's patches are average-pooled to `mm_tokens_per_image` rows,
+//! RMS-normalised (`1 + w`) and projected into the text model's width. In the prompt each
+//! `<start_of_image>` becomes `\n\n<start_of_image>` + that many `<image_soft_token>` +
+//! `<end_of_image>\n\n`; the soft tokens' embeddings are the projected rows (not scaled by
+//! `sqrt(hidden)`), and they attend to each other both ways.
+
+use std::path::Path;
+
+use peregrine_tensor::ops::rms_norm;
+use peregrine_tensor::{DType, Tensor};
+
+use super::image::RgbImage;
+use super::resize::{Filter, resize, to_chw_normalized};
+use super::siglip::{SiglipConfig, SiglipVision};
+use super::{ImageEncoder, ImagePrompt};
+use crate::Result;
+use crate::config::{Fields, read_json_object};
+use crate::weights::Weights;
+
+/// The image processor's settings (`preprocessor_config.json`, Gemma3ImageProcessor).
+#[derive(Debug, Clone, PartialEq)]
+struct Processor {
+    filter: Filter,
+    rescale: f64,
+    mean: [f32; 3],
+    std: [f32; 3],
+}
+
+impl Processor {
+    fn read(dir: &Path, image_size: usize) -> Result<Self> {
+        let path = dir.join("preprocessor_config.json");
+        let map = read_json_object(&path)?;
+        let f = Fields::new(&path, &map);
+        let size = f.object("size")?;
+        let side = |key| -> Result<Option<usize>> {
+            match &size {
+                Some(s) => s.opt_usize(key),
+                None => Ok(None),
+            }
+        };
+        for key in ["height", "width"] {
+            if side(key)?.is_some_and(|v| v != image_size) {
+                return Err(f.err(format!(
+                    "field `size.{key}` differs from the vision tower's image_size {image_size}"
+                )));
+            }
+        }
+        if f.opt_bool("do_pan_and_scan")? == Some(true) {
+            return Err(f.err("field `do_pan_and_scan: true` is not supported yet".into()));
+        }
+        for key in ["do_resize", "do_rescale", "do_normalize"] {
+            if f.opt_bool(key)? == Some(false) {
+                return Err(f.err(format!("field `{key}: false` is not supported")));
+            }
+        }
+        let code = f.opt_usize("resample")?.unwrap_or(2);
+        let filter = Filter::from_pil(code as u32).ok_or_else(|| {
+            f.err(format!(
+                "field `resample`: PIL filter {code} is not supported"
+            ))
+        })?;
+        let triple = |key: &str| -> Result<[f32; 3]> {
+            match f.get(key) {
+                None => Ok([0.5; 3]),
+                Some(_) => {
+                    let v = f.f64_list(key)?;
+                    match v.as_slice() {
+                        [a, b, c] => Ok([*a as f32, *b as f32, *c as f32]),
+                        _ => Err(f.err(format!("field `{key}` must hold 3 numbers"))),
+                    }
+                }
+            }
+        };
+        Ok(Self {
+            filter,
+            rescale: f.opt_f64("rescale_factor")?.unwrap_or(1.0 / 255.0),
+            mean: triple("image_mean")?,
+            std: triple("image_std")?,
+        })
+    }
+}
+
+/// Gemma 3's vision tower, projector and processor.
+pub struct Gemma3Vision {
+    tower: SiglipVision,
+    /// `[vision hidden, text hidden]`, applied as `x · W` (HF stores it that way round).
+    projection: Tensor,
+    norm: Tensor,
+    eps: f32,
+    /// Patches per side pooled into one row.
+    pool: usize,
+    processor: Processor,
+    prompt: ImagePrompt,
+    dtype: DType,
+}
+
+impl Gemma3Vision {
+    /// Loads from an HF checkpoint folder whose `config.json` (`config_fields`) has a
+    /// `vision_config`; tensors `vision_tower.vision_model.*` and `multi_modal_projector.*`.
+    pub fn load(dir: &Path, fields: &Fields, w: &Weights) -> Result<Self> {
+        let vision = fields
+            .object("vision_config")?
+            .ok_or_else(|| fields.err("missing `vision_config`".into()))?;
+        let text = fields
+            .object("text_config")?
+            .ok_or_else(|| fields.err("missing `text_config`".into()))?;
+        let config = SiglipConfig::from_fields(&vision)?;
+        let text_hidden = text.usize("hidden_size")?;
+        let tokens = fields.opt_usize("mm_tokens_per_image")?.unwrap_or(256);
+        let side = config.patches_per_side();
+        let per_side = (tokens as f64).sqrt().round() as usize;
+        if per_side * per_side != tokens || per_side == 0 || side % per_side != 0 {
+            return Err(fields.err(format!(
+                "field `mm_tokens_per_image` {tokens}: must be a square whose side divides the \
+                 {side} patches per side"
+            )));
+        }
+        let vh = config.hidden_size;
+        let projector = "multi_modal_projector";
+        let projection = w.tensor(
+            &format!("{projector}.mm_input_projection_weight"),
+            &[vh, text_hidden],
+        )?;
+        // Gemma's RMSNorm scales by `1 + w`.
+        let norm = (w.tensor(&format!("{projector}.mm_soft_emb_norm.weight"), &[vh])? + 1.0)?;
+        let eps = config.eps as f32;
+        let processor = Processor::read(dir, config.image_size)?;
+        let tower = SiglipVision::load(config, w, "vision_tower.vision_model")?;
+        let token = |key: &str, default: &str| -> Result<String> {
+            Ok(fields.opt_str(key)?.unwrap_or(default).to_string())
+        };
+        let (boi, eoi) = ("<start_of_image>", "<end_of_image>");
+        let soft = token("image_token", "<image_soft_token>")?;
+        let prompt = ImagePrompt {
+            marker: boi.to_string(),
+            expansion: format!("\n\n{boi}{}{eoi}\n\n", soft.repeat(tokens)),
+            image_token: soft,
+            tokens_per_image: tokens,
+            both_ways: true,
+        };
+        Ok(Self {
+            tower,
+            projection,
+            norm,
+            eps,
+            pool: side / per_side,
+            processor,
+            prompt,
+            dtype: w.dtype(),
+        })
+    }
+}
+
+impl ImageEncoder for Gemma3Vision {
+    fn preprocess(&self, image: &RgbImage) -> Result<Tensor> {
+        let s = self.tower.config().image_size;
+        let p = &self.processor;
+        let resized = resize(image, s, s, p.filter);
+        let values = to_chw_normalized(&resized, p.rescale, p.mean, p.std);
+        Ok(Tensor::from_vec(
+            values,
+            (3, s, s),
+            &peregrine_tensor::Device::Cpu,
+        )?)
+    }
+
+    fn encode(&self, pixels: &Tensor) -> Result<Tensor> {
+        let device = self.projection.device();
+        let x = self.tower.forward(&pixels.to_device(device)?)?; // [patches, hidden]
+        let (n, h) = x.dims2()?;
+        let side = (n as f64).sqrt() as usize;
+        let (k, t) = (self.pool, side / self.pool);
+        // Average pooling k×k over the patch grid (rows `ty·k + ky`, columns `tx·k + kx`).
+        let pooled = (x.to_dtype(DType::F32)?.reshape((t, k, t, k, h))?)
+            .sum(3)?
+            .sum(1)?
+            .affine(1.0 / (k * k) as f64, 0.0)?
+            .reshape((t * t, h))?;
+        let normed = rms_norm(&pooled, &self.norm.to_dtype(DType::F32)?, self.eps)?;
+        let rows = normed.matmul(&self.projection.to_dtype(DType::F32)?)?;
+        Ok(rows.to_dtype(self.dtype)?)
+    }
+
+    fn prompt(&self) -> &ImagePrompt {
+        &self.prompt
+    }
+}

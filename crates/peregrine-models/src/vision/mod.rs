@@ -1,0 +1,93 @@
+//! Image input: decoding, the HF image processors' resampling, and vision towers with their
+//! projectors. A VLM checkpoint loads twice: its language model through the registry (as a
+//! text model), its vision tower here ([`load_vision`]); the engine splices the tower's rows
+//! into the prompt where the image tokens stand.
+//!
+//! [`decode_image`] turns PNG, JPEG or WebP bytes into 8-bit RGB as
+//! transformers' `convert_to_rgb` does with PIL (transparency composited onto white);
+//! [`resize`](resize::resize) is PIL's `Image.resize`, and
+//! [`to_chw_normalized`](resize::to_chw_normalized) the processors' rescale and normalise: together
+//! they give the pixel values of an HF image processor run with the PIL backend.
+
+pub mod gemma3;
+pub mod image;
+pub mod resize;
+pub mod siglip;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use peregrine_tensor::device::compute_dtype;
+use peregrine_tensor::{Device, Tensor};
+
+use crate::config::{Fields, read_json_object};
+use crate::weights::{SafetensorsFiles, Source, Weights};
+use crate::{ModelError, Result};
+pub use image::{ImageLimits, MediaError, RgbImage, decode_image};
+
+/// How a prompt stands for one image.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImagePrompt {
+    /// What the chat template writes for an image part (Gemma 3: `<start_of_image>`).
+    pub marker: String,
+    /// What the processor puts in the marker's place, holding `tokens_per_image` image tokens.
+    pub expansion: String,
+    /// The token that stands for each of the image's rows.
+    pub image_token: String,
+    /// Rows (image tokens) per image.
+    pub tokens_per_image: usize,
+    /// Whether an image's tokens attend to each other both ways (Gemma 3) or causally.
+    pub both_ways: bool,
+}
+
+/// A vision tower with its projector and its processor's settings: pictures in, rows of the
+/// text model's input embeddings out.
+pub trait ImageEncoder: Send + Sync {
+    /// The family's HF image processor on one decoded picture: `[3, h, w]` f32 pixel values.
+    fn preprocess(&self, image: &RgbImage) -> Result<Tensor>;
+    /// The rows (`[tokens_per_image, text hidden]`, the text model's dtype and device) that
+    /// replace one picture's image tokens in the prompt.
+    fn encode(&self, pixels: &Tensor) -> Result<Tensor>;
+    /// How the prompt stands for an image.
+    fn prompt(&self) -> &ImagePrompt;
+}
+
+/// The vision tower of the HF checkpoint folder `dir`, when its `config.json` has a
+/// `vision_config`; `None` for text models, GGUF files and other paths.
+pub fn load_vision(dir: &Path, device: &Device) -> Result<Option<Arc<dyn ImageEncoder>>> {
+    let config_path = dir.join("config.json");
+    if !dir.is_dir() || !config_path.is_file() {
+        return Ok(None);
+    }
+    let map = read_json_object(&config_path)?;
+    let fields = Fields::new(&config_path, &map);
+    let Some(vision) = fields.object("vision_config")? else {
+        return Ok(None);
+    };
+    let model_type = fields.opt_str("model_type")?.unwrap_or_default();
+    let tower = vision.opt_str("model_type")?.unwrap_or_default();
+    if model_type != "gemma3" {
+        return Err(ModelError::config(
+            &config_path,
+            format!(
+                "`{model_type}` vision-language checkpoints are not supported yet (Gemma 3 is)"
+            ),
+        ));
+    }
+    if tower != "siglip_vision_model" {
+        return Err(ModelError::config(
+            &config_path,
+            format!(
+                "vision_config: tower `{tower}` is not supported (Gemma 3's is `siglip_vision_model`)"
+            ),
+        ));
+    }
+    let files = SafetensorsFiles::open_dir(dir)?;
+    let weights = Weights::new(
+        Source::Safetensors(files),
+        device.clone(),
+        compute_dtype(device),
+    );
+    let encoder = gemma3::Gemma3Vision::load(dir, &fields, &weights)?;
+    Ok(Some(Arc::new(encoder)))
+}

@@ -1,0 +1,163 @@
+//! Images through the OpenAI chat API, black-box: the tiny Gemma 3 VLM fixture served, a PNG
+//! sent as a base64 `data:` URL, and the answer's first-token log-probability checked against
+//! transformers' logits for the same image and prompt (tests/fixtures/vlm/gemma3, made by
+//! scripts/fixtures/make_vlm.py). Then every kind of bad media: each a 400 naming its part.
+
+mod support;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD;
+use peregrine_engine::tensor::candle::safetensors::load;
+use peregrine_engine::tensor::{D, DType, Device};
+use serde_json::{Value, json};
+use support::{Reply, Server};
+
+const CHAT: &str = "/v1/chat/completions";
+
+fn vlm() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/vlm/gemma3")
+}
+
+fn data_url(bytes: &[u8]) -> String {
+    format!("data:image/png;base64,{}", STANDARD.encode(bytes))
+}
+
+/// The fixture's prompt: its image, then its text, in one user message.
+fn ask(url: &str) -> Value {
+    json!({"model": "tiny", "temperature": 0, "max_tokens": 2, "logprobs": true,
+           "messages": [{"role": "user", "content": [
+               {"type": "image_url", "image_url": {"url": url}},
+               {"type": "text", "text": "Describe this image in one sentence."}]}]})
+}
+
+fn assert_bad(reply: &Reply, param: &str, says: &str) {
+    assert_eq!(reply.status, 400, "{}", reply.body);
+    let error = &reply.json()["error"];
+    assert_eq!(error["param"], param, "{}", reply.body);
+    let message = error["message"].as_str().unwrap_or_default();
+    assert!(message.contains(says), "`{says}` not in: {message}");
+}
+
+#[test]
+fn an_image_answer_matches_transformers_and_bad_media_is_refused() {
+    let server = Server::start_model(&vlm().join("hf"), &[]);
+    let png = std::fs::read(vlm().join("image.png")).unwrap();
+    let reply = server.post(CHAT, &ask(&data_url(&png)));
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let body = reply.json();
+    // The processor's prompt: 54 tokens, 16 of them the image's.
+    let r = load(vlm().join("hf/reference.safetensors"), &Device::Cpu).unwrap();
+    let ids = r["input_ids"]
+        .to_dtype(DType::U32)
+        .unwrap()
+        .to_vec1::<u32>()
+        .unwrap();
+    assert_eq!(body["usage"]["prompt_tokens"], ids.len(), "{body}");
+    // The first token's log-probability, against log-softmax of transformers' last logits
+    // (1e-3, as the model tests: f32 on both sides, summation order apart) over the
+    // tokenizer's ids (the head's padding rows are never drawn, so they hold no probability).
+    let vocab = peregrine_engine::Tokenizer::from_dir(&vlm().join("hf")).unwrap().vocab_size();
+    let last = r["logits"].get(ids.len() - 1).unwrap().narrow(0, 0, vocab).unwrap();
+    let logp = peregrine_engine::tensor::nn::ops::log_softmax(&last, D::Minus1).unwrap();
+    let greedy = r["greedy_ids"]
+        .to_dtype(DType::U32)
+        .unwrap()
+        .to_vec1::<u32>()
+        .unwrap();
+    let expected = logp
+        .get(greedy[0] as usize)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let got = body["choices"][0]["logprobs"]["content"][0]["logprob"]
+        .as_f64()
+        .expect("a logprob") as f32;
+    assert!((got - expected).abs() < 1e-3, "logprob {got} vs {expected}");
+
+    // Bad media: nothing decoded past the checks, nothing read from disk, no panic.
+    let part = "messages[0].content[0]";
+    let mut huge = png[..33].to_vec(); // signature + IHDR, its size rewritten
+    huge[16..24].copy_from_slice(&[0, 0, 0x4e, 0x20, 0, 0, 0x4e, 0x20]); // 20000 × 20000
+    let crc = crc32(&huge[12..29]);
+    huge[29..33].copy_from_slice(&crc.to_be_bytes());
+    huge.extend_from_slice(&png[33..]); // the photo's own (far too short) pixel data
+    for (url, says) in [
+        ("data:image/png;base64,%%%%".to_string(), "base64"),
+        (data_url(b"GIF? no, plain text"), "cannot be used"),
+        (data_url(&png[..200]), "cannot be used"),
+        (data_url(&huge), "20000"),
+        ("http://example.test/cat.png".to_string(), "remote"),
+        (
+            "file:///etc/passwd".to_string(),
+            "local files are never read",
+        ),
+    ] {
+        let reply = server.post(CHAT, &ask(&url));
+        assert_bad(&reply, part, says);
+    }
+    // The server still answers.
+    assert_eq!(server.post(CHAT, &ask(&data_url(&png))).status, 200);
+
+    // Anthropic's base64 image blocks, behind a system prompt (one more chat message): the
+    // same answer, and errors name the Anthropic block.
+    let b64 = STANDARD.encode(&png);
+    let anthropic = |data: &str| {
+        json!({"model": "tiny", "max_tokens": 2, "temperature": 0, "system": "Be brief.",
+               "messages": [{"role": "user", "content": [
+                   {"type": "text", "text": "Look:"},
+                   {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                "data": data}}]}]})
+    };
+    let reply = server.post("/v1/messages", &anthropic(&b64));
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let tokens = reply.json()["usage"]["input_tokens"].as_u64().unwrap_or(0);
+    assert!(
+        tokens > 16,
+        "the image's 16 tokens and the text: {}",
+        reply.body
+    );
+    let reply = server.post("/v1/messages", &anthropic("bm90IGFuIGltYWdl"));
+    assert_eq!(reply.status, 400, "{}", reply.body);
+    let message = reply.json()["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    // Anthropic's errors carry no `param`: the message names the block.
+    assert!(
+        message.starts_with("messages[0].content[1]: the image cannot be used"),
+        "{message}"
+    );
+    // Responses' input_image parts.
+    let responses = json!({"model": "tiny", "max_output_tokens": 16, "input": [
+        {"role": "user", "content": [
+            {"type": "input_image", "image_url": data_url(&png)},
+            {"type": "input_text", "text": "Describe this image in one sentence."}]}]});
+    let reply = server.post("/v1/responses", &responses);
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(
+        reply.json()["usage"]["input_tokens"],
+        ids.len(),
+        "{}",
+        reply.body
+    );
+}
+
+#[test]
+fn a_text_model_refuses_an_image_naming_the_part() {
+    let server = Server::start(&[]);
+    let png = std::fs::read(vlm().join("image.png")).unwrap();
+    let reply = server.post(CHAT, &ask(&data_url(&png)));
+    assert_bad(&reply, "messages[0].content[0]", "no image input");
+}
+
+/// CRC-32 (IEEE) as PNG chunks carry it.
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in bytes {
+        crc ^= b as u32;
+        for _ in 0..8 {
+            crc = (crc >> 1) ^ (0xEDB8_8320 & (crc & 1).wrapping_neg());
+        }
+    }
+    !crc
+}

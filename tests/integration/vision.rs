@@ -1,0 +1,110 @@
+//! Images through the engine on the tiny Gemma 3 VLM fixture: the prompt cache never hands one
+//! picture's keys and values to a request about another (image tokens do not say which picture
+//! they stand for), several images in one prompt go in as separate runs, and a request whose
+//! images do not match the template's markers is refused.
+
+use std::sync::Arc;
+
+use peregrine::engine::ChatMessage;
+use peregrine::models::vision::{RgbImage, decode_image};
+use peregrine::{Engine, EngineConfig, Event, Prompt, Request};
+
+use crate::common::repo_root;
+
+fn photo(rel: &str) -> Arc<RgbImage> {
+    let bytes = std::fs::read(repo_root().join("tests/fixtures/vlm/gemma3").join(rel)).unwrap();
+    Arc::new(decode_image(&bytes, &Default::default()).unwrap())
+}
+
+/// A user turn with `images` image parts, then the question.
+fn ask(images: &[Arc<RgbImage>]) -> Request {
+    let mut parts: Vec<serde_json::Value> = (images.iter())
+        .map(|_| serde_json::json!({"type": "image"}))
+        .collect();
+    parts.push(serde_json::json!({"type": "text", "text": "Describe this image."}));
+    let message = ChatMessage {
+        content: serde_json::Value::Array(parts),
+        ..ChatMessage::text("user", "")
+    };
+    let mut request = Request::new(Prompt::Chat {
+        messages: vec![message],
+        template_kwargs: Default::default(),
+    });
+    request.images = images.to_vec();
+    request.sampling.temperature = 0.0;
+    request.max_tokens = Some(1);
+    request.logprobs = Some(4);
+    request
+}
+
+/// The first token's top log-probabilities, and the prompt tokens the cache supplied.
+fn first_token(engine: &Engine, request: Request) -> (Vec<(u32, f32)>, usize) {
+    let mut top = None;
+    for event in engine.submit(request).unwrap() {
+        match event {
+            Event::Delta { logprobs, .. } => top = top.or(logprobs.first().map(|l| l.top.clone())),
+            Event::Done { usage, .. } => return (top.expect("a token"), usage.cached_tokens),
+            Event::Error(e) => panic!("{e}"),
+        }
+    }
+    panic!("no Done event")
+}
+
+fn engine() -> Engine {
+    let dir = repo_root().join("tests/fixtures/vlm/gemma3/hf");
+    Engine::load(&dir, EngineConfig::default()).expect("the VLM fixture loads")
+}
+
+#[test]
+fn the_prompt_cache_never_serves_another_pictures_tokens() {
+    let (astronaut, coffee) = (photo("image.png"), photo("images/small.png"));
+    let fresh = |image: &Arc<RgbImage>| first_token(&engine(), ask(std::slice::from_ref(image))).0;
+    let (alone_a, alone_c) = (fresh(&astronaut), fresh(&coffee));
+    // The comparison can fail: the two pictures give different distributions.
+    assert_ne!(alone_a, alone_c);
+    let shared = engine();
+    let (a, _) = first_token(&shared, ask(std::slice::from_ref(&astronaut)));
+    let (c, cached) = first_token(&shared, ask(std::slice::from_ref(&coffee)));
+    let (a2, _) = first_token(&shared, ask(&[astronaut]));
+    assert_eq!((a, c, a2), (alone_a.clone(), alone_c, alone_a));
+    // What precedes the image may be reused; nothing from the image on.
+    assert!(cached <= 8, "{cached} cached tokens");
+}
+
+#[test]
+fn two_images_go_in_as_two_runs_and_a_missing_marker_is_refused() {
+    let engine = engine();
+    let two = [photo("image.png"), photo("images/wide.png")];
+    let (both, _) = first_token(&engine, ask(&two));
+    let (one, _) = first_token(&engine, ask(&two[..1]));
+    assert_ne!(both, one, "the second picture changes the answer");
+    // Two pictures, one marker: refused, not silently dropped.
+    let mut request = ask(&two[..1]);
+    request.images = two.to_vec();
+    let err = engine.submit(request).err().expect("refused").to_string();
+    assert!(
+        err.contains("2 image(s)") && err.contains("1 image marker"),
+        "{err}"
+    );
+}
+
+/// The fixture's output head has 512 rows for a tokenizer of 503 ids (real checkpoints pad
+/// theirs too: Gemma 3's 262,208 rows for 262,144 tokens): sampling never draws a padding id,
+/// which no text stands for (it used to end such a request with an error).
+#[test]
+fn sampling_never_draws_the_heads_padding_ids() {
+    let engine = engine();
+    for seed in 0..4 {
+        let mut request = ask(&[photo("image.png")]);
+        request.sampling.temperature = 1.5;
+        request.sampling.seed = Some(seed);
+        request.max_tokens = Some(200);
+        request.ignore_eos = true;
+        for event in engine.submit(request).unwrap() {
+            if let Event::Delta { tokens, .. } = &event {
+                assert!(tokens.iter().all(|&t| t < 503), "{tokens:?}");
+            }
+            assert!(!matches!(event, Event::Error(_)), "{event:?}");
+        }
+    }
+}
