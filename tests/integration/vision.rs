@@ -1,7 +1,8 @@
-//! Images through the engine on the tiny Gemma 3 VLM fixture: the prompt cache never hands one
-//! picture's keys and values to a request about another (image tokens do not say which picture
-//! they stand for), several images in one prompt go in as separate runs, and a request whose
-//! images do not match the template's markers is refused.
+//! Images through the engine on the tiny Gemma 3 VLM fixture: the prompt cache hands a
+//! picture's keys and values only to a request about the same picture (image tokens are keyed
+//! by the picture's digest) and the tower's rows are reused for it, several images in one prompt
+//! go in as separate runs, and a request whose images do not match the template's markers is
+//! refused.
 
 use std::sync::Arc;
 
@@ -56,19 +57,23 @@ fn engine() -> Engine {
 }
 
 #[test]
-fn the_prompt_cache_never_serves_another_pictures_tokens() {
+fn the_prompt_cache_reuses_a_picture_only_for_the_same_picture() {
     let (astronaut, coffee) = (photo("image.png"), photo("images/small.png"));
-    let fresh = |image: &Arc<RgbImage>| first_token(&engine(), ask(std::slice::from_ref(image))).0;
-    let (alone_a, alone_c) = (fresh(&astronaut), fresh(&coffee));
+    let fresh = |image: &Arc<RgbImage>| first_token(&engine(), ask(std::slice::from_ref(image)));
+    let ((alone_a, _), (alone_c, _)) = (fresh(&astronaut), fresh(&coffee));
     // The comparison can fail: the two pictures give different distributions.
     assert_ne!(alone_a, alone_c);
     let shared = engine();
     let (a, _) = first_token(&shared, ask(std::slice::from_ref(&astronaut)));
-    let (c, cached) = first_token(&shared, ask(std::slice::from_ref(&coffee)));
-    let (a2, _) = first_token(&shared, ask(&[astronaut]));
+    let (c, cached_c) = first_token(&shared, ask(std::slice::from_ref(&coffee)));
+    let (a2, cached_a2) = first_token(&shared, ask(&[astronaut]));
     assert_eq!((a, c, a2), (alone_a.clone(), alone_c, alone_a));
-    // What precedes the image may be reused; nothing from the image on.
-    assert!(cached <= 8, "{cached} cached tokens");
+    // Another picture reuses at most what precedes its image tokens (8 here); the same one
+    // reuses the whole prompt but its last token (its 16 image tokens among them).
+    assert!(cached_c <= 8, "{cached_c} cached tokens");
+    assert!(cached_a2 > 8 + 16, "{cached_a2} cached tokens");
+    // And the tower ran once per picture.
+    assert_eq!(shared.image_stats(), (2, 1));
 }
 
 #[test]

@@ -9,104 +9,25 @@ use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
 use std::time::Instant;
 
 use peregrine_models::vision::ImageEncoder;
-use peregrine_models::weights::MlxActivations;
 use peregrine_models::{
-    CausalLm, ExpertOptions, KvOptions, LoadOptions, LoadProgress, Logits, ReadPool, SequenceCache,
-    open_model,
+    CausalLm, KvOptions, LoadOptions, Logits, ReadPool, SequenceCache, open_model,
 };
-use peregrine_tensor::{Device, Tensor};
-use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+use peregrine_tensor::Tensor;
+use tokio::sync::mpsc::unbounded_channel;
 
-use crate::api::{Event, KvRequest, Prompt, Request};
+use crate::api::{KvRequest, Prompt, Request};
 use crate::chat_template::{ChatTemplate, fallback_template};
+pub use crate::config::EngineConfig;
 use crate::constraint::{Compiler, Constraint, Grammar};
 use crate::error::EngineError;
 use crate::kv_budget::{default_kv_budget, kv_bytes};
-use crate::media::ImageSpan;
+use crate::media::{EncodedImages, ImageSpan};
 use crate::prompt_cache::{PromptCache, PromptCacheStats};
 use crate::sequence::prefill;
 use crate::speculative::{SpeculationCounters, SpeculationStats, SpeculativeConfig};
+use crate::stream::ChoiceSink;
+pub use crate::stream::EventStream;
 use crate::tokenizer::Tokenizer;
-
-/// How the engine runs.
-#[derive(Debug, Clone)]
-pub struct EngineConfig {
-    /// Device for weights and compute.
-    pub device: Device,
-    /// Context length; defaults to the model's trained length.
-    pub max_context: Option<usize>,
-    /// Prompt tokens per forward pass during prefill.
-    pub prefill_size: usize,
-    /// Sequences generating at once: their steps share one forward pass (continuous
-    /// batching).
-    pub parallel: usize,
-    /// Tokens one forward pass may take: each decoding sequence's next token, then prompt
-    /// chunks (at most `prefill_size` each) in arrival order.
-    pub batch_tokens: usize,
-    /// Prompt tokens one pass may take while other sequences decode (at most `batch_tokens`):
-    /// small values keep the decodes' inter-token gap close to its unloaded value while a long
-    /// prompt is prefilled, at the cost of that prompt's time to first token.
-    pub prefill_while_decoding: usize,
-    /// How much longer than a step of decodes alone the mean step may be while prompts longer
-    /// than one chunk are prefilled beside decodes: the scheduler measures both and gives such
-    /// prompts as many tokens as fit (a fraction of a token per step where one costs more; at
-    /// most `prefill_while_decoding`). 1 or less turns pacing off.
-    pub decode_stretch: f64,
-    /// Requests that may wait for a free slot before `submit` refuses more.
-    pub queue_size: usize,
-    /// Bytes of KV cache all running requests together may grow to; `None`: half the memory
-    /// available when the engine starts. A request waits until what its prompt and token
-    /// budget can take fits beside the running ones'.
-    pub kv_budget: Option<usize>,
-    /// KV cache storage.
-    pub kv: KvOptions,
-    /// How MLX 4-bit weights are multiplied (8-bit activations by default).
-    pub mlx_activations: MlxActivations,
-    /// Mixture-of-experts settings: experts streamed from disk (a model larger than memory),
-    /// the routed top-k.
-    pub experts: ExpertOptions,
-    /// Finished sequences whose caches are kept for reuse by prompt prefix (0: no prompt cache).
-    pub prompt_cache_entries: usize,
-    /// Bytes of KV the prompt cache may hold.
-    pub prompt_cache_bytes: usize,
-    /// Speculative decoding: where drafts come from and how many a pass verifies (`None`:
-    /// off). Requests opt out with [`Request::speculative`].
-    pub speculative: Option<SpeculativeConfig>,
-    /// Where [`Engine::load`] counts the checkpoint bytes it reads, for a progress display.
-    pub load_progress: Option<Arc<LoadProgress>>,
-    /// Test hook (fault injection): a generation whose prompt text contains this string panics
-    /// after its first token, so tests can see the scheduler survive a bug.
-    #[doc(hidden)]
-    pub panic_marker: Option<String>,
-    /// Fail to load a vision-language checkpoint whose vision tower cannot load, instead of
-    /// serving its text model alone with a warning.
-    pub require_vision: bool,
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        Self {
-            device: Device::Cpu,
-            max_context: None,
-            prefill_size: 512,
-            parallel: 1,
-            batch_tokens: 512,
-            prefill_while_decoding: 512,
-            decode_stretch: 1.5,
-            queue_size: 64,
-            kv_budget: None,
-            kv: KvOptions::default(),
-            mlx_activations: MlxActivations::default(),
-            experts: ExpertOptions::default(),
-            prompt_cache_entries: 4,
-            prompt_cache_bytes: 1 << 30,
-            speculative: None,
-            load_progress: None,
-            panic_marker: None,
-            require_vision: false,
-        }
-    }
-}
 
 pub(crate) struct Job {
     pub request: Request,
@@ -120,19 +41,9 @@ pub(crate) struct Job {
     pub positions: usize,
     /// The prompt's images, encoded, at their runs of image tokens.
     pub images: Vec<ImageSpan>,
-}
-
-/// Where one choice's events go.
-pub(crate) struct ChoiceSink {
-    pub events: UnboundedSender<Event>,
-    pub cancel: Arc<AtomicBool>,
-}
-
-impl ChoiceSink {
-    /// Whether the caller dropped the choice's stream.
-    pub fn cancelled(&self) -> bool {
-        self.cancel.load(Ordering::Relaxed)
-    }
+    /// `ids` as the prompt cache keys them, image tokens named by their pictures (empty
+    /// without images: the ids key the prompt).
+    pub cache_key: Vec<u32>,
 }
 
 /// What the scheduler thread and the engine's handle share.
@@ -140,6 +51,8 @@ pub(crate) struct Shared {
     pub model: Arc<dyn CausalLm>,
     /// The vision tower of a VLM checkpoint.
     pub vision: Option<Arc<dyn ImageEncoder>>,
+    /// Pictures encoded lately, by content.
+    pub encoded: EncodedImages,
     pub tokenizer: Tokenizer,
     template: ChatTemplate,
     pub prefill_size: usize,
@@ -188,37 +101,6 @@ pub struct Engine {
     jobs: SyncSender<Job>,
     queue_size: usize,
     expert_reads: Option<Arc<ReadPool>>,
-}
-
-/// The events of one request. Dropping it cancels the request within one decode step.
-pub struct EventStream {
-    events: UnboundedReceiver<Event>,
-    cancel: Arc<AtomicBool>,
-}
-
-impl EventStream {
-    /// The next event, waiting for it; `None` after the last. Do not call inside an async runtime.
-    pub fn blocking_recv(&mut self) -> Option<Event> {
-        self.events.blocking_recv()
-    }
-
-    /// The next event; `None` after the last.
-    pub async fn recv(&mut self) -> Option<Event> {
-        self.events.recv().await
-    }
-}
-
-impl Iterator for EventStream {
-    type Item = Event;
-    fn next(&mut self) -> Option<Event> {
-        self.blocking_recv()
-    }
-}
-
-impl Drop for EventStream {
-    fn drop(&mut self) {
-        self.cancel.store(true, Ordering::Relaxed);
-    }
 }
 
 impl Engine {
@@ -330,6 +212,7 @@ impl Engine {
         let shared = Arc::new(Shared {
             model,
             vision,
+            encoded: EncodedImages::default(),
             tokenizer,
             template,
             prefill_size: config.prefill_size.max(1),
@@ -441,6 +324,16 @@ impl Engine {
     /// Whether requests may carry images (the model loaded with a vision tower).
     pub fn accepts_images(&self) -> bool {
         self.shared.vision.is_some()
+    }
+
+    /// Pictures run through the vision tower, and pictures whose rows were reused from an
+    /// earlier request, since the engine started.
+    pub fn image_stats(&self) -> (u64, u64) {
+        let e = &self.shared.encoded;
+        (
+            e.encoded.load(Ordering::Relaxed),
+            e.reused.load(Ordering::Relaxed),
+        )
     }
 
     /// Renders and tokenizes a prompt exactly as `submit` will (without images).
@@ -617,7 +510,7 @@ impl Engine {
             (Some(vision), false) => crate::media::encode(
                 &ids,
                 &request.images,
-                vision.as_ref(),
+                (vision.as_ref(), &self.shared.encoded),
                 &self.shared.tokenizer,
             )?,
             _ => Vec::new(),
@@ -633,6 +526,7 @@ impl Engine {
                 (ChoiceSink { events: tx, cancel }, stream)
             })
             .unzip();
+        let cache_key = crate::media::cache_key(&ids, &images);
         let job = Job {
             kv,
             request,
@@ -641,6 +535,7 @@ impl Engine {
             choices,
             reserve,
             positions,
+            cache_key,
             images,
         };
         match self.jobs.try_send(job) {

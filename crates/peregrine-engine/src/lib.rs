@@ -16,6 +16,7 @@
 mod allocator;
 pub mod api;
 pub mod chat_template;
+mod config;
 pub mod constraint;
 pub mod detok;
 mod engine;
@@ -28,6 +29,7 @@ mod scheduler;
 mod sequence;
 pub mod speculative;
 pub mod stop;
+mod stream;
 pub mod tokenizer;
 
 pub use api::{Event, FinishReason, KvRequest, Prompt, Request, Timings, Usage};

@@ -3,12 +3,15 @@
 //! tower's rows in place of those tokens' embeddings, a whole run in one pass (its tokens may
 //! attend to each other both ways).
 
-use std::sync::Arc;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use peregrine_models::Media;
 use peregrine_models::vision::{ImageEncoder, RgbImage};
 use peregrine_tensor::Tensor;
 use peregrine_tensor::device::in_compute_pool;
+use sha2::{Digest, Sha256};
 
 use crate::error::EngineError;
 use crate::tokenizer::Tokenizer;
@@ -18,6 +21,87 @@ pub(crate) struct ImageSpan {
     pub start: usize,
     pub rows: Tensor,
     pub both_ways: bool,
+    /// The picture's content digest, which keys its run in the prompt cache.
+    pub digest: [u8; 32],
+}
+
+/// A picture's content digest: SHA-256 of its size and pixels.
+fn digest(image: &RgbImage) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update((image.width as u64).to_le_bytes());
+    h.update((image.height as u64).to_le_bytes());
+    h.update(&image.data);
+    h.finalize().into()
+}
+
+/// The most pictures whose encoded rows are kept for a follow-up turn.
+const ENCODED_KEPT: usize = 16;
+
+/// Recently encoded pictures by digest, so that a conversation's next turn about the same
+/// picture does not run the vision tower again; with counters for `/metrics`.
+#[derive(Default)]
+pub(crate) struct EncodedImages {
+    kept: Mutex<VecDeque<([u8; 32], Tensor)>>,
+    /// Pictures run through the tower, and pictures whose rows were found here.
+    pub encoded: AtomicU64,
+    pub reused: AtomicU64,
+}
+
+impl EncodedImages {
+    /// The rows of the picture `digest`, from here or from `encode` (then kept, the oldest
+    /// dropped past [`ENCODED_KEPT`]).
+    fn get_or_encode(
+        &self,
+        digest: [u8; 32],
+        encode: impl FnOnce() -> peregrine_models::Result<Tensor>,
+    ) -> peregrine_models::Result<Tensor> {
+        let kept = |q: &mut VecDeque<([u8; 32], Tensor)>| {
+            let i = q.iter().position(|(d, _)| *d == digest)?;
+            let hit = q.remove(i)?;
+            q.push_back(hit.clone());
+            Some(hit.1)
+        };
+        let lock = || self.kept.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(rows) = kept(&mut lock()) {
+            self.reused.fetch_add(1, Ordering::Relaxed);
+            return Ok(rows);
+        }
+        let rows = encode()?;
+        self.encoded.fetch_add(1, Ordering::Relaxed);
+        let mut q = lock();
+        q.push_back((digest, rows.clone()));
+        while q.len() > ENCODED_KEPT {
+            q.pop_front();
+        }
+        Ok(rows)
+    }
+}
+
+/// The ids the prompt cache keys a prompt by: each image token replaced by an id past any
+/// vocabulary (bit 31 set) drawn from its picture's digest and its place in the run, so that
+/// a cached prefix runs through an image only when the picture is the same (a run of 8 or
+/// more tokens carries 248 bits of the digest). Empty for a prompt without images, which
+/// its ids key.
+pub(crate) fn cache_key(ids: &[u32], spans: &[ImageSpan]) -> Vec<u32> {
+    if spans.is_empty() {
+        return Vec::new();
+    }
+    let mut key = ids.to_vec();
+    for s in spans {
+        for (i, id) in key[s.start..s.end()].iter_mut().enumerate() {
+            let word: [u8; 4] = s.digest[4 * (i % 8)..][..4].try_into().expect("4 bytes");
+            *id = 1 << 31 | (u32::from_le_bytes(word) ^ i as u32) & 0x7fff_ffff;
+        }
+    }
+    key
+}
+
+/// How much of a shared prefix of `n` ids may be reused: not into an image's run, which
+/// prefill feeds whole (the run's start instead).
+pub(crate) fn reusable(spans: &[ImageSpan], n: usize) -> usize {
+    (spans.iter())
+        .find(|s| s.start < n && n < s.end())
+        .map_or(n, |s| s.start)
 }
 
 impl ImageSpan {
@@ -57,7 +141,7 @@ pub(crate) fn expand_markers(
 pub(crate) fn encode(
     ids: &[u32],
     images: &[Arc<RgbImage>],
-    vision: &dyn ImageEncoder,
+    (vision, kept): (&dyn ImageEncoder, &EncodedImages),
     tokenizer: &Tokenizer,
 ) -> Result<Vec<ImageSpan>, EngineError> {
     let prompt = vision.prompt();
@@ -79,14 +163,15 @@ pub(crate) fn encode(
     }
     (starts.into_iter().zip(images))
         .map(|(start, image)| {
-            let rows = in_compute_pool(|| -> peregrine_models::Result<Tensor> {
-                let pixels = vision.preprocess(image)?;
-                vision.encode(&pixels)
+            let digest = digest(image);
+            let rows = kept.get_or_encode(digest, || {
+                in_compute_pool(|| vision.encode(&vision.preprocess(image)?))
             })?;
             Ok(ImageSpan {
                 start,
                 rows,
                 both_ways: prompt.both_ways,
+                digest,
             })
         })
         .collect()
@@ -159,6 +244,7 @@ mod tests {
             start,
             rows,
             both_ways: true,
+            digest: [start as u8; 32],
         }
     }
 
@@ -176,6 +262,31 @@ mod tests {
         let m = media_in(&spans, 5, 25).unwrap();
         assert_eq!((m.offset, m.rows.dim(0).unwrap()), (5, 16));
         assert!(media_in(&spans, 0, 8).is_none());
+    }
+
+    #[test]
+    fn cache_keys_name_the_picture_and_reuse_stops_before_a_run() {
+        let spans = [span(2, 3)];
+        let ids = [5, 6, 7, 7, 7, 8];
+        let key = cache_key(&ids, &spans);
+        assert_eq!((key[..2].to_vec(), key[5]), (vec![5, 6], 8));
+        assert!(key[2..5].iter().all(|&k| k >= 1 << 31));
+        let other = cache_key(
+            &ids,
+            &[span(2, 3)].map(|mut s| {
+                s.digest[0] ^= 1;
+                s
+            }),
+        );
+        assert_ne!(key[2], other[2]);
+        assert_eq!(
+            (
+                reusable(&spans, 2),
+                reusable(&spans, 4),
+                reusable(&spans, 5)
+            ),
+            (2, 2, 5)
+        );
     }
 
     #[test]

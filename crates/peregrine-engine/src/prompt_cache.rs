@@ -80,16 +80,29 @@ impl PromptCache {
     /// A cache holding the longest prefix of `ids` that an entry shares (at most all but the
     /// last id, whose logits the caller needs), with its length; `None` when no entry shares
     /// [`MIN_REUSE`] ids or more.
+    #[cfg(test)]
     pub(crate) fn lookup(
         &self,
         ids: &[u32],
         kv: &KvOptions,
         moe_top_k: Option<usize>,
     ) -> Option<(SequenceCache, usize)> {
+        self.lookup_within(ids, kv, moe_top_k, &|n| n)
+    }
+
+    /// [`lookup`](Self::lookup) reusing at most `limit(n)` ids of a prefix of `n` shared ones
+    /// (a prompt with images stops before a run of image tokens it would cut).
+    pub(crate) fn lookup_within(
+        &self,
+        ids: &[u32],
+        kv: &KvOptions,
+        moe_top_k: Option<usize>,
+        limit: &dyn Fn(usize) -> usize,
+    ) -> Option<(SequenceCache, usize)> {
         if self.max_entries == 0 {
             return None;
         }
-        let found = self.find(ids, kv, moe_top_k);
+        let found = self.find(ids, kv, moe_top_k, limit);
         let counter = match found {
             Some((_, n)) => {
                 self.reused_tokens.fetch_add(n as u64, Ordering::Relaxed);
@@ -106,6 +119,7 @@ impl PromptCache {
         ids: &[u32],
         kv: &KvOptions,
         moe_top_k: Option<usize>,
+        limit: &dyn Fn(usize) -> usize,
     ) -> Option<(SequenceCache, usize)> {
         let mut state = self.state();
         let wanted = ids.len().saturating_sub(1);
@@ -113,7 +127,7 @@ impl PromptCache {
         let mut order: Vec<(usize, usize)> = (state.entries.iter().enumerate())
             // Keys computed under other storage or routing are not this request's.
             .filter(|(_, e)| e.kv == *kv && e.cache.moe_top_k() == moe_top_k)
-            .map(|(i, e)| (common_prefix(&e.ids, ids).min(wanted), i))
+            .map(|(i, e)| (limit(common_prefix(&e.ids, ids).min(wanted)), i))
             .filter(|&(n, _)| n >= MIN_REUSE)
             .collect();
         order.sort_by_key(|&(n, i)| (std::cmp::Reverse(n), state.entries[i].ids.len()));

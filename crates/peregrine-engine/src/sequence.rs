@@ -16,11 +16,12 @@ use peregrine_tensor::device::in_compute_pool;
 use crate::api::{Event, FinishReason, Request, Timings, Usage};
 use crate::constraint::{ChoiceMatcher, Constraint};
 use crate::detok::{IncrementalDetokenizer, PROMPT_TAIL};
-use crate::engine::{ChoiceSink, Job, Shared};
+use crate::engine::{Job, Shared};
 use crate::error::EngineError;
 use crate::kv_budget::KvGauge;
 use crate::speculative::{DraftContext, Speculation};
 use crate::stop::StopMatcher;
+use crate::stream::ChoiceSink;
 
 /// Runs the prompt through the model in chunks of `prefill_size`, returning the last
 /// position's logits (or every position's when `want` is `All`): the parity tool's path.
@@ -69,18 +70,18 @@ impl Prefilling {
     pub fn start(shared: &Shared, job: Job) -> Self {
         let queued = job.submitted.elapsed();
         let top_k = job.request.moe_top_k;
-        // Image tokens do not say which picture they stand for: reuse only what precedes the
-        // first image.
-        let reusable = job.images.first().map_or(job.ids.len(), |s| s.start);
-        let (mut cache, cached) =
-            (shared
-                .prompt_cache
-                .lookup(&job.ids[..reusable], &job.kv, top_k))
-            .unwrap_or_else(|| {
-                let mut cache = SequenceCache::new(&shared.model.cache_spec(), &job.kv);
-                cache.set_moe_top_k(top_k);
-                (cache, 0)
-            });
+        // Keyed with image tokens named by their pictures; never reused into an image's run.
+        let limit = |n| crate::media::reusable(&job.images, n);
+        let key = match job.cache_key.is_empty() {
+            true => &job.ids,
+            false => &job.cache_key,
+        };
+        let found = (shared.prompt_cache).lookup_within(key, &job.kv, top_k, &limit);
+        let (mut cache, cached) = found.unwrap_or_else(|| {
+            let mut cache = SequenceCache::new(&shared.model.cache_spec(), &job.kv);
+            cache.set_moe_top_k(top_k);
+            (cache, 0)
+        });
         match shared.speculation_for(&job.request) {
             Some(spec) => (spec.source).prepare(shared.model.as_ref(), &mut cache, &job.kv),
             None => cache.disable_mtp(),
@@ -129,8 +130,12 @@ impl Prefilling {
             ids,
             choices,
             positions,
+            images,
+            cache_key,
             ..
         } = self.job;
+        // Only a prompt with images is keyed otherwise than by its ids.
+        let cache_key: Option<Arc<[u32]>> = (!images.is_empty()).then(|| cache_key.into());
         let (request, ids): (Arc<Request>, Arc<[u32]>) = (Arc::new(request), ids.into());
         let timings = Timings {
             queued: self.queued,
@@ -179,6 +184,7 @@ impl Prefilling {
                 matcher: request.constraint.as_ref().map(Constraint::start),
                 request: request.clone(),
                 ids: ids.clone(),
+                cache_key: cache_key.clone(),
                 sink,
                 cache,
                 kv,
@@ -204,6 +210,8 @@ impl Prefilling {
 pub(crate) struct Decoding {
     request: Arc<Request>,
     ids: Arc<[u32]>,
+    /// The prompt as the prompt cache keys it, where that differs from `ids` (images).
+    cache_key: Option<Arc<[u32]>>,
     pub sink: ChoiceSink,
     pub cache: SequenceCache,
     kv: KvOptions,
@@ -420,16 +428,17 @@ impl Decoding {
             completion_tokens: self.generated.len(),
             cached_tokens: self.cached,
         };
-        // The cache holds the prompt and every generated token but the last (never fed back).
-        let mut held: Vec<u32> = self.ids.iter().chain(&self.generated).copied().collect();
+        // The cache holds the prompt and every generated token but the last (never fed back),
+        // keyed as the prompt cache keys prompts.
+        let prompt = self.cache_key.as_deref().unwrap_or(&self.ids);
+        let mut held: Vec<u32> = prompt.iter().chain(&self.generated).copied().collect();
         held.truncate(self.cache.len());
         // A choice that ended on a kept draft has run drafts past it.
         let excess = self.cache.len() - held.len();
         let whole = excess == 0 || self.cache.trim(excess).is_ok();
         self.gauge.set(0);
         let stop_string = self.stop.matched().map(str::to_string);
-        // A cache that holds images is not stored: its image tokens do not name the pictures.
-        if whole && self.request.images.is_empty() {
+        if whole {
             shared.prompt_cache.store(held, self.cache, self.kv);
         }
         let _ = self.sink.events.send(Event::Done {

@@ -56,8 +56,14 @@ fn an_image_answer_matches_transformers_and_bad_media_is_refused() {
     // The first token's log-probability, against log-softmax of transformers' last logits
     // (1e-3, as the model tests: f32 on both sides, summation order apart) over the
     // tokenizer's ids (the head's padding rows are never drawn, so they hold no probability).
-    let vocab = peregrine_engine::Tokenizer::from_dir(&vlm().join("hf")).unwrap().vocab_size();
-    let last = r["logits"].get(ids.len() - 1).unwrap().narrow(0, 0, vocab).unwrap();
+    let vocab = peregrine_engine::Tokenizer::from_dir(&vlm().join("hf"))
+        .unwrap()
+        .vocab_size();
+    let last = r["logits"]
+        .get(ids.len() - 1)
+        .unwrap()
+        .narrow(0, 0, vocab)
+        .unwrap();
     let logp = peregrine_engine::tensor::nn::ops::log_softmax(&last, D::Minus1).unwrap();
     let greedy = r["greedy_ids"]
         .to_dtype(DType::U32)
@@ -95,8 +101,18 @@ fn an_image_answer_matches_transformers_and_bad_media_is_refused() {
         let reply = server.post(CHAT, &ask(&url));
         assert_bad(&reply, part, says);
     }
-    // The server still answers.
+    // The server still answers, and the same picture is not encoded again.
     assert_eq!(server.post(CHAT, &ask(&data_url(&png))).status, 200);
+    let metrics = server.get("/metrics").body;
+    for line in [
+        "peregrine_images_encoded_total 1",
+        "peregrine_images_reused_total 1",
+    ] {
+        assert!(
+            metrics.lines().any(|l| l == line),
+            "no `{line}` in /metrics"
+        );
+    }
 
     // Anthropic's base64 image blocks, behind a system prompt (one more chat message): the
     // same answer, and errors name the Anthropic block.

@@ -89,6 +89,8 @@ pub struct EngineFigures {
     pub expert_reads: Option<ExpertFigures>,
     /// Speculative decoding's counters (all 0 when it is off).
     pub speculation: SpeculationStats,
+    /// Pictures run through the vision tower, and pictures whose rows were reused.
+    pub images: (u64, u64),
 }
 
 /// What streamed MoE layers read.
@@ -133,6 +135,7 @@ impl Metrics {
             batch_steps,
             expert_reads,
             speculation,
+            images,
         } = engine;
         let count = |c: &AtomicU64| c.load(Ordering::Relaxed) as usize;
         let mut out = String::new();
@@ -296,6 +299,18 @@ impl Metrics {
                 "gauge",
                 "KV cache bytes the prompt cache holds.",
                 cache.bytes,
+            ),
+            (
+                "images_encoded_total",
+                "counter",
+                "Pictures run through the vision tower.",
+                images.0 as usize,
+            ),
+            (
+                "images_reused_total",
+                "counter",
+                "Pictures whose encoded rows were reused from an earlier request.",
+                images.1 as usize,
             ),
         ];
         let streamed = expert_reads.map(|e| {

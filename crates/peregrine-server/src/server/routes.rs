@@ -290,6 +290,7 @@ fn simple_get(
                     hot_hits: p.stats().hot_hits(),
                 }),
                 speculation: e.speculation_stats(),
+                images: e.image_stats(),
             });
             let text = state.metrics.render(state.parallel, figures);
             let mut response = Response::new(sse::full(text));
