@@ -10,6 +10,7 @@
 //! they give the pixel values of an HF image processor run with the PIL backend.
 
 pub mod gemma3;
+pub mod idefics3;
 pub mod image;
 pub mod resize;
 pub mod siglip;
