@@ -71,11 +71,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             tokenizer.eos_token().map(str::to_owned),
         )?;
         let mut text = template.render(&[message], true, &Default::default())?;
-        let p = vision.prompt();
-        text = text.replace(&p.marker, &p.expansion);
+        text = text.replace(&vision.prompt().marker, &vision.expansion(&pixels));
         Ok(tokenizer.encode(&text, false)?)
     };
     let (with, without) = (prompt(true)?, prompt(false)?);
+    if rows.dim(0)? != vision.prompt().run {
+        return Err(
+            "this bench feeds one run of image tokens (Gemma 3's); the model has several".into(),
+        );
+    }
     let image_token = tokenizer.token_to_id(&vision.prompt().image_token);
     let offset = with
         .iter()

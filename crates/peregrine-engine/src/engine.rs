@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
 use std::time::Instant;
 
-use peregrine_models::vision::ImageEncoder;
+use peregrine_models::vision::{ImageEncoder, ImageInput};
 use peregrine_models::{
     CausalLm, KvOptions, LoadOptions, Logits, ReadPool, SequenceCache, open_model,
 };
@@ -141,11 +141,8 @@ impl Engine {
         // A VLM whose tower cannot load still serves text, unless vision is required.
         let vision = match peregrine_models::vision::load_vision(path, &opts.device) {
             Ok(Some(vision)) => {
-                let p = vision.prompt();
-                tracing::info!(
-                    "vision tower loaded: {} tokens per image",
-                    p.tokens_per_image
-                );
+                let run = vision.prompt().run;
+                tracing::info!("vision tower loaded: {run} image tokens per tile");
                 Some(vision)
             }
             Ok(None) if config.require_vision => {
@@ -338,27 +335,41 @@ impl Engine {
 
     /// Renders and tokenizes a prompt exactly as `submit` will (without images).
     pub fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<u32>, EngineError> {
-        self.prompt_ids_with(prompt, 0)
+        self.prompt_ids_with(prompt, &[])
     }
 
     /// The prompt ids `submit` runs for `request`: its prompt's, each image's marker
-    /// expanded into the image's run of tokens.
+    /// expanded into the image's tokens.
     pub fn request_ids(&self, request: &Request) -> Result<Vec<u32>, EngineError> {
-        self.prompt_ids_with(&request.prompt, request.images.len())
+        self.prompt_ids_with(&request.prompt, &self.image_inputs(request)?)
     }
 
-    /// [`prompt_ids`](Self::prompt_ids) of a chat with `images` image parts, each marker the
-    /// template writes expanded into the image's run of tokens.
-    fn prompt_ids_with(&self, prompt: &Prompt, images: usize) -> Result<Vec<u32>, EngineError> {
+    /// `request`'s pictures as the vision tower takes them (none without pictures); refused
+    /// without a tower or a chat.
+    fn image_inputs(&self, request: &Request) -> Result<Vec<ImageInput>, EngineError> {
+        if request.images.is_empty() {
+            return Ok(Vec::new());
+        }
+        match (&self.shared.vision, &request.prompt) {
+            (Some(vision), Prompt::Chat { .. }) => {
+                crate::media::preprocess(&request.images, vision.as_ref())
+            }
+            _ => Err(EngineError::Unsupported {
+                param: "messages",
+                message: "this model takes no image input (it has no vision tower)".into(),
+            }),
+        }
+    }
+
+    /// [`prompt_ids`](Self::prompt_ids) of a chat with `images`, each image's marker the
+    /// template writes expanded into the image's tokens.
+    fn prompt_ids_with(
+        &self,
+        prompt: &Prompt,
+        images: &[ImageInput],
+    ) -> Result<Vec<u32>, EngineError> {
         let tok = &self.shared.tokenizer;
         let vision = self.shared.vision.as_deref();
-        let images_refused = || EngineError::Unsupported {
-            param: "messages",
-            message: "this model takes no image input (it has no vision tower)".into(),
-        };
-        if images > 0 && (vision.is_none() || !matches!(prompt, Prompt::Chat { .. })) {
-            return Err(images_refused());
-        }
         let ids = match prompt {
             Prompt::Text(text) => tok.encode(text, true)?,
             Prompt::Chat {
@@ -369,7 +380,7 @@ impl Engine {
                     .shared
                     .template
                     .render(messages, true, template_kwargs)?;
-                if let (Some(vision), true) = (vision, images > 0) {
+                if let (Some(vision), false) = (vision, images.is_empty()) {
                     text = crate::media::expand_markers(&text, images, vision)?;
                 }
                 // Templates write BOS themselves, as with HF's apply_chat_template.
@@ -493,7 +504,8 @@ impl Engine {
         n: usize,
     ) -> Result<Vec<EventStream>, EngineError> {
         request.sampling.validate()?;
-        let ids = self.prompt_ids_with(&request.prompt, request.images.len())?;
+        let inputs = self.image_inputs(&request)?;
+        let ids = self.prompt_ids_with(&request.prompt, &inputs)?;
         if ids.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
@@ -509,7 +521,7 @@ impl Engine {
         let images = match (&self.shared.vision, request.images.is_empty()) {
             (Some(vision), false) => crate::media::encode(
                 &ids,
-                &request.images,
+                (&request.images, &inputs),
                 (vision.as_ref(), &self.shared.encoded),
                 &self.shared.tokenizer,
             )?,

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use peregrine_models::Media;
-use peregrine_models::vision::{ImageEncoder, RgbImage};
+use peregrine_models::vision::{ImageEncoder, ImageInput, RgbImage};
 use peregrine_tensor::Tensor;
 use peregrine_tensor::device::in_compute_pool;
 use sha2::{Digest, Sha256};
@@ -118,29 +118,45 @@ fn refuse(message: String) -> EngineError {
     }
 }
 
-/// `text` (a rendered chat) with each image marker expanded into the image's tokens; the
-/// template must have written one marker per image.
-pub(crate) fn expand_markers(
-    text: &str,
-    images: usize,
+/// Each picture through the family's image processor.
+pub(crate) fn preprocess(
+    images: &[Arc<RgbImage>],
     vision: &dyn ImageEncoder,
-) -> Result<String, EngineError> {
-    let prompt = vision.prompt();
-    let found = text.matches(&prompt.marker).count();
-    if found != images {
-        return Err(refuse(format!(
-            "the request has {images} image(s) but the chat template wrote {found} image \
-             marker(s) (`{}`)",
-            prompt.marker
-        )));
-    }
-    Ok(text.replace(&prompt.marker, &prompt.expansion))
+) -> Result<Vec<ImageInput>, EngineError> {
+    let inputs = images.iter().map(|image| vision.preprocess(image));
+    Ok(inputs.collect::<peregrine_models::Result<_>>()?)
 }
 
-/// Encodes `images` and places each at its run of image tokens in `ids` (the runs in order).
+/// `text` (a rendered chat) with the k-th image marker expanded into the k-th image's tokens;
+/// the template must have written one marker per image.
+pub(crate) fn expand_markers(
+    text: &str,
+    images: &[ImageInput],
+    vision: &dyn ImageEncoder,
+) -> Result<String, EngineError> {
+    let marker = &vision.prompt().marker;
+    let found = text.matches(marker.as_str()).count();
+    if found != images.len() {
+        return Err(refuse(format!(
+            "the request has {} image(s) but the chat template wrote {found} image marker(s) \
+             (`{marker}`)",
+            images.len()
+        )));
+    }
+    let mut parts = text.split(marker.as_str());
+    let mut out = parts.next().unwrap_or_default().to_string();
+    for (part, image) in parts.zip(images) {
+        out.push_str(&vision.expansion(image));
+        out.push_str(part);
+    }
+    Ok(out)
+}
+
+/// Encodes each picture (or takes its rows from `kept`) and places its rows, one run of image
+/// tokens per tile, at the runs of image tokens in `ids`, in order.
 pub(crate) fn encode(
     ids: &[u32],
-    images: &[Arc<RgbImage>],
+    (images, inputs): (&[Arc<RgbImage>], &[ImageInput]),
     (vision, kept): (&dyn ImageEncoder, &EncodedImages),
     tokenizer: &Tokenizer,
 ) -> Result<Vec<ImageSpan>, EngineError> {
@@ -151,30 +167,34 @@ pub(crate) fn encode(
             prompt.image_token
         ))
     })?;
-    let starts = runs(ids, token, prompt.tokens_per_image);
-    if starts.len() != images.len() {
+    let starts = runs(ids, token, prompt.run);
+    let tiles = (inputs.iter().map(|i| i.tiles.dim(0))).collect::<Result<Vec<_>, _>>();
+    let tiles = tiles.map_err(peregrine_models::ModelError::from)?;
+    if starts.len() != tiles.iter().sum::<usize>() {
         return Err(refuse(format!(
-            "the prompt holds {} run(s) of {} image tokens for {} image(s): image tokens \
+            "the prompt holds {} run(s) of {} image tokens for {} image tile(s): image tokens \
              typed into text are not allowed",
             starts.len(),
-            prompt.tokens_per_image,
-            images.len()
+            prompt.run,
+            tiles.iter().sum::<usize>()
         )));
     }
-    (starts.into_iter().zip(images))
-        .map(|(start, image)| {
-            let digest = digest(image);
-            let rows = kept.get_or_encode(digest, || {
-                in_compute_pool(|| vision.encode(&vision.preprocess(image)?))
-            })?;
-            Ok(ImageSpan {
+    let mut starts = starts.into_iter();
+    let mut spans = Vec::with_capacity(starts.len());
+    for ((image, input), n) in images.iter().zip(inputs).zip(tiles) {
+        let digest = digest(image);
+        let rows = kept.get_or_encode(digest, || in_compute_pool(|| vision.encode(input)))?;
+        for (t, start) in starts.by_ref().take(n).enumerate() {
+            spans.push(ImageSpan {
                 start,
-                rows,
+                rows: (rows.narrow(0, t * prompt.run, prompt.run))
+                    .map_err(peregrine_models::ModelError::from)?,
                 both_ways: prompt.both_ways,
                 digest,
-            })
-        })
-        .collect()
+            });
+        }
+    }
+    Ok(spans)
 }
 
 /// Where each maximal run of `token` in `ids` starts, when every run is `len` long; a run of

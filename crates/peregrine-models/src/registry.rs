@@ -85,12 +85,14 @@ const ARCHITECTURES: &[(&str, Configure, Build)] = &[
 /// Names registered under another one: Gemma 3's text-only HF checkpoints are `gemma3_text`
 /// (its GGUF architecture is `gemma3`); llama.cpp calls Qwen3-MoE `qwen3moe` and DeepSeek-V2/V3
 /// `deepseek2`; Qwen3.5 (dense and MoE) is Qwen3-Next's decoder with its projections apart;
-/// multimodal `gemma4` and `qwen3_5` checkpoints load their text model ([`TEXT_MODELS`]).
+/// multimodal `gemma4` and `qwen3_5` checkpoints load their text model ([`TEXT_MODELS`]), and
+/// SmolVLM's `idefics3` its llama.
 const ALIASES: &[(&str, &str)] = &[
     ("deepseek2", "deepseek_v3"),
     ("falcon-h1", "falcon_h1"),
     ("gemma3_text", "gemma3"),
     ("gemma4", "gemma4_text"),
+    ("idefics3", "llama"),
     ("qwen3_5", "qwen3_next"),
     ("qwen3_5_moe", "qwen3_next"),
     ("qwen3_5_moe_text", "qwen3_next"),
@@ -107,9 +109,13 @@ const ALIASES: &[(&str, &str)] = &[
 const TEXT_MODELS: &[(&str, &[(&str, &str)])] = &[
     ("gemma3", LANGUAGE_MODEL),
     ("gemma4", LANGUAGE_MODEL),
+    ("idefics3", TEXT_MODEL),
     ("qwen3_5", LANGUAGE_MODEL),
     ("qwen3_5_moe", LANGUAGE_MODEL),
 ];
+
+/// Where Idefics3 (SmolVLM) keeps its language model.
+const TEXT_MODEL: &[(&str, &str)] = &[("model.text_model.", "model.")];
 
 /// Where HF and MLX keep a multimodal checkpoint's language model.
 const LANGUAGE_MODEL: &[(&str, &str)] = &[

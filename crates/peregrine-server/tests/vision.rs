@@ -8,14 +8,17 @@ mod support;
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
 use peregrine_engine::tensor::candle::safetensors::load;
+use peregrine_engine::tensor::nn::ops::log_softmax;
 use peregrine_engine::tensor::{D, DType, Device};
 use serde_json::{Value, json};
 use support::{Reply, Server};
 
 const CHAT: &str = "/v1/chat/completions";
 
-fn vlm() -> std::path::PathBuf {
-    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/vlm/gemma3")
+fn vlm(family: &str) -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/vlm")
+        .join(family)
 }
 
 fn data_url(bytes: &[u8]) -> String {
@@ -38,47 +41,57 @@ fn assert_bad(reply: &Reply, param: &str, says: &str) {
     assert!(message.contains(says), "`{says}` not in: {message}");
 }
 
-#[test]
-fn an_image_answer_matches_transformers_and_bad_media_is_refused() {
-    let server = Server::start_model(&vlm().join("hf"), &[]);
-    let png = std::fs::read(vlm().join("image.png")).unwrap();
+/// Serves the VLM fixture `family`, asks about its photo through the chat API and checks the
+/// prompt's length and the first answer token's log-probability against transformers: the
+/// template, the processor, the tower and the splice all play a part.
+fn answer_matches_transformers(family: &str) -> (Server, Vec<u8>, usize) {
+    let dir = vlm(family);
+    let server = Server::start_model(&dir.join("hf"), &[]);
+    let png = std::fs::read(dir.join("image.png")).unwrap();
     let reply = server.post(CHAT, &ask(&data_url(&png)));
-    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.status, 200, "{family}: {}", reply.body);
     let body = reply.json();
-    // The processor's prompt: 54 tokens, 16 of them the image's.
-    let r = load(vlm().join("hf/reference.safetensors"), &Device::Cpu).unwrap();
-    let ids = r["input_ids"]
-        .to_dtype(DType::U32)
-        .unwrap()
-        .to_vec1::<u32>()
-        .unwrap();
-    assert_eq!(body["usage"]["prompt_tokens"], ids.len(), "{body}");
-    // The first token's log-probability, against log-softmax of transformers' last logits
-    // (1e-3, as the model tests: f32 on both sides, summation order apart) over the
-    // tokenizer's ids (the head's padding rows are never drawn, so they hold no probability).
-    let vocab = peregrine_engine::Tokenizer::from_dir(&vlm().join("hf"))
+    let r = load(dir.join("hf/reference.safetensors"), &Device::Cpu).unwrap();
+    let u32s = |name: &str| {
+        r[name]
+            .to_dtype(DType::U32)
+            .unwrap()
+            .to_vec1::<u32>()
+            .unwrap()
+    };
+    let ids = u32s("input_ids");
+    assert_eq!(
+        body["usage"]["prompt_tokens"],
+        ids.len(),
+        "{family}: {body}"
+    );
+    // Against log-softmax of transformers' last logits (1e-3, as the model tests: f32 on both
+    // sides, summation order apart) over the tokenizer's ids (the head's padding rows are
+    // never drawn, so they hold no probability).
+    let vocab = peregrine_engine::Tokenizer::from_dir(&dir.join("hf"))
         .unwrap()
         .vocab_size();
-    let last = r["logits"]
-        .get(ids.len() - 1)
-        .unwrap()
-        .narrow(0, 0, vocab)
-        .unwrap();
-    let logp = peregrine_engine::tensor::nn::ops::log_softmax(&last, D::Minus1).unwrap();
-    let greedy = r["greedy_ids"]
-        .to_dtype(DType::U32)
-        .unwrap()
-        .to_vec1::<u32>()
-        .unwrap();
-    let expected = logp
-        .get(greedy[0] as usize)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
-    let got = body["choices"][0]["logprobs"]["content"][0]["logprob"]
-        .as_f64()
-        .expect("a logprob") as f32;
-    assert!((got - expected).abs() < 1e-3, "logprob {got} vs {expected}");
+    let last = r["logits"].get(ids.len() - 1).unwrap();
+    let logp = log_softmax(&last.narrow(0, 0, vocab).unwrap(), D::Minus1).unwrap();
+    let first = u32s("greedy_ids")[0] as usize;
+    let expected = logp.get(first).unwrap().to_scalar::<f32>().unwrap();
+    let got = body["choices"][0]["logprobs"]["content"][0]["logprob"].as_f64();
+    let got = got.expect("a logprob") as f32;
+    assert!(
+        (got - expected).abs() < 1e-3,
+        "{family}: logprob {got} vs {expected}"
+    );
+    (server, png, ids.len())
+}
+
+#[test]
+fn smolvlm_answers_as_transformers_does() {
+    answer_matches_transformers("smolvlm");
+}
+
+#[test]
+fn an_image_answer_matches_transformers_and_bad_media_is_refused() {
+    let (server, png, prompt_tokens) = answer_matches_transformers("gemma3");
 
     // Bad media: nothing decoded past the checks, nothing read from disk, no panic.
     let part = "messages[0].content[0]";
@@ -152,7 +165,7 @@ fn an_image_answer_matches_transformers_and_bad_media_is_refused() {
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert_eq!(
         reply.json()["usage"]["input_tokens"],
-        ids.len(),
+        prompt_tokens,
         "{}",
         reply.body
     );
@@ -161,7 +174,7 @@ fn an_image_answer_matches_transformers_and_bad_media_is_refused() {
 #[test]
 fn a_text_model_refuses_an_image_naming_the_part() {
     let server = Server::start(&[]);
-    let png = std::fs::read(vlm().join("image.png")).unwrap();
+    let png = std::fs::read(vlm("gemma3").join("image.png")).unwrap();
     let reply = server.post(CHAT, &ask(&data_url(&png)));
     assert_bad(&reply, "messages[0].content[0]", "no image input");
 }

@@ -12,7 +12,7 @@ use peregrine_tensor::{DType, Device, Embedding, QLinear, RotaryEmbedding, Tenso
 
 use crate::layers::attention::Attention;
 use crate::layers::batch::{
-    BatchSeq, Segment, batch_logits, check_batch, moe_limits, run_layers, stacked_ids,
+    BatchSeq, Segment, batch_logits, check_media, moe_limits, run_layers, splice_media, stacked_ids,
 };
 use crate::layers::mlp::GatedMlp;
 use crate::layers::moe::Ffn;
@@ -113,10 +113,11 @@ impl<A: SelfAttention> DecoderLm<A> {
 impl<A: SelfAttention> DecoderLm<A> {
     /// The last layer's output `[1, rows, hidden]` for the stacked new tokens of `batch`.
     fn hidden(&self, batch: &mut [BatchSeq]) -> Result<Tensor> {
-        check_batch(batch, self.rope.max_positions())?;
+        check_media(batch, self.rope.max_positions())?;
         let eps = self.config.rms_norm_eps as f32;
         let ids = Tensor::new(stacked_ids(batch), &self.device)?.unsqueeze(0)?; // [1, rows]
         let x = self.embed_tokens.forward(&ids, self.dtype)?; // [1, rows, hidden]
+        let x = splice_media(x, batch)?; // image rows in place of their tokens' embeddings
         let limits = moe_limits(batch);
         run_layers(
             batch,

@@ -16,7 +16,7 @@ use peregrine_tensor::{DType, Tensor};
 use super::image::RgbImage;
 use super::resize::{Filter, resize, to_chw_normalized};
 use super::siglip::{SiglipConfig, SiglipVision};
-use super::{ImageEncoder, ImagePrompt};
+use super::{ImageEncoder, ImageInput, ImagePrompt};
 use crate::Result;
 use crate::config::{Fields, read_json_object};
 use crate::weights::Weights;
@@ -95,6 +95,8 @@ pub struct Gemma3Vision {
     pool: usize,
     processor: Processor,
     prompt: ImagePrompt,
+    /// What stands for a picture in the prompt.
+    expansion: String,
     dtype: DType,
 }
 
@@ -137,11 +139,11 @@ impl Gemma3Vision {
         let soft = token("image_token", "<image_soft_token>")?;
         let prompt = ImagePrompt {
             marker: boi.to_string(),
-            expansion: format!("\n\n{boi}{}{eoi}\n\n", soft.repeat(tokens)),
-            image_token: soft,
-            tokens_per_image: tokens,
+            image_token: soft.clone(),
+            run: tokens,
             both_ways: true,
         };
+        let expansion = format!("\n\n{boi}{}{eoi}\n\n", soft.repeat(tokens));
         Ok(Self {
             tower,
             projection,
@@ -150,27 +152,29 @@ impl Gemma3Vision {
             pool: side / per_side,
             processor,
             prompt,
+            expansion,
             dtype: w.dtype(),
         })
     }
 }
 
 impl ImageEncoder for Gemma3Vision {
-    fn preprocess(&self, image: &RgbImage) -> Result<Tensor> {
+    fn preprocess(&self, image: &RgbImage) -> Result<ImageInput> {
         let s = self.tower.config().image_size;
         let p = &self.processor;
         let resized = resize(image, s, s, p.filter);
         let values = to_chw_normalized(&resized, p.rescale, p.mean, p.std);
-        Ok(Tensor::from_vec(
-            values,
-            (3, s, s),
-            &peregrine_tensor::Device::Cpu,
-        )?)
+        let tiles = Tensor::from_vec(values, (1, 3, s, s), &peregrine_tensor::Device::Cpu)?;
+        Ok(ImageInput {
+            tiles,
+            grid: (0, 0),
+        })
     }
 
-    fn encode(&self, pixels: &Tensor) -> Result<Tensor> {
+    fn encode(&self, input: &ImageInput) -> Result<Tensor> {
         let device = self.projection.device();
-        let x = self.tower.forward(&pixels.to_device(device)?)?; // [patches, hidden]
+        let pixels = input.tiles.squeeze(0)?.to_device(device)?;
+        let x = self.tower.forward(&pixels)?; // [patches, hidden]
         let (n, h) = x.dims2()?;
         let side = (n as f64).sqrt() as usize;
         let (k, t) = (self.pool, side / self.pool);
@@ -187,5 +191,9 @@ impl ImageEncoder for Gemma3Vision {
 
     fn prompt(&self) -> &ImagePrompt {
         &self.prompt
+    }
+
+    fn expansion(&self, _: &ImageInput) -> String {
+        self.expansion.clone()
     }
 }

@@ -14,6 +14,7 @@ pub mod idefics3;
 pub mod image;
 pub mod resize;
 pub mod siglip;
+pub mod smolvlm;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -26,31 +27,43 @@ use crate::weights::{SafetensorsFiles, Source, Weights};
 use crate::{ModelError, Result};
 pub use image::{ImageLimits, MediaError, RgbImage, decode_image};
 
-/// How a prompt stands for one image.
+/// How a prompt stands for images.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ImagePrompt {
-    /// What the chat template writes for an image part (Gemma 3: `<start_of_image>`).
+    /// What the chat template writes for an image part (Gemma 3: `<start_of_image>`, SmolVLM:
+    /// `<image>`), which [`ImageEncoder::expansion`] replaces.
     pub marker: String,
-    /// What the processor puts in the marker's place, holding `tokens_per_image` image tokens.
-    pub expansion: String,
-    /// The token that stands for each of the image's rows.
+    /// The token that stands for each of an image's rows.
     pub image_token: String,
-    /// Rows (image tokens) per image.
-    pub tokens_per_image: usize,
-    /// Whether an image's tokens attend to each other both ways (Gemma 3) or causally.
+    /// Image tokens in a row of them: one run per tile (Gemma 3: one run of 256 per picture).
+    pub run: usize,
+    /// Whether a run's tokens attend to each other both ways (Gemma 3) or causally.
     pub both_ways: bool,
+}
+
+/// One picture as its tower takes it: the processor's pixel values tile by tile, and the grid
+/// the picture was split into (`(0, 0)` when it was not).
+#[derive(Debug, Clone)]
+pub struct ImageInput {
+    /// `[tiles, 3, side, side]` f32 on the CPU.
+    pub tiles: Tensor,
+    /// Rows and columns of split tiles (SmolVLM), before its whole-picture tile.
+    pub grid: (usize, usize),
 }
 
 /// A vision tower with its projector and its processor's settings: pictures in, rows of the
 /// text model's input embeddings out.
 pub trait ImageEncoder: Send + Sync {
-    /// The family's HF image processor on one decoded picture: `[3, h, w]` f32 pixel values.
-    fn preprocess(&self, image: &RgbImage) -> Result<Tensor>;
-    /// The rows (`[tokens_per_image, text hidden]`, the text model's dtype and device) that
-    /// replace one picture's image tokens in the prompt.
-    fn encode(&self, pixels: &Tensor) -> Result<Tensor>;
-    /// How the prompt stands for an image.
+    /// The family's HF image processor on one decoded picture.
+    fn preprocess(&self, image: &RgbImage) -> Result<ImageInput>;
+    /// The rows (`[tiles · run, text hidden]`, the text model's dtype and device) that replace
+    /// the picture's image tokens in the prompt, run by run in prompt order.
+    fn encode(&self, input: &ImageInput) -> Result<Tensor>;
+    /// How the prompt stands for images.
     fn prompt(&self) -> &ImagePrompt;
+    /// What the processor writes in place of the picture's marker: one run of
+    /// [`ImagePrompt::run`] image tokens per tile, with the family's tokens around them.
+    fn expansion(&self, input: &ImageInput) -> String;
 }
 
 /// The vision tower of the HF checkpoint folder `dir`, when its `config.json` has a
@@ -67,19 +80,26 @@ pub fn load_vision(dir: &Path, device: &Device) -> Result<Option<Arc<dyn ImageEn
     };
     let model_type = fields.opt_str("model_type")?.unwrap_or_default();
     let tower = vision.opt_str("model_type")?.unwrap_or_default();
-    if model_type != "gemma3" {
+    let towers: &[&str] = match model_type {
+        "gemma3" => &["siglip_vision_model"],
+        "idefics3" => &["idefics3_vision"],
+        _ => {
+            return Err(ModelError::config(
+                &config_path,
+                format!(
+                    "`{model_type}` vision-language checkpoints are not supported yet (Gemma 3 \
+                     and SmolVLM's `idefics3` are)"
+                ),
+            ));
+        }
+    };
+    if !towers.contains(&tower) {
         return Err(ModelError::config(
             &config_path,
             format!(
-                "`{model_type}` vision-language checkpoints are not supported yet (Gemma 3 is)"
-            ),
-        ));
-    }
-    if tower != "siglip_vision_model" {
-        return Err(ModelError::config(
-            &config_path,
-            format!(
-                "vision_config: tower `{tower}` is not supported (Gemma 3's is `siglip_vision_model`)"
+                "vision_config: tower `{tower}` is not supported for `{model_type}` (expected \
+                 `{}`)",
+                towers.join("` or `")
             ),
         ));
     }
@@ -89,6 +109,9 @@ pub fn load_vision(dir: &Path, device: &Device) -> Result<Option<Arc<dyn ImageEn
         device.clone(),
         compute_dtype(device),
     );
-    let encoder = gemma3::Gemma3Vision::load(dir, &fields, &weights)?;
-    Ok(Some(Arc::new(encoder)))
+    let encoder: Arc<dyn ImageEncoder> = match model_type {
+        "gemma3" => Arc::new(gemma3::Gemma3Vision::load(dir, &fields, &weights)?),
+        _ => Arc::new(smolvlm::SmolVlmVision::load(dir, &fields, &weights)?),
+    };
+    Ok(Some(encoder))
 }

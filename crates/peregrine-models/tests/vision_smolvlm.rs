@@ -1,0 +1,94 @@
+//! SmolVLM (Idefics3) with an image against transformers' f32 reference on the tiny random VLM
+//! fixture (`tests/fixtures/vlm/smolvlm`, made by scripts/fixtures/make_vlm.py): the processor's
+//! tiles, the SigLIP tower per tile, the pixel-shuffle connector, and each tile's rows spliced
+//! into the llama text model at its run of `<image>` tokens.
+//!
+//! Tolerance 1e-3 max abs on the logits, as tests/golden.rs: bf16-stored weights, f32 compute on
+//! both sides, so only summation order differs. A swapped pair of tiles moves the logits by 0.57
+//! (the generator's own check), which the test below also shows.
+
+mod common;
+
+use peregrine_models::vision::{decode_image, load_vision};
+use peregrine_models::{
+    BatchSeq, KvOptions, LoadOptions, Logits, Media, SequenceCache, load_model,
+};
+use peregrine_tensor::candle::safetensors::load;
+use peregrine_tensor::{DType, Device, Tensor};
+
+const TOLERANCE: f32 = 1e-3;
+
+/// Every position's logits of `ids`, one forward pass per run of image tokens (each pass holds
+/// one run, whose rows are `rows[k]`) and the text between.
+fn logits(model: &dyn peregrine_models::CausalLm, ids: &[u32], runs: &[(usize, Tensor)]) -> Tensor {
+    let mut cache = SequenceCache::new(&model.cache_spec(), &KvOptions::default());
+    let mut ends: Vec<usize> = runs.iter().map(|(s, r)| s + r.dim(0).unwrap()).collect();
+    ends.pop();
+    ends.push(ids.len());
+    let mut from = 0;
+    let mut parts = Vec::new();
+    for end in ends {
+        let media = (runs.iter())
+            .find(|(s, _)| (from..end).contains(s))
+            .map(|(s, rows)| Media {
+                offset: s - from,
+                rows,
+                both_ways: false,
+            });
+        let mut batch = [BatchSeq {
+            tokens: &ids[from..end],
+            cache: &mut cache,
+            logits: Logits::All,
+            media,
+        }];
+        parts.push(model.forward_batch(&mut batch).unwrap());
+        from = end;
+    }
+    Tensor::cat(&parts, 0).unwrap()
+}
+
+#[test]
+fn logits_match_transformers() {
+    let dir = common::fixture("vlm/smolvlm/hf");
+    let model = load_model(&dir, &LoadOptions::default())
+        .expect("text model loads")
+        .model;
+    let vision = (load_vision(&dir, &Device::Cpu).unwrap()).expect("a vision tower");
+    let r = load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
+    let ids = r["input_ids"]
+        .to_dtype(DType::U32)
+        .unwrap()
+        .to_vec1::<u32>()
+        .unwrap();
+    // The photo decoded and processed here: the processor's tiles exactly.
+    let png = std::fs::read(common::fixture("vlm/smolvlm/image.png")).unwrap();
+    let input = vision
+        .preprocess(&decode_image(&png, &Default::default()).unwrap())
+        .unwrap();
+    let reference = r["pixel_values"].squeeze(0).unwrap();
+    let pixel_diff = peregrine_tensor::ops::max_abs_diff(&input.tiles, &reference).unwrap();
+    assert!(pixel_diff < 1e-6, "{pixel_diff}");
+    let rows = vision.encode(&input).unwrap();
+    let run = vision.prompt().run;
+    let image = 502; // config.json's image_token_id
+    let starts: Vec<usize> = (0..ids.len())
+        .filter(|&i| ids[i] == image && (i == 0 || ids[i - 1] != image))
+        .collect();
+    assert_eq!(starts.len() * run, rows.dim(0).unwrap(), "a run per tile");
+    let runs: Vec<(usize, Tensor)> = (starts.iter().enumerate())
+        .map(|(t, &s)| (s, rows.narrow(0, t * run, run).unwrap()))
+        .collect();
+    let diff =
+        peregrine_tensor::ops::max_abs_diff(&logits(model.as_ref(), &ids, &runs), &r["logits"]);
+    let diff = diff.unwrap();
+    eprintln!("max abs diff {diff:.2e}");
+    assert!(diff < TOLERANCE, "{diff}");
+    // The comparison can fail: the first two tiles' rows swapped.
+    let mut swapped = runs.clone();
+    (swapped[0].1, swapped[1].1) = (runs[1].1.clone(), runs[0].1.clone());
+    let off =
+        peregrine_tensor::ops::max_abs_diff(&logits(model.as_ref(), &ids, &swapped), &r["logits"]);
+    let off = off.unwrap();
+    eprintln!("tiles swapped: max abs diff {off:.2e}");
+    assert!(off > 0.05, "{off}");
+}
