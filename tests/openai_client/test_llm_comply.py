@@ -1,6 +1,7 @@
 """The independent OpenAPI-spec checker `llm-comply` against `peregrine serve`, for OpenAI chat,
-Anthropic Messages and OpenAI Responses. Every check must pass except the image-input ones,
-which wait for vision support; checks the tool skips itself (reasoning models only) are skipped.
+Anthropic Messages and OpenAI Responses. Every check must pass on SmolLM2 except the image-input
+ones, which run against the tiny vision-language fixtures (Gemma 3, SmolVLM) instead; checks the
+tool skips itself (reasoning models only) are skipped.
 
 The checks sample at the server's default temperature from a 135M model, and some want a
 natural end (`end_turn`) within 1,024 tokens, which such a model now and then misses by looping:
@@ -44,3 +45,31 @@ def test_llm_comply(base_url, model, api):
     assert not failed, failed
     passed = [r["id"] for r in results if r["status"] == "passed"]
     assert len(passed) >= 5, results
+
+
+IMAGE_CHECKS = {"openai-chat": "chat-image-input", "anthropic": "anth-image-input",
+                "open-responses": "image-input"}
+VLM_FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "vlm")
+
+
+@pytest.mark.parametrize("family", ["gemma3", "smolvlm"])
+def test_llm_comply_image_input(family):
+    """The image-input checks (a base64 JPEG in each API's own form) against a served VLM fixture;
+    its random weights must still stop on their own (`stop` / `end_turn`), so a failed check gets
+    the same reruns as above."""
+    from test_server_process import Server
+
+    server = Server(model=os.path.join(VLM_FIXTURES, family, "hf"), alias=family)
+    try:
+        server.wait_ready()
+        for api, check in IMAGE_CHECKS.items():
+            errors = []
+            for _ in range(1 + RETRIES):
+                result = comply(server.url + "/v1", family, api, only=check)[0]
+                if result["status"] == "passed":
+                    break
+                errors.append(result.get("errors"))
+            else:
+                pytest.fail(f"{family} {check}: {errors}")
+    finally:
+        server.close()

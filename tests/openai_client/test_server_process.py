@@ -22,9 +22,10 @@ except ImportError:  # pragma: no cover
 class Server:
     """A `peregrine serve` on a free loopback port; it exits when its stdin closes."""
 
-    def __init__(self, *flags):
-        cmd = [os.environ["PEREGRINE_BIN"], "serve", "--model", os.environ["PEREGRINE_MODEL_PATH"]]
-        cmd += ["--port", "0", "--alias", "smollm2", "--exit-on-stdin-eof", *flags]
+    def __init__(self, *flags, model=None, alias="smollm2"):
+        model = model or os.environ["PEREGRINE_MODEL_PATH"]
+        cmd = [os.environ["PEREGRINE_BIN"], "serve", "--model", model]
+        cmd += ["--port", "0", "--alias", alias, "--exit-on-stdin-eof", *flags]
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
         )
