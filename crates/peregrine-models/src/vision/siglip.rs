@@ -6,6 +6,7 @@
 //! bias, bidirectional multi-head attention with biased projections, a GELU-tanh MLP) and a final
 //! LayerNorm. No pooling head: the VLMs read the last hidden state.
 
+use peregrine_tensor::nn::ops::softmax_last_dim;
 use peregrine_tensor::{D, DType, QLinear, Tensor};
 
 use crate::Result;
@@ -137,26 +138,22 @@ impl EncoderLayer {
         let hd = h / heads;
         let y = self.norm1.forward(x)?;
         let split = |t: Tensor| -> Result<Tensor> {
-            Ok(t.reshape((n, heads, hd))?.transpose(0, 1)?.contiguous()?)
+            Ok(t.reshape((1, n, heads, hd))?.transpose(1, 2)?.contiguous()?)
         };
-        let q = split((self.q.forward(&y)? * (hd as f64).powf(-0.5))?)?;
-        let k = split(self.k.forward(&y)?)?;
-        let v = split(self.v.forward(&y)?)?;
-        // Every patch sees every patch: no mask. Softmax in f32.
-        let scores = q.matmul(&k.t()?)?.to_dtype(DType::F32)?;
-        let probs = softmax_last(&scores)?.to_dtype(v.dtype())?;
-        let attn = probs.matmul(&v)?.transpose(0, 1)?.reshape((n, h))?;
+        let (q, k, v) = (
+            split(self.q.forward(&y)?)?,
+            split(self.k.forward(&y)?)?,
+            split(self.v.forward(&y)?)?,
+        );
+        // Every patch sees every patch: one GEMM for the scores (the fused kernel, built for a
+        // cache's rows, is slower at thousands of queries), a fused softmax in f32.
+        let scores = (q.matmul(&k.t()?)? * (hd as f64).powf(-0.5))?.to_dtype(DType::F32)?;
+        let probs = softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
+        let attn = probs.matmul(&v)?.transpose(1, 2)?.reshape((n, h))?;
         let x = (x + self.out.forward(&attn)?)?;
         let y = self.fc1.forward(&self.norm2.forward(&x)?)?.gelu()?;
         Ok((x + self.fc2.forward(&y)?)?)
     }
-}
-
-/// Softmax over the last dimension.
-fn softmax_last(x: &Tensor) -> Result<Tensor> {
-    let max = x.max_keepdim(D::Minus1)?;
-    let e = x.broadcast_sub(&max)?.exp()?;
-    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
 }
 
 /// The SigLIP vision transformer.
