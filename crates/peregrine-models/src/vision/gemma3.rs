@@ -14,74 +14,36 @@ use peregrine_tensor::ops::rms_norm;
 use peregrine_tensor::{DType, Tensor};
 
 use super::image::RgbImage;
-use super::resize::{Filter, resize, to_chw_normalized};
+use super::processor::{HALF, PixelSettings};
+use super::resize::resize;
 use super::siglip::{SiglipConfig, SiglipVision};
 use super::{ImageEncoder, ImageInput, ImagePrompt};
 use crate::Result;
 use crate::config::{Fields, read_json_object};
 use crate::weights::Weights;
 
-/// The image processor's settings (`preprocessor_config.json`, Gemma3ImageProcessor).
-#[derive(Debug, Clone, PartialEq)]
-struct Processor {
-    filter: Filter,
-    rescale: f64,
-    mean: [f32; 3],
-    std: [f32; 3],
-}
-
-impl Processor {
-    fn read(dir: &Path, image_size: usize) -> Result<Self> {
-        let path = dir.join("preprocessor_config.json");
-        let map = read_json_object(&path)?;
-        let f = Fields::new(&path, &map);
-        let size = f.object("size")?;
-        let side = |key| -> Result<Option<usize>> {
-            match &size {
-                Some(s) => s.opt_usize(key),
-                None => Ok(None),
-            }
-        };
+/// The image processor's settings (`preprocessor_config.json`, Gemma3ImageProcessor): a
+/// resize to the tower's square (bilinear unless the config says otherwise), no pan-and-scan.
+fn read_processor(dir: &Path, image_size: usize) -> Result<PixelSettings> {
+    let path = dir.join("preprocessor_config.json");
+    let map = read_json_object(&path)?;
+    let f = Fields::new(&path, &map);
+    if let Some(size) = f.object("size")? {
         for key in ["height", "width"] {
-            if side(key)?.is_some_and(|v| v != image_size) {
+            if size.opt_usize(key)?.is_some_and(|v| v != image_size) {
                 return Err(f.err(format!(
                     "field `size.{key}` differs from the vision tower's image_size {image_size}"
                 )));
             }
         }
-        if f.opt_bool("do_pan_and_scan")? == Some(true) {
-            return Err(f.err("field `do_pan_and_scan: true` is not supported yet".into()));
-        }
-        for key in ["do_resize", "do_rescale", "do_normalize"] {
-            if f.opt_bool(key)? == Some(false) {
-                return Err(f.err(format!("field `{key}: false` is not supported")));
-            }
-        }
-        let code = f.opt_usize("resample")?.unwrap_or(2);
-        let filter = Filter::from_pil(code as u32).ok_or_else(|| {
-            f.err(format!(
-                "field `resample`: PIL filter {code} is not supported"
-            ))
-        })?;
-        let triple = |key: &str| -> Result<[f32; 3]> {
-            match f.get(key) {
-                None => Ok([0.5; 3]),
-                Some(_) => {
-                    let v = f.f64_list(key)?;
-                    match v.as_slice() {
-                        [a, b, c] => Ok([*a as f32, *b as f32, *c as f32]),
-                        _ => Err(f.err(format!("field `{key}` must hold 3 numbers"))),
-                    }
-                }
-            }
-        };
-        Ok(Self {
-            filter,
-            rescale: f.opt_f64("rescale_factor")?.unwrap_or(1.0 / 255.0),
-            mean: triple("image_mean")?,
-            std: triple("image_std")?,
-        })
     }
+    if f.opt_bool("do_pan_and_scan")? == Some(true) {
+        return Err(f.err("field `do_pan_and_scan: true` is not supported yet".into()));
+    }
+    if f.opt_bool("do_resize")? == Some(false) {
+        return Err(f.err("field `do_resize: false` is not supported".into()));
+    }
+    PixelSettings::read(&f, 2, HALF)
 }
 
 /// Gemma 3's vision tower, projector and processor.
@@ -93,7 +55,7 @@ pub struct Gemma3Vision {
     eps: f32,
     /// Patches per side pooled into one row.
     pool: usize,
-    processor: Processor,
+    processor: PixelSettings,
     prompt: ImagePrompt,
     /// What stands for a picture in the prompt.
     expansion: String,
@@ -130,7 +92,7 @@ impl Gemma3Vision {
         // Gemma's RMSNorm scales by `1 + w`.
         let norm = (w.tensor(&format!("{projector}.mm_soft_emb_norm.weight"), &[vh])? + 1.0)?;
         let eps = config.eps as f32;
-        let processor = Processor::read(dir, config.image_size)?;
+        let processor = read_processor(dir, config.image_size)?;
         let tower = SiglipVision::load(config, w, "vision_tower.vision_model")?;
         let token = |key: &str, default: &str| -> Result<String> {
             Ok(fields.opt_str(key)?.unwrap_or(default).to_string())
@@ -163,7 +125,7 @@ impl ImageEncoder for Gemma3Vision {
         let s = self.tower.config().image_size;
         let p = &self.processor;
         let resized = resize(image, s, s, p.filter);
-        let values = to_chw_normalized(&resized, p.rescale, p.mean, p.std);
+        let values = p.normalise(&resized);
         let tiles = Tensor::from_vec(values, (1, 3, s, s), &peregrine_tensor::Device::Cpu)?;
         Ok(ImageInput {
             tiles,

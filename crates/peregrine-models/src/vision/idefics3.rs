@@ -21,7 +21,8 @@
 use std::path::Path;
 
 use super::image::RgbImage;
-use super::resize::{Filter, resize, to_chw_normalized};
+use super::processor::{HALF, PixelSettings};
+use super::resize::resize;
 use crate::Result;
 use crate::config::{Fields, read_json_object};
 
@@ -40,14 +41,8 @@ pub struct Idefics3Processor {
     pub tile: usize,
     /// `do_image_splitting` (default true).
     pub split: bool,
-    /// `resample` (PIL code, default 1 = LANCZOS).
-    pub filter: Filter,
-    /// `rescale_factor` (default 1/255).
-    pub rescale: f64,
-    /// `image_mean` (default 0.5 each).
-    pub mean: [f32; 3],
-    /// `image_std` (default 0.5 each).
-    pub std: [f32; 3],
+    /// The filter (`resample`, default 1 = LANCZOS), rescale and normalisation (0.5 each).
+    pub pixels: PixelSettings,
     /// `image_seq_len` of `processor_config.json` (default 169, as `Idefics3Processor`'s): the
     /// `<image>` tokens per tile.
     pub image_seq_len: usize,
@@ -85,26 +80,7 @@ impl Idefics3Processor {
         };
         let longest_edge = edge("size", 4 * 364)?;
         let tile = edge("max_image_size", 364)?;
-        for key in ["do_rescale", "do_normalize"] {
-            if f.opt_bool(key)? == Some(false) {
-                return Err(f.err(format!("field `{key}: false` is not supported")));
-            }
-        }
-        let code = f.opt_usize("resample")?.unwrap_or(1);
-        let filter = Filter::from_pil(code as u32).ok_or_else(|| {
-            f.err(format!(
-                "field `resample`: PIL filter {code} is not supported"
-            ))
-        })?;
-        let triple = |key: &str| -> Result<[f32; 3]> {
-            if f.get(key).is_none() {
-                return Ok([0.5; 3]);
-            }
-            match f.f64_list(key)?.as_slice() {
-                [a, b, c] => Ok([*a as f32, *b as f32, *c as f32]),
-                _ => Err(f.err(format!("field `{key}` must hold 3 numbers"))),
-            }
-        };
+        let pixels = PixelSettings::read(&f, 1, HALF)?;
         let processor_path = dir.join("processor_config.json");
         let image_seq_len = if processor_path.is_file() {
             let map = read_json_object(&processor_path)?;
@@ -117,10 +93,7 @@ impl Idefics3Processor {
             longest_edge,
             tile,
             split: f.opt_bool("do_image_splitting")?.unwrap_or(true),
-            filter,
-            rescale: f.opt_f64("rescale_factor")?.unwrap_or(1.0 / 255.0),
-            mean: triple("image_mean")?,
-            std: triple("image_std")?,
+            pixels,
             image_seq_len: image_seq_len.unwrap_or(169),
         })
     }
@@ -138,11 +111,11 @@ impl Idefics3Processor {
         if self.do_resize {
             let (h, w) = rescale_to_max_len(img.height, img.width, self.longest_edge);
             let (h, w) = scale_below_upper_bound(h, w, MAX_IMAGE_SIZE);
-            img = resize(&img, w, h, self.filter);
+            img = resize(&img, w, h, self.pixels.filter);
         }
         let (rows, cols, frames) = if self.split {
             let (h, w) = vision_encoder_size(img.height, img.width, m);
-            let img = resize(&img, w, h, self.filter);
+            let img = resize(&img, w, h, self.pixels.filter);
             if h > m || w > m {
                 let (rows, cols) = ((h - m) / m + 1, (w - m) / m + 1);
                 let mut frames = Vec::with_capacity(rows * cols + 1);
@@ -151,18 +124,15 @@ impl Idefics3Processor {
                         frames.push(crop(&img, c * m, r * m, m, m));
                     }
                 }
-                frames.push(resize(&img, m, m, self.filter));
+                frames.push(resize(&img, m, m, self.pixels.filter));
                 (rows, cols, frames)
             } else {
                 (0, 0, vec![img])
             }
         } else {
-            (0, 0, vec![resize(&img, m, m, self.filter)])
+            (0, 0, vec![resize(&img, m, m, self.pixels.filter)])
         };
-        let tiles = frames
-            .iter()
-            .map(|f| to_chw_normalized(f, self.rescale, self.mean, self.std))
-            .collect();
+        let tiles = frames.iter().map(|f| self.pixels.normalise(f)).collect();
         Idefics3Pixels { rows, cols, tiles }
     }
 }

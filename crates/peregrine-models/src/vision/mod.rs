@@ -12,6 +12,7 @@
 pub mod gemma3;
 pub mod idefics3;
 pub mod image;
+pub mod processor;
 pub mod resize;
 pub mod siglip;
 pub mod smolvlm;

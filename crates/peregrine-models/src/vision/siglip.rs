@@ -138,7 +138,9 @@ impl EncoderLayer {
         let hd = h / heads;
         let y = self.norm1.forward(x)?;
         let split = |t: Tensor| -> Result<Tensor> {
-            Ok(t.reshape((1, n, heads, hd))?.transpose(1, 2)?.contiguous()?)
+            Ok(t.reshape((1, n, heads, hd))?
+                .transpose(1, 2)?
+                .contiguous()?)
         };
         let (q, k, v) = (
             split(self.q.forward(&y)?)?,
