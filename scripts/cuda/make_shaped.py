@@ -3,8 +3,9 @@
 multi-GB weights cannot be carried there), for speed runs.
 
 usage: make_shaped.py OUT [--shape llama-3.1-8b|qwen3-30b-a3b] [--layers N]
-Writes bf16 safetensors (in shards of at most 4 GiB), config.json and a word-level tokenizer of
-the model's full vocabulary (`w0` ... `wN`), so the output head costs what the real one costs.
+Writes bf16 safetensors (in shards of at most 4 GiB), config.json and a byte-level BPE tokenizer
+of the model's full vocabulary (the 256 bytes, then fillers `w256` ... `wN`), so the output head
+costs what the real one costs.
 Weights: Gaussian, std 0.02 (norm weights 1), drawn on the GPU when there is one. Needs torch
 and safetensors. Convert afterwards with `peregrine quantize` (MLX 4-bit, GGUF blocks).
 """
@@ -62,14 +63,34 @@ def mlp(p, h, m):
     yield p + "down_proj.weight", (h, m)
 
 
+def byte_alphabet():
+    """GPT-2's printable stand-ins for the 256 bytes (bytes_to_unicode)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    out, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + n)
+            n += 1
+    return [out[b] for b in range(256)]
+
+
 def tokenizer(vocab):
-    words = {f"w{i}": i for i in range(vocab)}
+    """A byte-level BPE without merges (so `peregrine quantize --format gguf` can write it): the
+    256 byte symbols, then `w256` ... filler tokens up to the model's vocabulary."""
+    words = {c: i for i, c in enumerate(byte_alphabet())}
+    words.update({f"w{i}": i for i in range(256, vocab)})
     special = [{"id": i, "content": f"w{i}", "single_word": False, "lstrip": False,
-                "rstrip": False, "normalized": False, "special": True} for i in (0, 1)]
+                "rstrip": False, "normalized": False, "special": True} for i in (vocab - 2, vocab - 1)]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
     return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": special,
-            "normalizer": None, "pre_tokenizer": {"type": "Whitespace"},
-            "post_processor": None, "decoder": None,
-            "model": {"type": "WordLevel", "vocab": words, "unk_token": "w2"}}
+            "normalizer": None, "pre_tokenizer": byte_level, "post_processor": None,
+            "decoder": byte_level,
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                      "ignore_merges": False, "vocab": words, "merges": []}}
 
 
 def main():
@@ -78,7 +99,8 @@ def main():
     ap.add_argument("--shape", choices=SHAPES, default="llama-3.1-8b")
     ap.add_argument("--layers", type=int, help="fewer layers than the model's (a quicker run)")
     a = ap.parse_args()
-    c = dict(SHAPES[a.shape], torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1)
+    v = SHAPES[a.shape]["vocab_size"]
+    c = dict(SHAPES[a.shape], torch_dtype="bfloat16", bos_token_id=v - 2, eos_token_id=v - 1)
     if a.layers:
         c["num_hidden_layers"] = a.layers
     out = Path(a.out)
@@ -110,7 +132,7 @@ def main():
     (out / "config.json").write_text(json.dumps(c, indent=1))
     (out / "tokenizer.json").write_text(json.dumps(tokenizer(c["vocab_size"])))
     (out / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "w0", "eos_token": "w1", "add_bos_token": True}))
+        {"bos_token": f"w{v - 2}", "eos_token": f"w{v - 1}", "add_bos_token": True}))
     print(f"wrote {out}: {a.shape}, {c['num_hidden_layers']} layers, {n} shards")
 
 
