@@ -242,7 +242,8 @@ mod tests {
     use super::*;
 
     /// By hand from transformers' `smart_resize` (`image_processing_pil_qwen2_vl.py`), factor 28,
-    /// min 56·56 = 3136, max 28·28·1280 = 1003520 unless stated.
+    /// min 56·56 = 3136, max 28·28·1280 = 1003520 unless stated; every case here also printed
+    /// the same by that function in the fixture venv (transformers 5.24).
     #[test]
     fn rounds_to_the_nearest_multiple() {
         // 100/28 = 3.57 -> 4 -> 112; 200/28 = 7.14 -> 7 -> 196; area in range.
@@ -324,6 +325,31 @@ mod tests {
         // Row 4: the second block down (bh = 1), mh = mw = 0: rows 4..6, columns 0..2.
         assert_eq!(out.patches[4 * 24], px(4, 0, 0));
         assert_eq!(out.patches[4 * 24 + 3], px(5, 1, 0));
+    }
+
+    /// An empty config gets the class's defaults; `min_pixels` / `max_pixels` win over `size`.
+    #[test]
+    fn read_defaults_and_overrides() {
+        let dir = std::env::temp_dir().join(format!("qwen2_vl_read_{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("preprocessor_config.json");
+        std::fs::write(&path, "{}").unwrap();
+        let p = Qwen2VlProcessor::read(&dir).unwrap();
+        assert_eq!((p.min_pixels, p.max_pixels), (3136, 1003520));
+        assert_eq!((p.patch, p.temporal, p.merge), (14, 2, 2));
+        assert_eq!((p.filter, p.rescale), (Filter::Bicubic, 1.0 / 255.0));
+        assert_eq!(p.mean, CLIP_MEAN.map(|x| x as f32));
+        let size = r#"{"size": {"shortest_edge": 100, "longest_edge": 5000}, "max_pixels": 9000}"#;
+        std::fs::write(&path, size).unwrap();
+        let p = Qwen2VlProcessor::read(&dir).unwrap();
+        assert_eq!((p.min_pixels, p.max_pixels), (100, 9000));
+        std::fs::write(&path, r#"{"resample": 9}"#).unwrap();
+        let e = Qwen2VlProcessor::read(&dir).unwrap_err().to_string();
+        assert!(
+            e.contains("preprocessor_config.json") && e.contains("resample"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
