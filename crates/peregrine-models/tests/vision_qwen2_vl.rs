@@ -64,14 +64,14 @@ fn max_abs_diff(got: &Qwen2VlPixels, want: &[f32]) -> f32 {
 fn settings_from_the_fixture() {
     let p = processor();
     // No `resample` in the fixture's config: the class's BICUBIC.
-    assert_eq!(p.filter, Filter::Bicubic);
+    assert_eq!(p.pixels.filter, Filter::Bicubic);
     assert_eq!((p.min_pixels, p.max_pixels), (3136, 12544));
     assert_eq!((p.patch, p.temporal, p.merge), (14, 2, 2));
-    assert_eq!(p.rescale, 1.0 / 255.0);
+    assert_eq!(p.pixels.rescale, 1.0 / 255.0);
     // The JSON's numbers, read as f64 and rounded to f32 as numpy's f32 arithmetic uses them.
     let f32s = |v: [f64; 3]| v.map(|x| x as f32);
-    assert_eq!(p.mean, f32s([0.48145466, 0.4578275, 0.40821073]));
-    assert_eq!(p.std, f32s([0.26862954, 0.26130258, 0.27577711]));
+    assert_eq!(p.pixels.mean, f32s([0.48145466, 0.4578275, 0.40821073]));
+    assert_eq!(p.pixels.std, f32s([0.26862954, 0.26130258, 0.27577711]));
 }
 
 #[test]
@@ -91,7 +91,7 @@ fn qwen2_5_vl_processor_images() {
             .enumerate()
             .map(|(i, &l)| {
                 let c = (i % row_len) / per_channel;
-                ((f64::from(l) * (1.0 / 255.0)) as f32 - p.mean[c]) / p.std[c]
+                ((f64::from(l) * (1.0 / 255.0)) as f32 - p.pixels.mean[c]) / p.pixels.std[c]
             })
             .collect();
         let (gtype, _, grid) = tensor(file, &format!("{name}.image_grid_thw"));
@@ -108,10 +108,8 @@ fn qwen2_5_vl_processor_images() {
         );
         assert!(diff <= TOL, "{name}: max abs diff {diff}");
         // Another filter must fail the comparison, or it could not catch anything.
-        let bilinear = Qwen2VlProcessor {
-            filter: Filter::Bilinear,
-            ..p.clone()
-        };
+        let mut bilinear = p.clone();
+        bilinear.pixels.filter = Filter::Bilinear;
         let other = max_abs_diff(&run(&bilinear, &png), &want);
         println!("{name}: bilinear instead, max abs diff {other:e}");
         assert!(other > 1e-3, "{name}: bilinear matches too ({other})");

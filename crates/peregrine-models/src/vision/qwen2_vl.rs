@@ -18,7 +18,8 @@
 use std::path::Path;
 
 use super::image::{MediaError, RgbImage};
-use super::resize::{Filter, resize, to_chw_normalized};
+use super::processor::PixelSettings;
+use super::resize::resize;
 use crate::Result;
 use crate::config::{Fields, read_json_object};
 
@@ -44,14 +45,9 @@ pub struct Qwen2VlProcessor {
     pub temporal: usize,
     /// `merge_size` (default 2): the side of the block of patches the model merges into a token.
     pub merge: usize,
-    /// `resample` (PIL code, default 3 = BICUBIC).
-    pub filter: Filter,
-    /// `rescale_factor` (default 1/255).
-    pub rescale: f64,
-    /// `image_mean` (default OpenAI CLIP's).
-    pub mean: [f32; 3],
-    /// `image_std` (default OpenAI CLIP's).
-    pub std: [f32; 3],
+    /// The filter (`resample`, default 3 = BICUBIC), rescale and normalisation (OpenAI
+    /// CLIP's mean and standard deviation by default).
+    pub pixels: PixelSettings,
 }
 
 /// One image's pixel values, as the processor emits them.
@@ -77,10 +73,8 @@ impl Qwen2VlProcessor {
         let path = dir.join("preprocessor_config.json");
         let map = read_json_object(&path)?;
         let f = Fields::new(&path, &map);
-        for key in ["do_resize", "do_rescale", "do_normalize"] {
-            if f.opt_bool(key)? == Some(false) {
-                return Err(f.err(format!("field `{key}: false` is not supported")));
-            }
+        if f.opt_bool("do_resize")? == Some(false) {
+            return Err(f.err("field `do_resize: false` is not supported".into()));
         }
         let (mut min_pixels, mut max_pixels) = (56 * 56, 28 * 28 * 1280);
         if let Some(size) = f.object("size")? {
@@ -108,31 +102,16 @@ impl Qwen2VlProcessor {
                 v => Ok(v),
             }
         };
-        let code = f.opt_usize("resample")?.unwrap_or(3);
-        let filter = Filter::from_pil(code as u32).ok_or_else(|| {
-            f.err(format!(
-                "field `resample`: PIL filter {code} is not supported"
-            ))
-        })?;
-        let triple = |key: &str, default: [f64; 3]| -> Result<[f32; 3]> {
-            if f.get(key).is_none() {
-                return Ok(default.map(|x| x as f32));
-            }
-            match f.f64_list(key)?.as_slice() {
-                [a, b, c] => Ok([*a as f32, *b as f32, *c as f32]),
-                _ => Err(f.err(format!("field `{key}` must hold 3 numbers"))),
-            }
-        };
+        // As numpy casts the class's float64 constants to the image's float32.
+        let clip = (CLIP_MEAN.map(|x| x as f32), CLIP_STD.map(|x| x as f32));
+        let pixels = PixelSettings::read(&f, 3, clip)?;
         Ok(Self {
             min_pixels,
             max_pixels,
             patch: positive("patch_size", 14)?,
             temporal: positive("temporal_patch_size", 2)?,
             merge: positive("merge_size", 2)?,
-            filter,
-            rescale: f.opt_f64("rescale_factor")?.unwrap_or(1.0 / 255.0),
-            mean: triple("image_mean", CLIP_MEAN)?,
-            std: triple("image_std", CLIP_STD)?,
+            pixels,
         })
     }
 
@@ -147,8 +126,8 @@ impl Qwen2VlProcessor {
             self.min_pixels,
             self.max_pixels,
         )?;
-        let img = resize(image, w, h, self.filter);
-        let chw = to_chw_normalized(&img, self.rescale, self.mean, self.std);
+        let img = resize(image, w, h, self.pixels.filter);
+        let chw = self.pixels.normalise(&img);
         let (gh, gw) = (h / p, w / p);
         let (rows, row_len) = (gh * gw, 3 * t * p * p);
         let mut patches = Vec::with_capacity(rows * row_len);
@@ -240,6 +219,7 @@ pub fn prompt_expansion(n_tokens: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::vision::resize::Filter;
 
     /// By hand from transformers' `smart_resize` (`image_processing_pil_qwen2_vl.py`), factor 28,
     /// min 56·56 = 3136, max 28·28·1280 = 1003520 unless stated; every case here also printed
@@ -305,10 +285,12 @@ mod tests {
             patch: 2,
             temporal: 2,
             merge: 2,
-            filter: Filter::Bicubic,
-            rescale: 1.0,
-            mean: [0.0; 3],
-            std: [1.0; 3],
+            pixels: PixelSettings {
+                filter: Filter::Bicubic,
+                rescale: 1.0,
+                mean: [0.0; 3],
+                std: [1.0; 3],
+            },
         };
         let out = p.process(&img).unwrap();
         assert_eq!((out.grid, out.rows, out.row_len), ((1, 4, 2), 8, 24));
@@ -337,8 +319,11 @@ mod tests {
         let p = Qwen2VlProcessor::read(&dir).unwrap();
         assert_eq!((p.min_pixels, p.max_pixels), (3136, 1003520));
         assert_eq!((p.patch, p.temporal, p.merge), (14, 2, 2));
-        assert_eq!((p.filter, p.rescale), (Filter::Bicubic, 1.0 / 255.0));
-        assert_eq!(p.mean, CLIP_MEAN.map(|x| x as f32));
+        assert_eq!(
+            (p.pixels.filter, p.pixels.rescale),
+            (Filter::Bicubic, 1.0 / 255.0)
+        );
+        assert_eq!(p.pixels.mean, CLIP_MEAN.map(|x| x as f32));
         let size = r#"{"size": {"shortest_edge": 100, "longest_edge": 5000}, "max_pixels": 9000}"#;
         std::fs::write(&path, size).unwrap();
         let p = Qwen2VlProcessor::read(&dir).unwrap();
