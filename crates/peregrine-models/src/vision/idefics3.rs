@@ -12,7 +12,7 @@
 //!    picture is stretched). Wider or taller than `m`: cut into `rows × cols` tiles of `m × m`
 //!    (row-major) followed by the whole picture resized to `m × m`; else the one `m × m` picture,
 //!    grid `0 × 0`. Without splitting: the picture resized to `m × m`, grid `0 × 0`.
-//! 3. Rescale and normalise each tile ([`to_chw_normalized`]).
+//! 3. Rescale and normalise each tile ([`PixelSettings::normalise`](super::processor::PixelSettings::normalise)).
 //!
 //! Every resize uses the `resample` filter. For one image `do_pad` changes nothing: every tile is
 //! `m × m`, so `pixel_attention_mask` is all ones (padding tiles only appear in batches of

@@ -7,7 +7,8 @@
 //! The steps, as `_preprocess` runs them on one picture already converted to RGB:
 //! 1. `do_resize`: to the size [`smart_resize`] gives (both sides multiples of
 //!    `patch_size * merge_size`, the area within `[min_pixels, max_pixels]`), with `resample`.
-//! 2. Rescale and normalise ([`to_chw_normalized`]): `[3, H, W]` f32.
+//! 2. Rescale and normalise ([`PixelSettings::normalise`](super::processor::PixelSettings::normalise)):
+//!    `[3, H, W]` f32.
 //! 3. `patchify`: `[3, H, W]` reshaped to `(C, gh/m, m, P, gw/m, m, P)` (`gh = H / P`,
 //!    `gw = W / P`, `m = merge_size`, `P = patch_size`), transposed to
 //!    `(gh/m, gw/m, m, m, C, P, P)`, the picture repeated `temporal_patch_size` (`T`) times after
