@@ -30,12 +30,25 @@ struct Scratch {
 }
 
 impl TurboCache {
-    /// The compressed, f16 and sink positions a query at `p` reads.
-    fn reads(&self, p: usize) -> (Range<usize>, Range<usize>, Range<usize>) {
+    /// The compressed, f16 and sink positions a query at `p` reads; a query inside the
+    /// `both_ways` span also reads the span's later keys (newer than it, so f16).
+    fn reads(
+        &self,
+        p: usize,
+        both_ways: Option<(usize, usize)>,
+    ) -> (Range<usize>, Range<usize>, Range<usize>) {
         let first = self.first_visible(p);
         let split = self.split(p).max(first);
         let compressed = first.max(SINKS).max(self.keys.start)..split.min(self.keys.end());
-        (compressed, split..p + 1, first..split.min(SINKS).max(first))
+        let hot_end = match both_ways {
+            Some((start, end)) if (start..end).contains(&p) => end.max(p + 1),
+            _ => p + 1,
+        };
+        (
+            compressed,
+            split..hot_end,
+            first..split.min(SINKS).max(first),
+        )
     }
 
     /// Whether any of the last `n` positions' queries reads a compressed key; when none does,
@@ -43,7 +56,7 @@ impl TurboCache {
     fn reads_compressed(&self, n: usize) -> bool {
         let end = self.raw.end();
         (end - n..end).any(|p| {
-            let (compressed, _, sinks) = self.reads(p);
+            let (compressed, _, sinks) = self.reads(p, None);
             !compressed.is_empty() || !sinks.is_empty()
         })
     }
@@ -98,7 +111,7 @@ impl TurboCache {
             let (i, kvh) = (t / kv_heads, t % kv_heads);
             let p = end - n + i;
             let query = |g: usize| &q[((kvh * groups + g) * n + i) * d..][..d];
-            let (compressed, hot, sinks) = self.reads(p);
+            let (compressed, hot, sinks) = self.reads(p, params.both_ways);
             let (nc, nh) = (compressed.len(), hot.len());
             // Scores and weights are laid out [compressed | hot | sinks] per query head.
             let keys = nc + nh + sinks.len();
