@@ -13,6 +13,7 @@ pub mod gemma3;
 pub mod idefics3;
 pub mod image;
 pub mod processor;
+pub mod qwen2_5_vl;
 pub mod qwen2_vl;
 pub mod resize;
 pub mod siglip;

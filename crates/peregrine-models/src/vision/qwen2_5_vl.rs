@@ -1,0 +1,395 @@
+//! Qwen2.5-VL's vision tower (`Qwen2_5_VisionTransformerPretrainedModel`):
+//! <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen2_5_vl/modeling_qwen2_5_vl.py>
+//! with the window and position helpers of transformers' `vision_utils.py`.
+//!
+//! The processor's patch rows ([`Qwen2VlPixels`](super::qwen2_vl::Qwen2VlPixels), each
+//! `3 · temporal · patch²` values, laid out block-major over the `merge × merge` blocks) are
+//! embedded by the Conv3d (run as one matmul), reordered window by window (windows of
+//! `window_size` pixels, in units of merge blocks), rotated by an axial 2D rope (row and column
+//! of each patch), and run through pre-norm blocks (RMSNorm, bidirectional attention with a fused
+//! biased `qkv` inside each window, or over the whole frame in the `fullatt_block_indexes`
+//! blocks, a SwiGLU MLP with biases). The patch merger (RMSNorm, the `merge²` rows of a block
+//! concatenated, Linear → exact GELU → Linear) gives one row per merge block, put back in the
+//! processor's order.
+//!
+//! Not yet wired into [`load_vision`](super::load_vision) nor an
+//! [`ImageEncoder`](super::ImageEncoder): the text side's M-RoPE positions for image tokens
+//! are not implemented, so the rows this tower gives cannot be used in a prompt yet.
+
+use peregrine_tensor::nn::ops::softmax_last_dim;
+use peregrine_tensor::{D, DType, Device, QLinear, Tensor};
+
+use crate::Result;
+use crate::config::Fields;
+use crate::weights::Weights;
+
+/// RMSNorm epsilon of the blocks and the merger (fixed in transformers).
+const EPS: f64 = 1e-6;
+
+/// The tower's shape, from a `vision_config`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Qwen25VisionConfig {
+    /// Blocks (`depth`).
+    pub depth: usize,
+    /// Width of the hidden states.
+    pub hidden_size: usize,
+    /// Attention heads (`num_heads`).
+    pub num_heads: usize,
+    /// Width of the MLP.
+    pub intermediate_size: usize,
+    /// Side of a patch in pixels.
+    pub patch_size: usize,
+    /// Frames per patch.
+    pub temporal_patch_size: usize,
+    /// Side of the block of patches the merger turns into one row.
+    pub spatial_merge_size: usize,
+    /// Side of an attention window in pixels.
+    pub window_size: usize,
+    /// The blocks that attend over the whole frame instead of within windows.
+    pub fullatt_block_indexes: Vec<usize>,
+    /// Width of the merged rows (the text model's hidden size).
+    pub out_hidden_size: usize,
+    /// Base of the axial rope.
+    pub rope_theta: f64,
+}
+
+impl Qwen25VisionConfig {
+    /// Reads a `vision_config` (transformers' `Qwen2_5_VLVisionConfig` defaults where a key is
+    /// absent).
+    pub fn from_fields(f: &Fields) -> Result<Self> {
+        let act = f.opt_str("hidden_act")?.unwrap_or("silu");
+        if act != "silu" {
+            return Err(f.err(format!(
+                "field `vision_config.hidden_act` `{act}` is not supported (only `silu`)"
+            )));
+        }
+        for key in ["in_channels", "in_chans"] {
+            if f.opt_usize(key)?.is_some_and(|c| c != 3) {
+                return Err(f.err(format!(
+                    "field `vision_config.{key}`: only 3 (RGB) is supported"
+                )));
+            }
+        }
+        let mut rope_theta = 10000.0;
+        if let Some(rope) = f.object("rope_parameters")? {
+            let kind = rope.opt_str("rope_type")?.unwrap_or("axial");
+            if kind != "axial" {
+                return Err(f.err(format!(
+                    "field `vision_config.rope_parameters.rope_type` `{kind}` is not supported \
+                     (only `axial`)"
+                )));
+            }
+            rope_theta = rope.opt_f64("rope_theta")?.unwrap_or(rope_theta);
+        }
+        let fullatt = match f.contains("fullatt_block_indexes") {
+            true => f.usize_list("fullatt_block_indexes")?,
+            false => vec![7, 15, 23, 31],
+        };
+        let c = Self {
+            depth: f.opt_usize("depth")?.unwrap_or(32),
+            hidden_size: f.opt_usize("hidden_size")?.unwrap_or(3584),
+            num_heads: f.opt_usize("num_heads")?.unwrap_or(16),
+            intermediate_size: f.opt_usize("intermediate_size")?.unwrap_or(3420),
+            patch_size: f.opt_usize("patch_size")?.unwrap_or(14),
+            temporal_patch_size: f.opt_usize("temporal_patch_size")?.unwrap_or(2),
+            spatial_merge_size: f.opt_usize("spatial_merge_size")?.unwrap_or(2),
+            window_size: f.opt_usize("window_size")?.unwrap_or(112),
+            fullatt_block_indexes: fullatt,
+            out_hidden_size: f.opt_usize("out_hidden_size")?.unwrap_or(3584),
+            rope_theta,
+        };
+        let bad = |what: &str| Err(f.err(format!("vision_config: {what}")));
+        if !c.hidden_size.is_multiple_of(c.num_heads)
+            || !(c.hidden_size / c.num_heads).is_multiple_of(4)
+        {
+            return bad("`hidden_size` / `num_heads` must be a multiple of 4 (axial rope)");
+        }
+        if c.window_size < c.spatial_merge_size * c.patch_size {
+            return bad("`window_size` must be at least `spatial_merge_size` · `patch_size`");
+        }
+        if c.fullatt_block_indexes.iter().any(|&i| i >= c.depth) {
+            return bad("`fullatt_block_indexes` must be below `depth`");
+        }
+        Ok(c)
+    }
+
+    /// Values in one patch row: `3 · temporal_patch_size · patch_size²`.
+    pub fn patch_values(&self) -> usize {
+        3 * self.temporal_patch_size * self.patch_size.pow(2)
+    }
+
+    /// Patches per merged row: `spatial_merge_size²`.
+    pub fn merge_unit(&self) -> usize {
+        self.spatial_merge_size.pow(2)
+    }
+}
+
+/// An RMSNorm with a weight, computed in f32 as transformers does.
+struct RmsNorm(Tensor);
+
+impl RmsNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        let x32 = x.to_dtype(DType::F32)?;
+        let ms = x32.sqr()?.mean_keepdim(D::Minus1)?;
+        let normed = x32.broadcast_div(&(ms + EPS)?.sqrt()?)?.to_dtype(dtype)?;
+        Ok(normed.broadcast_mul(&self.0)?)
+    }
+}
+
+/// The second half of the last dimension negated, then the first: `cat(-x2, x1)`.
+fn rotate_half(x: &Tensor) -> Result<Tensor> {
+    let half = x.dim(D::Minus1)? / 2;
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    Ok(Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?)
+}
+
+struct Block {
+    norm1: RmsNorm,
+    qkv: QLinear,
+    proj: QLinear,
+    norm2: RmsNorm,
+    gate: QLinear,
+    up: QLinear,
+    down: QLinear,
+}
+
+impl Block {
+    fn load(w: &Weights, p: &str, c: &Qwen25VisionConfig) -> Result<Self> {
+        let (h, i) = (c.hidden_size, c.intermediate_size);
+        let lin = |name: &str, out, inp| w.linear(&format!("{p}.{name}"), out, inp, true);
+        Ok(Self {
+            norm1: RmsNorm(w.tensor(&format!("{p}.norm1.weight"), &[h])?),
+            qkv: lin("attn.qkv", 3 * h, h)?,
+            proj: lin("attn.proj", h, h)?,
+            norm2: RmsNorm(w.tensor(&format!("{p}.norm2.weight"), &[h])?),
+            gate: lin("mlp.gate_proj", i, h)?,
+            up: lin("mlp.up_proj", i, h)?,
+            down: lin("mlp.down_proj", h, i)?,
+        })
+    }
+
+    /// `x: [n, hidden]` in window order; `cos`, `sin`: `[n, 1, head_dim]` f32; `bounds`: the
+    /// cumulative row counts of the segments that attend within themselves.
+    fn forward(
+        &self,
+        x: &Tensor,
+        heads: usize,
+        (cos, sin): (&Tensor, &Tensor),
+        bounds: &[usize],
+    ) -> Result<Tensor> {
+        let (n, h) = x.dims2()?;
+        let hd = h / heads;
+        let dtype = x.dtype();
+        let qkv = self.qkv.forward(&self.norm1.forward(x)?)?;
+        let qkv = qkv.reshape((n, 3, heads, hd))?;
+        // The rope in f32, then back to the compute dtype.
+        let rope = |t: Tensor| -> Result<Tensor> {
+            let t = t.to_dtype(DType::F32)?;
+            let r = (t.broadcast_mul(cos)? + rotate_half(&t)?.broadcast_mul(sin)?)?;
+            Ok(r.to_dtype(dtype)?)
+        };
+        let q = rope(qkv.narrow(1, 0, 1)?.squeeze(1)?)?;
+        let k = rope(qkv.narrow(1, 1, 1)?.squeeze(1)?)?;
+        let v = qkv.narrow(1, 2, 1)?.squeeze(1)?;
+        let scale = (hd as f64).powf(-0.5);
+        let mut parts = Vec::with_capacity(bounds.len().saturating_sub(1));
+        for seg in bounds.windows(2) {
+            let (a, len) = (seg[0], seg[1] - seg[0]);
+            // [len, heads, hd] → [heads, len, hd]
+            let part = |t: &Tensor| -> Result<Tensor> {
+                Ok(t.narrow(0, a, len)?.transpose(0, 1)?.contiguous()?)
+            };
+            let (q, k, v) = (part(&q)?, part(&k)?, part(&v)?);
+            let scores = (q.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?;
+            let probs = softmax_last_dim(&scores)?.to_dtype(dtype)?;
+            parts.push(probs.matmul(&v)?.transpose(0, 1)?.reshape((len, h))?);
+        }
+        let attn = Tensor::cat(&parts, 0)?;
+        let x = (x + self.proj.forward(&attn)?)?;
+        let y = self.norm2.forward(&x)?;
+        let y = (self.gate.forward(&y)?.silu()? * self.up.forward(&y)?)?;
+        Ok((x + self.down.forward(&y)?)?)
+    }
+}
+
+/// The order in which the window blocks see the merge blocks, and the windows' cumulative
+/// patch counts (`get_vision_window_index` for one grid; empty windows dropped as its
+/// `unique_consecutive` does).
+fn window_index(
+    c: &Qwen25VisionConfig,
+    (t, h, w): (usize, usize, usize),
+) -> (Vec<usize>, Vec<usize>) {
+    let m = c.spatial_merge_size;
+    let vw = c.window_size / m / c.patch_size;
+    let (lh, lw) = (h / m, w / m);
+    let (nh, nw) = ((lh + vw - lh % vw) / vw, (lw + vw - lw % vw) / vw);
+    let (mut index, mut bounds) = (Vec::with_capacity(t * lh * lw), vec![0]);
+    for f in 0..t {
+        for wy in 0..nh {
+            for wx in 0..nw {
+                let before = index.len();
+                for y in (wy * vw..(wy + 1) * vw).filter(|&y| y < lh) {
+                    for x in (wx * vw..(wx + 1) * vw).filter(|&x| x < lw) {
+                        index.push(f * lh * lw + y * lw + x);
+                    }
+                }
+                if index.len() > before {
+                    bounds.push(index.len() * c.merge_unit());
+                }
+            }
+        }
+    }
+    (index, bounds)
+}
+
+/// The rope's cos and sin `[n, 1, head_dim]` (f32) for the patches in the processor's order:
+/// each patch's row then column angles, the pair repeated (`Qwen2_5_VLVisionRotaryEmbedding`).
+fn rope_tables(
+    c: &Qwen25VisionConfig,
+    (t, h, w): (usize, usize, usize),
+) -> Result<(Tensor, Tensor)> {
+    let hd = c.hidden_size / c.num_heads;
+    let spatial = hd / 2;
+    let inv_freq: Vec<f32> = (0..spatial)
+        .step_by(2)
+        .map(|i| (1.0 / c.rope_theta.powf(i as f64 / spatial as f64)) as f32)
+        .collect();
+    let m = c.spatial_merge_size;
+    let (mut cos, mut sin) = (Vec::with_capacity(t * h * w * hd), Vec::new());
+    sin.reserve(t * h * w * hd);
+    for _ in 0..t {
+        // Block-major, as `get_vision_position_ids`: merge blocks row-major, patches inside.
+        for (by, bx, y, x) in (0..h / m).flat_map(|by| {
+            (0..w / m)
+                .flat_map(move |bx| (0..m).flat_map(move |y| (0..m).map(move |x| (by, bx, y, x))))
+        }) {
+            let (row, col) = ((by * m + y) as f32, (bx * m + x) as f32);
+            let angles: Vec<f32> = (inv_freq.iter().map(|f| row * f))
+                .chain(inv_freq.iter().map(|f| col * f))
+                .collect();
+            for _ in 0..2 {
+                cos.extend(angles.iter().map(|a| a.cos()));
+                sin.extend(angles.iter().map(|a| a.sin()));
+            }
+        }
+    }
+    let n = t * h * w;
+    Ok((
+        Tensor::from_vec(cos, (n, 1, hd), &Device::Cpu)?,
+        Tensor::from_vec(sin, (n, 1, hd), &Device::Cpu)?,
+    ))
+}
+
+/// Indices as a `u32` tensor on `device`.
+fn indices(v: &[usize], device: &Device) -> Result<Tensor> {
+    let v: Vec<u32> = v.iter().map(|&i| i as u32).collect();
+    let n = v.len();
+    Ok(Tensor::from_vec(v, n, device)?)
+}
+
+/// Qwen2.5-VL's vision tower with its patch merger.
+pub struct Qwen25VisionTower {
+    config: Qwen25VisionConfig,
+    /// The Conv3d as a matrix `[hidden, 3 · temporal · patch²]` (input order: channel, frame,
+    /// row, column, as the processor lays out a patch row and the kernel is stored).
+    patch: QLinear,
+    blocks: Vec<Block>,
+    ln_q: RmsNorm,
+    fc1: QLinear,
+    fc2: QLinear,
+}
+
+impl Qwen25VisionTower {
+    /// Loads the tower whose tensors are `{prefix}.patch_embed…`, `{prefix}.blocks…` and
+    /// `{prefix}.merger…` (`visual` in hub checkpoints, `model.visual` in transformers 5's
+    /// module tree).
+    pub fn load(config: &Qwen25VisionConfig, w: &Weights, prefix: &str) -> Result<Self> {
+        let c = config;
+        let (h, p, tp) = (c.hidden_size, c.patch_size, c.temporal_patch_size);
+        let kernel = w.tensor(
+            &format!("{prefix}.patch_embed.proj.weight"),
+            &[h, 3, tp, p, p],
+        )?;
+        let patch = QLinear::Dense {
+            w: kernel.reshape((h, c.patch_values()))?,
+            b: None,
+        };
+        let blocks = (0..c.depth)
+            .map(|i| Block::load(w, &format!("{prefix}.blocks.{i}"), c))
+            .collect::<Result<_>>()?;
+        let merged = h * c.merge_unit();
+        let m = format!("{prefix}.merger");
+        Ok(Self {
+            config: c.clone(),
+            patch,
+            blocks,
+            ln_q: RmsNorm(w.tensor(&format!("{m}.ln_q.weight"), &[h])?),
+            fc1: w.linear(&format!("{m}.mlp.0"), merged, merged, true)?,
+            fc2: w.linear(&format!("{m}.mlp.2"), c.out_hidden_size, merged, true)?,
+        })
+    }
+
+    /// The tower's configuration.
+    pub fn config(&self) -> &Qwen25VisionConfig {
+        &self.config
+    }
+
+    /// `patches: [t · h · w, 3 · temporal · patch²]` (the processor's rows, f32) of one picture
+    /// or video with patch grid `(t, h, w)` → its merged rows `[t · h · w / merge², out_hidden]`
+    /// in the processor's order (the rows that replace its `<|image_pad|>` tokens).
+    pub fn forward(&self, patches: &Tensor, grid: (usize, usize, usize)) -> Result<Tensor> {
+        let c = &self.config;
+        let (t, h, w) = grid;
+        let (m, unit) = (c.spatial_merge_size, c.merge_unit());
+        let n = t * h * w;
+        if n == 0 || !h.is_multiple_of(m) || !w.is_multiple_of(m) {
+            return Err(peregrine_tensor::candle::Error::Msg(format!(
+                "Qwen2.5-VL vision: grid {grid:?} is not whole {m}×{m} merge blocks"
+            ))
+            .into());
+        }
+        if patches.dims() != [n, c.patch_values()] {
+            return Err(peregrine_tensor::candle::Error::Msg(format!(
+                "Qwen2.5-VL vision: patches {:?} for grid {grid:?} (expected [{n}, {}])",
+                patches.dims(),
+                c.patch_values()
+            ))
+            .into());
+        }
+        let device = patches.device();
+        let dtype = self.ln_q.0.dtype();
+        let (window, window_bounds) = window_index(c, grid);
+        // Patch order: whole merge blocks, window by window.
+        let order: Vec<usize> = (window.iter())
+            .flat_map(|&b| (0..unit).map(move |j| b * unit + j))
+            .collect();
+        let order = indices(&order, device)?;
+        let x = self.patch.forward(&patches.to_dtype(dtype)?)?;
+        let mut x = x.index_select(&order, 0)?;
+        let (cos, sin) = rope_tables(c, grid)?;
+        let cos = cos.to_device(device)?.index_select(&order, 0)?;
+        let sin = sin.to_device(device)?.index_select(&order, 0)?;
+        // Full attention: each frame on its own (frames stay contiguous in window order).
+        let frame_bounds: Vec<usize> = (0..=t).map(|f| f * h * w).collect();
+        for (i, block) in self.blocks.iter().enumerate() {
+            let bounds = match c.fullatt_block_indexes.contains(&i) {
+                true => &frame_bounds,
+                false => &window_bounds,
+            };
+            x = block.forward(&x, c.num_heads, (&cos, &sin), bounds)?;
+        }
+        let y = self
+            .ln_q
+            .forward(&x)?
+            .reshape((n / unit, c.hidden_size * unit))?;
+        let y = self.fc2.forward(&self.fc1.forward(&y)?.gelu_erf()?)?;
+        // Back to the processor's order: row `window[i]` is row `i` of `y`.
+        let mut reverse = vec![0; window.len()];
+        for (i, &b) in window.iter().enumerate() {
+            reverse[b] = i;
+        }
+        Ok(y.index_select(&indices(&reverse, device)?, 0)?)
+    }
+}

@@ -1,0 +1,133 @@
+//! Qwen2.5-VL's vision tower against transformers' f32 eager reference on the tiny VLM fixture
+//! `tests/fixtures/vlm/qwen2_5_vl/hf` (reference made by
+//! `scripts/fixtures/qwen_visual_reference.py`): the fixture's processor pixel values, grid
+//! (1, 6, 8), through patch embed, window order, 2D rope, one window-attention and one
+//! full-attention block, the merger and the reverse order, to the 12 merged rows.
+//!
+//! Tolerance 1e-4 max abs: both sides compute in f32 from the same bf16-stored weights, so only
+//! summation order (and the last ulp of the rope's cos / sin) differs. Two variants show the
+//! comparison can fail: full attention in every block (no windows) and a transposed grid.
+
+mod common;
+
+use std::path::Path;
+
+use peregrine_models::config::{Fields, read_json_object};
+use peregrine_models::vision::qwen2_5_vl::{Qwen25VisionConfig, Qwen25VisionTower};
+use peregrine_models::weights::{SafetensorsFiles, Source, Weights};
+use peregrine_tensor::candle::safetensors::load;
+use peregrine_tensor::{DType, Device, Tensor};
+
+const TOLERANCE: f32 = 1e-4;
+const GRID: (usize, usize, usize) = (1, 6, 8);
+
+fn config(dir: &Path) -> Qwen25VisionConfig {
+    let path = dir.join("config.json");
+    let map = read_json_object(&path).unwrap();
+    let fields = Fields::new(&path, &map);
+    let vision = fields
+        .object("vision_config")
+        .unwrap()
+        .expect("vision_config");
+    Qwen25VisionConfig::from_fields(&vision).expect("vision_config reads")
+}
+
+fn tower(dir: &Path, config: &Qwen25VisionConfig) -> Qwen25VisionTower {
+    let files = SafetensorsFiles::open_dir(dir).unwrap();
+    let weights = Weights::new(Source::Safetensors(files), Device::Cpu, DType::F32);
+    Qwen25VisionTower::load(config, &weights, "visual").expect("tower loads")
+}
+
+fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
+    assert_eq!(a.dims(), b.dims());
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar()
+        .unwrap()
+}
+
+struct Reference {
+    pixels: Tensor,
+    embeds: Tensor,
+}
+
+fn reference(dir: &Path) -> Reference {
+    let r = load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
+    let grid = r["image_grid_thw"]
+        .to_dtype(DType::U32)
+        .unwrap()
+        .to_vec2::<u32>()
+        .unwrap();
+    assert_eq!(grid, [[1, 6, 8]]);
+    let v = load(dir.join("visual_reference.safetensors"), &Device::Cpu).unwrap();
+    Reference {
+        pixels: r["pixel_values"].clone(),
+        embeds: v["image_embeds"].clone(),
+    }
+}
+
+#[test]
+fn config_from_the_fixture() {
+    let c = config(&common::fixture("vlm/qwen2_5_vl/hf"));
+    assert_eq!(
+        (c.depth, c.hidden_size, c.num_heads, c.intermediate_size),
+        (2, 64, 4, 128)
+    );
+    assert_eq!(
+        (c.patch_size, c.temporal_patch_size, c.spatial_merge_size),
+        (14, 2, 2)
+    );
+    assert_eq!((c.window_size, c.out_hidden_size), (56, 64));
+    assert_eq!(c.fullatt_block_indexes, [1]);
+    assert_eq!(c.rope_theta, 10000.0);
+}
+
+#[test]
+fn matches_transformers() {
+    let dir = common::fixture("vlm/qwen2_5_vl/hf");
+    let r = reference(&dir);
+    let out = tower(&dir, &config(&dir)).forward(&r.pixels, GRID).unwrap();
+    assert_eq!(out.dims(), [12, 64]);
+    let d = max_abs(&out, &r.embeds);
+    eprintln!("max abs difference: {d:e}");
+    assert!(d <= TOLERANCE, "max abs {d} > {TOLERANCE}");
+}
+
+/// The comparison notices what the windows and the grid do.
+#[test]
+fn wrong_attention_or_grid_differs() {
+    let dir = common::fixture("vlm/qwen2_5_vl/hf");
+    let r = reference(&dir);
+    let mut full = config(&dir);
+    full.fullatt_block_indexes = (0..full.depth).collect();
+    let out = tower(&dir, &full).forward(&r.pixels, GRID).unwrap();
+    let d = max_abs(&out, &r.embeds);
+    eprintln!("full attention everywhere: max abs {d:e}");
+    assert!(d > 1e-3, "no windows: max abs only {d}");
+    let out = tower(&dir, &config(&dir))
+        .forward(&r.pixels, (1, 8, 6))
+        .unwrap();
+    let d = max_abs(&out, &r.embeds);
+    eprintln!("grid (1, 8, 6): max abs {d:e}");
+    assert!(d > 1e-3, "transposed grid: max abs only {d}");
+}
+
+#[test]
+fn bad_grid_is_an_error() {
+    let dir = common::fixture("vlm/qwen2_5_vl/hf");
+    let r = reference(&dir);
+    let tower = tower(&dir, &config(&dir));
+    assert!(tower.forward(&r.pixels, (1, 6, 6)).is_err(), "row count");
+    assert!(
+        tower
+            .forward(&r.pixels.narrow(0, 0, 45).unwrap(), (1, 5, 9))
+            .is_err(),
+        "odd grid"
+    );
+}
