@@ -256,30 +256,37 @@ fn rope_tables(
         .step_by(2)
         .map(|i| (1.0 / c.rope_theta.powf(i as f64 / spatial as f64)) as f32)
         .collect();
-    let m = c.spatial_merge_size;
-    let (mut cos, mut sin) = (Vec::with_capacity(t * h * w * hd), Vec::new());
-    sin.reserve(t * h * w * hd);
-    for _ in 0..t {
-        // Block-major, as `get_vision_position_ids`: merge blocks row-major, patches inside.
-        for (by, bx, y, x) in (0..h / m).flat_map(|by| {
-            (0..w / m)
-                .flat_map(move |bx| (0..m).flat_map(move |y| (0..m).map(move |x| (by, bx, y, x))))
-        }) {
-            let (row, col) = ((by * m + y) as f32, (bx * m + x) as f32);
-            let angles: Vec<f32> = (inv_freq.iter().map(|f| row * f))
-                .chain(inv_freq.iter().map(|f| col * f))
-                .collect();
-            for _ in 0..2 {
-                cos.extend(angles.iter().map(|a| a.cos()));
-                sin.extend(angles.iter().map(|a| a.sin()));
-            }
+    let (m, n) = (c.spatial_merge_size, t * h * w);
+    let (mut cos, mut sin) = (Vec::with_capacity(n * hd), Vec::with_capacity(n * hd));
+    // Block-major, as `get_vision_position_ids`: merge blocks row-major, the patches of a block
+    // row-major inside it; the same for every frame.
+    for (_, by, bx, y, x) in grid_points([t, h / m, w / m, m, m]) {
+        let (row, col) = ((by * m + y) as f32, (bx * m + x) as f32);
+        let angles: Vec<f32> = (inv_freq.iter().map(|f| row * f))
+            .chain(inv_freq.iter().map(|f| col * f))
+            .collect();
+        for _ in 0..2 {
+            cos.extend(angles.iter().map(|a| a.cos()));
+            sin.extend(angles.iter().map(|a| a.sin()));
         }
     }
-    let n = t * h * w;
     Ok((
         Tensor::from_vec(cos, (n, 1, hd), &Device::Cpu)?,
         Tensor::from_vec(sin, (n, 1, hd), &Device::Cpu)?,
     ))
+}
+
+/// Every `(a, b, c, d, e)` below `dims`, row-major.
+fn grid_points(dims: [usize; 5]) -> impl Iterator<Item = (usize, usize, usize, usize, usize)> {
+    let total: usize = dims.iter().product();
+    (0..total).map(move |mut k| {
+        let mut at = [0; 5];
+        for (i, &d) in dims.iter().enumerate().rev() {
+            at[i] = k % d;
+            k /= d;
+        }
+        (at[0], at[1], at[2], at[3], at[4])
+    })
 }
 
 /// Indices as a `u32` tensor on `device`.
