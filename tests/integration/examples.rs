@@ -176,3 +176,36 @@ fn service_answers_a_completion() {
     let expected = greedy(&engine(), Prompt::Text(prompt.into()), 32);
     assert_eq!(reply["text"], expected, "{raw}");
 }
+
+/// `describe_image` on the VLM fixture prints what an in-process engine answers to the same
+/// picture and question (the picture's 16 tokens in a 54-token prompt).
+#[test]
+fn describe_image_answers_as_the_engine_does() {
+    let out = run(example("describe_image"), "");
+    let dir = repo_root().join("tests/fixtures/vlm/gemma3");
+    let engine = Engine::load(&dir.join("hf"), EngineConfig::default()).unwrap();
+    let png = std::fs::read(dir.join("image.png")).unwrap();
+    let picture = peregrine::models::vision::decode_image(&png, &Default::default()).unwrap();
+    let parts = serde_json::json!([{"type": "image"},
+        {"type": "text", "text": "Describe this image in one sentence."}]);
+    let message = ChatMessage {
+        content: parts,
+        ..ChatMessage::text("user", "")
+    };
+    let mut request = Request::new(Prompt::Chat {
+        messages: vec![message],
+        template_kwargs: Default::default(),
+    });
+    request.images = vec![std::sync::Arc::new(picture)];
+    request.max_tokens = Some(32);
+    request.sampling.temperature = 0.0;
+    let mut expected = String::new();
+    for event in engine.submit(request).unwrap() {
+        if let Event::Delta { text, .. } = event {
+            expected.push_str(&text);
+        }
+    }
+    assert_eq!(String::from_utf8_lossy(&out.stdout), expected);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("[54 prompt tokens"), "{stderr}");
+}
