@@ -116,6 +116,10 @@ pub struct SequenceCache {
     moe_top_k: Option<usize>,
     /// A multi-token-prediction head's memory, when this sequence drafts with one.
     mtp: Option<Box<MtpState>>,
+    /// Where rotary positions part from cache positions (M-RoPE after an image): from cache
+    /// position `.0` on, a token's rotary position is its cache position plus `.1` (the sum of
+    /// every shift so far), in increasing `.0`.
+    rope_shifts: Vec<(usize, i64)>,
 }
 
 /// Positions a sliding-window cache keeps beyond its window so that speculative rollback stays exact.
@@ -169,6 +173,7 @@ impl SequenceCache {
             layers,
             moe_top_k: None,
             mtp: None,
+            rope_shifts: Vec::new(),
         }
     }
 
@@ -201,6 +206,33 @@ impl SequenceCache {
         let len = self.len();
         if let Some(mtp) = &mut self.mtp {
             mtp.trim_to(len);
+        }
+        // A shift taken at `len` belongs to an image the cache still holds whole.
+        self.rope_shifts.retain(|&(from, _)| from <= len);
+        Ok(())
+    }
+
+    /// The rotary position of cache position `pos`: `pos` itself unless an image has shifted
+    /// the positions after it ([`shift_rope`](Self::shift_rope)).
+    pub fn rope_position(&self, pos: usize) -> usize {
+        let shift = (self.rope_shifts.iter().rev())
+            .find(|&&(from, _)| from <= pos)
+            .map_or(0, |&(_, by)| by);
+        (pos as i64 + shift).max(0) as usize
+    }
+
+    /// Moves the rotary positions of cache positions `from` on by `by` more (M-RoPE: an image
+    /// of `h × w` rows ending at `from` advances rotary positions by `max(h, w)`, not `h · w`).
+    /// Shifts are taken in increasing `from`; one before the last is an error.
+    pub fn shift_rope(&mut self, from: usize, by: i64) -> Result<()> {
+        let last = self.rope_shifts.last().copied();
+        if last.is_some_and(|(at, _)| at > from) {
+            peregrine_tensor::candle::bail!("rope shift at position {from} is before the last one")
+        }
+        let total = last.map_or(0, |(_, total)| total) + by;
+        match last {
+            Some((at, _)) if at == from => *self.rope_shifts.last_mut().unwrap() = (from, total),
+            _ => self.rope_shifts.push((from, total)),
         }
         Ok(())
     }
@@ -249,6 +281,7 @@ impl SequenceCache {
                 Some(m) => Some(Box::new(m.snapshot()?)),
                 None => None,
             },
+            rope_shifts: self.rope_shifts.clone(),
         })
     }
 

@@ -164,3 +164,32 @@ fn f16_storage_halves_memory_and_stays_close() {
     // f16 keeps 11 significant bits: values in [-1, 1] round by at most ~5e-4.
     assert!(max_diff(&wide.attend(&q, &p).unwrap(), &half.attend(&q, &p).unwrap()) < 5e-3);
 }
+
+/// M-RoPE's position shifts travel with the cache: a shift counts from its position on, a
+/// trim back past it forgets it (one at the new end is an image still held whole), and a
+/// snapshot keeps it.
+#[test]
+fn rope_shifts_follow_trims_and_snapshots() {
+    let mut cache = SequenceCache::new(&[LayerKind::Full], &KvOptions::default());
+    fill(cache.layer(0), 0, 20);
+    assert_eq!(cache.rope_position(19), 19, "no shift yet");
+    cache.shift_rope(10, -4).unwrap();
+    cache.shift_rope(15, -2).unwrap();
+    assert_eq!(
+        (
+            cache.rope_position(9),
+            cache.rope_position(10),
+            cache.rope_position(16)
+        ),
+        (9, 6, 10)
+    );
+    assert!(cache.shift_rope(12, 1).is_err(), "shifts come in order");
+    let copy = cache.snapshot().unwrap();
+    cache.trim(5).unwrap(); // 15 held: the second image is still whole
+    assert_eq!(cache.rope_position(15), 9);
+    cache.trim(3).unwrap(); // 12 held: the second shift is gone, the first stays
+    assert_eq!(cache.rope_position(12), 8);
+    cache.trim(5).unwrap(); // 7 held: both gone
+    assert_eq!(cache.rope_position(7), 7);
+    assert_eq!(copy.rope_position(19), 13, "the snapshot kept both shifts");
+}

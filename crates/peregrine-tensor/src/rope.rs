@@ -105,6 +105,9 @@ pub struct RotaryEmbedding {
     dtype: DType,
     device: Device,
     style: RopeStyle,
+    /// Multimodal RoPE: the rotated pairs each position axis (time, height, width) turns, in
+    /// order ([`with_sections`](Self::with_sections)).
+    sections: Option<[usize; 3]>,
 }
 
 /// One set of frequencies and its tables.
@@ -294,7 +297,28 @@ impl RotaryEmbedding {
             dtype,
             device: device.clone(),
             style,
+            sections: None,
         })
+    }
+
+    /// This table as Qwen2-VL's multimodal RoPE (M-RoPE): the first `sections[0]` rotated pairs
+    /// turn by a token's time position, the next `sections[1]` by its height position and the
+    /// last `sections[2]` by its width position ([`apply_positions`](Self::apply_positions)). A
+    /// token whose three positions agree turns exactly as plain RoPE turns it.
+    pub fn with_sections(mut self, sections: [usize; 3]) -> Result<Self> {
+        if sections.iter().sum::<usize>() != self.rotary_dim / 2 {
+            candle_core::bail!(
+                "rope: M-RoPE sections {sections:?} do not add up to the {} rotated pairs",
+                self.rotary_dim / 2
+            )
+        }
+        self.sections = Some(sections);
+        Ok(self)
+    }
+
+    /// The M-RoPE sections, when this table has them.
+    pub fn sections(&self) -> Option<[usize; 3]> {
+        self.sections
     }
 
     /// Number of positions the tables cover.
@@ -363,6 +387,41 @@ impl RotaryEmbedding {
     /// Rotates `x: [batch, heads, seq, head_dim]` whose first token sits at position `start`.
     pub fn apply(&self, x: &Tensor, start: usize) -> Result<Tensor> {
         let (cos, sin) = self.tables(start, x.dim(2)?)?;
+        let (x, pass) = self.split(x)?;
+        let x = x.contiguous()?;
+        let rotated = match self.style {
+            RopeStyle::Half => candle_nn::rotary_emb::rope(&x, &cos, &sin)?,
+            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, &cos, &sin)?,
+        };
+        Self::join(rotated, pass)
+    }
+
+    /// Rotates `x: [batch, heads, seq, head_dim]` by M-RoPE: row `j` is at position
+    /// `positions[a][j]` on axis `a` (time, height, width), each axis turning its section of the
+    /// rotated pairs ([`with_sections`](Self::with_sections)).
+    pub fn apply_positions(&self, x: &Tensor, positions: &[Vec<u32>; 3]) -> Result<Tensor> {
+        let Some(sections) = self.sections else {
+            candle_core::bail!("rope: per-axis positions need M-RoPE sections")
+        };
+        let n = x.dim(2)?;
+        if positions.iter().any(|p| p.len() != n) {
+            candle_core::bail!("rope: per-axis positions for {n} rows have other lengths")
+        }
+        let end = positions
+            .iter()
+            .flatten()
+            .max()
+            .map_or(0, |&p| p as usize + 1);
+        let (cos, sin) = self.tables(0, end)?;
+        let (mut cos_parts, mut sin_parts) = (Vec::new(), Vec::new());
+        let mut first = 0;
+        for (axis, &width) in positions.iter().zip(&sections) {
+            let rows = Tensor::new(axis.as_slice(), cos.device())?;
+            cos_parts.push(cos.index_select(&rows, 0)?.narrow(1, first, width)?);
+            sin_parts.push(sin.index_select(&rows, 0)?.narrow(1, first, width)?);
+            first += width;
+        }
+        let (cos, sin) = (Tensor::cat(&cos_parts, 1)?, Tensor::cat(&sin_parts, 1)?);
         let (x, pass) = self.split(x)?;
         let x = x.contiguous()?;
         let rotated = match self.style {
