@@ -75,11 +75,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok(tokenizer.encode(&text, false)?)
     };
     let (with, without) = (prompt(true)?, prompt(false)?);
-    if rows.dim(0)? != vision.prompt().run {
-        return Err(
-            "this bench feeds one run of image tokens (Gemma 3's); the model has several".into(),
-        );
-    }
+    let [run] = vision.runs(&pixels)[..] else {
+        return Err("this bench feeds one run of image tokens; the model has several".into());
+    };
     let image_token = tokenizer.token_to_id(&vision.prompt().image_token);
     let offset = with
         .iter()
@@ -103,6 +101,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         offset,
         rows: &rows,
         both_ways: vision.prompt().both_ways,
+        grid: run.grid,
     };
     let (with_s, done) = timed(repeat, || prefill(&with, Some(media)));
     done?;

@@ -7,8 +7,8 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use peregrine_models::Media;
-use peregrine_models::vision::{ImageEncoder, ImageInput, RgbImage};
+use peregrine_models::vision::{ImageEncoder, ImageInput, ImageRun, RgbImage};
+use peregrine_models::{Media, ModelError};
 use peregrine_tensor::Tensor;
 use peregrine_tensor::device::in_compute_pool;
 use sha2::{Digest, Sha256};
@@ -21,6 +21,8 @@ pub(crate) struct ImageSpan {
     pub start: usize,
     pub rows: Tensor,
     pub both_ways: bool,
+    /// M-RoPE models: the run's rows and columns.
+    pub grid: Option<(usize, usize)>,
     /// The picture's content digest, which keys its run in the prompt cache.
     pub digest: [u8; 32],
 }
@@ -123,8 +125,11 @@ pub(crate) fn preprocess(
     images: &[Arc<RgbImage>],
     vision: &dyn ImageEncoder,
 ) -> Result<Vec<ImageInput>, EngineError> {
-    let inputs = images.iter().map(|image| vision.preprocess(image));
-    Ok(inputs.collect::<peregrine_models::Result<_>>()?)
+    let input = |image: &Arc<RgbImage>| match vision.preprocess(image) {
+        Err(ModelError::Media(e)) => Err(refuse(e.0)),
+        other => Ok(other?),
+    };
+    images.iter().map(input).collect()
 }
 
 /// `text` (a rendered chat) with the k-th image marker expanded into the k-th image's tokens;
@@ -152,8 +157,8 @@ pub(crate) fn expand_markers(
     Ok(out)
 }
 
-/// Encodes each picture (or takes its rows from `kept`) and places its rows, one run of image
-/// tokens per tile, at the runs of image tokens in `ids`, in order.
+/// Encodes each picture (or takes its rows from `kept`) and places its rows, run by run as
+/// the encoder lays them out, at the runs of image tokens in `ids`, in order.
 pub(crate) fn encode(
     ids: &[u32],
     (images, inputs): (&[Arc<RgbImage>], &[ImageInput]),
@@ -167,40 +172,39 @@ pub(crate) fn encode(
             prompt.image_token
         ))
     })?;
-    let starts = runs(ids, token, prompt.run);
-    let tiles = (inputs.iter().map(|i| i.tiles.dim(0))).collect::<Result<Vec<_>, _>>();
-    let tiles = tiles.map_err(peregrine_models::ModelError::from)?;
-    if starts.len() != tiles.iter().sum::<usize>() {
+    let found = runs(ids, token);
+    let layouts: Vec<Vec<ImageRun>> = inputs.iter().map(|i| vision.runs(i)).collect();
+    let want: Vec<usize> = layouts.iter().flatten().map(|r| r.len).collect();
+    if found.iter().map(|r| r.1).ne(want.iter().copied()) {
         return Err(refuse(format!(
-            "the prompt holds {} run(s) of {} image tokens for {} image tile(s): image tokens \
-             typed into text are not allowed",
-            starts.len(),
-            prompt.run,
-            tiles.iter().sum::<usize>()
+            "the prompt holds runs of {:?} image tokens where the images take {want:?}: image \
+             tokens typed into text are not allowed",
+            found.iter().map(|r| r.1).collect::<Vec<_>>()
         )));
     }
-    let mut starts = starts.into_iter();
-    let mut spans = Vec::with_capacity(starts.len());
-    for ((image, input), n) in images.iter().zip(inputs).zip(tiles) {
+    let mut found = found.into_iter();
+    let mut spans = Vec::with_capacity(found.len());
+    for ((image, input), layout) in images.iter().zip(inputs).zip(layouts) {
         let digest = digest(image);
         let rows = kept.get_or_encode(digest, || in_compute_pool(|| vision.encode(input)))?;
-        for (t, start) in starts.by_ref().take(n).enumerate() {
+        let mut at = 0;
+        for (run, (start, len)) in layout.iter().zip(found.by_ref()) {
             spans.push(ImageSpan {
                 start,
-                rows: (rows.narrow(0, t * prompt.run, prompt.run))
-                    .map_err(peregrine_models::ModelError::from)?,
+                rows: rows.narrow(0, at, len).map_err(ModelError::from)?,
                 both_ways: prompt.both_ways,
+                grid: run.grid,
                 digest,
             });
+            at += len;
         }
     }
     Ok(spans)
 }
 
-/// Where each maximal run of `token` in `ids` starts, when every run is `len` long; a run of
-/// another length yields none (so the count check fails).
-fn runs(ids: &[u32], token: u32, len: usize) -> Vec<usize> {
-    let mut starts = Vec::new();
+/// Each maximal run of `token` in `ids`: where it starts and how long it is.
+fn runs(ids: &[u32], token: u32) -> Vec<(usize, usize)> {
+    let mut found = Vec::new();
     let mut i = 0;
     while i < ids.len() {
         if ids[i] != token {
@@ -208,13 +212,10 @@ fn runs(ids: &[u32], token: u32, len: usize) -> Vec<usize> {
             continue;
         }
         let n = ids[i..].iter().take_while(|&&t| t == token).count();
-        if n != len {
-            return Vec::new();
-        }
-        starts.push(i);
+        found.push((i, n));
         i += n;
     }
-    starts
+    found
 }
 
 /// The prompt chunk from `fed` that the scheduler offered (`k` tokens), fitted to the images:
@@ -250,6 +251,7 @@ pub(crate) fn media_in(spans: &[ImageSpan], fed: usize, k: usize) -> Option<Medi
         offset: s.start - fed,
         rows: &s.rows,
         both_ways: s.both_ways,
+        grid: s.grid,
     })
 }
 
@@ -264,6 +266,7 @@ mod tests {
             start,
             rows,
             both_ways: true,
+            grid: None,
             digest: [start as u8; 32],
         }
     }
@@ -310,9 +313,9 @@ mod tests {
     }
 
     #[test]
-    fn runs_of_image_tokens_are_found_and_odd_lengths_refused() {
-        assert_eq!(runs(&[1, 7, 7, 2, 7, 7], 7, 2), [1, 4]);
-        assert!(runs(&[1, 7, 7, 7], 7, 2).is_empty());
-        assert!(runs(&[1, 2], 7, 2).is_empty());
+    fn runs_of_image_tokens_are_found() {
+        assert_eq!(runs(&[1, 7, 7, 2, 7, 7, 7], 7), [(1, 2), (4, 3)]);
+        assert_eq!(runs(&[7], 7), [(0, 1)]);
+        assert!(runs(&[1, 2], 7).is_empty());
     }
 }

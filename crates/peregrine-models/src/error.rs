@@ -62,6 +62,9 @@ pub enum ModelError {
         /// Shape found in the file.
         got: Vec<usize>,
     },
+    /// A picture the image processor cannot take (the request's fault).
+    #[error("{0}")]
+    Media(#[from] crate::vision::MediaError),
     /// A tensor operation failed.
     #[error("{}", peregrine_tensor::error_message(.0))]
     Tensor(#[from] peregrine_tensor::candle::Error),

@@ -86,13 +86,17 @@ const ARCHITECTURES: &[(&str, Configure, Build)] = &[
 /// (its GGUF architecture is `gemma3`); llama.cpp calls Qwen3-MoE `qwen3moe` and DeepSeek-V2/V3
 /// `deepseek2`; Qwen3.5 (dense and MoE) is Qwen3-Next's decoder with its projections apart;
 /// multimodal `gemma4` and `qwen3_5` checkpoints load their text model ([`TEXT_MODELS`]), and
-/// SmolVLM's `idefics3` its llama.
+/// SmolVLM's `idefics3` its llama, Qwen2-VL and Qwen2.5-VL their Qwen2.
 const ALIASES: &[(&str, &str)] = &[
     ("deepseek2", "deepseek_v3"),
     ("falcon-h1", "falcon_h1"),
     ("gemma3_text", "gemma3"),
     ("gemma4", "gemma4_text"),
     ("idefics3", "llama"),
+    ("qwen2_5_vl", "qwen2"),
+    ("qwen2_5_vl_text", "qwen2"),
+    ("qwen2_vl", "qwen2"),
+    ("qwen2_vl_text", "qwen2"),
     ("qwen3_5", "qwen3_next"),
     ("qwen3_5_moe", "qwen3_next"),
     ("qwen3_5_moe_text", "qwen3_next"),
@@ -110,6 +114,8 @@ const TEXT_MODELS: &[(&str, &[(&str, &str)])] = &[
     ("gemma3", LANGUAGE_MODEL),
     ("gemma4", LANGUAGE_MODEL),
     ("idefics3", TEXT_MODEL),
+    ("qwen2_5_vl", LANGUAGE_MODEL),
+    ("qwen2_vl", LANGUAGE_MODEL),
     ("qwen3_5", LANGUAGE_MODEL),
     ("qwen3_5_moe", LANGUAGE_MODEL),
 ];

@@ -69,6 +69,7 @@ fn logits(f: &Fixture, rows: &Tensor, cuts: &[usize], both_ways: bool) -> Tensor
                 offset: first - a,
                 rows,
                 both_ways,
+                grid: None,
             });
             let mut batch = [BatchSeq {
                 tokens: &f.ids[a..b],
@@ -137,6 +138,7 @@ fn greedy_continuation_matches_transformers() {
             offset: first,
             rows: &rows,
             both_ways: true,
+            grid: None,
         }),
     }];
     let last = model.forward_batch(&mut batch).unwrap();
@@ -167,6 +169,7 @@ fn text_models_refuse_image_rows() {
             offset: 1,
             rows: &rows,
             both_ways: true,
+            grid: None,
         }),
     }];
     let err = model.forward_batch(&mut batch).unwrap_err().to_string();
@@ -200,6 +203,7 @@ fn quantized_and_turbo_caches_keep_the_image_two_way() {
                 offset: f.image.0,
                 rows: &rows,
                 both_ways,
+                grid: None,
             }),
         }];
         max_abs(&model.forward_batch(&mut batch).unwrap(), &f.logits)
@@ -226,6 +230,7 @@ fn quantized_and_turbo_caches_keep_the_image_two_way() {
             offset: f.image.0,
             rows: &rows,
             both_ways: true,
+            grid: None,
         }),
     }];
     let diff = max_abs(&f.model.forward_batch(&mut batch).unwrap(), &f.logits);

@@ -1,4 +1,4 @@
-//! Qwen2.5-VL's vision tower against transformers' f32 eager reference on the tiny VLM fixture
+//! Qwen2.5-VL against transformers' f32 eager reference on the tiny VLM fixture
 //! `tests/fixtures/vlm/qwen2_5_vl/hf` (reference made by
 //! `scripts/fixtures/qwen_visual_reference.py`): the fixture's processor pixel values, grid
 //! (1, 6, 8), through patch embed, window order, 2D rope, one window-attention and one
@@ -9,6 +9,10 @@
 //! 3.3e-6). Two variants show the comparison can fail: full attention in every block (no
 //! windows, 0.95) and a transposed grid (1.18); attending across both frames of the two-frame
 //! case moved it by 0.21 (checked by hand, not kept as a test).
+//!
+//! Then the whole model: the picture decoded, preprocessed and encoded here, its rows in the
+//! prompt at M-RoPE positions, against the reference's logits at every position (1e-3) and its
+//! greedy tokens.
 
 mod common;
 
@@ -16,7 +20,11 @@ use std::path::Path;
 
 use peregrine_models::config::{Fields, read_json_object};
 use peregrine_models::vision::qwen2_5_vl::{Qwen25VisionConfig, Qwen25VisionTower};
+use peregrine_models::vision::{ImageRun, decode_image, load_vision};
 use peregrine_models::weights::{SafetensorsFiles, Source, Weights};
+use peregrine_models::{
+    BatchSeq, CausalLm, KvOptions, LoadOptions, Logits, Media, SequenceCache, load_model,
+};
 use peregrine_tensor::candle::safetensors::load;
 use peregrine_tensor::{DType, Device, Tensor};
 
@@ -163,4 +171,144 @@ fn bad_grid_is_an_error() {
             .is_err(),
         "odd grid"
     );
+}
+
+/// The whole VLM: the fixture's prompt with its picture (decoded, preprocessed and encoded
+/// here), the text model's M-RoPE positions for the image tokens and the shift after them.
+struct Vlm {
+    model: std::sync::Arc<dyn CausalLm>,
+    ids: Vec<u32>,
+    /// The `<|image_pad|>` run: first index and length.
+    image: (usize, usize),
+    rows: Tensor,
+    grid: (usize, usize),
+    logits: Tensor,
+    greedy: Vec<u32>,
+}
+
+fn vlm() -> Vlm {
+    let dir = common::fixture("vlm/qwen2_5_vl/hf");
+    let model = load_model(&dir, &LoadOptions::default()).expect("text model loads");
+    let vision = load_vision(&dir, &Device::Cpu).unwrap().expect("a tower");
+    let png = std::fs::read(common::fixture("vlm/qwen2_5_vl/image.png")).unwrap();
+    let input = vision
+        .preprocess(&decode_image(&png, &Default::default()).unwrap())
+        .unwrap();
+    let runs = vision.runs(&input);
+    assert_eq!(
+        runs,
+        [ImageRun {
+            len: 12,
+            grid: Some((3, 4))
+        }]
+    );
+    let r = load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
+    let u32s = |t: &Tensor| t.to_dtype(DType::U32).unwrap().to_vec1::<u32>().unwrap();
+    let types = u32s(&r["mm_token_type_ids"]);
+    let first = types.iter().position(|&t| t == 1).expect("image tokens");
+    Vlm {
+        model: model.model,
+        ids: u32s(&r["input_ids"]),
+        image: (first, types.iter().filter(|&&t| t == 1).count()),
+        rows: vision.encode(&input).unwrap(),
+        grid: (3, 4),
+        logits: r["logits"].clone(),
+        greedy: u32s(&r["greedy_ids"]),
+    }
+}
+
+impl Vlm {
+    /// Every position's logits, the prompt in passes split at `cuts` (the image's run in one
+    /// piece), the image positioned by `grid`.
+    fn logits(
+        &self,
+        cache: &mut SequenceCache,
+        cuts: &[usize],
+        grid: Option<(usize, usize)>,
+    ) -> Tensor {
+        let mut bounds = vec![0];
+        bounds.extend_from_slice(cuts);
+        bounds.push(self.ids.len());
+        let (first, n) = self.image;
+        let parts: Vec<Tensor> = (bounds.windows(2))
+            .map(|w| {
+                let (a, b) = (w[0], w[1]);
+                let media = (a <= first && first + n <= b).then(|| Media {
+                    offset: first - a,
+                    rows: &self.rows,
+                    both_ways: false,
+                    grid,
+                });
+                let mut batch = [BatchSeq {
+                    tokens: &self.ids[a..b],
+                    cache: &mut *cache,
+                    logits: Logits::All,
+                    media,
+                }];
+                self.model.forward_batch(&mut batch).expect("forward")
+            })
+            .collect();
+        Tensor::cat(&parts, 0).unwrap()
+    }
+
+    fn cache(&self) -> SequenceCache {
+        SequenceCache::new(&self.model.cache_spec(), &KvOptions::default())
+    }
+}
+
+/// Tolerance 1e-3 on the logits (as tests/golden.rs): weights stored in bf16, both sides in f32.
+#[test]
+fn logits_with_the_picture_match_transformers() {
+    let f = vlm();
+    assert_eq!(f.image.1, 12);
+    let (first, n) = f.image;
+    for cuts in [
+        vec![],
+        vec![first, first + n],
+        vec![2, first + n + 3, first + n + 4],
+    ] {
+        let ours = f.logits(&mut f.cache(), &cuts, Some(f.grid));
+        let diff = max_abs(&ours, &f.logits);
+        eprintln!("cut at {cuts:?}: max abs diff {diff:.2e}");
+        assert!(diff < 1e-3, "cut at {cuts:?}: {diff}");
+    }
+    // The comparison can fail: plain positions through the image are off.
+    let plain = max_abs(&f.logits(&mut f.cache(), &[], None), &f.logits);
+    eprintln!("plain positions: max abs diff {plain:.2e}");
+    assert!(plain > 1e-2, "{plain}");
+}
+
+/// Generation past the image (decode steps at shifted positions) gives transformers' greedy
+/// tokens, and after a trim back into the text behind the image the same logits again.
+#[test]
+fn greedy_continuation_and_trim_past_the_picture() {
+    let f = vlm();
+    let mut cache = f.cache();
+    let all = f.logits(&mut cache, &[], Some(f.grid));
+    let argmax = |v: &[f32]| {
+        (0..v.len())
+            .max_by(|&a, &b| v[a].total_cmp(&v[b]).then(b.cmp(&a)))
+            .unwrap() as u32
+    };
+    let mut logits = all
+        .get(all.dim(0).unwrap() - 1)
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let mut ids = Vec::new();
+    for _ in 0..f.greedy.len() {
+        ids.push(argmax(&logits));
+        f.model
+            .decode(*ids.last().unwrap(), &mut cache, &mut logits)
+            .unwrap();
+    }
+    assert_eq!(ids, f.greedy);
+
+    let back = f.greedy.len() + 5;
+    cache.trim(back).unwrap();
+    let tail = &f.ids[f.ids.len() - 5..];
+    let again = f.model.forward(tail, &mut cache, Logits::All).unwrap();
+    let want = f.logits.narrow(0, f.ids.len() - 5, 5).unwrap();
+    let diff = max_abs(&again, &want);
+    assert!(diff < 1e-3, "after a trim: {diff}");
 }

@@ -34,6 +34,7 @@ fn logits(model: &dyn peregrine_models::CausalLm, ids: &[u32], runs: &[(usize, T
                 offset: s - from,
                 rows,
                 both_ways: false,
+                grid: None,
             });
         let mut batch = [BatchSeq {
             tokens: &ids[from..end],

@@ -14,8 +14,8 @@ mod fields;
 mod rope;
 
 pub use fields::{Fields, read_json_object};
-use rope::rope_from_hf;
 pub use rope::{longrope_attention_factor, rope_scaling_from, yarn_get_mscale};
+use rope::{mrope_sections, rope_from_hf};
 
 /// Hyper-parameters of a decoder-only transformer.
 #[derive(Debug, Clone, PartialEq)]
@@ -47,6 +47,9 @@ pub struct ModelConfig {
     pub partial_rotary_factor: f64,
     /// Which dimensions RoPE rotates together (depends on how the weights were converted).
     pub rope_style: RopeStyle,
+    /// Qwen2-VL's M-RoPE: the rotated pairs that turn by an image token's time, height and
+    /// width positions (text tokens turn as plain RoPE).
+    pub mrope_sections: Option<[usize; 3]>,
     /// Longest context the model was trained for.
     pub max_position_embeddings: usize,
     /// The output projection reuses the embedding table.
@@ -296,6 +299,7 @@ impl ModelConfig {
             rope_scaling,
             partial_rotary_factor,
             rope_style: RopeStyle::Half,
+            mrope_sections: mrope_sections(fields)?,
             max_position_embeddings: fields.opt_usize("max_position_embeddings")?.unwrap_or(4096),
             tie_word_embeddings: fields.opt_bool("tie_word_embeddings")?.unwrap_or(false),
             sliding_window: None,

@@ -44,6 +44,32 @@ pub(super) fn rope_from_hf(fields: &Fields) -> Result<(f64, RopeScaling, f64)> {
     Ok((theta, scaling, partial))
 }
 
+/// Qwen2-VL's M-RoPE sections (`mrope_section` of `rope_parameters` or the legacy
+/// `rope_scaling`): the rotated pairs that turn by time, height and width positions, in order.
+/// `None` without them, or when interleaved (`mrope_interleaved`, Qwen3-VL's layout, which only
+/// matters with images and is not implemented).
+pub(super) fn mrope_sections(fields: &Fields) -> Result<Option<[usize; 3]>> {
+    let Some(scaling) = fields
+        .object("rope_parameters")?
+        .or(fields.object("rope_scaling")?)
+    else {
+        return Ok(None);
+    };
+    if scaling.opt_bool("mrope_interleaved")?.unwrap_or(false) {
+        return Ok(None);
+    }
+    let Some(sections) = scaling.get("mrope_section") else {
+        return Ok(None);
+    };
+    let sections: Option<Vec<usize>> = (sections.as_array())
+        .map(|a| a.iter().map(|v| v.as_u64().map(|n| n as usize)).collect())
+        .unwrap_or(None);
+    match sections.as_deref() {
+        Some(&[t, h, w]) => Ok(Some([t, h, w])),
+        _ => Err(scaling.err("`mrope_section` must be three counts of rotated pairs".into())),
+    }
+}
+
 /// The scaling named by a `rope_parameters` / `rope_scaling` object (`rope_type` or `type`).
 pub fn rope_scaling_from(scaling: &Fields) -> Result<RopeScaling> {
     rope_scaling_in(scaling, None)
@@ -62,7 +88,8 @@ fn rope_scaling_in(scaling: &Fields, config: Option<&Fields>) -> Result<RopeScal
             .ok_or_else(|| scaling.err("rope scaling needs `factor`".into()))
     };
     let scaling = match kind.unwrap_or("default") {
-        "default" => RopeScaling::None,
+        // Qwen2-VL's legacy name for plain RoPE with `mrope_section` ([`mrope_sections`]).
+        "default" | "mrope" => RopeScaling::None,
         "linear" => RopeScaling::Linear { factor: factor()? },
         "llama3" => RopeScaling::Llama3 {
             factor: factor()?,

@@ -7,7 +7,7 @@ use peregrine_kv::{AttnParams, LayerCache};
 use peregrine_tensor::ops::{rms_norm, sigmoid};
 use peregrine_tensor::{QLinear, RotaryEmbedding, Tensor};
 
-use crate::layers::batch::{Segment, per_segment};
+use crate::layers::batch::{RopeRows, Segment, per_segment};
 use crate::layers::decoder::SelfAttention;
 use crate::layers::norm_weight;
 use crate::layers::step::{StepBuffers, norm_rows_in_place};
@@ -202,9 +202,10 @@ impl SelfAttention for Attention {
                 };
                 Ok(t.transpose(1, 2)?)
             };
-            let turn = |t: Tensor| match self.no_rope {
-                true => Ok(t.contiguous()?),
-                false => rope.apply(&t, s.start),
+            let turn = |t: Tensor| match (self.no_rope, s.rope) {
+                (true, _) => Ok(t.contiguous()?),
+                (false, RopeRows::From(p)) => rope.apply(&t, p),
+                (false, RopeRows::Axes(axes)) => rope.apply_positions(&t, axes),
             };
             let q = turn(split(0, self.heads, &self.q_norm)?)?;
             if n_proj > 1 {

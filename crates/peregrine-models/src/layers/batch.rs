@@ -34,6 +34,9 @@ pub struct Media<'a> {
     pub rows: &'a Tensor,
     /// Whether the run's positions attend to each other both ways (Gemma 3's images).
     pub both_ways: bool,
+    /// M-RoPE models (Qwen2-VL): the run's rows and columns (the image's merged patch grid),
+    /// which give its tokens their height and width positions; the run is a whole image.
+    pub grid: Option<(usize, usize)>,
 }
 
 impl<'a> BatchSeq<'a> {
@@ -67,6 +70,18 @@ pub struct Segment<'a> {
     pub len: usize,
     /// Absolute positions `[start, end)` of its rows that attend to each other both ways.
     pub both_ways: Option<(usize, usize)>,
+    /// The rotary positions of its rows.
+    pub rope: RopeRows<'a>,
+}
+
+/// The rotary positions of a segment's rows.
+#[derive(Clone, Copy, Debug)]
+pub enum RopeRows<'a> {
+    /// Consecutive positions from this one (the cache position, unless an earlier image
+    /// shifted M-RoPE positions).
+    From(usize),
+    /// Each row's time, height and width positions: M-RoPE with an image among the rows.
+    Axes(&'a [Vec<u32>; 3]),
 }
 
 impl<'a> Segment<'a> {
@@ -77,6 +92,64 @@ impl<'a> Segment<'a> {
             start,
             len,
             both_ways: None,
+            rope: RopeRows::From(start),
+        }
+    }
+}
+
+/// A sequence's rotary positions for one pass (`start`: its cache position), and the shift
+/// its image leaves on the positions after it (cache position, amount), if any.
+struct RopePlan {
+    rows: RopePlanRows,
+    shift: Option<(usize, i64)>,
+}
+
+enum RopePlanRows {
+    From(usize),
+    Axes([Vec<u32>; 3]),
+}
+
+impl RopePlan {
+    /// M-RoPE (transformers' `get_rope_index`): text rows count on from the cache's rotary
+    /// position; an image's rows sit at (r, r + row, r + column) for its first rotary position
+    /// `r`, and the rows after it continue from `r + max(rows, columns)`.
+    fn new(s: &BatchSeq, start: usize) -> Result<Self> {
+        let first = s.cache.rope_position(start);
+        let Some((m, (gh, gw))) = s.media.as_ref().and_then(|m| Some((m, m.grid?))) else {
+            return Ok(Self {
+                rows: RopePlanRows::From(first),
+                shift: None,
+            });
+        };
+        let n = m.rows.dim(0)?;
+        if gh * gw != n {
+            return Err(ModelError::Tensor(candle::Error::Msg(format!(
+                "image grid {gh}×{gw} for a run of {n} rows"
+            ))));
+        }
+        let mut axes: [Vec<u32>; 3] = Default::default();
+        let mut push = |t: usize, h: usize, w: usize| {
+            for (axis, p) in axes.iter_mut().zip([t, h, w]) {
+                axis.push(p as u32);
+            }
+        };
+        (0..m.offset).for_each(|i| push(first + i, first + i, first + i));
+        let r = first + m.offset;
+        for y in 0..gh {
+            (0..gw).for_each(|x| push(r, r + y, r + x));
+        }
+        let after = r + gh.max(gw);
+        (0..s.tokens.len() - m.offset - n).for_each(|i| push(after + i, after + i, after + i));
+        Ok(Self {
+            rows: RopePlanRows::Axes(axes),
+            shift: Some((start + m.offset + n, gh.max(gw) as i64 - n as i64)),
+        })
+    }
+
+    fn rows(&self) -> RopeRows<'_> {
+        match &self.rows {
+            RopePlanRows::From(p) => RopeRows::From(*p),
+            RopePlanRows::Axes(a) => RopeRows::Axes(a),
         }
     }
 }
@@ -112,9 +185,12 @@ pub fn run_layers(
     mut layer: impl FnMut(usize, &Tensor, &mut [Segment]) -> Result<Tensor>,
 ) -> Result<Tensor> {
     let starts: Vec<usize> = batch.iter().map(|s| s.cache.len()).collect();
+    let ropes: Vec<RopePlan> = (batch.iter().zip(&starts))
+        .map(|(s, &start)| RopePlan::new(s, start))
+        .collect::<Result<_>>()?;
     for i in 0..layers {
-        let mut segments: Vec<Segment> = (batch.iter_mut().zip(&starts))
-            .map(|(s, &start)| {
+        let mut segments: Vec<Segment> = (batch.iter_mut().zip(&starts).zip(&ropes))
+            .map(|((s, &start), rope)| {
                 let both_ways = (s.media.as_ref()).filter(|m| m.both_ways).map(|m| {
                     let from = start + m.offset;
                     (from, from + m.rows.dim(0).unwrap_or(0))
@@ -124,10 +200,16 @@ pub fn run_layers(
                     cache: s.cache.layer(slot(i)),
                     start,
                     both_ways,
+                    rope: rope.rows(),
                 }
             })
             .collect();
         x = layer(i, &x, &mut segments)?;
+    }
+    for (s, rope) in batch.iter_mut().zip(&ropes) {
+        if let Some((from, by)) = rope.shift {
+            s.cache.shift_rope(from, by)?;
+        }
     }
     Ok(x)
 }
@@ -195,6 +277,20 @@ pub fn check_batch(batch: &[BatchSeq], max: usize) -> Result<()> {
 
 /// [`check_batch`] for a model that takes image rows: each run must lie within its tokens.
 pub fn check_media(batch: &[BatchSeq], max: usize) -> Result<()> {
+    check_media_with(batch, max, false)
+}
+
+/// [`check_media`] for a model whose image runs may carry an M-RoPE grid (`mrope`).
+pub fn check_media_with(batch: &[BatchSeq], max: usize, mrope: bool) -> Result<()> {
+    if !mrope
+        && batch
+            .iter()
+            .any(|s| s.media.is_some_and(|m| m.grid.is_some()))
+    {
+        return Err(ModelError::Tensor(candle::Error::Msg(
+            "image rows with an M-RoPE grid given to a model without M-RoPE".into(),
+        )));
+    }
     for s in batch {
         super::check_room(s.tokens.len(), s.cache.len(), max)?;
         if let Some(m) = &s.media

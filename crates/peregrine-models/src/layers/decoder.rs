@@ -12,7 +12,8 @@ use peregrine_tensor::{DType, Device, Embedding, QLinear, RotaryEmbedding, Tenso
 
 use crate::layers::attention::Attention;
 use crate::layers::batch::{
-    BatchSeq, Segment, batch_logits, check_media, moe_limits, run_layers, splice_media, stacked_ids,
+    BatchSeq, Segment, batch_logits, check_media_with, moe_limits, run_layers, splice_media,
+    stacked_ids,
 };
 use crate::layers::mlp::GatedMlp;
 use crate::layers::moe::Ffn;
@@ -44,7 +45,7 @@ pub trait SelfAttention: Sized + Send + Sync {
         rope: &RotaryEmbedding,
         segments: &mut [Segment],
     ) -> Result<Tensor>;
-    /// One token at `pos` from `b.normed` into `b.out`, allocating nothing.
+    /// One token at rotary position `pos` from `b.normed` into `b.out`, allocating nothing.
     fn step(
         &self,
         b: &mut StepBuffers,
@@ -113,7 +114,8 @@ impl<A: SelfAttention> DecoderLm<A> {
 impl<A: SelfAttention> DecoderLm<A> {
     /// The last layer's output `[1, rows, hidden]` for the stacked new tokens of `batch`.
     fn hidden(&self, batch: &mut [BatchSeq]) -> Result<Tensor> {
-        check_media(batch, self.rope.max_positions())?;
+        let mrope = self.rope.sections().is_some();
+        check_media_with(batch, self.rope.max_positions(), mrope)?;
         let eps = self.config.rms_norm_eps as f32;
         let ids = Tensor::new(stacked_ids(batch), &self.device)?.unsqueeze(0)?; // [1, rows]
         let x = self.embed_tokens.forward(&ids, self.dtype)?; // [1, rows, hidden]
@@ -258,6 +260,7 @@ impl<A: SelfAttention + 'static> CausalLm for DecoderLm<A> {
         }
         let (pos, limit) = (cache.len(), cache.moe_top_k());
         super::check_room(1, pos, self.rope.max_positions())?;
+        let pos = cache.rope_position(pos); // past an M-RoPE image, its rotary position
         let eps = self.config.rms_norm_eps as f32;
         self.steps.run(&self.config, |b| {
             self.embed_tokens.row_into(token, &mut b.x)?;

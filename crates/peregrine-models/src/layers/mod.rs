@@ -109,7 +109,7 @@ pub fn rope_table(
     dims: (usize, usize),
     max_context: usize,
 ) -> Result<RotaryEmbedding> {
-    Ok(RotaryEmbedding::new_partial(
+    let rope = RotaryEmbedding::new_partial(
         dims,
         c.rope_theta,
         &c.rope_scaling,
@@ -117,7 +117,11 @@ pub fn rope_table(
         max_context,
         w.dtype(),
         w.device(),
-    )?)
+    )?;
+    Ok(match c.mrope_sections {
+        Some(sections) => rope.with_sections(sections)?,
+        None => rope,
+    })
 }
 
 /// Fails unless `n` tokens (at least one) fit at position `start` of a context of `max`.

@@ -38,7 +38,8 @@ pub struct ImagePrompt {
     pub marker: String,
     /// The token that stands for each of an image's rows.
     pub image_token: String,
-    /// Image tokens in a row of them: one run per tile (Gemma 3: one run of 256 per picture).
+    /// Image tokens in a row of them: one run per tile (Gemma 3: one run of 256 per picture);
+    /// 0 where the run's length depends on the picture ([`ImageEncoder::runs`]).
     pub run: usize,
     /// Whether a run's tokens attend to each other both ways (Gemma 3) or causally.
     pub both_ways: bool,
@@ -48,10 +49,20 @@ pub struct ImagePrompt {
 /// the picture was split into (`(0, 0)` when it was not).
 #[derive(Debug, Clone)]
 pub struct ImageInput {
-    /// `[tiles, 3, side, side]` f32 on the CPU.
+    /// `[tiles, 3, side, side]` f32 on the CPU; Qwen2-VL's patch rows `[patches, values]`.
     pub tiles: Tensor,
-    /// Rows and columns of split tiles (SmolVLM), before its whole-picture tile.
+    /// Rows and columns of split tiles (SmolVLM), before its whole-picture tile; Qwen2-VL's
+    /// rows and columns of patches.
     pub grid: (usize, usize),
+}
+
+/// One run of image tokens that stands for (part of) a picture in the prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImageRun {
+    /// Tokens in the run.
+    pub len: usize,
+    /// M-RoPE models: the run's rows and columns, which position its tokens.
+    pub grid: Option<(usize, usize)>,
 }
 
 /// A vision tower with its projector and its processor's settings: pictures in, rows of the
@@ -67,6 +78,17 @@ pub trait ImageEncoder: Send + Sync {
     /// What the processor writes in place of the picture's marker: one run of
     /// [`ImagePrompt::run`] image tokens per tile, with the family's tokens around them.
     fn expansion(&self, input: &ImageInput) -> String;
+    /// The runs of image tokens that stand for the picture, in prompt order, which
+    /// [`encode`](Self::encode)'s rows fill in turn: by default one run of [`ImagePrompt::run`]
+    /// per tile.
+    fn runs(&self, input: &ImageInput) -> Vec<ImageRun> {
+        let tiles = input.tiles.dim(0).unwrap_or(0);
+        let run = ImageRun {
+            len: self.prompt().run,
+            grid: None,
+        };
+        vec![run; tiles]
+    }
 }
 
 /// The vision tower of the HF checkpoint folder `dir`, when its `config.json` has a
@@ -86,12 +108,13 @@ pub fn load_vision(dir: &Path, device: &Device) -> Result<Option<Arc<dyn ImageEn
     let towers: &[&str] = match model_type {
         "gemma3" => &["siglip_vision_model"],
         "idefics3" => &["idefics3_vision"],
+        "qwen2_5_vl" => &["qwen2_5_vl_vision", ""],
         _ => {
             return Err(ModelError::config(
                 &config_path,
                 format!(
-                    "`{model_type}` vision-language checkpoints are not supported yet (Gemma 3 \
-                     and SmolVLM's `idefics3` are)"
+                    "`{model_type}` vision-language checkpoints are not supported yet (Gemma 3, \
+                     SmolVLM's `idefics3` and Qwen2.5-VL are)"
                 ),
             ));
         }
@@ -114,6 +137,7 @@ pub fn load_vision(dir: &Path, device: &Device) -> Result<Option<Arc<dyn ImageEn
     );
     let encoder: Arc<dyn ImageEncoder> = match model_type {
         "gemma3" => Arc::new(gemma3::Gemma3Vision::load(dir, &fields, &weights)?),
+        "qwen2_5_vl" => Arc::new(qwen2_5_vl::Qwen25Vision::load(dir, &fields, &weights)?),
         _ => Arc::new(smolvlm::SmolVlmVision::load(dir, &fields, &weights)?),
     };
     Ok(Some(encoder))

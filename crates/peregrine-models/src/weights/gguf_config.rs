@@ -254,6 +254,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         rope_scaling,
         partial_rotary_factor: 1.0,
         // llama.cpp's converter permutes llama q/k weights for GPT-J-style rotation.
+        mrope_sections: None,
         rope_style: if arch == "llama" {
             RopeStyle::Interleaved
         } else {
