@@ -1,4 +1,5 @@
-//! Images through the engine on the tiny Gemma 3 VLM fixture: the prompt cache hands a
+//! Images through the engine on the tiny Gemma 3 VLM fixture (and Qwen2.5-VL's for M-RoPE
+//! positions after a cached picture): the prompt cache hands a
 //! picture's keys and values only to a request about the same picture (image tokens are keyed
 //! by the picture's digest) and the tower's rows are reused for it, several images in one prompt
 //! go in as separate runs, and a request whose images do not match the template's markers is
@@ -13,7 +14,12 @@ use peregrine::{Engine, EngineConfig, Event, Prompt, Request};
 use crate::common::repo_root;
 
 fn photo(rel: &str) -> Arc<RgbImage> {
-    let bytes = std::fs::read(repo_root().join("tests/fixtures/vlm/gemma3").join(rel)).unwrap();
+    photo_of("gemma3", rel)
+}
+
+fn photo_of(family: &str, rel: &str) -> Arc<RgbImage> {
+    let dir = repo_root().join("tests/fixtures/vlm").join(family);
+    let bytes = std::fs::read(dir.join(rel)).unwrap();
     Arc::new(decode_image(&bytes, &Default::default()).unwrap())
 }
 
@@ -52,8 +58,53 @@ fn first_token(engine: &Engine, request: Request) -> (Vec<(u32, f32)>, usize) {
 }
 
 fn engine() -> Engine {
-    let dir = repo_root().join("tests/fixtures/vlm/gemma3/hf");
+    engine_of("gemma3")
+}
+
+fn engine_of(family: &str) -> Engine {
+    let dir = repo_root()
+        .join("tests/fixtures/vlm")
+        .join(family)
+        .join("hf");
     Engine::load(&dir, EngineConfig::default()).expect("the VLM fixture loads")
+}
+
+fn ids(top: &[(u32, f32)]) -> Vec<u32> {
+    top.iter().map(|t| t.0).collect()
+}
+
+/// Follow-up turns about the same picture (Qwen2.5-VL): the cached prefix holds the image,
+/// whose M-RoPE run left the positions after it shifted; the new tokens must continue from
+/// the shifted positions, both where the cache entry is taken whole and where a copy of it is
+/// trimmed back to the shared prefix, so the answers equal a fresh engine's.
+#[test]
+fn follow_up_turns_continue_from_the_pictures_shifted_positions() {
+    let picture = photo_of("qwen2_5_vl", "image.png");
+    let turn = |answer: &str| {
+        let mut request = ask(std::slice::from_ref(&picture));
+        if let Prompt::Chat { messages, .. } = &mut request.prompt {
+            messages.push(ChatMessage::text("assistant", answer));
+            messages.push(ChatMessage::text("user", "What else is in it?"));
+        }
+        request
+    };
+    let shared = engine_of("qwen2_5_vl");
+    first_token(&shared, ask(std::slice::from_ref(&picture)));
+    for answer in ["A photo.", "A cat on a mat."] {
+        let (fresh, _) = first_token(&engine_of("qwen2_5_vl"), turn(answer));
+        let (again, cached) = first_token(&shared, turn(answer));
+        assert!(
+            cached > 30,
+            "{answer}: the image came from the cache ({cached} tokens did)"
+        );
+        // Equal to 1e-4: a pass of many rows rounds its matmuls unlike a short one (a few
+        // 1e-6 here); positions that ignored the shift move the fixture's logits by ~2.
+        assert_eq!(ids(&again), ids(&fresh), "{answer}");
+        for ((_, a), (_, b)) in again.iter().zip(&fresh) {
+            assert!((a - b).abs() < 1e-4, "{answer}: {again:?} vs {fresh:?}");
+        }
+    }
+    assert_eq!(shared.image_stats(), (1, 2));
 }
 
 #[test]

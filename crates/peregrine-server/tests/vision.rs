@@ -1,7 +1,8 @@
-//! Images through the OpenAI chat API, black-box: the tiny Gemma 3 VLM fixture served, a PNG
-//! sent as a base64 `data:` URL, and the answer's first-token log-probability checked against
-//! transformers' logits for the same image and prompt (tests/fixtures/vlm/gemma3, made by
-//! scripts/fixtures/make_vlm.py). Then every kind of bad media: each a 400 naming its part.
+//! Images through the OpenAI chat API, black-box: each tiny VLM fixture (Gemma 3, SmolVLM,
+//! Qwen2.5-VL) served, a PNG sent as a base64 `data:` URL, and the answer's first-token
+//! log-probability checked against transformers' logits for the same image and prompt
+//! (tests/fixtures/vlm, made by scripts/fixtures/make_vlm.py). Then every kind of bad media:
+//! each a 400 naming its part.
 
 mod support;
 
@@ -87,6 +88,12 @@ fn answer_matches_transformers(family: &str) -> (Server, Vec<u8>, usize) {
 #[test]
 fn smolvlm_answers_as_transformers_does() {
     answer_matches_transformers("smolvlm");
+}
+
+/// Qwen2.5-VL: a run of image tokens whose length the picture decides, at M-RoPE positions.
+#[test]
+fn qwen2_5_vl_answers_as_transformers_does() {
+    answer_matches_transformers("qwen2_5_vl");
 }
 
 #[test]
