@@ -1,8 +1,9 @@
 //! Ask a vision-language model about a picture: image input through the library.
 //!
 //! `cargo run --release --example describe_image -- [MODEL_DIR] [IMAGE] [QUESTION]`
-//! (a Gemma 3 or SmolVLM checkpoint folder and a PNG, JPEG or WebP file; by default the
-//! repository's tiny random Gemma 3 fixture and its photo, which only show that it runs).
+//! (a Gemma 3, SmolVLM or Qwen2.5-VL checkpoint folder and a PNG, JPEG or WebP file; by
+//! default the repository's tiny random Gemma 3 fixture and its photo, which only show that it
+//! runs).
 
 use std::io::Write;
 use std::path::PathBuf;

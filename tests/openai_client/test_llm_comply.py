@@ -52,7 +52,7 @@ IMAGE_CHECKS = {"openai-chat": "chat-image-input", "anthropic": "anth-image-inpu
 VLM_FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "vlm")
 
 
-@pytest.mark.parametrize("family", ["gemma3", "smolvlm"])
+@pytest.mark.parametrize("family", ["gemma3", "smolvlm", "qwen2_5_vl"])
 def test_llm_comply_image_input(family):
     """The image-input checks (a base64 JPEG in each API's own form) against a served VLM fixture;
     its random weights must still stop on their own (`stop` / `end_turn`), so a failed check gets
