@@ -25,10 +25,15 @@ fn photo_of(family: &str, rel: &str) -> Arc<RgbImage> {
 
 /// A user turn with `images` image parts, then the question.
 fn ask(images: &[Arc<RgbImage>]) -> Request {
+    ask_about(images, "Describe this image.")
+}
+
+/// [`ask`] with the question `text`.
+fn ask_about(images: &[Arc<RgbImage>], text: &str) -> Request {
     let mut parts: Vec<serde_json::Value> = (images.iter())
         .map(|_| serde_json::json!({"type": "image"}))
         .collect();
-    parts.push(serde_json::json!({"type": "text", "text": "Describe this image."}));
+    parts.push(serde_json::json!({"type": "text", "text": text}));
     let message = ChatMessage {
         content: serde_json::Value::Array(parts),
         ..ChatMessage::text("user", "")
@@ -105,6 +110,71 @@ fn follow_up_turns_continue_from_the_pictures_shifted_positions() {
         }
     }
     assert_eq!(shared.image_stats(), (1, 2));
+}
+
+/// A GGUF text model with llama.cpp's projector file (`EngineConfig::mmproj`): the first
+/// answer token's log-probabilities equal the same GGUF model's logits with the HF
+/// checkpoint's tower rows spliced in by hand (the projector file's rows are the tower's, bit
+/// for bit: crates/peregrine-models/tests/vision_gemma3.rs), to 1e-4 (pass sizes differ).
+#[test]
+fn a_gguf_model_with_its_projector_file_answers_with_the_towers_rows() {
+    use peregrine::models::vision::load_vision;
+    use peregrine::models::{BatchSeq, Logits, Media, SequenceCache, load_model};
+    use peregrine::tensor::{D, DType, Device, nn::ops::log_softmax};
+
+    let vlm = repo_root().join("tests/fixtures/vlm/gemma3");
+    let gguf = vlm.join("gguf/model-bf16.gguf");
+    let config = EngineConfig {
+        mmproj: Some(vlm.join("gguf/mmproj-f32.gguf")),
+        ..EngineConfig::default()
+    };
+    let engine = Engine::load(&gguf, config).expect("the GGUF model and its projector load");
+    // The fixture's prompt, whose ids the reference holds.
+    let question = "Describe this image in one sentence.";
+    let (top, _) = first_token(&engine, ask_about(&[photo("image.png")], question));
+
+    let r = peregrine::tensor::candle::safetensors::load(
+        vlm.join("hf/reference.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let u32s = |name: &str| {
+        r[name]
+            .to_dtype(DType::U32)
+            .unwrap()
+            .to_vec1::<u32>()
+            .unwrap()
+    };
+    let (ids, types) = (u32s("input_ids"), u32s("token_type_ids"));
+    let first = types.iter().position(|&t| t == 1).unwrap();
+    let model = load_model(&gguf, &Default::default()).unwrap().model;
+    let vision = load_vision(&vlm.join("hf"), &Device::Cpu).unwrap().unwrap();
+    let image = photo("image.png");
+    let rows = vision.encode(&vision.preprocess(&image).unwrap()).unwrap();
+    let mut cache = SequenceCache::new(&model.cache_spec(), &Default::default());
+    let media = Media {
+        offset: first,
+        rows: &rows,
+        both_ways: true,
+        grid: None,
+    };
+    let mut batch = [BatchSeq {
+        tokens: &ids,
+        cache: &mut cache,
+        logits: Logits::Last,
+        media: Some(media),
+    }];
+    let logits = model.forward_batch(&mut batch).unwrap();
+    let logp = log_softmax(&logits, D::Minus1)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    for (id, got) in &top {
+        let want = logp[*id as usize];
+        assert!((got - want).abs() < 1e-4, "token {id}: {got} vs {want}");
+    }
 }
 
 #[test]

@@ -61,6 +61,9 @@ pub struct EngineConfig {
     /// Fail to load a vision-language checkpoint whose vision tower cannot load, instead of
     /// serving its text model alone with a warning.
     pub require_vision: bool,
+    /// A llama.cpp multimodal projector file (`--mmproj`) to take the vision tower from,
+    /// instead of the checkpoint's own.
+    pub mmproj: Option<std::path::PathBuf>,
 }
 
 impl Default for EngineConfig {
@@ -84,6 +87,7 @@ impl Default for EngineConfig {
             load_progress: None,
             panic_marker: None,
             require_vision: false,
+            mmproj: None,
         }
     }
 }

@@ -4,11 +4,12 @@
 //! attend to each other both ways).
 
 use std::collections::VecDeque;
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use peregrine_models::vision::{ImageEncoder, ImageInput, ImageRun, RgbImage};
-use peregrine_models::{Media, ModelError};
+use peregrine_models::{CausalLm, Media, ModelError};
 use peregrine_tensor::Tensor;
 use peregrine_tensor::device::in_compute_pool;
 use sha2::{Digest, Sha256};
@@ -253,6 +254,37 @@ pub(crate) fn media_in(spans: &[ImageSpan], fed: usize, k: usize) -> Option<Medi
         both_ways: s.both_ways,
         grid: s.grid,
     })
+}
+
+/// `vision` when it fits the text model loaded from `path`: rows of its hidden size, an image
+/// token its tokenizer knows (a projector file of another model fails here, not mid-request).
+pub(crate) fn fits(
+    vision: Option<Arc<dyn ImageEncoder>>,
+    model: &dyn CausalLm,
+    tokenizer: &Tokenizer,
+    path: &Path,
+) -> peregrine_models::Result<Option<Arc<dyn ImageEncoder>>> {
+    let Some(vision) = vision else {
+        return Ok(None);
+    };
+    let hidden = model.config().hidden_size;
+    if vision.width() != hidden {
+        return Err(ModelError::config(
+            path,
+            format!(
+                "the vision tower gives rows of {} values; the text model's hidden size is {hidden}",
+                vision.width()
+            ),
+        ));
+    }
+    let token = &vision.prompt().image_token;
+    if tokenizer.token_to_id(token).is_none() {
+        return Err(ModelError::config(
+            path,
+            format!("the tokenizer has no image token `{token}`"),
+        ));
+    }
+    Ok(Some(vision))
 }
 
 #[cfg(test)]

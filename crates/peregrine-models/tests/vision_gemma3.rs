@@ -9,7 +9,7 @@
 
 mod common;
 
-use peregrine_models::vision::{ImageEncoder, ImageInput, decode_image, load_vision};
+use peregrine_models::vision::{ImageEncoder, ImageInput, decode_image, load_mmproj, load_vision};
 use peregrine_models::{
     BatchSeq, CausalLm, KvOptions, LoadOptions, Logits, Media, SequenceCache, load_model,
 };
@@ -236,4 +236,37 @@ fn quantized_and_turbo_caches_keep_the_image_two_way() {
     let diff = max_abs(&f.model.forward_batch(&mut batch).unwrap(), &f.logits);
     eprintln!("kv_bits 8: {diff:.3}");
     assert!(diff < 0.05, "{diff}");
+}
+
+/// llama.cpp's projector file of the same fixture (`gguf/mmproj-f32.gguf`, written by its own
+/// converter, `scripts/fixtures/make_mmproj.py`): the same pixel values, the same rows and so
+/// the same logits as the HF checkpoint (the converter stores the input projection in f16
+/// whatever the output type, which holds the fixture's bf16 weights exactly: the rows agree
+/// bit for bit).
+#[test]
+fn llama_cpp_projector_file_gives_the_same_logits() {
+    let f = fixture();
+    let mmproj = load_mmproj(
+        &common::fixture("vlm/gemma3/gguf/mmproj-f32.gguf"),
+        &Device::Cpu,
+    )
+    .expect("the projector file loads");
+    assert_eq!(mmproj.prompt(), f.vision.prompt());
+    let png = std::fs::read(common::fixture("vlm/gemma3/image.png")).unwrap();
+    let image = decode_image(&png, &Default::default()).unwrap();
+    let pixels = mmproj.preprocess(&image).unwrap();
+    assert!(max_abs(&pixels.tiles, &f.pixels.tiles) < 1e-5);
+    let rows = mmproj.encode(&pixels).unwrap();
+    let hf_rows = f.vision.encode(&f.pixels).unwrap();
+    let diff = max_abs(&logits(&f, &rows, &[], true), &f.logits);
+    eprintln!("logits: max abs diff {diff:.2e}");
+    assert!(diff < TOLERANCE, "{diff}");
+    assert_eq!(max_abs(&rows, &hf_rows), 0.0);
+    // A text model's GGUF is not a projector file.
+    let text = common::fixture("falcon_h1/gguf/model-f32.gguf");
+    let err = load_mmproj(&text, &Device::Cpu)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(err.contains("not a multimodal projector"), "{err}");
 }

@@ -120,6 +120,11 @@ pub struct ModelArgs {
     /// default its text model is served alone, with a warning).
     #[arg(long)]
     pub vision: bool,
+    /// A llama.cpp multimodal projector file (GGUF, `convert_hf_to_gguf.py --mmproj`) holding
+    /// the vision tower for a GGUF text model (Gemma 3's); a file that does not load or fit
+    /// the model is an error.
+    #[arg(long, value_name = "FILE")]
+    pub mmproj: Option<std::path::PathBuf>,
     /// Expert reads in flight at most with `--stream-experts` (each layer's routed experts
     /// are read ahead of their use, at most this many at once and waiting in memory); 0 reads
     /// each expert only when it is used, with no prefetch.
@@ -205,6 +210,7 @@ impl ModelArgs {
                 top_k: self.moe_top_k,
             },
             require_vision: self.vision,
+            mmproj: self.mmproj.clone(),
             ..Default::default()
         }
     }

@@ -59,6 +59,40 @@ fn missing_model_file_is_one_clear_error() {
     assert!(stderr.contains("/nonexistent/model.gguf"), "{stderr}");
 }
 
+/// `--mmproj` files that cannot serve the model stop the start with one error naming why: a
+/// text model's GGUF is no projector file, and Gemma 3's projector does not fit Llama (no
+/// image token in its tokenizer).
+#[test]
+fn a_projector_file_that_does_not_fit_is_one_clear_error() {
+    let vlm = repo().join("tests/fixtures/vlm/gemma3");
+    let cases = [
+        (
+            vlm.join("hf"),
+            vlm.join("gguf/model-bf16.gguf"),
+            "not a multimodal projector",
+        ),
+        (
+            fixture("llama"),
+            vlm.join("gguf/mmproj-f32.gguf"),
+            "no image token",
+        ),
+    ];
+    for (model, mmproj, says) in cases {
+        let out = peregrine(&[
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--mmproj",
+            mmproj.to_str().unwrap(),
+            "--prompt",
+            "hi",
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(says), "{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}
+
 #[test]
 fn truncated_safetensors_names_the_file() {
     let dir = scratch("truncated-st");

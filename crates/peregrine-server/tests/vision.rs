@@ -90,6 +90,29 @@ fn smolvlm_answers_as_transformers_does() {
     answer_matches_transformers("smolvlm");
 }
 
+/// llama.cpp's files of the Gemma 3 fixture: the text model's GGUF and its projector file
+/// (`--mmproj`), both from llama.cpp's converter (scripts/fixtures/make_mmproj.py). The prompt
+/// (template, tokenizer and image expansion from the GGUF) is transformers' to the token; the
+/// logits are not (llama.cpp's Gemma 3 makes every sixth layer global, the 2-layer fixture's
+/// second layer is), so tests/integration/vision.rs checks them against the tower in-process.
+#[test]
+fn gemma3_gguf_with_its_mmproj_takes_images() {
+    let dir = vlm("gemma3");
+    let mmproj = dir.join("gguf/mmproj-f32.gguf");
+    let args = ["--mmproj", mmproj.to_str().unwrap()];
+    let server = Server::start_model(&dir.join("gguf/model-bf16.gguf"), &args);
+    let png = std::fs::read(dir.join("image.png")).unwrap();
+    let reply = server.post(CHAT, &ask(&data_url(&png)));
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let r = load(dir.join("hf/reference.safetensors"), &Device::Cpu).unwrap();
+    let body = reply.json();
+    assert_eq!(
+        body["usage"]["prompt_tokens"],
+        r["input_ids"].dim(0).unwrap(),
+        "{body}"
+    );
+}
+
 /// Qwen2.5-VL: a run of image tokens whose length the picture decides, at M-RoPE positions.
 #[test]
 fn qwen2_5_vl_answers_as_transformers_does() {

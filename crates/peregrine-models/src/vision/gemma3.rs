@@ -18,9 +18,9 @@ use super::processor::{HALF, PixelSettings};
 use super::resize::resize;
 use super::siglip::{SiglipConfig, SiglipVision};
 use super::{ImageEncoder, ImageInput, ImagePrompt};
-use crate::Result;
 use crate::config::{Fields, read_json_object};
 use crate::weights::Weights;
+use crate::{ModelError, Result};
 
 /// The image processor's settings (`preprocessor_config.json`, Gemma3ImageProcessor): a
 /// resize to the tower's square (bilinear unless the config says otherwise), no pan-and-scan.
@@ -62,6 +62,21 @@ pub struct Gemma3Vision {
     dtype: DType,
 }
 
+/// What a Gemma 3 tower needs besides its weights, from an HF checkpoint or an mmproj file.
+pub(crate) struct Gemma3Parts {
+    pub config: SiglipConfig,
+    /// The projector's output width (the text model's hidden size).
+    pub text_hidden: usize,
+    /// Image tokens per picture (a square).
+    pub tokens: usize,
+    pub processor: PixelSettings,
+    /// The token that stands for each image row.
+    pub soft_token: String,
+    /// Whether the stored projector norm already holds Gemma's `1 + w` (llama.cpp's converter
+    /// adds the 1).
+    pub norm_has_one: bool,
+}
+
 impl Gemma3Vision {
     /// Loads from an HF checkpoint folder whose `config.json` (`config_fields`) has a
     /// `vision_config`; tensors `vision_tower.vision_model.*` and `multi_modal_projector.*`.
@@ -73,15 +88,44 @@ impl Gemma3Vision {
             .object("text_config")?
             .ok_or_else(|| fields.err("missing `text_config`".into()))?;
         let config = SiglipConfig::from_fields(&vision)?;
-        let text_hidden = text.usize("hidden_size")?;
-        let tokens = fields.opt_usize("mm_tokens_per_image")?.unwrap_or(256);
+        let processor = read_processor(dir, config.image_size)?;
+        let parts = Gemma3Parts {
+            text_hidden: text.usize("hidden_size")?,
+            tokens: fields.opt_usize("mm_tokens_per_image")?.unwrap_or(256),
+            soft_token: fields
+                .opt_str("image_token")?
+                .unwrap_or("<image_soft_token>")
+                .to_string(),
+            config,
+            processor,
+            norm_has_one: false,
+        };
+        Self::from_parts(parts, w).map_err(|e| match e {
+            ModelError::Config { message, .. } => fields.err(message),
+            e => e,
+        })
+    }
+
+    /// The tower, projector and prompt form from `parts` and the weights (HF names).
+    pub(crate) fn from_parts(parts: Gemma3Parts, w: &Weights) -> Result<Self> {
+        let Gemma3Parts {
+            config,
+            text_hidden,
+            tokens,
+            processor,
+            soft_token: soft,
+            norm_has_one,
+        } = parts;
         let side = config.patches_per_side();
         let per_side = (tokens as f64).sqrt().round() as usize;
         if per_side * per_side != tokens || per_side == 0 || side % per_side != 0 {
-            return Err(fields.err(format!(
-                "field `mm_tokens_per_image` {tokens}: must be a square whose side divides the \
-                 {side} patches per side"
-            )));
+            return Err(ModelError::config(
+                w.path(),
+                format!(
+                    "field `mm_tokens_per_image` {tokens}: must be a square whose side divides \
+                     the {side} patches per side"
+                ),
+            ));
         }
         let vh = config.hidden_size;
         let projector = "multi_modal_projector";
@@ -89,16 +133,12 @@ impl Gemma3Vision {
             &format!("{projector}.mm_input_projection_weight"),
             &[vh, text_hidden],
         )?;
+        let norm = w.tensor(&format!("{projector}.mm_soft_emb_norm.weight"), &[vh])?;
         // Gemma's RMSNorm scales by `1 + w`.
-        let norm = (w.tensor(&format!("{projector}.mm_soft_emb_norm.weight"), &[vh])? + 1.0)?;
+        let norm = if norm_has_one { norm } else { (norm + 1.0)? };
         let eps = config.eps as f32;
-        let processor = read_processor(dir, config.image_size)?;
         let tower = SiglipVision::load(config, w, "vision_tower.vision_model")?;
-        let token = |key: &str, default: &str| -> Result<String> {
-            Ok(fields.opt_str(key)?.unwrap_or(default).to_string())
-        };
         let (boi, eoi) = ("<start_of_image>", "<end_of_image>");
-        let soft = token("image_token", "<image_soft_token>")?;
         let prompt = ImagePrompt {
             marker: boi.to_string(),
             image_token: soft.clone(),
@@ -149,6 +189,10 @@ impl ImageEncoder for Gemma3Vision {
         let normed = rms_norm(&pooled, &self.norm.to_dtype(DType::F32)?, self.eps)?;
         let rows = normed.matmul(&self.projection.to_dtype(DType::F32)?)?;
         Ok(rows.to_dtype(self.dtype)?)
+    }
+
+    fn width(&self) -> usize {
+        self.projection.dims().get(1).copied().unwrap_or(0)
     }
 
     fn prompt(&self) -> &ImagePrompt {

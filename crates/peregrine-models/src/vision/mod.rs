@@ -12,6 +12,7 @@
 pub mod gemma3;
 pub mod idefics3;
 pub mod image;
+pub mod mmproj;
 pub mod processor;
 pub mod qwen2_5_vl;
 pub mod qwen2_vl;
@@ -29,6 +30,7 @@ use crate::config::{Fields, read_json_object};
 use crate::weights::{SafetensorsFiles, Source, Weights};
 use crate::{ModelError, Result};
 pub use image::{ImageLimits, MediaError, RgbImage, decode_image};
+pub use mmproj::load_mmproj;
 
 /// How a prompt stands for images.
 #[derive(Debug, Clone, PartialEq)]
@@ -73,6 +75,8 @@ pub trait ImageEncoder: Send + Sync {
     /// The rows (`[tiles · run, text hidden]`, the text model's dtype and device) that replace
     /// the picture's image tokens in the prompt, run by run in prompt order.
     fn encode(&self, input: &ImageInput) -> Result<Tensor>;
+    /// Width of the rows [`encode`](Self::encode) gives: the text model's hidden size.
+    fn width(&self) -> usize;
     /// How the prompt stands for images.
     fn prompt(&self) -> &ImagePrompt;
     /// What the processor writes in place of the picture's marker: one run of

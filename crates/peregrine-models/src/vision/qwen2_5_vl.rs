@@ -488,6 +488,10 @@ impl ImageEncoder for Qwen25Vision {
         Ok(rows.to_dtype(self.dtype)?)
     }
 
+    fn width(&self) -> usize {
+        self.tower.config().out_hidden_size
+    }
+
     fn prompt(&self) -> &ImagePrompt {
         &self.prompt
     }

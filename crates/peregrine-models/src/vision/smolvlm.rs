@@ -29,6 +29,7 @@ pub struct SmolVlmVision {
     tokens: Idefics3Tokens,
     prompt: ImagePrompt,
     device: Device,
+    width: usize,
 }
 
 impl SmolVlmVision {
@@ -77,6 +78,7 @@ impl SmolVlmVision {
             tokens,
             prompt,
             device: w.device().clone(),
+            width: th,
         })
     }
 
@@ -121,6 +123,10 @@ impl ImageEncoder for SmolVlmVision {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Tensor::cat(&rows, 0)?)
+    }
+
+    fn width(&self) -> usize {
+        self.width
     }
 
     fn prompt(&self) -> &ImagePrompt {

@@ -15,6 +15,46 @@ use peregrine_tensor::{Device, GgufMatrix};
 use super::LoadProgress;
 use crate::{ModelError, Result};
 
+/// The name in a llama.cpp multimodal projector file (`general.architecture` `clip`, what
+/// `--mmproj` reads) of an HF name of Gemma 3's SigLIP tower (`vision_tower.vision_model.`) or
+/// projector (`multi_modal_projector.`).
+fn clip_name(hf: &str) -> Option<String> {
+    if let Some(rest) = hf.strip_prefix("multi_modal_projector.") {
+        let name = match rest {
+            "mm_input_projection_weight" => "mm.input_projection.weight",
+            "mm_soft_emb_norm.weight" => "mm.soft_emb_norm.weight",
+            _ => return None,
+        };
+        return Some(name.to_string());
+    }
+    let rest = hf.strip_prefix("vision_tower.vision_model.")?;
+    let whole = match rest {
+        "embeddings.patch_embedding.weight" => Some("v.patch_embd.weight"),
+        "embeddings.patch_embedding.bias" => Some("v.patch_embd.bias"),
+        "embeddings.position_embedding.weight" => Some("v.position_embd.weight"),
+        "post_layernorm.weight" => Some("v.post_ln.weight"),
+        "post_layernorm.bias" => Some("v.post_ln.bias"),
+        _ => None,
+    };
+    if let Some(name) = whole {
+        return Some(name.to_string());
+    }
+    let (layer, rest) = rest.strip_prefix("encoder.layers.")?.split_once('.')?;
+    let (module, kind) = rest.rsplit_once('.')?;
+    let name = match module {
+        "self_attn.q_proj" => "attn_q",
+        "self_attn.k_proj" => "attn_k",
+        "self_attn.v_proj" => "attn_v",
+        "self_attn.out_proj" => "attn_out",
+        "layer_norm1" => "ln1",
+        "layer_norm2" => "ln2",
+        "mlp.fc1" => "ffn_up",
+        "mlp.fc2" => "ffn_down",
+        _ => return None,
+    };
+    Some(format!("v.blk.{layer}.{name}.{kind}"))
+}
+
 /// An open GGUF file: metadata and tensor directory in memory, tensor data read on demand.
 pub struct GgufFile {
     path: PathBuf,
@@ -42,6 +82,9 @@ pub struct GgufFile {
 /// `feed_forward` is `ffn_*` and its `pre_ff_layernorm` the suffix-less `ffn_norm` (Jamba's has
 /// the suffix; its Mamba v1 mixer adds `ssm_x`, `ssm_dt` and the `ssm_{dt,b,c}_norm`s).
 pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
+    if arch == "clip" {
+        return clip_name(hf);
+    }
     let global = match hf {
         "model.embed_tokens.weight" => Some("token_embd.weight"),
         "model.norm.weight" | "model.final_layernorm.weight" => Some("output_norm.weight"),

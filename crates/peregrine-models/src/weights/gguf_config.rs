@@ -37,7 +37,7 @@ fn count(v: &Value) -> Option<usize> {
 /// the key.
 pub(crate) struct GgufMeta<'a> {
     pub(crate) file: &'a GgufFile,
-    arch: String,
+    pub(crate) arch: String,
 }
 
 impl GgufMeta<'_> {
@@ -106,6 +106,31 @@ impl GgufMeta<'_> {
             None => Ok(None),
             Some(Value::Bool(b)) => Ok(Some(*b)),
             Some(_) => Err(self.err(key, "must be a boolean")),
+        }
+    }
+
+    /// A string value.
+    pub(crate) fn opt_str(&self, key: &str) -> Result<Option<&str>> {
+        match self.value(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(_) => Err(self.err(key, "must be a string")),
+        }
+    }
+
+    /// An array of numbers.
+    pub(crate) fn opt_f64s(&self, key: &str) -> Result<Option<Vec<f64>>> {
+        let number = |v: &Value| match *v {
+            Value::F32(x) => Some(x as f64),
+            Value::F64(x) => Some(x),
+            _ => count(v).map(|n| n as f64),
+        };
+        match self.value(key) {
+            None => Ok(None),
+            Some(Value::Array(items)) => (items.iter().map(number).collect::<Option<Vec<_>>>())
+                .map(Some)
+                .ok_or_else(|| self.err(key, "must hold numbers")),
+            Some(_) => Err(self.err(key, "must be an array")),
         }
     }
 
