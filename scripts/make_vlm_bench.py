@@ -4,13 +4,56 @@ patches pooled to 256 image tokens) in front of Gemma 3 270M's text model (18 la
 saved as bf16 safetensors with the fixture's tokenizer and processor files (vocab 262144 is
 replaced by the fixture tokenizer's 512 ids, which only changes the output head's size).
 
-usage: .venv-fixtures/bin/python scripts/make_vlm_bench.py OUT_DIR   (about 1 GB; 1-2 minutes)"""
+With `qwen2_5_vl`: Qwen2.5-VL-3B's vision tower (32 blocks of width 1280, window attention with
+full attention in blocks 7/15/23/31, 2×2 patch merger) in front of Qwen2.5-0.5B's text model (24
+layers, width 896, head width 64, so M-RoPE sections 8/12/12; the merger's output width is 896
+instead of 3B's 2048), the fixture's
+tokenizer and the processor's default pixel limits.
+
+usage: .venv-fixtures/bin/python scripts/make_vlm_bench.py OUT_DIR [gemma3|qwen2_5_vl]
+(about 1 GB / 2.6 GB; 1-3 minutes)"""
 import json, os, shutil, sys
 
 import torch
 import transformers
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "vlm", "gemma3", "hf")
+QWEN = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "vlm", "qwen2_5_vl", "hf")
+FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+         "processor_config.json", "generation_config.json"]
+
+
+def randomize(model):
+    with torch.no_grad():   # random init leaves norms at 1 and biases at 0: fine for timing
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0, p.shape[-1] ** -0.5)
+
+
+def qwen(out):
+    """Qwen2.5-VL-3B's tower before Qwen2.5-0.5B's text model, saved in the hub layout."""
+    os.makedirs(out, exist_ok=True)
+    base = json.load(open(os.path.join(QWEN, "config.json")))
+    vision = dict(base["vision_config"], depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                  out_hidden_size=896, fullatt_block_indexes=[7, 15, 23, 31], window_size=112)
+    text = {k: base[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "rms_norm_eps")}
+    text.update(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0,
+                rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]}, layer_types=None)
+    cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
+                                        **{k: base[k] for k in ("image_token_id", "video_token_id",
+                                                                 "vision_start_token_id", "vision_end_token_id")})
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).to(torch.bfloat16).eval()
+    randomize(model)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in FILES:
+        shutil.copy(os.path.join(QWEN, f), out)
+    pre = json.load(open(os.path.join(QWEN, "preprocessor_config.json")))
+    pre.update(min_pixels=56 * 56, max_pixels=28 * 28 * 1280)
+    json.dump(pre, open(os.path.join(out, "preprocessor_config.json"), "w"), indent=2)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"wrote {out}: {n / 1e6:.0f}M parameters")
 
 
 def main(out):
@@ -54,4 +97,4 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    (qwen if sys.argv[2:] == ["qwen2_5_vl"] else main)(sys.argv[1])

@@ -375,6 +375,8 @@ pub fn open_model(path: &Path, opts: &LoadOptions) -> Result<OpenModel> {
             Some(_) => fields.object("text_config")?,
             None => None,
         };
+        // transformers 5 keeps a multimodal model's `tie_word_embeddings` at the top level.
+        let top_tie = fields.opt_bool("tie_word_embeddings")?;
         let (fields, prefixes) = match (text, text_model) {
             (Some(text), Some((_, prefixes))) => {
                 tracing::info!(
@@ -398,6 +400,9 @@ pub fn open_model(path: &Path, opts: &LoadOptions) -> Result<OpenModel> {
             ));
         }
         let mut config = ModelConfig::from_hf(&fields)?;
+        if let Some(tie) = top_tie.filter(|_| fields.get("tie_word_embeddings").is_none()) {
+            config.tie_word_embeddings = tie;
+        }
         configure(&fields, &mut config)?;
         let mut files = SafetensorsFiles::open_dir(path)?;
         for (from, to) in prefixes {

@@ -187,7 +187,17 @@ struct Vlm {
 }
 
 fn vlm() -> Vlm {
-    let dir = common::fixture("vlm/qwen2_5_vl/hf");
+    vlm_from(&common::fixture("vlm/qwen2_5_vl/hf"))
+}
+
+/// The fixture's model loaded from `dir` (the fixture or a copy in another layout).
+fn vlm_from(dir: &Path) -> Vlm {
+    let r = load(
+        common::fixture("vlm/qwen2_5_vl/hf/reference.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let dir = dir.to_path_buf();
     let model = load_model(&dir, &LoadOptions::default()).expect("text model loads");
     let vision = load_vision(&dir, &Device::Cpu).unwrap().expect("a tower");
     let png = std::fs::read(common::fixture("vlm/qwen2_5_vl/image.png")).unwrap();
@@ -202,7 +212,6 @@ fn vlm() -> Vlm {
             grid: Some((3, 4))
         }]
     );
-    let r = load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
     let u32s = |t: &Tensor| t.to_dtype(DType::U32).unwrap().to_vec1::<u32>().unwrap();
     let types = u32s(&r["mm_token_type_ids"]);
     let first = types.iter().position(|&t| t == 1).expect("image tokens");
@@ -311,4 +320,67 @@ fn greedy_continuation_and_trim_past_the_picture() {
     let want = f.logits.narrow(0, f.ids.len() - 5, 5).unwrap();
     let diff = max_abs(&again, &want);
     assert!(diff < 1e-3, "after a trim: {diff}");
+}
+
+/// transformers 5 saves Qwen2.5-VL with a `text_config` (its M-RoPE under `rope_parameters`),
+/// `tie_word_embeddings` only at the top level, and tensors under `model.language_model.` and
+/// `model.visual.`: the fixture rewritten so gives the same logits.
+#[test]
+fn the_transformers_5_layout_gives_the_same_logits() {
+    let dir = common::fixture("vlm/qwen2_5_vl/hf");
+    let out = std::env::temp_dir().join(format!("peregrine-qwen25vl-t5-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap();
+        if !["config.json", "model.safetensors"].contains(&name.to_str().unwrap()) {
+            std::fs::copy(&path, out.join(name)).unwrap();
+        }
+    }
+    let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    let flat: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text).unwrap();
+    const TOP: [&str; 9] = [
+        "architectures",
+        "model_type",
+        "vision_config",
+        "image_token_id",
+        "video_token_id",
+        "vision_start_token_id",
+        "vision_end_token_id",
+        "tie_word_embeddings",
+        "dtype",
+    ];
+    let (mut top, mut text_config) = (serde_json::Map::new(), serde_json::Map::new());
+    for (k, v) in flat {
+        match TOP.contains(&k.as_str()) {
+            true => top.insert(k, v),
+            false => text_config.insert(k, v),
+        };
+    }
+    let sections = text_config.remove("rope_scaling").unwrap()["mrope_section"].clone();
+    let theta = text_config.remove("rope_theta").unwrap();
+    text_config.insert("model_type".into(), "qwen2_5_vl_text".into());
+    text_config.insert(
+        "rope_parameters".into(),
+        serde_json::json!({"rope_type": "default", "rope_theta": theta, "mrope_section": sections}),
+    );
+    top.insert("text_config".into(), text_config.into());
+    std::fs::write(
+        out.join("config.json"),
+        serde_json::to_string(&top).unwrap(),
+    )
+    .unwrap();
+    let tensors = load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    let renamed: std::collections::HashMap<String, Tensor> = (tensors.into_iter())
+        .map(|(name, t)| match name.strip_prefix("model.") {
+            Some(rest) => (format!("model.language_model.{rest}"), t),
+            None => (format!("model.{name}"), t), // visual.* -> model.visual.*
+        })
+        .collect();
+    peregrine_tensor::candle::safetensors::save(&renamed, out.join("model.safetensors")).unwrap();
+
+    let f = vlm_from(&out);
+    let diff = max_abs(&f.logits(&mut f.cache(), &[], Some(f.grid)), &f.logits);
+    std::fs::remove_dir_all(&out).unwrap();
+    assert!(diff < 1e-3, "{diff}");
 }

@@ -387,11 +387,16 @@ impl RotaryEmbedding {
     /// Rotates `x: [batch, heads, seq, head_dim]` whose first token sits at position `start`.
     pub fn apply(&self, x: &Tensor, start: usize) -> Result<Tensor> {
         let (cos, sin) = self.tables(start, x.dim(2)?)?;
+        self.rotate(x, &cos, &sin)
+    }
+
+    /// `x` rotated by per-row `cos` / `sin` (`[seq, rotary_dim / 2]`).
+    fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let (x, pass) = self.split(x)?;
         let x = x.contiguous()?;
         let rotated = match self.style {
-            RopeStyle::Half => candle_nn::rotary_emb::rope(&x, &cos, &sin)?,
-            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, &cos, &sin)?,
+            RopeStyle::Half => candle_nn::rotary_emb::rope(&x, cos, sin)?,
+            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, cos, sin)?,
         };
         Self::join(rotated, pass)
     }
@@ -422,13 +427,7 @@ impl RotaryEmbedding {
             first += width;
         }
         let (cos, sin) = (Tensor::cat(&cos_parts, 1)?, Tensor::cat(&sin_parts, 1)?);
-        let (x, pass) = self.split(x)?;
-        let x = x.contiguous()?;
-        let rotated = match self.style {
-            RopeStyle::Half => candle_nn::rotary_emb::rope(&x, &cos, &sin)?,
-            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, &cos, &sin)?,
-        };
-        Self::join(rotated, pass)
+        self.rotate(x, &cos, &sin)
     }
 
     /// [`apply`](Self::apply) for one token, in place: each `head_dim`-wide row of `x` (one per

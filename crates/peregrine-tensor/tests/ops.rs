@@ -93,18 +93,19 @@ fn rope_matches_reference_for_every_style_and_scaling() {
 /// transformers' `apply_multimodal_rotary_pos_emb` does (checked by hand in f64).
 #[test]
 fn multimodal_rope_turns_each_section_by_its_axis() {
-    let rope = RotaryEmbedding::new(
-        16,
-        1e4,
-        &RopeScaling::None,
-        RopeStyle::Half,
-        100,
-        DType::F32,
-        &Device::Cpu,
-    )
-    .unwrap()
-    .with_sections([2, 3, 3])
-    .unwrap();
+    let plain = || {
+        let none = RopeScaling::None;
+        RotaryEmbedding::new(
+            16,
+            1e4,
+            &none,
+            RopeStyle::Half,
+            100,
+            DType::F32,
+            &Device::Cpu,
+        )
+    };
+    let rope = plain().unwrap().with_sections([2, 3, 3]).unwrap();
     let x = randn(&[1, 2, 5, 16], 9);
     let same: Vec<u32> = (40..45).collect();
     let got = rope
@@ -138,21 +139,8 @@ fn multimodal_rope_turns_each_section_by_its_axis() {
     }
     let want = Tensor::from_vec(want, (1, 2, 5, 16), &Device::Cpu).unwrap();
     assert!(max_diff(&got, &want) < TOL);
-    assert!(
-        RotaryEmbedding::new(
-            16,
-            1e4,
-            &RopeScaling::None,
-            RopeStyle::Half,
-            100,
-            DType::F32,
-            &Device::Cpu
-        )
-        .unwrap()
-        .with_sections([2, 3, 4])
-        .is_err(),
-        "sections must cover the rotated pairs"
-    );
+    let uneven = plain().unwrap().with_sections([2, 3, 4]);
+    assert!(uneven.is_err(), "sections must cover the rotated pairs");
 }
 
 /// LongRoPE factors for `pairs` rotated pairs, switching past `original` positions.
