@@ -100,13 +100,11 @@ impl<'a> Segment<'a> {
 /// A sequence's rotary positions for one pass (`start`: its cache position), and the shift
 /// its image leaves on the positions after it (cache position, amount), if any.
 struct RopePlan {
-    rows: RopePlanRows,
+    /// The first row's rotary position.
+    first: usize,
+    /// Every row's (time, height, width) positions, when an image is among them.
+    axes: Option<[Vec<u32>; 3]>,
     shift: Option<(usize, i64)>,
-}
-
-enum RopePlanRows {
-    From(usize),
-    Axes([Vec<u32>; 3]),
 }
 
 impl RopePlan {
@@ -117,7 +115,8 @@ impl RopePlan {
         let first = s.cache.rope_position(start);
         let Some((m, (gh, gw))) = s.media.as_ref().and_then(|m| Some((m, m.grid?))) else {
             return Ok(Self {
-                rows: RopePlanRows::From(first),
+                first,
+                axes: None,
                 shift: None,
             });
         };
@@ -141,15 +140,16 @@ impl RopePlan {
         let after = r + gh.max(gw);
         (0..s.tokens.len() - m.offset - n).for_each(|i| push(after + i, after + i, after + i));
         Ok(Self {
-            rows: RopePlanRows::Axes(axes),
+            first,
+            axes: Some(axes),
             shift: Some((start + m.offset + n, gh.max(gw) as i64 - n as i64)),
         })
     }
 
     fn rows(&self) -> RopeRows<'_> {
-        match &self.rows {
-            RopePlanRows::From(p) => RopeRows::From(*p),
-            RopePlanRows::Axes(a) => RopeRows::Axes(a),
+        match &self.axes {
+            Some(axes) => RopeRows::Axes(axes),
+            None => RopeRows::From(self.first),
         }
     }
 }
