@@ -138,35 +138,7 @@ impl Engine {
         let (model, max_context) = (loaded.model, loaded.max_context);
         drop(loaded.gguf);
         crate::allocator::release_freed();
-        // A VLM whose tower cannot load still serves text, unless vision is required; a
-        // projector file named on purpose must load.
-        let vision = match &config.mmproj {
-            Some(file) => Ok(Some(peregrine_models::vision::load_mmproj(
-                file,
-                &opts.device,
-            )?)),
-            None => peregrine_models::vision::load_vision(path, &opts.device),
-        };
-        let vision = match vision.and_then(|v| crate::media::fits(v, &*model, &tokenizer, path)) {
-            Ok(Some(vision)) => {
-                match vision.prompt().run {
-                    0 => tracing::info!("vision tower loaded"),
-                    run => tracing::info!("vision tower loaded: {run} image tokens per tile"),
-                }
-                Some(vision)
-            }
-            Err(e) if config.mmproj.is_some() => return Err(e.into()),
-            Ok(None) if config.require_vision => {
-                let why = "--vision: this checkpoint has no vision tower (`vision_config`)";
-                return Err(peregrine_models::ModelError::config(path, why).into());
-            }
-            Ok(None) => None,
-            Err(e) if config.require_vision => return Err(e.into()),
-            Err(e) => {
-                tracing::warn!("{e}; serving the text model only (--vision makes this an error)");
-                None
-            }
-        };
+        let vision = crate::media::load_tower(path, &opts.device, (&*model, &tokenizer), &config)?;
         let mut engine = Self::build(model, vision, tokenizer, max_context, config)?;
         engine.expert_reads = loaded.expert_reads;
         Ok(engine)

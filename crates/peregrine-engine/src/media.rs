@@ -8,12 +8,13 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use peregrine_models::vision::{ImageEncoder, ImageInput, ImageRun, RgbImage};
+use peregrine_models::vision::{self, ImageEncoder, ImageInput, ImageRun, RgbImage};
 use peregrine_models::{CausalLm, Media, ModelError};
-use peregrine_tensor::Tensor;
 use peregrine_tensor::device::in_compute_pool;
+use peregrine_tensor::{Device, Tensor};
 use sha2::{Digest, Sha256};
 
+use crate::config::EngineConfig;
 use crate::error::EngineError;
 use crate::tokenizer::Tokenizer;
 
@@ -256,9 +257,43 @@ pub(crate) fn media_in(spans: &[ImageSpan], fed: usize, k: usize) -> Option<Medi
     })
 }
 
+/// The vision tower for the text model loaded from `path`: from `config.mmproj` when set (which
+/// must load and fit), else the checkpoint's own; a VLM whose tower cannot load or fit serves
+/// text alone with a warning, unless `config.require_vision`.
+pub(crate) fn load_tower(
+    path: &Path,
+    device: &Device,
+    (model, tokenizer): (&dyn CausalLm, &Tokenizer),
+    config: &EngineConfig,
+) -> Result<Option<Arc<dyn ImageEncoder>>, EngineError> {
+    let vision = match &config.mmproj {
+        Some(file) => vision::load_mmproj(file, device).map(Some),
+        None => vision::load_vision(path, device),
+    };
+    match vision.and_then(|v| fits(v, model, tokenizer, path)) {
+        Ok(Some(vision)) => {
+            match vision.prompt().run {
+                0 => tracing::info!("vision tower loaded"),
+                run => tracing::info!("vision tower loaded: {run} image tokens per tile"),
+            }
+            Ok(Some(vision))
+        }
+        Err(e) if config.mmproj.is_some() || config.require_vision => Err(e.into()),
+        Ok(None) if config.require_vision => {
+            let why = "--vision: this checkpoint has no vision tower (`vision_config`)";
+            Err(ModelError::config(path, why).into())
+        }
+        Ok(None) => Ok(None),
+        Err(e) => {
+            tracing::warn!("{e}; serving the text model only (--vision makes this an error)");
+            Ok(None)
+        }
+    }
+}
+
 /// `vision` when it fits the text model loaded from `path`: rows of its hidden size, an image
 /// token its tokenizer knows (a projector file of another model fails here, not mid-request).
-pub(crate) fn fits(
+fn fits(
     vision: Option<Arc<dyn ImageEncoder>>,
     model: &dyn CausalLm,
     tokenizer: &Tokenizer,
