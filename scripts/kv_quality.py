@@ -3,7 +3,7 @@ long English prompt, compared with the f32 cache's logits at the positions past 
 agreement and the mean KL divergence KL(p_f32 || p_mode) of the next-token distributions.
 
 usage: .venv-ref/bin/python scripts/kv_quality.py --model M [--text FILE ...] [--chars 16000] [--from 2048]
-       [--positions 200] [--modes f16,bf16,q8,q4,turbo] [--kv-group-size 64] [--turbo-hot-window 256]
+       [--positions 200] [--windows W] [--modes f16,bf16,q8,q4,turbo] [--kv-group-size 64] [--turbo-hot-window 256]
        [--peregrine target/release/peregrine] [--threads 2]
 
 Modes: f32/f16/bf16 (`--cache-type`), q8/q4 (`--kv-bits 8|4`, in groups of `--kv-group-size`), turbo (`--turbo-kv`,
@@ -13,7 +13,8 @@ compressed keys).
 The default text is tests/data/kv_quality/prompt.txt (the repository's own English prose, pinned:
 see the README there), its first 16,000 characters (about 4K tokens), tokenized by the model; it
 must reach `from + positions` tokens.
-Prints one JSON line per mode."""
+Prints one JSON line per mode; `--windows W` adds the figures of each W consecutive positions
+(top-1 over 200 positions moves by 0.005 a flip, and near-ties flip with any change of rounding)."""
 import argparse, json, os, subprocess, sys, tempfile
 
 import numpy as np
@@ -52,6 +53,7 @@ def main():
     ap.add_argument("--chars", type=int, default=16000, help="the text's first C characters (~4K tokens)")
     ap.add_argument("--from", dest="start", type=int, default=2048)
     ap.add_argument("--positions", type=int, default=200)
+    ap.add_argument("--windows", type=int, default=0, help="also report each W positions apart")
     ap.add_argument("--modes", default="f16,bf16,q8,q4,turbo")
     ap.add_argument("--kv-group-size", type=int, default=64, help="q8/q4 group size (32, 64, 128)")
     ap.add_argument("--turbo-hot-window", type=int, default=256, help="turbo's uncompressed recent tokens")
@@ -72,13 +74,19 @@ def main():
             got = logits(a, text_file, mode, os.path.join(tmp, f"{mode}.safetensors"))["logits"]
             lq = log_softmax(got)
             kl = (np.exp(lp) * (lp - lq)).sum(axis=-1)
-            top1 = float((ref["logits"].argmax(-1) == got.argmax(-1)).mean())
+            same = ref["logits"].argmax(-1) == got.argmax(-1)
+            top1 = float(same.mean())
             label = f"{mode} g{a.kv_group_size}" if mode in ("q8", "q4") else mode
+            windows = {f"{a.start + w}..{a.start + min(w + a.windows, n)}":
+                       {"top1": float(same[w:w + a.windows].mean()),
+                        "mean_kl": float(kl[w:w + a.windows].mean())}
+                       for w in range(0, n, a.windows)} if a.windows else {}
             print(json.dumps({"model": os.path.basename(a.model), "mode": label,
                               "positions": f"{a.start}..{a.start + n}",
                               "prompt_tokens": int(len(ref["input_ids"])),
                               "top1_vs_f32": top1, "mean_kl_vs_f32": float(kl.mean()),
-                              "max_kl_vs_f32": float(kl.max())}), flush=True)
+                              "max_kl_vs_f32": float(kl.max()),
+                              **({"windows": windows} if windows else {})}), flush=True)
 
 
 if __name__ == "__main__":

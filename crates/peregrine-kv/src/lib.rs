@@ -96,6 +96,17 @@ pub trait LayerCache: Send + Sync {
         out.copy_from_slice(&y.to_dtype(peregrine_tensor::DType::F32)?.to_vec1::<f32>()?);
         Ok(())
     }
+    /// The queries `q: [1, heads, n, head_dim]` of the next `n` positions, given before their
+    /// keys are appended (`kv_heads` of them): a cache that fits its encoding to the queries
+    /// that read it (TurboQuant's key scales) keeps statistics. The default ignores them.
+    fn note_queries(&mut self, _q: &Tensor, _kv_heads: usize) -> Result<()> {
+        Ok(())
+    }
+    /// [`note_queries`](Self::note_queries) for one position's query heads `q`
+    /// (`heads · head_dim`, f32), the decode step's form.
+    fn note_query_row(&mut self, _q: &[f32], _head_dim: usize, _kv_heads: usize) -> Result<()> {
+        Ok(())
+    }
     /// Number of positions seen so far (the next token's position).
     fn len(&self) -> usize;
     /// True when nothing has been appended.

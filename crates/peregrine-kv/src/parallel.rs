@@ -27,6 +27,14 @@ impl LayerCache for ParallelCache {
         self.kv.append_row(k, v, head_dim)
     }
 
+    fn note_queries(&mut self, q: &Tensor, kv_heads: usize) -> Result<()> {
+        self.kv.note_queries(q, kv_heads)
+    }
+
+    fn note_query_row(&mut self, q: &[f32], head_dim: usize, kv_heads: usize) -> Result<()> {
+        self.kv.note_query_row(q, head_dim, kv_heads)
+    }
+
     fn attend_row(
         &self,
         q: &[f32],

@@ -34,6 +34,9 @@ fn fill_salted(cache: &mut dyn LayerCache, from: usize, n: usize, salt: f32) {
         rows(KV_HEADS, from, n, 0.1 + salt),
         rows(KV_HEADS, from, n, 0.7 + salt),
     );
+    // The queries too, as attention layers note them (TurboQuant's key scales count them).
+    let q = rows(HEADS, from, n, 1.3 + salt);
+    cache.note_queries(&q, KV_HEADS).unwrap();
     cache.append(&k, &v).unwrap();
 }
 

@@ -23,11 +23,16 @@ fn rows(heads: usize, start: usize, n: usize, d: usize, salt: f32) -> Tensor {
     Tensor::from_vec(data, (1, heads, n, d), &Device::Cpu).unwrap()
 }
 
+/// Appends positions `from..from + n`, their queries (those [`queries`] gives) noted first, as
+/// the attention layers do.
 fn fill(cache: &mut dyn LayerCache, from: usize, n: usize, d: usize) {
     let (k, v) = (
         rows(KV_HEADS, from, n, d, 0.1),
         rows(KV_HEADS, from, n, d, 0.7),
     );
+    cache
+        .note_queries(&rows(HEADS, from, n, d, 1.3), KV_HEADS)
+        .unwrap();
     cache.append(&k, &v).unwrap();
 }
 
@@ -125,6 +130,95 @@ fn chunked_and_stepwise_appends_attend_alike() {
         );
         assert!(diff < 1e-6, "window {window:?}: {diff}");
     }
+}
+
+#[test]
+fn stepwise_noted_query_rows_scale_keys_as_noted_tensors_do() {
+    let d = 64;
+    let mut chunked = TurboCache::new(small(16, 64), None, 4);
+    let mut stepped = TurboCache::new(small(16, 64), None, 4);
+    fill_chunked(&mut chunked, 300, 50, d);
+    for p in 0..300 {
+        let row = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let q = row(rows(HEADS, p, 1, d, 1.3));
+        let (k, v) = (
+            row(rows(KV_HEADS, p, 1, d, 0.1)),
+            row(rows(KV_HEADS, p, 1, d, 0.7)),
+        );
+        stepped.note_query_row(&q, d, KV_HEADS).unwrap();
+        stepped.append_row(&k, &v, d).unwrap();
+    }
+    let (q, p) = queries(300, 2, d);
+    let diff = max_diff(
+        &chunked.attend(&q, &p).unwrap(),
+        &stepped.attend(&q, &p).unwrap(),
+    );
+    assert!(diff < 1e-6, "{diff}");
+}
+
+#[test]
+fn keys_are_scaled_to_the_queries_that_read_them() {
+    // The keys put most of their energy in 8 of 64 channels that the queries barely read (as
+    // Gemma 3's slowest RoPE pairs do). The codec spreads its error over every channel, so
+    // unscaled, those channels' size sets the error the queries' other channels see.
+    let d = 64;
+    let loud = |c: usize| c < 8;
+    let keys = |from: usize, n: usize| {
+        let k = gaussian_rows(KV_HEADS, from, n, d, 1, |c| if loud(c) { 8.0 } else { 1.0 });
+        (k, gaussian_rows(KV_HEADS, from, n, d, 2, |_| 1.0))
+    };
+    let query = |from: usize, n: usize| {
+        gaussian_rows(HEADS, from, n, d, 3, |c| if loud(c) { 0.05 } else { 1.0 })
+    };
+    let p = AttnParams::scaled(0.25);
+    let mut exact = SimpleCache::new(None);
+    let (k, v) = keys(0, 600);
+    exact.append(&k, &v).unwrap();
+    let want = exact.attend(&query(597, 3), &p).unwrap();
+    let error = |noted: bool| {
+        let mut turbo = TurboCache::new(small(16, 64), None, 4);
+        for from in (0..600).step_by(100) {
+            if noted {
+                turbo.note_queries(&query(from, 100), KV_HEADS).unwrap();
+            }
+            let (k, v) = keys(from, 100);
+            turbo.append(&k, &v).unwrap();
+        }
+        let got = turbo.attend(&query(597, 3), &p).unwrap();
+        let diff = (&got - &want).unwrap().abs().unwrap();
+        diff.mean_all().unwrap().to_scalar::<f32>().unwrap()
+    };
+    let (plain, scaled) = (error(false), error(true));
+    eprintln!("mean error: {plain:.4} unscaled, {scaled:.4} with keys scaled to the queries");
+    assert!(scaled < 0.6 * plain, "{scaled} vs {plain}");
+}
+
+/// `[1, heads, n, d]` N(0, std(c)²) values, a function of `(seed, head, position, channel)`.
+fn gaussian_rows(
+    heads: usize,
+    start: usize,
+    n: usize,
+    d: usize,
+    seed: u64,
+    std: impl Fn(usize) -> f32,
+) -> Tensor {
+    // splitmix64's finalizer of a counter: uniform in (0, 1].
+    let uniform = |x: u64| {
+        let mut z = x.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64 + 1e-12
+    };
+    let data: Vec<f32> = (0..heads * n * d)
+        .map(|i| {
+            let (h, rest) = (i / (n * d), i % (n * d));
+            let (p, c) = (start + rest / d, rest % d);
+            let key = (((h * 1_000_003 + p) * 4096 + c) * 2) as u64;
+            let (r, angle) = (uniform(key), std::f64::consts::TAU * uniform(key + 1));
+            ((-2.0 * r.ln()).sqrt() * angle.cos()) as f32 * std(c)
+        })
+        .collect();
+    Tensor::from_vec(data, (1, heads, n, d), &Device::Cpu).unwrap()
 }
 
 #[test]

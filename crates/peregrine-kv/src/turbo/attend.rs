@@ -27,6 +27,8 @@ struct Scratch {
     cold: Vec<f32>,
     /// The hot window's key rows, then its value rows, widened to f32.
     wide: Vec<f32>,
+    /// One query row divided by the key scales.
+    scaled: Vec<f32>,
 }
 
 impl TurboCache {
@@ -120,6 +122,7 @@ impl TurboCache {
                 scores,
                 cold,
                 wide,
+                scaled,
             } = s;
             scores.resize(groups * keys, 0.0);
             // Compressed keys in spans of CHUNK rows, scored in parallel: [span][group][row].
@@ -127,8 +130,13 @@ impl TurboCache {
             let span = |c: usize| c * CHUNK..((c + 1) * CHUNK).min(nc);
             if nc > 0 {
                 queries.resize_with(groups, PreparedQuery::default);
+                let qs = self.scales.of(kvh, d).1;
                 for (g, pq) in queries.iter_mut().enumerate() {
-                    codec.prepare_query(query(g), pq);
+                    // The keys were encoded scaled by `s`: the query takes `1 / s`.
+                    scaled.clear();
+                    scaled.extend_from_slice(query(g));
+                    scaled.iter_mut().zip(qs).for_each(|(x, s)| *x *= s);
+                    codec.prepare_query(scaled, pq);
                 }
                 let kb = codec.key_bytes();
                 let rows = self.keys.rows(kvh, compressed.clone());

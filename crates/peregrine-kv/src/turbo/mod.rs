@@ -5,6 +5,8 @@
 //! (though `SequenceCache` gives a window within the threshold a plain f16 ring).
 //! Rows closer to their head's mean key or value (of the positions before the threshold) than
 //! to zero are stored as the difference, which shrinks the codec's error (see `Means`).
+//! Keys are encoded scaled per channel to the queries that read them, queries divided by the
+//! same scales (see `scales`): the scores are unchanged, their error smaller.
 //!
 //! Which form a query reads is a function of its position alone (keys older than `hot_window`
 //! positions are read compressed once the sequence holds more than `threshold`), so a prompt
@@ -13,6 +15,7 @@
 mod attend;
 mod codebook;
 mod codec;
+mod scales;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -24,6 +27,7 @@ use peregrine_tensor::{DType, Device, Result, Tensor};
 
 use crate::buffer::KvBuffer;
 use crate::{AttnParams, LayerCache};
+use scales::KeyScales;
 
 /// TurboQuant's settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,6 +89,7 @@ pub struct TurboCache {
     window: Option<usize>,
     rollback: usize,
     means: Means,
+    scales: KeyScales,
     /// `[keys, values][head][SINKS][d]`: the rows of positions `0..SINKS.min(len)`, widened.
     sinks: Vec<f32>,
 }
@@ -100,6 +105,8 @@ struct Means {
     /// `[keys, values][head][d]` sums of the f16 rows, each value scaled by 2^24 to an exact
     /// integer, so that trimming subtracts rows back exactly.
     sums: Vec<i128>,
+    /// `[head][d]` sums of the key rows' squares, scaled by 2^48 (exact integers too).
+    squares: Vec<i128>,
     /// `[keys, values][head][d]`, set when encoding starts (the sums cannot change while any
     /// row is encoded: they count positions before the threshold only).
     rows: Vec<f32>,
@@ -117,8 +124,20 @@ impl Means {
             .extend(self.sums.iter().map(|&s| (s as f64 / n) as f32));
     }
 
+    /// `[head][d]`: each key channel's variance over the `counted` rows summed.
+    fn key_variances(&self, counted: usize) -> Vec<f64> {
+        let n = counted.max(1) as f64;
+        let fixed = F16_FIXED as f64;
+        (self.squares.iter().zip(&self.sums))
+            .map(|(&sq, &s)| {
+                let mean = s as f64 / (n * fixed);
+                (sq as f64 / (n * fixed * fixed) - mean * mean).max(0.0)
+            })
+            .collect()
+    }
+
     fn bytes(&self) -> usize {
-        size_of_val(&self.sums[..]) + size_of_val(&self.rows[..])
+        size_of_val(&self.sums[..]) + size_of_val(&self.squares[..]) + size_of_val(&self.rows[..])
     }
 
     /// Head `h`'s mean key row, then its mean value row (empty before any is settled).
@@ -202,6 +221,7 @@ impl TurboCache {
             window: window.map(|w| w.max(1)),
             rollback,
             means: Means::default(),
+            scales: KeyScales::default(),
             sinks: Vec::new(),
         }
     }
@@ -252,6 +272,7 @@ impl TurboCache {
                 };
                 self.codec = Some(codec.clone());
                 self.means.sums = vec![0; 2 * heads * head_dim];
+                self.means.squares = vec![0; heads * head_dim];
                 self.sinks = vec![0.0; 2 * heads * SINKS * head_dim];
                 codec
             }
@@ -267,6 +288,11 @@ impl TurboCache {
         self.count_means(old..old + n, 1);
         self.keep_sinks(old..(old + n).min(SINKS));
         self.encode_up_to(self.compressed_end(old + n), &codec, heads, head_dim);
+        let limit = self.options.threshold.saturating_sub(1);
+        if self.scales.settled() && self.raw_needed_from(limit) < self.raw.start {
+            // No rollback reaches back before the threshold any more.
+            self.scales.freeze();
+        }
         let first = self.first_visible((old + n).saturating_sub(self.rollback));
         self.keys.forget_before(first);
         self.values.forget_before(first);
@@ -306,13 +332,18 @@ impl TurboCache {
     fn count_means(&mut self, positions: std::ops::Range<usize>, sign: i128) {
         let counted = positions.start..positions.end.min(self.options.threshold);
         let (heads, mut sums) = (self.keys.heads.len(), std::mem::take(&mut self.means.sums));
+        let mut squares = std::mem::take(&mut self.means.squares);
         for (plane, h, _, row) in self.f16_rows(counted) {
-            let sums = &mut sums[(plane * heads + h) * row.len()..][..row.len()];
-            sums.iter_mut().zip(row).for_each(|(s, x)| {
-                *s += sign * (x.to_f32() * F16_FIXED) as i128;
-            });
+            let at = (plane * heads + h) * row.len();
+            for (i, x) in row.iter().enumerate() {
+                let x = (x.to_f32() * F16_FIXED) as i128;
+                sums[at + i] += sign * x;
+                if plane == 0 {
+                    squares[at + i] += sign * x * x;
+                }
+            }
         }
-        self.means.sums = sums;
+        (self.means.sums, self.means.squares) = (sums, squares);
     }
 
     /// Copies the f16 rows of sink `positions` into `sinks`.
@@ -334,8 +365,11 @@ impl TurboCache {
     /// Encodes the f16 rows of positions up to `end` not yet encoded.
     fn encode_up_to(&mut self, end: usize, codec: &TurboCodec, heads: usize, d: usize) {
         if self.keys.len == 0 && self.keys.end() < end {
-            self.means
-                .settle(self.raw.end().min(self.options.threshold));
+            let counted = self.raw.end().min(self.options.threshold);
+            self.means.settle(counted);
+            if !self.scales.settled() {
+                self.scales.settle(&self.means.key_variances(counted), d);
+            }
         }
         let (kp, vp, capacity) = self.raw.f16_planes().expect("an f16 CPU buffer");
         if self.keys.end() < self.raw.start {
@@ -348,15 +382,23 @@ impl TurboCache {
         let (mut row, mut krows, mut vrows) = (vec![0f32; d], Vec::new(), Vec::new());
         krows.resize(heads * codec.key_bytes(), 0);
         vrows.resize(heads * codec.value_bytes(), 0);
+        // Each head's mean key in the scaled domain the codec sees.
+        let scaled_means: Vec<Vec<f32>> = (0..heads)
+            .map(|h| match (self.means.of(h, d).0, self.scales.of(h, d).0) {
+                (mean, []) => mean.to_vec(),
+                (mean, s) => mean.iter().zip(s).map(|(m, s)| m * s).collect(),
+            })
+            .collect();
         for p in self.keys.end()..end {
             let slot = p - self.raw.start;
             for h in 0..heads {
                 let at = (h * capacity + slot) * d;
                 let (kb, vb) = (codec.key_bytes(), codec.value_bytes());
-                let (mk, mv) = self.means.of(h, d);
+                let (mv, ks) = (self.means.of(h, d).1, self.scales.of(h, d).0);
                 widen(&kp[at..at + d], &mut row);
+                row.iter_mut().zip(ks).for_each(|(x, s)| *x *= s);
                 let out = &mut krows[h * kb..][..kb];
-                codec.encode_key_near(&row, mk, out);
+                codec.encode_key_near(&row, &scaled_means[h], out);
                 widen(&vp[at..at + d], &mut row);
                 let out = &mut vrows[h * vb..][..vb];
                 codec.encode_value_near(&row, mv, out);
@@ -393,6 +435,22 @@ impl LayerCache for TurboCache {
 
     fn append_row(&mut self, k: &[f32], v: &[f32], head_dim: usize) -> Result<()> {
         self.append_rows(k, v, k.len() / head_dim, 1)
+    }
+
+    fn note_queries(&mut self, q: &Tensor, kv_heads: usize) -> Result<()> {
+        if self.scales.wants(self.raw.end(), self.options.threshold) {
+            let (_, heads, n, d) = q.dims4()?;
+            let (q, _, _) = cpu_rows(q)?;
+            let shape = [heads, n, d, kv_heads];
+            (self.scales).note(self.raw.end(), &q, shape, self.options.threshold);
+        }
+        Ok(())
+    }
+
+    fn note_query_row(&mut self, q: &[f32], head_dim: usize, kv_heads: usize) -> Result<()> {
+        let shape = [q.len() / head_dim, 1, head_dim, kv_heads];
+        (self.scales).note(self.raw.end(), q, shape, self.options.threshold);
+        Ok(())
     }
 
     fn attend(&self, q: &Tensor, params: &AttnParams) -> Result<Tensor> {
@@ -438,6 +496,7 @@ impl LayerCache for TurboCache {
         let end = self.raw.end();
         self.count_means(end - n..end, -1);
         self.raw.trim(n);
+        self.scales.trim(self.raw.end(), self.options.threshold);
         let end = self.compressed_end(self.raw.end());
         self.keys.truncate(end);
         self.values.truncate(end);
@@ -445,7 +504,7 @@ impl LayerCache for TurboCache {
     }
 
     fn bytes(&self) -> usize {
-        let side = size_of_val(&self.sinks[..]) + self.means.bytes();
+        let side = size_of_val(&self.sinks[..]) + self.means.bytes() + self.scales.bytes();
         self.raw.bytes() + self.keys.bytes() + self.values.bytes() + side
     }
 

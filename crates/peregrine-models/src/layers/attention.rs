@@ -212,6 +212,7 @@ impl SelfAttention for Attention {
                 // Values are the keys' projection when the layer has no v_proj.
                 let v = split(n_proj - 1, self.kv_heads, &self.v_norm)?;
                 let k = turn(split(1, self.kv_heads, &self.k_norm)?)?;
+                s.cache.note_queries(&q, self.kv_heads)?;
                 s.cache.append(&k, &v)?;
             }
             let params = AttnParams {
@@ -281,6 +282,7 @@ impl SelfAttention for Attention {
                 norm_rows_in_place(v, w, self.eps)?;
             }
             rope.apply_rows_in_place(k, pos)?;
+            cache.note_query_row(q, self.head_dim, self.kv_heads)?;
             cache.append_row(k, v, self.head_dim)?;
         }
         let params = self.params();
