@@ -211,7 +211,11 @@ impl TurboCodec {
     }
 
     /// `Σ q_i k_i` over a key row's exact outliers.
+    #[inline]
     fn outlier_dot(&self, q: &[f32], key: &[u8]) -> f32 {
+        if self.outliers() == 0 {
+            return 0.0; // small head dims keep none: no work per key
+        }
         (key[4 + self.dim / 2..].chunks_exact(self.outlier_bytes()))
             .map(|pair| {
                 let (i, value) = self.outlier(pair);
