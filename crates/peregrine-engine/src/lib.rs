@@ -41,7 +41,7 @@ pub use kv_budget::{LayerMemory, cache_memory};
 pub use peregrine_models::weights::MlxActivations;
 pub use peregrine_models::{
     CausalLm, ExpertOptions, KvOptions, KvQuant, LoadOptions, LoadProgress, SequenceCache,
-    TurboOptions,
+    TurboKeys, TurboOptions,
 };
 /// The samplers, for callers that handle distributions (speculative drafters).
 pub use peregrine_sampling as sampling;

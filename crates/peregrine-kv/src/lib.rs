@@ -20,7 +20,7 @@ pub use recurrent::{DEFAULT_RECURRENT_ROLLBACK, RecurrentCache};
 pub use rotating::RotatingCache;
 pub use sequence::{KvOptions, KvQuant, LayerKind, SequenceCache};
 pub use simple::SimpleCache;
-pub use turbo::{TurboCache, TurboOptions};
+pub use turbo::{TurboCache, TurboKeys, TurboOptions};
 
 use peregrine_tensor::attention::AttnScratch;
 use peregrine_tensor::{Device, Result, Tensor};

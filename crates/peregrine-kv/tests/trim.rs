@@ -3,7 +3,7 @@
 
 use peregrine_kv::{
     AttnParams, KvOptions, KvQuant, LayerCache, LayerKind, RotatingCache, SequenceCache,
-    SimpleCache, TurboCache, TurboOptions,
+    SimpleCache, TurboCache, TurboKeys, TurboOptions,
 };
 use peregrine_tensor::{Device, Tensor};
 
@@ -105,29 +105,33 @@ fn quantized_caches_trim_exactly() {
 
 #[test]
 fn turbo_caches_trim_exactly_across_the_hot_window_and_the_threshold() {
-    let options = TurboOptions {
-        hot_window: 8,
-        threshold: 20,
-    };
-    let full = || -> Box<dyn LayerCache> { Box::new(TurboCache::new(options, None, 6)) };
-    check_trim_is_exact(full, 24, 5); // back below the threshold: nothing compressed again
-    check_trim_is_exact(full, 100, 6); // compressed positions return to the hot window
-    let narrow = TurboOptions {
-        hot_window: 4,
-        ..options
-    };
-    // A rollback past the hot window: trimmed positions had been compressed too.
-    check_trim_is_exact(|| Box::new(TurboCache::new(narrow, None, 6)), 100, 6);
-    let sliding = || -> Box<dyn LayerCache> { Box::new(TurboCache::new(options, Some(12), 6)) };
-    check_trim_is_exact(sliding, 300, 6);
-    let mut cache = TurboCache::new(options, None, 6);
-    decode_steps(&mut cache, 100);
-    assert!(
-        !cache.can_trim(40),
-        "f16 rows of the positions 40 back are gone"
-    );
-    assert!(cache.trim(40).is_err());
-    assert_eq!(cache.len(), 100, "a refused trim changes nothing");
+    // Both key forms: their rows differ in size and layout.
+    for keys in [TurboKeys::Mse, TurboKeys::Qjl] {
+        let options = TurboOptions {
+            hot_window: 8,
+            threshold: 20,
+            keys,
+        };
+        let full = || -> Box<dyn LayerCache> { Box::new(TurboCache::new(options, None, 6)) };
+        check_trim_is_exact(full, 24, 5); // back below the threshold: nothing compressed again
+        check_trim_is_exact(full, 100, 6); // compressed positions return to the hot window
+        let narrow = TurboOptions {
+            hot_window: 4,
+            ..options
+        };
+        // A rollback past the hot window: trimmed positions had been compressed too.
+        check_trim_is_exact(|| Box::new(TurboCache::new(narrow, None, 6)), 100, 6);
+        let sliding = || -> Box<dyn LayerCache> { Box::new(TurboCache::new(options, Some(12), 6)) };
+        check_trim_is_exact(sliding, 300, 6);
+        let mut cache = TurboCache::new(options, None, 6);
+        decode_steps(&mut cache, 100);
+        assert!(
+            !cache.can_trim(40),
+            "f16 rows of the positions 40 back are gone"
+        );
+        assert!(cache.trim(40).is_err());
+        assert_eq!(cache.len(), 100, "a refused trim changes nothing");
+    }
 }
 
 #[test]

@@ -51,6 +51,7 @@ fn small(hot_window: usize, threshold: usize) -> TurboOptions {
     TurboOptions {
         hot_window,
         threshold,
+        ..TurboOptions::default()
     }
 }
 

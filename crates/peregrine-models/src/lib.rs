@@ -20,7 +20,7 @@ pub use error::{ModelError, Result};
 pub use layers::batch::{BatchSeq, Media};
 pub use peregrine_kv::{
     DEFAULT_RECURRENT_ROLLBACK, KvOptions, KvQuant, LayerKind, MTP_HIDDEN_KEPT, MtpState,
-    SequenceCache, TurboOptions,
+    SequenceCache, TurboKeys, TurboOptions,
 };
 pub use peregrine_moe::{ReadPool, StreamStats};
 pub use registry::{

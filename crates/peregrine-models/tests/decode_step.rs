@@ -209,6 +209,7 @@ fn decode_matches_forward_with_a_turbo_cache() {
         turbo: Some(TurboOptions {
             hot_window: 2,
             threshold: 6,
+            ..TurboOptions::default()
         }),
         ..KvOptions::default()
     };

@@ -29,6 +29,7 @@ fn kinds() -> Vec<(&'static str, KvOptions)> {
         turbo: Some(TurboOptions {
             hot_window: 2,
             threshold: 6,
+            ..TurboOptions::default()
         }),
         ..KvOptions::default()
     };

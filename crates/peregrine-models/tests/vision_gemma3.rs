@@ -189,6 +189,7 @@ fn quantized_and_turbo_caches_keep_the_image_two_way() {
         turbo: Some(TurboOptions {
             hot_window: 8,
             threshold: 4,
+            ..TurboOptions::default()
         }),
         ..KvOptions::default()
     };

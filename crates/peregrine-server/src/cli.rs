@@ -12,7 +12,8 @@ use peregrine_engine::tensor::device::parse_device;
 use peregrine_engine::tensor::{DType, error_message};
 use peregrine_engine::{
     ChatMessage, Engine, EngineConfig, Event, ExpertOptions, KvOptions, KvQuant, LoadOptions,
-    LoadProgress, MlxActivations, Prompt, Request, SamplingParams, SpeculativeConfig, TurboOptions,
+    LoadProgress, MlxActivations, Prompt, Request, SamplingParams, SpeculativeConfig, TurboKeys,
+    TurboOptions,
 };
 
 use peregrine_engine::speculative::{
@@ -85,7 +86,7 @@ pub struct ModelArgs {
         .map(|s| s.parse::<usize>().expect("a listed value")))]
     pub kv_group_size: usize,
     /// TurboQuant KV: once a sequence passes `--turbo-threshold` tokens, keys and values older
-    /// than `--turbo-hot-window` are kept at ~5 / ~3.125 bits per value (head_dim 128) and
+    /// than `--turbo-hot-window` are kept at ~4.9 / ~3.125 bits per value (head_dim 128) and
     /// attended without decompressing; replaces `--cache-type` and `--kv-bits`.
     #[arg(long)]
     pub turbo_kv: bool,
@@ -95,6 +96,10 @@ pub struct ModelArgs {
     /// Tokens a sequence holds before TurboQuant compresses anything.
     #[arg(long, default_value_t = 2048)]
     pub turbo_threshold: usize,
+    /// How TurboQuant codes keys: `mse`, 4-bit Lloyd–Max codes (the lower score error), or
+    /// `qjl`, the paper's 3-bit codes with a 1-bit QJL sketch of their residual (same size).
+    #[arg(long, default_value = "mse", value_parser = ["mse", "qjl"])]
+    pub turbo_keys: String,
     /// Positions a recurrent layer (Mamba 2, gated delta-net) can roll back exactly: each keeps a copy of the
     /// layer's state, so memory is `(1 + N) ×` the state.
     #[arg(long, default_value_t = peregrine_models::DEFAULT_RECURRENT_ROLLBACK)]
@@ -193,6 +198,10 @@ impl ModelArgs {
                 turbo: self.turbo_kv.then_some(TurboOptions {
                     hot_window: self.turbo_hot_window,
                     threshold: self.turbo_threshold,
+                    keys: match self.turbo_keys.as_str() {
+                        "qjl" => TurboKeys::Qjl,
+                        _ => TurboKeys::Mse,
+                    },
                 }),
                 recurrent_rollback: Some(self.recurrent_rollback),
             },

@@ -171,6 +171,7 @@ fn wrong_drafts_leave_greedy_output_unchanged_on_every_cache_kind() {
         turbo: Some(TurboOptions {
             hot_window: 8,
             threshold: 16,
+            ..TurboOptions::default()
         }),
         ..f16
     };

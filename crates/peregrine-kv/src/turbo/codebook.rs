@@ -23,13 +23,19 @@ pub(super) fn estimator_weights(distortion: f64) -> (f32, f32) {
 /// on `d` only).
 pub(super) fn codebook(d: usize) -> ([f32; 8], f64) {
     static CACHE: [OnceLock<([f32; 8], f64)>; 7] = [const { OnceLock::new() }; 7];
-    *CACHE[d.trailing_zeros() as usize - 4].get_or_init(|| lloyd_max(d))
+    *CACHE[d.trailing_zeros() as usize - 4].get_or_init(|| lloyd_max::<8>(d))
+}
+
+/// The 16-level codebook of `d` and its distortion.
+pub(super) fn codebook16(d: usize) -> ([f32; 16], f64) {
+    static CACHE: [OnceLock<([f32; 16], f64)>; 7] = [const { OnceLock::new() }; 7];
+    *CACHE[d.trailing_zeros() as usize - 4].get_or_init(|| lloyd_max::<16>(d))
 }
 
 /// The 8-level Lloyd–Max quantizer of one coordinate of a uniform unit vector in R^d, density
 /// `∝ (1 − x²)^((d−3)/2)` on [−1, 1], and its distortion `E||u − c||² = 1 − d·E[c²]` (the
 /// centroid condition makes `E[x c] = E[c²]`, and `E[x²] = 1/d`).
-fn lloyd_max(d: usize) -> ([f32; 8], f64) {
+fn lloyd_max<const N: usize>(d: usize) -> ([f32; N], f64) {
     const GRID: usize = 4096;
     let sigma = 1.0 / (d as f64).sqrt();
     // Beyond 8σ the mass is below 1e-14: the grid covers only where it matters.
@@ -54,11 +60,13 @@ fn lloyd_max(d: usize) -> ([f32; 8], f64) {
         table[i] + (s - i as f64) * (table[i + 1] - table[i])
     };
     // Started near the Gaussian solution (±0.25σ … ±2.1σ); Lloyd then converges monotonically.
-    let mut c: [f64; 8] = std::array::from_fn(|i| (i as f64 - 3.5) * 0.6 * sigma);
-    let edges = |c: &[f64; 8]| {
-        let mut edges = [-half; 9];
-        edges[8] = half;
-        for i in 1..8 {
+    let step = 4.8 / N as f64;
+    let mut c: [f64; N] =
+        std::array::from_fn(|i| (i as f64 - (N as f64 - 1.0) / 2.0) * step * sigma);
+    let edges = |c: &[f64; N]| {
+        let mut edges = vec![-half; N + 1];
+        edges[N] = half;
+        for i in 1..N {
             edges[i] = 0.5 * (c[i - 1] + c[i]);
         }
         edges

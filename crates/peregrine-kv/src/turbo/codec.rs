@@ -1,13 +1,22 @@
 //! The TurboQuant codec of KV-cache rows (Zandieh et al., "TurboQuant: online vector
 //! quantization with near-optimal distortion rate", 2025).
 //!
-//! A row `x` of `head_dim = d` values is kept as `||x||` and the 3-bit Lloyd–Max codes of its
-//! randomly rotated direction `R x / ||x||`. A key row also keeps `γ = ||r||` and the 1-bit QJL
-//! sketch `sign(S r)` of the quantization residual `r`, which makes the score estimate unbiased;
-//! scores blend that estimate with the rescaled MSE one by inverse variance
-//! ([`estimator_weights`]), unbiased still and about half as noisy.
+//! A row `x` of `head_dim = d` values is kept as `||x||` and Lloyd–Max codes of its randomly
+//! rotated direction `R x / ||x||`: 3-bit for values, and for keys one of two
+//! [`TurboKeys`] forms of the same size:
+//! - [`TurboKeys::Mse`] (the default): 4-bit codes, the paper's TurboQuant_mse at b = 4. A
+//!   score `<q', c> / (1 − D)` is unbiased over the random rotation (for a Haar rotation,
+//!   `E<q', c> = (1 − D)<q, u>`, `D` the codebook's distortion) with a variance of about
+//!   `D₄/d·||q||²`, `D₄` ≈ 0.0095.
+//! - [`TurboKeys::Qjl`] (the paper's TurboQuant_prod): 3-bit codes plus `γ = ||r||` and the
+//!   1-bit QJL sketch `sign(S r)` of the residual `r`, which makes the estimate unbiased for
+//!   every rotation; scores blend it with the rescaled MSE one by inverse variance
+//!   ([`estimator_weights`]), 40-55 % of the paper's error variance, which is still about
+//!   twice the 4-bit form's (measured on random rows, `codec_tests.rs`): the sign bit buys
+//!   less than a fourth code bit.
+//!
 //! Scores and value sums are computed in the rotated domain straight from the bytes: a query is
-//! rotated and sketched once per step ([`TurboCodec::prepare_query`]), a value sum rotated back
+//! rotated (and sketched) once per step ([`TurboCodec::prepare_query`]), a value sum rotated back
 //! once ([`TurboCodec::finish_values`]).
 //!
 //! From `d` = 128 on, a key row's `d/32` largest values (`d/16` at 256) are taken out and kept exact
@@ -15,30 +24,47 @@
 //! channels of some models' keys are far larger than the rest, and the codec's error grows with
 //! the norm of what it quantizes. Their exact `q_i k_i` joins the score estimate.
 //!
-//! Key row: `||k||` f16, `γ` f16, `3d/8` bytes of codes, `d/8` bytes of signs, then its
-//! outliers, each an index (u8 up to d = 256, else u16) and an f16 value (5 bits/dim at d = 128;
-//! 5.625 at d = 256; 4.5 at d = 64, which has none). Value row: `||v||` f16, `3d/8` bytes of codes (3.125
-//! bits/dim). A norm's sign bit marks a row stored as its difference from a caller's mean
-//! ([`TurboCodec::encode_key_near`]). Every 8 codes fill 3 bytes, code `j` at bits `3j..3j+3`
-//! of their little-endian 24-bit integer; sign `i` is bit `i % 8` of byte `i / 8`, set for
-//! `(S r)_i >= 0`. All-zero bytes decode to a zero row.
+//! Key row: `||k||` f16, then `d/2` bytes of 4-bit codes ([`TurboKeys::Mse`]: code `j` of each
+//! 8 at bits `4j..4j+4` of their little-endian `u32`) or `γ` f16, `3d/8` bytes of 3-bit codes
+//! and `d/8` bytes of signs ([`TurboKeys::Qjl`]), then its outliers, each an index (u8 up to
+//! d = 256, else u16) and an f16 value (4.25 bits/dim at d = 64, which has none, 4.875 at 128,
+//! 5.56 at 256; the QJL form 2 bytes more). Value row: `||v||` f16, `3d/8` bytes of codes
+//! (3.125 bits/dim). A norm's sign bit marks a row stored as its difference from a caller's mean
+//! ([`TurboCodec::encode_key_near`]). Every 8 3-bit codes fill 3 bytes, code `j` at bits
+//! `3j..3j+3` of their little-endian 24-bit integer; sign `i` is bit `i % 8` of byte `i / 8`,
+//! set for `(S r)_i >= 0`. All-zero bytes decode to a zero row.
 
 use half::f16;
 use peregrine_tensor::Result;
 
-use super::codebook::{codebook, estimator_weights};
+use super::codebook::{codebook, codebook16, estimator_weights};
 
 /// Largest supported head dimension (the encoders' stack scratch is this long).
 const MAX_DIM: usize = 1024;
 
-/// One layer's codec: its seeded rotation and QJL sketch, and the codebook of its `head_dim`.
+/// How a [`TurboCodec`] codes key rows (both about 4 bits per value and an f16 norm).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum TurboKeys {
+    /// 4-bit Lloyd–Max codes, scores rescaled to be unbiased over the rotation.
+    #[default]
+    Mse,
+    /// 3-bit codes and the 1-bit QJL sketch of their residual, as the paper's keys.
+    Qjl,
+}
+
+/// One layer's codec: its seeded rotation (and QJL sketch), and the codebooks of its `head_dim`.
 #[derive(Debug, Clone)]
 pub struct TurboCodec {
     dim: usize,
+    keys: TurboKeys,
     /// The random ±1 diagonal of the rotation, already divided by `sqrt(d)`.
     signs: Vec<f32>,
-    /// `S`: `d × d` i.i.d. N(0, 1), row-major.
+    /// `S`: `d × d` i.i.d. N(0, 1), row-major ([`TurboKeys::Qjl`] only, else empty).
     sketch: Vec<f32>,
+    /// The 16 key levels of [`TurboKeys::Mse`], their cells' edges, and `1 / (1 − D₄)`.
+    key_centroids: [f32; 16],
+    key_bounds: [f32; 15],
+    key_unbias: f32,
     centroids: [f32; 8],
     /// Weights of the MSE and QJL parts of a score estimate (see [`estimator_weights`]).
     mse_weight: f32,
@@ -72,9 +98,9 @@ impl PreparedQuery {
 }
 
 impl TurboCodec {
-    /// The codec of `head_dim` (a power of two in 16..=1024) whose rotation and sketch are drawn
-    /// from `seed`: the same seed gives the same codec.
-    pub fn new(head_dim: usize, seed: u64) -> Result<Self> {
+    /// The codec of `head_dim` (a power of two in 16..=1024) coding keys as `keys`, whose
+    /// rotation and sketch are drawn from `seed`: the same seed gives the same codec.
+    pub fn new(head_dim: usize, seed: u64, keys: TurboKeys) -> Result<Self> {
         if !head_dim.is_power_of_two() || !(16..=MAX_DIM).contains(&head_dim) {
             peregrine_tensor::candle::bail!(
                 "TurboQuant needs a power of two head_dim in 16..={MAX_DIM}, got {head_dim}"
@@ -85,14 +111,19 @@ impl TurboCodec {
         let unit = 1.0 / (d as f32).sqrt();
         let signs = (0..d).map(|_| unit - 2.0 * unit * (rng.next_u64() >> 63) as f32);
         let signs = signs.collect();
-        let mut sketch = vec![0.0; d * d];
+        let mut sketch = vec![0.0; if keys == TurboKeys::Qjl { d * d } else { 0 }];
         rng.fill_normal(&mut sketch);
         let (centroids, distortion) = codebook(d);
         let (mse_weight, qjl_weight) = estimator_weights(distortion);
+        let (key_centroids, key_distortion) = codebook16(d);
         Ok(Self {
             dim: d,
+            keys,
             signs,
             sketch,
+            key_centroids,
+            key_bounds: std::array::from_fn(|i| 0.5 * (key_centroids[i] + key_centroids[i + 1])),
+            key_unbias: (1.0 / (1.0 - key_distortion)) as f32,
             centroids,
             mse_weight,
             qjl_weight,
@@ -106,9 +137,22 @@ impl TurboCodec {
         self.dim
     }
 
-    /// Bytes of one key row: `4 + 3d/8 + d/8`, then its outliers'.
+    /// How key rows are coded.
+    pub fn keys(&self) -> TurboKeys {
+        self.keys
+    }
+
+    /// Bytes of one key row: its header, `d/2` bytes of codes (and signs), then its outliers'.
     pub fn key_bytes(&self) -> usize {
-        4 + self.dim / 2 + self.outliers() * self.outlier_bytes()
+        self.key_header() + self.dim / 2 + self.outliers() * self.outlier_bytes()
+    }
+
+    /// `||k||`, and `γ` for [`TurboKeys::Qjl`].
+    pub(super) fn key_header(&self) -> usize {
+        match self.keys {
+            TurboKeys::Mse => 2,
+            TurboKeys::Qjl => 4,
+        }
     }
 
     /// Values of a key row kept exact: `d / 32` from `d` = 128 on, `d / 16` at `d` = 256
@@ -156,79 +200,50 @@ impl TurboCodec {
         &self.centroids
     }
 
-    /// Encodes the contiguous key rows `k` (`rows · d`) into `out` (`rows · key_bytes`).
-    pub fn encode_keys(&self, k: &[f32], out: &mut [u8]) {
-        let (d, kb) = (self.dim, self.key_bytes());
+    /// Encodes the contiguous value rows `v` (`rows · d`) into `out` (`rows · value_bytes`).
+    pub fn encode_values(&self, v: &[f32], out: &mut [u8]) {
+        let (d, vb) = (self.dim, self.value_bytes());
         assert!(
-            k.len().is_multiple_of(d) && out.len() == k.len() / d * kb,
+            v.len().is_multiple_of(d) && out.len() == v.len() / d * vb,
             "rows vs bytes"
         );
-        let (mut scratch, mut rest) = ([0f32; MAX_DIM], [0f32; MAX_DIM]);
-        let (r, rest) = (&mut scratch[..d], &mut rest[..d]);
-        for (k, out) in k.chunks_exact(d).zip(out.chunks_exact_mut(kb)) {
+        let mut scratch = [0f32; MAX_DIM];
+        for (v, out) in v.chunks_exact(d).zip(out.chunks_exact_mut(vb)) {
             out.fill(0);
-            let (head, tail) = out.split_at_mut(4);
-            let (codes, tail) = tail.split_at_mut(3 * d / 8);
-            let (signs, sparse) = tail.split_at_mut(d / 8);
-            rest.copy_from_slice(k);
-            self.take_outliers(rest, sparse);
-            let Some(n) = self.quantize(rest, r, codes) else {
-                continue;
-            };
-            for (i, row) in self.sketch.chunks_exact(d).enumerate() {
-                signs[i / 8] |= u8::from(dot(row, r) >= 0.0) << (i % 8);
-            }
-            head[..2].copy_from_slice(&f16::from_f32(n).to_le_bytes());
-            head[2..].copy_from_slice(&f16::from_f32(dot(r, r).sqrt()).to_le_bytes());
-        }
-    }
-
-    /// Moves the [`outliers`](Self::outliers) largest values of `x` by magnitude (the lower
-    /// index first among equals) into `sparse` as `(index, f16 value)` pairs in index order,
-    /// leaving zeros in their place; a zero value leaves its pair zero bytes.
-    fn take_outliers(&self, x: &mut [f32], sparse: &mut [u8]) {
-        let mut taken = [0u16; MAX_DIM / 32];
-        let taken = &mut taken[..self.outliers()];
-        for t in 0..taken.len() {
-            let free = |i: &usize| !taken[..t].contains(&(*i as u16));
-            let at = (0..x.len())
-                .filter(free)
-                .fold(None, |best: Option<usize>, i| match best {
-                    Some(b) if x[b].abs() >= x[i].abs() => Some(b),
-                    _ => Some(i),
-                });
-            taken[t] = at.unwrap_or(0) as u16;
-        }
-        taken.sort_unstable();
-        let ib = self.index_bytes();
-        for (&i, pair) in taken.iter().zip(sparse.chunks_exact_mut(ib + 2)) {
-            let value = std::mem::take(&mut x[i as usize]);
-            if value != 0.0 {
-                pair[..ib].copy_from_slice(&i.to_le_bytes()[..ib]);
-                pair[ib..].copy_from_slice(&f16::from_f32(value).to_le_bytes());
+            if let Some(n) = self.direction(v, &mut scratch[..d]) {
+                self.pack3(&mut scratch[..d], &mut out[2..]);
+                out[..2].copy_from_slice(&f16::from_f32(n).to_le_bytes());
             }
         }
     }
 
-    /// `Σ q_i k_i` over a key row's exact outliers.
-    #[inline]
-    fn outlier_dot(&self, q: &[f32], key: &[u8]) -> f32 {
-        if self.outliers() == 0 {
-            return 0.0; // small head dims keep none: no work per key
+    /// Writes the rotated direction `R x / ||x||` into `u` and returns `||x||`; `None` for a
+    /// zero row.
+    pub(super) fn direction(&self, x: &[f32], u: &mut [f32]) -> Option<f32> {
+        let n = dot(x, x).sqrt();
+        if n == 0.0 {
+            return None;
         }
-        (key[4 + self.dim / 2..].chunks_exact(self.outlier_bytes()))
-            .map(|pair| {
-                let (i, value) = self.outlier(pair);
-                q[i] * value
-            })
-            .sum()
+        for (u, x) in u.iter_mut().zip(x) {
+            *u = x / n;
+        }
+        self.rotate(u);
+        Some(n)
     }
 
-    /// Encodes one key row `k` (`d`) as [`encode_keys`](Self::encode_keys) does, or `k − mean`
-    /// when that is shorter, marked so (the sign bit of its norm, read by
-    /// [`is_centered`](Self::is_centered)); a caller adds `<q, mean>` to a marked row's score.
-    pub fn encode_key_near(&self, k: &[f32], mean: &[f32], out: &mut [u8]) {
-        self.encode_near(k, mean, out, Self::encode_keys)
+    /// Packs the 3-bit codes of the rotated direction `u` into `codes` and leaves the
+    /// quantization residual in `u`.
+    pub(super) fn pack3(&self, u: &mut [f32], codes: &mut [u8]) {
+        for (u8s, c3) in u.chunks_exact_mut(8).zip(codes.chunks_exact_mut(3)) {
+            let mut packed = 0u32;
+            for (j, x) in u8s.iter_mut().enumerate() {
+                // Cells are sorted: the nearest centroid's index is the number of edges below.
+                let code = self.bounds.iter().filter(|&&b| *x > b).count();
+                *x -= self.centroids[code];
+                packed |= (code as u32) << (3 * j);
+            }
+            c3.copy_from_slice(&packed.to_le_bytes()[..3]);
+        }
     }
 
     /// Encodes one value row `v` as [`encode_values`](Self::encode_values) does, or `v − mean`
@@ -260,139 +275,6 @@ impl TurboCodec {
         } else {
             encode(self, x, out);
         }
-    }
-
-    /// Whether key row `key` holds its row minus a mean ([`encode_key_near`](Self::encode_key_near)).
-    pub fn is_centered(key: &[u8]) -> bool {
-        key[1] & 0x80 != 0
-    }
-
-    /// Encodes the contiguous value rows `v` (`rows · d`) into `out` (`rows · value_bytes`).
-    pub fn encode_values(&self, v: &[f32], out: &mut [u8]) {
-        let (d, vb) = (self.dim, self.value_bytes());
-        assert!(
-            v.len().is_multiple_of(d) && out.len() == v.len() / d * vb,
-            "rows vs bytes"
-        );
-        let mut scratch = [0f32; MAX_DIM];
-        for (v, out) in v.chunks_exact(d).zip(out.chunks_exact_mut(vb)) {
-            out.fill(0);
-            if let Some(n) = self.quantize(v, &mut scratch[..d], &mut out[2..]) {
-                out[..2].copy_from_slice(&f16::from_f32(n).to_le_bytes());
-            }
-        }
-    }
-
-    /// Packs the codes of `R x / ||x||` into `codes`, leaves the residual in `r` and returns
-    /// `||x||`; `None` for a zero row.
-    fn quantize(&self, x: &[f32], r: &mut [f32], codes: &mut [u8]) -> Option<f32> {
-        let n = dot(x, x).sqrt();
-        if n == 0.0 {
-            return None;
-        }
-        for (r, x) in r.iter_mut().zip(x) {
-            *r = x / n;
-        }
-        self.rotate(r);
-        for (r8, c3) in r.chunks_exact_mut(8).zip(codes.chunks_exact_mut(3)) {
-            let mut packed = 0u32;
-            for (j, r) in r8.iter_mut().enumerate() {
-                // Cells are sorted: the nearest centroid's index is the number of edges below.
-                let code = self.bounds.iter().filter(|&&b| *r > b).count();
-                *r -= self.centroids[code];
-                packed |= (code as u32) << (3 * j);
-            }
-            c3.copy_from_slice(&packed.to_le_bytes()[..3]);
-        }
-        Some(n)
-    }
-
-    /// Rotates and sketches the query row `q` (`d`) into `out`, reusing its allocations.
-    pub fn prepare_query(&self, q: &[f32], out: &mut PreparedQuery) {
-        assert_eq!(q.len(), self.dim, "query row length");
-        out.plain.clear();
-        out.plain.extend_from_slice(q);
-        out.rotated.clear();
-        out.rotated.extend_from_slice(q);
-        self.rotate(&mut out.rotated);
-        out.projected.clear();
-        let rows = self.sketch.chunks_exact(self.dim);
-        out.projected.extend(rows.map(|row| dot(row, &out.rotated)));
-        out.projected_sum = out.projected.iter().sum();
-    }
-
-    /// `out[j] = scale · <q, k_j>` estimated from the `out.len()` contiguous key rows `keys`.
-    pub fn scores(&self, q: &PreparedQuery, keys: &[u8], scale: f32, out: &mut [f32]) {
-        self.scores_grouped(std::slice::from_ref(q), keys, scale, out)
-    }
-
-    /// [`scores`](Self::scores) of several query heads over the same key rows (grouped-query
-    /// attention), each row unpacked once: `out` holds `qs.len()` rows of one score per key.
-    pub fn scores_grouped(&self, qs: &[PreparedQuery], keys: &[u8], scale: f32, out: &mut [f32]) {
-        let d = self.dim;
-        assert!(
-            qs.iter()
-                .all(|q| q.rotated.len() == d && q.projected.len() == d),
-            "query of another head_dim"
-        );
-        let n = keys.len() / self.key_bytes();
-        assert_eq!(keys.len(), n * self.key_bytes(), "whole key rows");
-        assert_eq!(out.len(), n * qs.len(), "one score per query and key");
-        #[cfg(target_arch = "x86_64")]
-        if self.simd {
-            for (qs, out) in qs.chunks(4).zip(out.chunks_mut(4 * n)) {
-                // SAFETY: `simd` is set only where AVX2 and FMA were detected; lengths checked.
-                unsafe {
-                    match qs.len() {
-                        1 => x86::scores::<1>(self, qs, keys, scale, out),
-                        2 => x86::scores::<2>(self, qs, keys, scale, out),
-                        3 => x86::scores::<3>(self, qs, keys, scale, out),
-                        _ => x86::scores::<4>(self, qs, keys, scale, out),
-                    }
-                }
-            }
-            return;
-        }
-        for (q, out) in qs.iter().zip(out.chunks_exact_mut(n.max(1))) {
-            self.scores_scalar(q, keys, scale, out);
-        }
-    }
-
-    /// The portable [`scores`](Self::scores).
-    fn scores_scalar(&self, q: &PreparedQuery, keys: &[u8], scale: f32, out: &mut [f32]) {
-        for (key, o) in keys.chunks_exact(self.key_bytes()).zip(out) {
-            let (n, gamma, codes, signs) = self.key_parts(key);
-            let mut mse = 0.0;
-            for (q8, c3) in q.rotated.chunks_exact(8).zip(codes.chunks_exact(3)) {
-                mse += q8
-                    .iter()
-                    .zip(self.levels(c3))
-                    .map(|(x, c)| x * c)
-                    .sum::<f32>();
-            }
-            let mut pos = 0.0;
-            for (t8, &b) in q.projected.chunks_exact(8).zip(signs) {
-                let set = t8.iter().enumerate().filter(|(j, _)| b >> j & 1 == 1);
-                pos += set.map(|(_, t)| t).sum::<f32>();
-            }
-            let exact = self.outlier_dot(&q.plain, key);
-            *o = scale * (self.estimate(q, n, gamma, mse, pos) + exact);
-        }
-    }
-
-    /// `n · (a <q', c> + b sqrt(π/2)/d · γ · <t, s±>)`, with `<t, s±> = 2 Σ_{s=+1} t − Σ t`
-    /// and `(a, b)` the [`estimator_weights`].
-    fn estimate(&self, q: &PreparedQuery, n: f32, gamma: f32, mse: f32, pos: f32) -> f32 {
-        let qjl = self.qjl_weight * (std::f32::consts::FRAC_PI_2).sqrt() / self.dim as f32;
-        n * (self.mse_weight * mse + qjl * gamma * (2.0 * pos - q.projected_sum))
-    }
-
-    /// `(||k||, γ, codes, signs)` of one key row.
-    fn key_parts<'a>(&self, key: &'a [u8]) -> (f32, f32, &'a [u8], &'a [u8]) {
-        let n = f16::from_le_bytes([key[0], key[1] & 0x7f]).to_f32();
-        let gamma = f16::from_le_bytes([key[2], key[3]]).to_f32();
-        let (codes, rest) = key[4..].split_at(3 * self.dim / 8);
-        (n, gamma, codes, &rest[..self.dim / 8])
     }
 
     /// `acc += Σ_j p_j · ||v_j|| · c_j` over the `p.len()` contiguous value rows `values`, in the
@@ -442,17 +324,6 @@ impl TurboCodec {
     pub fn finish_values(&self, acc: &mut [f32]) {
         assert_eq!(acc.len(), self.dim, "accumulator length");
         self.unrotate(acc);
-    }
-
-    /// The MSE part of one key row, `||k|| · R⁻¹ c` (the residual's sketch is ignored), with
-    /// its exact outliers in their places.
-    pub fn decode_key_mse(&self, key: &[u8], out: &mut [f32]) {
-        assert_eq!(key.len(), self.key_bytes(), "key row bytes");
-        self.decode([key[0], key[1] & 0x7f], &key[4..4 + 3 * self.dim / 8], out);
-        for pair in key[4 + self.dim / 2..].chunks_exact(self.outlier_bytes()) {
-            let (i, value) = self.outlier(pair);
-            out[i] += value;
-        }
     }
 
     /// One value row, `||v|| · R⁻¹ c`.
@@ -560,6 +431,9 @@ impl SplitMix64 {
         }
     }
 }
+
+#[path = "codec_keys.rs"]
+mod keys;
 
 #[cfg(target_arch = "x86_64")]
 #[path = "codec_x86.rs"]

@@ -26,7 +26,7 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 fn rotation_is_orthonormal() {
     let mut rng = SplitMix64(1);
     for d in [16, 128, 1024] {
-        let codec = TurboCodec::new(d, 7).unwrap();
+        let codec = TurboCodec::new(d, 7, TurboKeys::Qjl).unwrap();
         let x = gaussian(&mut rng, d);
         let mut y = x.clone();
         codec.rotate(&mut y);
@@ -36,7 +36,9 @@ fn rotation_is_orthonormal() {
             "d {d}: norm"
         );
         let mut other = x.clone();
-        TurboCodec::new(d, 8).unwrap().rotate(&mut other);
+        TurboCodec::new(d, 8, TurboKeys::Qjl)
+            .unwrap()
+            .rotate(&mut other);
         assert!(max_diff(&other, &y) > 1e-3, "d {d}: the seed is unused");
         codec.unrotate(&mut y);
         assert!(max_diff(&x, &y) <= 1e-5, "d {d}: R⁻¹R ≠ 1");
@@ -64,10 +66,25 @@ fn codebook_is_lloyd_max() {
         let got = c[4 + i] * 32.0;
         assert!((got - g).abs() <= 0.02 * g, "level {i}: {got} vs {g}");
     }
+    // The 16 key levels: Max's 4-bit Gaussian ones at d = 1024, sorted and symmetric at all d.
+    for d in [16, 64, 1024] {
+        let (c, _) = codebook16(d);
+        assert!(c.windows(2).all(|w| w[0] < w[1]), "d {d}: unsorted {c:?}");
+        let asym = (0..8).map(|i| (c[i] + c[15 - i]).abs()).fold(0.0, f32::max);
+        assert!(asym <= 1e-6 * c[15], "d {d}: {c:?}");
+    }
+    let (c, _) = codebook16(1024);
+    let max_1960 = [
+        0.1284, 0.3881, 0.6568, 0.9424, 1.2562, 1.6181, 2.0690, 2.7326,
+    ];
+    for (i, g) in max_1960.iter().enumerate() {
+        let got = c[8 + i] * 32.0;
+        assert!((got - g).abs() <= 0.02 * g, "4-bit level {i}: {got} vs {g}");
+    }
     // Distortion E||u − û||² of random unit vectors; the paper's b = 3 figure is ≈0.03 and
     // the Gaussian Lloyd–Max MSE 0.0345. 400 vectors put the mean within ~1e-3.
     let (d, rows) = (128, 400);
-    let codec = TurboCodec::new(d, 3).unwrap();
+    let codec = TurboCodec::new(d, 3, TurboKeys::Qjl).unwrap();
     let mut rng = SplitMix64(2);
     let (mut bytes, mut u_hat, mut total) = (vec![0; codec.value_bytes()], vec![0.0; d], 0.0);
     for _ in 0..rows {
@@ -87,10 +104,32 @@ fn codebook_is_lloyd_max() {
         (mse - computed).abs() <= 2e-3,
         "computed {computed} vs measured {mse}"
     );
+    // The same for 4-bit keys (the Gaussian 4-bit figure is 0.0095), whose rescaling uses it;
+    // at d = 64, which keeps no exact outliers.
+    let d = 64;
+    let codec = TurboCodec::new(d, 3, TurboKeys::Mse).unwrap();
+    let mut u_hat = vec![0.0; d];
+    let (mut bytes, mut total) = (vec![0; codec.key_bytes()], 0.0);
+    for _ in 0..rows {
+        let mut u = gaussian(&mut rng, d);
+        let n = norm(&u);
+        u.iter_mut().for_each(|x| *x /= n);
+        codec.encode_keys(&u, &mut bytes);
+        codec.decode_key_mse(&bytes, &mut u_hat);
+        total += dist(&u, &u_hat).powi(2);
+    }
+    let (mse, computed) = (total / rows as f32, codebook16(d).1 as f32);
+    eprintln!("d {d}: 4-bit E||u - û||² = {mse:.5}, computed {computed:.5}");
+    assert!((0.007..=0.012).contains(&mse), "4-bit distortion {mse}");
+    assert!(
+        (mse - computed).abs() <= 1e-3,
+        "computed {computed} vs measured {mse}"
+    );
 }
 
-/// Mean over `trials` codecs (seeds) of each pair's estimate, TurboQuant and MSE-only; and
-/// the blended estimate's spread against the paper's (weights 1 and 1).
+/// Mean over `trials` codecs (seeds) of each pair's estimate: the QJL form's (blended), its
+/// MSE part alone, and the 4-bit form's; and the mean squared errors of the blend, the paper's
+/// estimate (weights 1 and 1) and the 4-bit form.
 fn bias_check(d: usize, trials: u64) {
     let mut rng = SplitMix64(100 + d as u64);
     // `lean` ≠ 0 makes `<q, k>` large, where the MSE quantizer's shrinkage shows.
@@ -99,66 +138,79 @@ fn bias_check(d: usize, trials: u64) {
         let k: Vec<f32> = q.iter().zip(e).map(|(q, e)| 2.0 * (lean * q + e)).collect();
         (q, k)
     });
-    let key_bytes = TurboCodec::new(d, 0).unwrap().key_bytes();
+    let key_bytes = TurboCodec::new(d, 0, TurboKeys::Qjl).unwrap().key_bytes();
     let (mut pq, mut key, mut k_hat) = (PreparedQuery::default(), vec![0; key_bytes], vec![0.0; d]);
-    // Per pair: Σ and Σ² of the TurboQuant and the MSE-only estimates, Σ (error²) of the
-    // TurboQuant and the paper's.
-    let mut stats = [[0f64; 6]; 4];
+    let (mut pq4, mut key4) = (PreparedQuery::default(), vec![0; key_bytes - 2]);
+    // Per pair: Σ and Σ² of the blended, the MSE-only and the 4-bit estimates, and Σ error²
+    // of the blended, the paper's and the 4-bit ones.
+    let mut stats = [[0f64; 9]; 4];
     for seed in 0..trials {
-        let codec = TurboCodec::new(d, seed).unwrap();
+        let codec = TurboCodec::new(d, seed, TurboKeys::Qjl).unwrap();
         let paper = TurboCodec {
             mse_weight: 1.0,
             qjl_weight: 1.0,
             ..codec.clone()
         };
+        let four = TurboCodec::new(d, seed, TurboKeys::Mse).unwrap();
         for ((q, k), st) in pairs.iter().zip(&mut stats) {
-            let (mut s, mut sp) = ([0.0], [0.0]);
+            let (mut s, mut sp, mut s4) = ([0.0], [0.0], [0.0]);
             codec.encode_keys(k, &mut key);
             codec.prepare_query(q, &mut pq);
             codec.scores(&pq, &key, 1.0, &mut s);
             paper.scores(&pq, &key, 1.0, &mut sp);
+            four.encode_keys(k, &mut key4);
+            four.prepare_query(q, &mut pq4);
+            four.scores(&pq4, &key4, 1.0, &mut s4);
             codec.decode_key_mse(&key, &mut k_hat);
-            let (s, m) = (f64::from(s[0]), f64::from(dot(q, &k_hat)));
+            let (s, m, s4) = (f64::from(s[0]), f64::from(dot(q, &k_hat)), f64::from(s4[0]));
             let (truth, sp) = (f64::from(dot(q, k)), f64::from(sp[0]));
-            *st = [
-                st[0] + s,
-                st[1] + s * s,
-                st[2] + m,
-                st[3] + m * m,
-                st[4],
-                st[5],
-            ];
-            st[4] += (s - truth).powi(2);
-            st[5] += (sp - truth).powi(2);
+            for (i, x) in [s, m, s4].into_iter().enumerate() {
+                st[2 * i] += x;
+                st[2 * i + 1] += x * x;
+            }
+            for (i, x) in [s, sp, s4].into_iter().enumerate() {
+                st[6 + i] += (x - truth).powi(2);
+            }
         }
     }
     let t = trials as f64;
     let stderr = |sum: f64, sq: f64| ((sq / t - (sum / t).powi(2)).max(0.0) / t).sqrt();
     for (i, ((q, k), st)) in pairs.iter().zip(&stats).enumerate() {
         let truth = f64::from(dot(q, k));
-        let (bias, se) = (st[0] / t - truth, stderr(st[0], st[1]));
-        let (mse_bias, mse_se) = (st[2] / t - truth, stderr(st[2], st[3]));
+        let [bias, mse_bias, four_bias] = [0, 2, 4].map(|j| st[j] / t - truth);
+        let [se, mse_se, four_se] = [0, 2, 4].map(|j| stderr(st[j], st[j + 1]));
         eprintln!(
             "d {d} pair {i}: <q,k> {truth:.3}, turbo bias {bias:+.4} (se {se:.4}), \
-             MSE-only bias {mse_bias:+.4} (se {mse_se:.4})"
+             MSE-only bias {mse_bias:+.4} (se {mse_se:.4}), 4-bit bias {four_bias:+.4} \
+             (se {four_se:.4})"
         );
         // 4 standard errors: a false alarm has probability ~6e-5. `tiny` covers the f16
         // norms: ||k|| to 2^-11 relative, a fixed offset per pair, and γ to 2^-11 on a QJL
         // term of at most ~0.2·||q||·||k||.
         let tiny = 5e-4 * truth.abs() + 1e-4 * f64::from(norm(q) * norm(k));
         assert!(bias.abs() <= 4.0 * se + tiny, "d {d} pair {i}: biased");
+        // The 4-bit form's rescaling takes out its shrinkage (over random-sign Hadamard
+        // rotations as over Haar ones, to within the test's resolution).
+        assert!(
+            four_bias.abs() <= 4.0 * four_se + tiny,
+            "d {d} pair {i}: 4-bit biased"
+        );
         // The contrast: the same test rejects the MSE-only estimate where <q, k> is large.
         let rejected = mse_bias.abs() > 4.0 * mse_se + tiny;
         assert!(i < 2 || rejected, "d {d} pair {i}: MSE-only unbiased?");
         // The blend's mean squared error is 40-56 % of the paper's (~60 % predicted by
         // `estimator_weights`, which bounds QJL's variance from below); 2000
         // trials measure each within ~5 %.
-        let ratio = st[4] / st[5];
-        eprintln!("d {d} pair {i}: blended / paper mean squared error {ratio:.3}");
+        let ratio = st[6] / st[7];
+        // The 4-bit form's: 0.40-0.59 of the blend's here (D₄ / (1 − D₄)² is 0.0097 against
+        // a blend that measures below its bound, ~0.6 · π/2 · D₃ = 0.033).
+        let four = st[8] / st[6];
+        eprintln!("d {d} pair {i}: blended / paper {ratio:.3}, 4-bit / blended {four:.3}");
         assert!(
             ratio < 0.75,
             "d {d} pair {i}: the blend is no better ({ratio})"
         );
+        assert!(four < 0.7, "d {d} pair {i}: 4 bits no better ({four})");
     }
 }
 
@@ -175,7 +227,7 @@ fn scores_are_unbiased_d128() {
 #[test]
 fn values_round_trip() {
     let (d, rows) = (128, 37);
-    let codec = TurboCodec::new(d, 11).unwrap();
+    let codec = TurboCodec::new(d, 11, TurboKeys::Qjl).unwrap();
     let mut rng = SplitMix64(5);
     let mut v = gaussian(&mut rng, rows * d);
     for (j, row) in v.chunks_exact_mut(d).enumerate() {
@@ -222,11 +274,16 @@ fn values_round_trip() {
 #[test]
 fn sizes_errors_and_seeds() {
     for (d, kb, vb) in [(64, 36, 26), (128, 80, 50), (256, 180, 98), (512, 324, 194)] {
-        let c = TurboCodec::new(d, 0).unwrap();
+        let c = TurboCodec::new(d, 0, TurboKeys::Qjl).unwrap();
         assert_eq!((c.key_bytes(), c.value_bytes(), c.head_dim()), (kb, vb, d));
+        // The 4-bit form has no γ.
+        let c = TurboCodec::new(d, 0, TurboKeys::Mse).unwrap();
+        assert_eq!((c.key_bytes(), c.value_bytes()), (kb - 2, vb));
     }
     for d in [8, 96, 2048, 0] {
-        let err = TurboCodec::new(d, 0).unwrap_err().to_string();
+        let err = TurboCodec::new(d, 0, TurboKeys::Qjl)
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("head_dim") && err.contains("power of two"),
             "{err}"
@@ -235,7 +292,9 @@ fn sizes_errors_and_seeds() {
     let k = gaussian(&mut SplitMix64(9), 3 * 64);
     let encode = |seed| {
         let mut out = vec![0; 3 * 36];
-        TurboCodec::new(64, seed).unwrap().encode_keys(&k, &mut out);
+        TurboCodec::new(64, seed, TurboKeys::Qjl)
+            .unwrap()
+            .encode_keys(&k, &mut out);
         out
     };
     assert_eq!(encode(4), encode(4));
@@ -249,8 +308,12 @@ fn avx2_matches_scalar() {
         return;
     }
     let (mut rng, rows, scale) = (SplitMix64(21), 45, 0.125);
-    for d in [16, 32, 64, 128, 256] {
-        let simd = TurboCodec::new(d, d as u64).unwrap();
+    let forms = [TurboKeys::Qjl, TurboKeys::Mse];
+    for (d, keys) in [16, 32, 64, 128, 256]
+        .into_iter()
+        .flat_map(|d| forms.map(|f| (d, f)))
+    {
+        let simd = TurboCodec::new(d, d as u64, keys).unwrap();
         assert!(simd.simd);
         let scalar = TurboCodec {
             simd: false,
@@ -284,7 +347,10 @@ fn avx2_matches_scalar() {
             let (a, b) = (&a[h * rows..][..rows], &b[h * rows..][..rows]);
             for ((a, b), k) in a.iter().zip(b).zip(k.chunks_exact(d)) {
                 let tol = 1e-5 * (b.abs() + scale * norm(q) * norm(k));
-                assert!((a - b).abs() <= tol, "d {d} head {h}: score {a} vs {b}");
+                assert!(
+                    (a - b).abs() <= tol,
+                    "d {d} {keys:?} head {h}: score {a} vs {b}"
+                );
             }
         }
         let p: Vec<f32> = (0..heads * rows).map(|_| rng.uniform() as f32).collect();
@@ -302,8 +368,12 @@ fn avx2_matches_scalar() {
 
 #[test]
 fn a_key_rows_largest_values_are_kept_exact() {
-    for d in [128, 256, 512] {
-        let codec = TurboCodec::new(d, 3).unwrap();
+    let forms = [TurboKeys::Qjl, TurboKeys::Mse];
+    for (d, keys) in [128, 256, 512]
+        .into_iter()
+        .flat_map(|d| forms.map(|f| (d, f)))
+    {
+        let codec = TurboCodec::new(d, 3, keys).unwrap();
         let mut k = gaussian(&mut SplitMix64(d as u64), d);
         // A few channels far larger than the rest, as some models' keys have.
         let big = [(5, 90.0), (d - 1, -70.5), (d / 2, 40.25)];

@@ -56,6 +56,55 @@ pub unsafe fn scores<const G: usize>(
     }
 }
 
+/// [`TurboCodec::scores_grouped`] of `G` query heads over [`TurboKeys::Mse`](super::TurboKeys)
+/// rows with AVX2: the 16 levels, rescaled, looked up as two 8-lane tables blended on bit 3.
+///
+/// # Safety
+/// As [`scores`].
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn scores_mse<const G: usize>(
+    c: &TurboCodec,
+    qs: &[PreparedQuery],
+    k: &[u8],
+    scale: f32,
+    out: &mut [f32],
+) {
+    let unbias = _mm256_set1_ps(c.key_unbias);
+    // SAFETY: `key_centroids` holds 16 floats.
+    let (low, high) = unsafe {
+        let p = c.key_centroids.as_ptr();
+        (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
+    };
+    let (low, high) = (_mm256_mul_ps(low, unbias), _mm256_mul_ps(high, unbias));
+    let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    let n = out.len() / G;
+    let rotated: [*const f32; G] = std::array::from_fn(|g| qs[g].rotated.as_ptr());
+    for (j, key) in k.chunks_exact(c.key_bytes()).enumerate() {
+        let (norm, _, codes, _) = c.key_parts(key);
+        let mut acc = [_mm256_setzero_ps(); G];
+        for (i, c4) in codes.chunks_exact(4).enumerate() {
+            let packed = u32::from_le_bytes([c4[0], c4[1], c4[2], c4[3]]);
+            let idx = _mm256_srlv_epi32(_mm256_set1_epi32(packed as i32), shifts);
+            // vpermps reads each index's low 3 bits; bit 3, moved to the sign, picks the table.
+            let upper = _mm256_castsi256_ps(_mm256_slli_epi32::<28>(idx));
+            let levels = _mm256_blendv_ps(
+                _mm256_permutevar8x32_ps(low, idx),
+                _mm256_permutevar8x32_ps(high, idx),
+                upper,
+            );
+            for g in 0..G {
+                // SAFETY: 8 · i + 8 ≤ d, the length of every rotated query.
+                let x = unsafe { _mm256_loadu_ps(rotated[g].add(8 * i)) };
+                acc[g] = _mm256_fmadd_ps(x, levels, acc[g]);
+            }
+        }
+        for g in 0..G {
+            let exact = c.outlier_dot(&qs[g].plain, key);
+            out[g * n + j] = scale * (norm * hsum(acc[g]) + exact);
+        }
+    }
+}
+
 /// [`TurboCodec::accumulate_values_grouped`] of `G` heads with AVX2.
 ///
 /// # Safety

@@ -20,7 +20,7 @@ mod scales;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-pub use codec::{PreparedQuery, TurboCodec};
+pub use codec::{PreparedQuery, TurboCodec, TurboKeys};
 
 use half::f16;
 use peregrine_tensor::{DType, Device, Result, Tensor};
@@ -36,6 +36,8 @@ pub struct TurboOptions {
     pub hot_window: usize,
     /// Compression starts once the sequence holds more than this many positions.
     pub threshold: usize,
+    /// How compressed keys are coded.
+    pub keys: TurboKeys,
 }
 
 impl Default for TurboOptions {
@@ -43,6 +45,7 @@ impl Default for TurboOptions {
         Self {
             hot_window: 256,
             threshold: 2048,
+            keys: TurboKeys::Mse,
         }
     }
 }
@@ -60,19 +63,20 @@ const SINKS: usize = 4;
 /// Free hot-window slots: the f16 buffer is re-laid out once per this many decode steps.
 const SLACK: usize = 16;
 
-/// The codec of `head_dim`, one per process: a random rotation serves every layer equally
-/// well, and sharing it keeps its `d × d` sketch out of every sequence's memory.
-fn shared_codec(head_dim: usize) -> Result<Arc<TurboCodec>> {
-    static CODECS: OnceLock<Mutex<HashMap<usize, Arc<TurboCodec>>>> = OnceLock::new();
+/// The codec of `head_dim` and `keys`, one per process: a random rotation serves every layer
+/// equally well, and sharing it keeps its `d × d` sketch out of every sequence's memory.
+fn shared_codec(head_dim: usize, keys: TurboKeys) -> Result<Arc<TurboCodec>> {
+    type Codecs = HashMap<(usize, TurboKeys), Arc<TurboCodec>>;
+    static CODECS: OnceLock<Mutex<Codecs>> = OnceLock::new();
     let mut codecs = CODECS.get_or_init(Default::default).lock();
     let codecs = codecs
         .as_mut()
         .map_err(|_| bail_msg("TurboQuant codecs: poisoned lock"))?;
-    if let Some(codec) = codecs.get(&head_dim) {
+    if let Some(codec) = codecs.get(&(head_dim, keys)) {
         return Ok(codec.clone());
     }
-    let codec = Arc::new(TurboCodec::new(head_dim, 0x7475_7262_6f6b_7600)?);
-    codecs.insert(head_dim, codec.clone());
+    let codec = Arc::new(TurboCodec::new(head_dim, 0x7475_7262_6f6b_7600, keys)?);
+    codecs.insert((head_dim, keys), codec.clone());
     Ok(codec)
 }
 
@@ -259,7 +263,7 @@ impl TurboCache {
         let codec = match &self.codec {
             Some(c) => c.clone(),
             None => {
-                let codec = shared_codec(head_dim)
+                let codec = shared_codec(head_dim, self.options.keys)
                     .map_err(|e| bail_msg(&format!("--turbo-kv on this layer: {e}")))?;
                 self.keys = Compressed {
                     heads: vec![Vec::new(); heads],
