@@ -4,11 +4,12 @@ agreement and the mean KL divergence KL(p_f32 || p_mode) of the next-token distr
 
 usage: .venv-ref/bin/python scripts/kv_quality.py --model M [--text FILE ...] [--chars 16000] [--from 2048]
        [--positions 200] [--windows W] [--modes f16,bf16,q8,q4,turbo] [--kv-group-size 64] [--turbo-hot-window 256]
+       [--turbo-keys mse|qjl]
        [--peregrine target/release/peregrine] [--threads 2]
 
 Modes: f32/f16/bf16 (`--cache-type`), q8/q4 (`--kv-bits 8|4`, in groups of `--kv-group-size`), turbo (`--turbo-kv`,
 its default 256-token hot window and 2,048-token threshold: positions past `--from` 2048 read
-compressed keys).
+compressed keys; `--turbo-keys` picks its key codes).
 
 The default text is tests/data/kv_quality/prompt.txt (the repository's own English prose, pinned:
 see the README there), its first 16,000 characters (about 4K tokens), tokenized by the model; it
@@ -25,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def kv_args(a, mode):
     group = ["--kv-group-size", str(a.kv_group_size)]
-    turbo = ["--turbo-kv", "--turbo-hot-window", str(a.turbo_hot_window)]
+    turbo = ["--turbo-kv", "--turbo-hot-window", str(a.turbo_hot_window), "--turbo-keys", a.turbo_keys]
     modes = {"q8": ["--kv-bits", "8", *group], "q4": ["--kv-bits", "4", *group], "turbo": turbo}
     return modes.get(mode, ["--cache-type", mode])
 
@@ -57,6 +58,7 @@ def main():
     ap.add_argument("--modes", default="f16,bf16,q8,q4,turbo")
     ap.add_argument("--kv-group-size", type=int, default=64, help="q8/q4 group size (32, 64, 128)")
     ap.add_argument("--turbo-hot-window", type=int, default=256, help="turbo's uncompressed recent tokens")
+    ap.add_argument("--turbo-keys", default="mse", choices=["mse", "qjl"], help="turbo's key codes")
     ap.add_argument("--peregrine", default=os.path.join(ROOT, "target/release/peregrine"))
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
@@ -77,6 +79,7 @@ def main():
             same = ref["logits"].argmax(-1) == got.argmax(-1)
             top1 = float(same.mean())
             label = f"{mode} g{a.kv_group_size}" if mode in ("q8", "q4") else mode
+            label = f"turbo {a.turbo_keys}" if mode == "turbo" else label
             windows = {f"{a.start + w}..{a.start + min(w + a.windows, n)}":
                        {"top1": float(same[w:w + a.windows].mean()),
                         "mean_kl": float(kl[w:w + a.windows].mean())}

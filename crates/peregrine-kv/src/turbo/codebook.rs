@@ -1,5 +1,6 @@
-//! The codec's codebook: the 3-bit Lloyd–Max quantizer of one rotated unit-vector coordinate,
-//! its distortion, and the score estimator's weights that follow from it.
+//! The codec's codebooks: the 3-bit (values, QJL keys) and 4-bit (keys) Lloyd–Max quantizers of
+//! one rotated unit-vector coordinate, their distortion, and the QJL score estimator's weights
+//! that follow from the 3-bit one.
 
 use std::sync::OnceLock;
 
@@ -32,7 +33,7 @@ pub(super) fn codebook16(d: usize) -> ([f32; 16], f64) {
     *CACHE[d.trailing_zeros() as usize - 4].get_or_init(|| lloyd_max::<16>(d))
 }
 
-/// The 8-level Lloyd–Max quantizer of one coordinate of a uniform unit vector in R^d, density
+/// The `N`-level Lloyd–Max quantizer of one coordinate of a uniform unit vector in R^d, density
 /// `∝ (1 − x²)^((d−3)/2)` on [−1, 1], and its distortion `E||u − c||² = 1 − d·E[c²]` (the
 /// centroid condition makes `E[x c] = E[c²]`, and `E[x²] = 1/d`).
 fn lloyd_max<const N: usize>(d: usize) -> ([f32; N], f64) {
@@ -59,7 +60,7 @@ fn lloyd_max<const N: usize>(d: usize) -> ([f32; N], f64) {
         let i = (s as usize).min(GRID - 1);
         table[i] + (s - i as f64) * (table[i + 1] - table[i])
     };
-    // Started near the Gaussian solution (±0.25σ … ±2.1σ); Lloyd then converges monotonically.
+    // Started evenly over ±2.4σ, near the Gaussian solution; Lloyd then converges monotonically.
     let step = 4.8 / N as f64;
     let mut c: [f64; N] =
         std::array::from_fn(|i| (i as f64 - (N as f64 - 1.0) / 2.0) * step * sigma);

@@ -1,19 +1,21 @@
 //! The TurboQuant codec of KV-cache rows (Zandieh et al., "TurboQuant: online vector
 //! quantization with near-optimal distortion rate", 2025).
 //!
-//! A row `x` of `head_dim = d` values is kept as `||x||` and Lloyd–Max codes of its randomly
-//! rotated direction `R x / ||x||`: 3-bit for values, and for keys one of two
-//! [`TurboKeys`] forms of the same size:
-//! - [`TurboKeys::Mse`] (the default): 4-bit codes, the paper's TurboQuant_mse at b = 4. A
-//!   score `<q', c> / (1 − D)` is unbiased over the random rotation (for a Haar rotation,
-//!   `E<q', c> = (1 − D)<q, u>`, `D` the codebook's distortion) with a variance of about
-//!   `D₄/d·||q||²`, `D₄` ≈ 0.0095.
+//! A row `x` of `head_dim = d` values is kept as a norm and Lloyd–Max codes `c` of its randomly
+//! rotated direction `u = R x / ||x||`: 3-bit for values, and for keys one of two [`TurboKeys`]
+//! forms of the same size:
+//! - [`TurboKeys::Mse`] (the default): 4-bit codes, the paper's TurboQuant_mse at b = 4, with an
+//!   error variance of about `D₄/d·||q||²·||k||²` per score (`D₄` ≈ 0.0095, the codebook's
+//!   distortion).
 //! - [`TurboKeys::Qjl`] (the paper's TurboQuant_prod): 3-bit codes plus `γ = ||r||` and the
 //!   1-bit QJL sketch `sign(S r)` of the residual `r`, which makes the estimate unbiased for
 //!   every rotation; scores blend it with the rescaled MSE one by inverse variance
 //!   ([`estimator_weights`]), 40-55 % of the paper's error variance, which is still about
 //!   twice the 4-bit form's (measured on random rows, `codec_tests.rs`): the sign bit buys
 //!   less than a fourth code bit.
+//!
+//! Values and 4-bit keys store their norm divided by `<u, c>` ([`unbiased`], EDEN's scale):
+//! unbiased over the rotation, and exact along the row's own direction.
 //!
 //! Scores and value sums are computed in the rotated domain straight from the bytes: a query is
 //! rotated (and sketched) once per step ([`TurboCodec::prepare_query`]), a value sum rotated back
@@ -61,10 +63,9 @@ pub struct TurboCodec {
     signs: Vec<f32>,
     /// `S`: `d × d` i.i.d. N(0, 1), row-major ([`TurboKeys::Qjl`] only, else empty).
     sketch: Vec<f32>,
-    /// The 16 key levels of [`TurboKeys::Mse`], their cells' edges, and `1 / (1 − D₄)`.
+    /// The 16 key levels of [`TurboKeys::Mse`] and their cells' edges.
     key_centroids: [f32; 16],
     key_bounds: [f32; 15],
-    key_unbias: f32,
     centroids: [f32; 8],
     /// Weights of the MSE and QJL parts of a score estimate (see [`estimator_weights`]).
     mse_weight: f32,
@@ -115,7 +116,7 @@ impl TurboCodec {
         rng.fill_normal(&mut sketch);
         let (centroids, distortion) = codebook(d);
         let (mse_weight, qjl_weight) = estimator_weights(distortion);
-        let (key_centroids, key_distortion) = codebook16(d);
+        let (key_centroids, _) = codebook16(d);
         Ok(Self {
             dim: d,
             keys,
@@ -123,7 +124,6 @@ impl TurboCodec {
             sketch,
             key_centroids,
             key_bounds: std::array::from_fn(|i| 0.5 * (key_centroids[i] + key_centroids[i + 1])),
-            key_unbias: (1.0 / (1.0 - key_distortion)) as f32,
             centroids,
             mse_weight,
             qjl_weight,
@@ -211,8 +211,8 @@ impl TurboCodec {
         for (v, out) in v.chunks_exact(d).zip(out.chunks_exact_mut(vb)) {
             out.fill(0);
             if let Some(n) = self.direction(v, &mut scratch[..d]) {
-                self.pack3(&mut scratch[..d], &mut out[2..]);
-                out[..2].copy_from_slice(&f16::from_f32(n).to_le_bytes());
+                let aligned = self.pack3(&mut scratch[..d], &mut out[2..]);
+                out[..2].copy_from_slice(&f16::from_f32(unbiased(n, aligned)).to_le_bytes());
             }
         }
     }
@@ -231,19 +231,22 @@ impl TurboCodec {
         Some(n)
     }
 
-    /// Packs the 3-bit codes of the rotated direction `u` into `codes` and leaves the
-    /// quantization residual in `u`.
-    pub(super) fn pack3(&self, u: &mut [f32], codes: &mut [u8]) {
+    /// Packs the 3-bit codes `c` of the rotated direction `u` into `codes`, leaves the
+    /// quantization residual in `u` and returns `<u, c>`.
+    pub(super) fn pack3(&self, u: &mut [f32], codes: &mut [u8]) -> f32 {
+        let mut aligned = 0.0;
         for (u8s, c3) in u.chunks_exact_mut(8).zip(codes.chunks_exact_mut(3)) {
             let mut packed = 0u32;
             for (j, x) in u8s.iter_mut().enumerate() {
                 // Cells are sorted: the nearest centroid's index is the number of edges below.
                 let code = self.bounds.iter().filter(|&&b| *x > b).count();
+                aligned += *x * self.centroids[code];
                 *x -= self.centroids[code];
                 packed |= (code as u32) << (3 * j);
             }
             c3.copy_from_slice(&packed.to_le_bytes()[..3]);
         }
+        aligned
     }
 
     /// Encodes one value row `v` as [`encode_values`](Self::encode_values) does, or `v − mean`
@@ -364,6 +367,16 @@ impl TurboCodec {
             *y *= s;
         }
     }
+}
+
+/// The norm a row of norm `n` is stored with when its codes `c` reconstruct its direction `u`
+/// with `<u, c> = aligned`: `n / <u, c>` (EDEN's scale, Vargaftik et al. 2022). Over random
+/// rotations `R⁻¹ c / <u, c>` is an unbiased estimate of `u` (plain `c` shrinks it by `1 − D`
+/// on average), and exact along `u` itself: a query aligned with the row, whose score weighs
+/// most, reads it without the per-row error of a fixed `1 / (1 − D)`.
+pub(super) fn unbiased(n: f32, aligned: f32) -> f32 {
+    // `<u, c>` is near `1 − D` (0.97-0.99); the guard only keeps a degenerate row finite.
+    if aligned > 0.5 { n / aligned } else { n }
 }
 
 /// The unnormalized Walsh–Hadamard transform in place (`x.len()` a power of two).

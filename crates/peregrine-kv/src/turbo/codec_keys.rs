@@ -5,7 +5,7 @@ use half::f16;
 
 #[cfg(target_arch = "x86_64")]
 use super::x86;
-use super::{MAX_DIM, PreparedQuery, TurboCodec, TurboKeys, dot};
+use super::{MAX_DIM, PreparedQuery, TurboCodec, TurboKeys, dot, unbiased};
 
 impl TurboCodec {
     /// Encodes the contiguous key rows `k` (`rows · d`) into `out` (`rows · key_bytes`).
@@ -26,10 +26,12 @@ impl TurboCodec {
             let Some(n) = self.direction(rest, r) else {
                 continue;
             };
-            head[..2].copy_from_slice(&f16::from_f32(n).to_le_bytes());
+            let norm = |n: f32| f16::from_f32(n).to_le_bytes();
             match self.keys {
-                TurboKeys::Mse => self.pack4(r, codes),
+                TurboKeys::Mse => head.copy_from_slice(&norm(unbiased(n, self.pack4(r, codes)))),
                 TurboKeys::Qjl => {
+                    // The blend's weights take the MSE part's shrinkage out on average.
+                    head[..2].copy_from_slice(&norm(n));
                     let (codes, signs) = codes.split_at_mut(3 * d / 8);
                     self.pack3(r, codes);
                     for (i, row) in self.sketch.chunks_exact(d).enumerate() {
@@ -41,17 +43,20 @@ impl TurboCodec {
         }
     }
 
-    /// Packs the 4-bit codes of the rotated direction `u` into `codes` (`d/2` bytes: code `j`
-    /// of each 8 at bits `4j..4j+4` of their little-endian `u32`).
-    fn pack4(&self, u: &[f32], codes: &mut [u8]) {
+    /// Packs the 4-bit codes `c` of the rotated direction `u` into `codes` (`d/2` bytes: code
+    /// `j` of each 8 at bits `4j..4j+4` of their little-endian `u32`) and returns `<u, c>`.
+    fn pack4(&self, u: &[f32], codes: &mut [u8]) -> f32 {
+        let mut aligned = 0.0;
         for (u8s, c4) in u.chunks_exact(8).zip(codes.chunks_exact_mut(4)) {
             let mut packed = 0u32;
             for (j, x) in u8s.iter().enumerate() {
                 let code = self.key_bounds.iter().filter(|&&b| *x > b).count();
+                aligned += x * self.key_centroids[code];
                 packed |= (code as u32) << (4 * j);
             }
             c4.copy_from_slice(&packed.to_le_bytes());
         }
+        aligned
     }
 
     /// Moves the [`outliers`](Self::outliers) largest values of `x` by magnitude (the lower
@@ -171,7 +176,7 @@ impl TurboCodec {
             if self.keys == TurboKeys::Mse {
                 let levels = codes.chunks_exact(4).flat_map(|c4| self.key_levels(c4));
                 let mse: f32 = q.rotated.iter().zip(levels).map(|(x, c)| x * c).sum();
-                *o = scale * (n * self.key_unbias * mse + exact);
+                *o = scale * (n * mse + exact);
                 continue;
             }
             let mut mse = 0.0;
@@ -219,8 +224,9 @@ impl TurboCodec {
         std::array::from_fn(|j| self.key_centroids[(packed >> (4 * j)) as usize & 15])
     }
 
-    /// The MSE reconstruction of one key row, `||k|| · R⁻¹ c` (a [`TurboKeys::Qjl`] row's
-    /// sketch is ignored; neither is rescaled), with its exact outliers in their places.
+    /// The reconstruction of one key row, its stored norm times `R⁻¹ c` (`||k|| / <u, c>` for
+    /// [`TurboKeys::Mse`], plain `||k||` for [`TurboKeys::Qjl`], whose sketch is ignored), with
+    /// its exact outliers in their places.
     pub fn decode_key_mse(&self, key: &[u8], out: &mut [f32]) {
         assert_eq!(key.len(), self.key_bytes(), "key row bytes");
         assert_eq!(out.len(), self.dim, "decoded row length");

@@ -104,8 +104,8 @@ fn codebook_is_lloyd_max() {
         (mse - computed).abs() <= 2e-3,
         "computed {computed} vs measured {mse}"
     );
-    // The same for 4-bit keys (the Gaussian 4-bit figure is 0.0095), whose rescaling uses it;
-    // at d = 64, which keeps no exact outliers.
+    // The same for 4-bit keys (the Gaussian 4-bit figure is 0.0095; their per-row scale moves
+    // it by ~2e-4), at d = 64, which keeps no exact outliers.
     let d = 64;
     let codec = TurboCodec::new(d, 3, TurboKeys::Mse).unwrap();
     let mut u_hat = vec![0.0; d];
@@ -202,15 +202,21 @@ fn bias_check(d: usize, trials: u64) {
         // `estimator_weights`, which bounds QJL's variance from below); 2000
         // trials measure each within ~5 %.
         let ratio = st[6] / st[7];
-        // The 4-bit form's: 0.40-0.59 of the blend's here (D₄ / (1 − D₄)² is 0.0097 against
-        // a blend that measures below its bound, ~0.6 · π/2 · D₃ = 0.033).
+        // The 4-bit form's: 0.40-0.46 of the blend's for independent q and k (D₄ ≈ 0.0095
+        // against a blend that measures below its bound, ~0.6 · π/2 · D₃ = 0.033), and
+        // 0.17-0.23 where k leans on q: EDEN's per-row scale is exact along k (a fixed
+        // 1 / (1 − D₄) measured 0.54-0.59 there).
         let four = st[8] / st[6];
         eprintln!("d {d} pair {i}: blended / paper {ratio:.3}, 4-bit / blended {four:.3}");
         assert!(
             ratio < 0.75,
             "d {d} pair {i}: the blend is no better ({ratio})"
         );
-        assert!(four < 0.7, "d {d} pair {i}: 4 bits no better ({four})");
+        assert!(four < 0.6, "d {d} pair {i}: 4 bits no better ({four})");
+        assert!(
+            i < 2 || four < 0.35,
+            "d {d} pair {i}: not exact along k ({four})"
+        );
     }
 }
 

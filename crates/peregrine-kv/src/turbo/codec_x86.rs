@@ -57,7 +57,7 @@ pub unsafe fn scores<const G: usize>(
 }
 
 /// [`TurboCodec::scores_grouped`] of `G` query heads over [`TurboKeys::Mse`](super::TurboKeys)
-/// rows with AVX2: the 16 levels, rescaled, looked up as two 8-lane tables blended on bit 3.
+/// rows with AVX2: the 16 levels looked up as two 8-lane tables blended on bit 3.
 ///
 /// # Safety
 /// As [`scores`].
@@ -69,13 +69,11 @@ pub unsafe fn scores_mse<const G: usize>(
     scale: f32,
     out: &mut [f32],
 ) {
-    let unbias = _mm256_set1_ps(c.key_unbias);
     // SAFETY: `key_centroids` holds 16 floats.
     let (low, high) = unsafe {
         let p = c.key_centroids.as_ptr();
         (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
     };
-    let (low, high) = (_mm256_mul_ps(low, unbias), _mm256_mul_ps(high, unbias));
     let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     let n = out.len() / G;
     let rotated: [*const f32; G] = std::array::from_fn(|g| qs[g].rotated.as_ptr());
