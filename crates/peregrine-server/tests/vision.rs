@@ -220,3 +220,88 @@ fn crc32(bytes: &[u8]) -> u32 {
     }
     !crc
 }
+
+/// A local HTTP server on a free port, in a thread that lives as long as the test process:
+/// `/cat.png` is `png`, `/huge` declares 30 MiB, `/endless` sends 21 MiB with no length,
+/// `/to-file` redirects to `file:///etc/passwd`, anything else is a 404. Returns its base URL.
+fn media_host(png: Vec<u8>) -> String {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for mut conn in listener.incoming().flatten() {
+            let mut request = Vec::new();
+            let mut byte = [0u8];
+            while !request.ends_with(b"\r\n\r\n") && conn.read(&mut byte).unwrap_or(0) == 1 {
+                request.push(byte[0]);
+            }
+            let request = String::from_utf8_lossy(&request);
+            let path = request.split(' ').nth(1).unwrap_or("/");
+            let head = |status: &str, extra: &str| format!("HTTP/1.1 {status}\r\n{extra}\r\n");
+            let reply: Vec<u8> = match path {
+                "/cat.png" => {
+                    let h = head("200 OK", &format!("Content-Length: {}\r\n", png.len()));
+                    [h.as_bytes(), &png].concat()
+                }
+                "/huge" => head("200 OK", "Content-Length: 31457280\r\n").into_bytes(),
+                "/endless" => {
+                    let h = head("200 OK", "Connection: close\r\n");
+                    [h.as_bytes(), &vec![0u8; 21 << 20]].concat()
+                }
+                "/to-file" => head(
+                    "302 Found",
+                    "Location: file:///etc/passwd\r\nContent-Length: 0\r\n",
+                )
+                .into_bytes(),
+                _ => head("404 Not Found", "Content-Length: 0\r\n").into_bytes(),
+            };
+            let _ = conn.write_all(&reply);
+        }
+    });
+    base
+}
+
+#[test]
+fn remote_images_are_fetched_only_with_allow_remote_media() {
+    let dir = vlm("smolvlm");
+    let png = std::fs::read(dir.join("image.png")).unwrap();
+    let host = media_host(png.clone());
+    let server = Server::start_model(&dir.join("hf"), &["--allow-remote-media"]);
+    let logprob = |reply: &Reply| {
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        reply.json()["choices"][0]["logprobs"]["content"][0]["logprob"].as_f64()
+    };
+    // The same picture fetched or inline: the same answer, to the bit.
+    let inline = logprob(&server.post(CHAT, &ask(&data_url(&png))));
+    let fetched = logprob(&server.post(CHAT, &ask(&format!("{host}/cat.png"))));
+    assert!(
+        inline.is_some() && inline == fetched,
+        "{inline:?} vs {fetched:?}"
+    );
+    // Anthropic's `url` image source goes the same way.
+    let anthropic = json!({"model": "tiny", "max_tokens": 2, "messages": [{"role": "user",
+        "content": [{"type": "image", "source": {"type": "url", "url": format!("{host}/cat.png")}},
+                    {"type": "text", "text": "Look."}]}]});
+    let reply = server.post("/v1/messages", &anthropic);
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    // What cannot be fetched, or is too large, is a 400 naming the part; local files stay unread.
+    let part = "messages[0].content[0]";
+    for (path, says) in [
+        ("/missing.png", "HTTP 404"),
+        ("/huge", "larger than"),
+        ("/endless", "larger than"),
+        ("/to-file", "fetching the image failed"),
+    ] {
+        assert_bad(
+            &server.post(CHAT, &ask(&format!("{host}{path}"))),
+            part,
+            says,
+        );
+    }
+    let file = server.post(CHAT, &ask("file:///etc/passwd"));
+    assert_bad(&file, part, "local files are never read");
+    // Without the flag the same URL is refused before anything is fetched.
+    let plain = Server::start_model(&dir.join("hf"), &[]);
+    let refused = plain.post(CHAT, &ask(&format!("{host}/cat.png")));
+    assert_bad(&refused, part, "--allow-remote-media");
+}

@@ -13,6 +13,7 @@ use peregrine_engine::{
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 use super::error::ApiError;
+use super::media::RemoteMedia;
 use super::openai::{self, Decoded, Endpoint};
 use super::reasoning::{Tags, Think};
 use super::responses::{self, Context};
@@ -155,7 +156,11 @@ fn decode(
     body: &[u8],
     count_only: bool,
 ) -> Result<(Decoded, Context), ApiError> {
-    let defaults = (state.max_tokens, &state.sampling);
+    let defaults = (
+        state.max_tokens,
+        &state.sampling,
+        state.remote_media.as_ref(),
+    );
     let (decoded, context) = decode_body(endpoint, body, count_only, defaults, &state.responses)?;
     if !state.serves(&decoded.model) {
         return Err(state.unknown_model(&decoded.model));
@@ -169,16 +174,17 @@ fn decode(
     Ok((decoded, context))
 }
 
-/// Decodes a body of any endpoint; `defaults`: `max_tokens` and sampling for fields left out;
-/// `store`: the stored responses `previous_response_id` may name.
+/// Decodes a body of any endpoint; `defaults`: `max_tokens` and sampling for fields left out,
+/// and the fetcher of remote images if the server has one; `store`: the stored responses
+/// `previous_response_id` may name.
 pub(super) fn decode_body(
     endpoint: Endpoint,
     body: &[u8],
     count_only: bool,
-    (max_tokens, sampling): (usize, &SamplingParams),
+    (max_tokens, sampling, remote): (usize, &SamplingParams, Option<&RemoteMedia>),
     store: &responses::Store,
 ) -> Result<(Decoded, Context), ApiError> {
-    let chat = |body: &[u8]| openai::decode(body, Endpoint::Chat, max_tokens, sampling);
+    let chat = |body: &[u8]| openai::decode(body, Endpoint::Chat, max_tokens, sampling, remote);
     Ok(match endpoint {
         Endpoint::Messages => {
             let (body, renames) = anthropic::translate(body, count_only)?;
@@ -195,7 +201,7 @@ pub(super) fn decode_body(
             (decoded, context)
         }
         _ => (
-            openai::decode(body, endpoint, max_tokens, sampling)?,
+            openai::decode(body, endpoint, max_tokens, sampling, remote)?,
             Context::default(),
         ),
     })

@@ -218,7 +218,7 @@ fn seed_body(endpoint: Endpoint) -> Value {
 
 fn check(bytes: &[u8], endpoint: Endpoint, store: &Store) -> bool {
     let defaults = SamplingParams::default();
-    let decode = || decode_body(endpoint, bytes, false, (64, &defaults), store);
+    let decode = || decode_body(endpoint, bytes, false, (64, &defaults, None), store);
     let (result, again) = (decode(), decode());
     assert_eq!(result.is_ok(), again.is_ok(), "decoding is deterministic");
     match result {

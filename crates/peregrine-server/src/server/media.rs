@@ -1,8 +1,10 @@
-//! Image content parts: `data:` URLs decoded and checked here, at the edge, so that a bad
-//! picture is a 400 naming its part. Nothing is ever read from the server's disk, and remote
-//! URLs are refused (fetching them is not implemented).
+//! Image content parts: `data:` URLs (and, with `--allow-remote-media`, `http(s)` ones)
+//! decoded and checked here, at the edge, so that a bad picture is a 400 naming its part.
+//! Nothing is ever read from the server's disk.
 
+use std::io::Read;
 use std::sync::Arc;
+use std::time::Duration;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
@@ -19,18 +21,97 @@ pub(super) fn limits() -> ImageLimits {
     ImageLimits::default()
 }
 
+/// Redirects a remote image may take.
+const MAX_REDIRECTS: usize = 3;
+
+/// Fetches `http(s)` image URLs for a server run with `--allow-remote-media`.
+pub struct RemoteMedia {
+    agent: ureq::Agent,
+}
+
+impl RemoteMedia {
+    /// A fetcher with 10 s to connect and 30 s for each exchange.
+    pub fn new() -> Self {
+        let agent = ureq::AgentBuilder::new()
+            .timeout_connect(Duration::from_secs(10))
+            .timeout(Duration::from_secs(30))
+            // Followed here: ureq 2.12 panics on a redirect to a URL without a host.
+            .redirects(0)
+            .user_agent(concat!("peregrine/", env!("CARGO_PKG_VERSION")))
+            .build();
+        Self { agent }
+    }
+
+    /// The body of `url` after at most [`MAX_REDIRECTS`] redirects to other `http(s)` URLs,
+    /// refused past `max` bytes (by its `Content-Length` before reading, or once `max` bytes
+    /// have arrived).
+    fn fetch(&self, url: &str, max: usize) -> Result<Vec<u8>, String> {
+        let failed = |why: &dyn std::fmt::Display| format!("fetching the image failed: {why}");
+        let mut url = url::Url::parse(url).map_err(|e| failed(&e))?;
+        for _ in 0..=MAX_REDIRECTS {
+            let response = self
+                .agent
+                .request_url("GET", &url)
+                .call()
+                .map_err(|e| match e {
+                    ureq::Error::Status(code, _) => failed(&format!("HTTP {code}")),
+                    ureq::Error::Transport(t) => failed(&t),
+                })?;
+            if !(300..400).contains(&response.status()) {
+                return read_at_most(response, max);
+            }
+            let location = response.header("location").unwrap_or_default();
+            url = url.join(location).map_err(|e| failed(&e))?;
+            if !is_remote(url.as_str()) {
+                return Err(failed(&"redirected to a URL that is not http(s)"));
+            }
+        }
+        Err(failed(&format!("more than {MAX_REDIRECTS} redirects")))
+    }
+}
+
+/// A response's body, refused past `max` bytes.
+fn read_at_most(response: ureq::Response, max: usize) -> Result<Vec<u8>, String> {
+    let too_large = || format!("the image is larger than {max} bytes");
+    let declared = response
+        .header("content-length")
+        .and_then(|n| n.parse().ok());
+    if declared.is_some_and(|n: usize| n > max) {
+        return Err(too_large());
+    }
+    let mut bytes = Vec::new();
+    (response.into_reader().take(max as u64 + 1))
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("fetching the image failed: {e}"))?;
+    match bytes.len() > max {
+        true => Err(too_large()),
+        false => Ok(bytes),
+    }
+}
+
 /// The pictures of a request's image parts, in order, with the parts that held them.
 #[derive(Default)]
-pub(super) struct Images {
+pub(super) struct Images<'a> {
     pub images: Vec<Arc<RgbImage>>,
     /// Each image's part (`messages[0].content[1]`), for errors.
     pub parts: Vec<String>,
+    /// Where remote URLs may be fetched (`--allow-remote-media`).
+    remote: Option<&'a RemoteMedia>,
 }
 
-impl Images {
+impl<'a> Images<'a> {
+    /// No images yet; `remote` fetches `http(s)` URLs, refused without it.
+    pub fn new(remote: Option<&'a RemoteMedia>) -> Self {
+        Self {
+            remote,
+            ..Self::default()
+        }
+    }
+
     /// Decodes the image part `part` (at `param`): an OpenAI `image_url` part whose URL is a
-    /// `data:` URL (the URL as `{"url": ...}` or as a bare string). Returns the part the chat
-    /// template sees in its place, `{"type": "image"}`.
+    /// `data:` URL, or an `http(s)` one where the server fetches them (the URL as
+    /// `{"url": ...}` or as a bare string). Returns the part the chat template sees in its
+    /// place, `{"type": "image"}`.
     pub(super) fn take(&mut self, param: &str, part: &Value) -> Result<Value, ApiError> {
         if self.images.len() == MAX_IMAGES {
             let message = format!("a request holds at most {MAX_IMAGES} images");
@@ -44,7 +125,11 @@ impl Images {
             },
             _ => return Err(ApiError::invalid(param, "an image part needs `image_url`")),
         };
-        let bytes = data_url_bytes(url).map_err(|m| ApiError::invalid(param, m))?;
+        let bytes = match (is_remote(url), self.remote) {
+            (true, Some(remote)) => remote.fetch(url, limits().max_bytes),
+            _ => data_url_bytes(url),
+        };
+        let bytes = bytes.map_err(|m| ApiError::invalid(param, m))?;
         let image = decode_image(&bytes, &limits())
             .map_err(|e| ApiError::invalid(param, format!("the image cannot be used: {e}")))?;
         self.images.push(Arc::new(image));
@@ -53,13 +138,18 @@ impl Images {
     }
 }
 
+/// Whether `url` is an `http(s)` one.
+fn is_remote(url: &str) -> bool {
+    let lower = url.get(..8).unwrap_or(url).to_ascii_lowercase();
+    lower.starts_with("http://") || lower.starts_with("https://")
+}
+
 /// The bytes of a base64 `data:` URL; any other URL is refused with the reason.
 fn data_url_bytes(url: &str) -> Result<Vec<u8>, String> {
-    let lower = url.get(..8).unwrap_or(url).to_ascii_lowercase();
-    if lower.starts_with("http://") || lower.starts_with("https://") {
+    if is_remote(url) {
         return Err(
-            "remote image URLs are not fetched by this server: send the image inline \
-                    as a base64 `data:` URL"
+            "remote image URLs are fetched only by a server started with \
+             `--allow-remote-media`: send the image inline as a base64 `data:` URL"
                 .into(),
         );
     }

@@ -37,6 +37,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use hyper::Response;
 use hyper_util::server::graceful::GracefulShutdown;
+use media::RemoteMedia;
 use peregrine_engine::{Engine, EngineConfig, SamplingParams};
 
 use crate::cli::ModelArgs;
@@ -113,6 +114,11 @@ pub struct ServeArgs {
     /// Do not serve the chat page at `/` (the API alone).
     #[arg(long)]
     no_webui: bool,
+    /// Fetch `http(s)` image URLs that requests name (20 MiB at most each, 30 s, 3 redirects).
+    /// The server then reaches any host a client names, its own network's included: allow it
+    /// only for trusted clients. Without it such URLs are a 400; local files are never read.
+    #[arg(long)]
+    allow_remote_media: bool,
     /// Largest request body in MiB; larger ones get 413.
     #[arg(long, default_value_t = 16)]
     max_body_mb: usize,
@@ -182,6 +188,8 @@ pub struct State {
     cors: bool,
     /// Whether `/` serves the chat page.
     webui: bool,
+    /// Fetches remote image URLs (`--allow-remote-media`).
+    remote_media: Option<RemoteMedia>,
     max_body: usize,
     /// Longest a request body may take to arrive, and a stream may wait on a stalled reader.
     body_timeout: Duration,
@@ -400,6 +408,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         api_key: api_key(&args)?,
         cors: args.cors,
         webui: !args.no_webui,
+        remote_media: args.allow_remote_media.then(RemoteMedia::new),
         max_body: args.max_body_mb.saturating_mul(1 << 20),
         body_timeout: Duration::from_secs_f64(args.body_timeout),
         stopping: tokio::sync::watch::channel(false).0,

@@ -9,7 +9,7 @@ use peregrine_engine::{Grammar, KvRequest, Prompt, Request, SamplingParams};
 use serde_json::{Map, Value, json};
 
 use super::error::ApiError;
-use super::media::Images;
+use super::media::{Images, RemoteMedia};
 use super::prompt::{chat_prompt, completion_prompts};
 use super::tools::{self, Tools};
 
@@ -73,12 +73,13 @@ pub struct Decoded {
 }
 
 /// Parses and validates a body. `default_max_tokens` and `defaults` apply to fields the body
-/// leaves out.
+/// leaves out; `remote` fetches `http(s)` image URLs (refused without it).
 pub fn decode(
     body: &[u8],
     endpoint: Endpoint,
     default_max_tokens: usize,
     defaults: &SamplingParams,
+    remote: Option<&RemoteMedia>,
 ) -> Result<Decoded, ApiError> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))?;
@@ -157,7 +158,7 @@ pub fn decode(
     };
     let (prompts, echo) = match endpoint {
         Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => {
-            let (prompt, found) = chat_prompt(&f)?;
+            let (prompt, found) = chat_prompt(&f, remote)?;
             images = found;
             (vec![prompt], false)
         }

@@ -4,12 +4,15 @@ use peregrine_engine::{ChatMessage, Prompt};
 use serde_json::{Map, Value};
 
 use super::error::ApiError;
-use super::media::Images;
+use super::media::{Images, RemoteMedia};
 use super::openai::{Fields, MAX_CONTENT_PARTS, MAX_MESSAGES, ROLES, type_error};
 
 /// The chat's prompt, and the pictures of its image parts (each replaced by `{"type":
-/// "image"}` for the template).
-pub(super) fn chat_prompt(f: &Fields) -> Result<(Prompt, Images), ApiError> {
+/// "image"}` for the template; `remote` fetches `http(s)` ones).
+pub(super) fn chat_prompt<'a>(
+    f: &Fields,
+    remote: Option<&'a RemoteMedia>,
+) -> Result<(Prompt, Images<'a>), ApiError> {
     let items = match f.get("messages") {
         None => return Err(ApiError::invalid("messages", "`messages` is required")),
         Some(Value::Array(items)) => items,
@@ -28,7 +31,7 @@ pub(super) fn chat_prompt(f: &Fields) -> Result<(Prompt, Images), ApiError> {
         ));
     }
     let mut messages = Vec::with_capacity(items.len());
-    let mut images = Images::default();
+    let mut images = Images::new(remote);
     for (i, item) in items.iter().enumerate() {
         messages.push(chat_message(i, item, &mut images)?);
     }
