@@ -159,8 +159,8 @@ impl TurboCodec {
     /// (Gemma 3's keys: mean KL against f32 0.021 with none, 0.013 with d/64, 0.009 with d/32,
     /// 0.008 with d/16, and top-1 agreement 0.935 with d/32, 0.950 with d/16, before the
     /// vectorised softmax moved every run's last bits; 0.940 with d/16 after). Each costs 3
-    /// bytes (4 past `d` = 256); d/16 leaves a `d` = 256 row pair 3.68× smaller than f16, while
-    /// at 128 (3.61×) and 512 (3.52×) the hot window and allocation slack would take the cache
+    /// bytes (4 past `d` = 256); d/16 leaves a `d` = 256 row pair 3.71× smaller than f16 (4-bit keys), while
+    /// at 128 (3.66×) and 512 (3.53×) the hot window and allocation slack would take the cache
     /// under 3.5×. None at smaller `d`, for the same reason.
     pub fn outliers(&self) -> usize {
         match self.dim {
