@@ -12,7 +12,8 @@
 //!
 //! Then the whole model: the picture decoded, preprocessed and encoded here, its rows in the
 //! prompt at M-RoPE positions, against the reference's logits at every position (1e-3) and its
-//! greedy tokens.
+//! greedy tokens. Qwen2-VL's fixture (`tests/fixtures/vlm/qwen2_vl`: the same processor, text
+//! model and M-RoPE, its own tower) is checked the same way.
 
 mod common;
 
@@ -177,20 +178,17 @@ struct Vlm {
 }
 
 fn vlm() -> Vlm {
-    vlm_from(&common::fixture("vlm/qwen2_5_vl/hf"))
+    vlm_from(&common::fixture("vlm/qwen2_5_vl/hf"), "qwen2_5_vl")
 }
 
-/// The fixture's model loaded from `dir` (the fixture or a copy in another layout).
-fn vlm_from(dir: &Path) -> Vlm {
-    let r = load(
-        common::fixture("vlm/qwen2_5_vl/hf/reference.safetensors"),
-        &Device::Cpu,
-    )
-    .unwrap();
+/// The model of fixture `family` loaded from `dir` (the fixture or a copy in another layout).
+fn vlm_from(dir: &Path, family: &str) -> Vlm {
+    let fixture = |file: &str| common::fixture(&format!("vlm/{family}/{file}"));
+    let r = load(fixture("hf/reference.safetensors"), &Device::Cpu).unwrap();
     let dir = dir.to_path_buf();
     let model = load_model(&dir, &LoadOptions::default()).expect("text model loads");
     let vision = load_vision(&dir, &Device::Cpu).unwrap().expect("a tower");
-    let png = std::fs::read(common::fixture("vlm/qwen2_5_vl/image.png")).unwrap();
+    let png = std::fs::read(fixture("image.png")).unwrap();
     let input = vision
         .preprocess(&decode_image(&png, &Default::default()).unwrap())
         .unwrap();
@@ -258,7 +256,19 @@ impl Vlm {
 /// Tolerance 1e-3 on the logits (as tests/golden.rs): weights stored in bf16, both sides in f32.
 #[test]
 fn logits_with_the_picture_match_transformers() {
-    let f = vlm();
+    check_logits(&vlm());
+}
+
+/// Qwen2-VL: LayerNorms, a quick-GELU MLP and no windows in the tower (32 wide beside the text
+/// model's 64, so that its `embed_dim` and `hidden_size` cannot be mixed up unseen).
+#[test]
+fn qwen2_vl_logits_with_the_picture_match_transformers() {
+    check_logits(&vlm_from(&common::fixture("vlm/qwen2_vl/hf"), "qwen2_vl"));
+}
+
+/// `f`'s logits at every position within 1e-3 of the reference's, the prompt whole and cut
+/// around the picture; and off by more than 1e-2 with plain positions through it.
+fn check_logits(f: &Vlm) {
     assert_eq!(f.image.1, 12);
     let (first, n) = f.image;
     for cuts in [
@@ -369,7 +379,7 @@ fn the_transformers_5_layout_gives_the_same_logits() {
         .collect();
     peregrine_tensor::candle::safetensors::save(&renamed, out.join("model.safetensors")).unwrap();
 
-    let f = vlm_from(&out);
+    let f = vlm_from(&out, "qwen2_5_vl");
     let diff = max_abs(&f.logits(&mut f.cache(), &[], Some(f.grid)), &f.logits);
     std::fs::remove_dir_all(&out).unwrap();
     assert!(diff < 1e-3, "{diff}");

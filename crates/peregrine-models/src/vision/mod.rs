@@ -113,12 +113,13 @@ pub fn load_vision(dir: &Path, device: &Device) -> Result<Option<Arc<dyn ImageEn
         "gemma3" => &["siglip_vision_model"],
         "idefics3" => &["idefics3_vision"],
         "qwen2_5_vl" => &["qwen2_5_vl_vision", ""],
+        "qwen2_vl" => &["qwen2_vl_vision", ""],
         _ => {
             return Err(ModelError::config(
                 &config_path,
                 format!(
                     "`{model_type}` vision-language checkpoints are not supported yet (Gemma 3, \
-                     SmolVLM's `idefics3` and Qwen2.5-VL are)"
+                     SmolVLM's `idefics3`, Qwen2-VL and Qwen2.5-VL are)"
                 ),
             ));
         }
@@ -141,7 +142,9 @@ pub fn load_vision(dir: &Path, device: &Device) -> Result<Option<Arc<dyn ImageEn
     );
     let encoder: Arc<dyn ImageEncoder> = match model_type {
         "gemma3" => Arc::new(gemma3::Gemma3Vision::load(dir, &fields, &weights)?),
-        "qwen2_5_vl" => Arc::new(qwen2_5_vl::Qwen25Vision::load(dir, &fields, &weights)?),
+        "qwen2_5_vl" | "qwen2_vl" => {
+            Arc::new(qwen2_5_vl::Qwen25Vision::load(dir, &fields, &weights)?)
+        }
         _ => Arc::new(smolvlm::SmolVlmVision::load(dir, &fields, &weights)?),
     };
     Ok(Some(encoder))

@@ -1,6 +1,9 @@
 //! Qwen2.5-VL's vision tower (`Qwen2_5_VisionTransformerPretrainedModel`):
 //! <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen2_5_vl/modeling_qwen2_5_vl.py>
-//! with the window and position helpers of transformers' `vision_utils.py`.
+//! with the window and position helpers of transformers' `vision_utils.py`, and Qwen2-VL's
+//! (`Qwen2VisionTransformerPretrainedModel`, `models/qwen2_vl/modeling_qwen2_vl.py`), which is
+//! the same tower with LayerNorms, a biased `fc1` → quick-GELU → `fc2` MLP and no windows
+//! (every block attends over the whole frame).
 //!
 //! The processor's patch rows ([`Qwen2VlPixels`](super::qwen2_vl::Qwen2VlPixels), each
 //! `3 · temporal · patch²` values, laid out block-major over the `merge × merge` blocks) are
@@ -16,11 +19,12 @@
 //! `<|vision_start|><|image_pad|><|vision_end|>` gets one `<|image_pad|>` per merged row, and
 //! the text model gives those tokens M-RoPE positions from the merged grid.
 
-use peregrine_tensor::nn::ops::softmax_last_dim;
+use peregrine_tensor::nn::ops::{sigmoid, softmax_last_dim};
 use peregrine_tensor::{D, DType, Device, QLinear, Tensor};
 
 use super::image::RgbImage;
 use super::qwen2_vl::{IMAGE_PAD, Qwen2VlProcessor, image_tokens};
+use super::siglip::LayerNorm;
 use super::{ImageEncoder, ImageInput, ImagePrompt, ImageRun};
 use crate::Result;
 use crate::config::Fields;
@@ -29,9 +33,20 @@ use crate::weights::Weights;
 /// RMSNorm epsilon of the blocks and the merger (fixed in transformers).
 const EPS: f64 = 1e-6;
 
+/// Which of the two towers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QwenVisionKind {
+    /// Qwen2-VL: LayerNorms, quick-GELU MLP, full attention in every block.
+    Qwen2,
+    /// Qwen2.5-VL: RMSNorms, SwiGLU MLP, window attention but in `fullatt_block_indexes`.
+    Qwen25,
+}
+
 /// The tower's shape, from a `vision_config`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Qwen25VisionConfig {
+    /// Which tower.
+    pub kind: QwenVisionKind,
     /// Blocks (`depth`).
     pub depth: usize,
     /// Width of the hidden states.
@@ -60,19 +75,7 @@ impl Qwen25VisionConfig {
     /// Reads a `vision_config` (transformers' `Qwen2_5_VLVisionConfig` defaults where a key is
     /// absent).
     pub fn from_fields(f: &Fields) -> Result<Self> {
-        let act = f.opt_str("hidden_act")?.unwrap_or("silu");
-        if act != "silu" {
-            return Err(f.err(format!(
-                "field `vision_config.hidden_act` `{act}` is not supported (only `silu`)"
-            )));
-        }
-        for key in ["in_channels", "in_chans"] {
-            if f.opt_usize(key)?.is_some_and(|c| c != 3) {
-                return Err(f.err(format!(
-                    "field `vision_config.{key}`: only 3 (RGB) is supported"
-                )));
-            }
-        }
+        check_input(f, "silu")?;
         let mut rope_theta = 10000.0;
         if let Some(rope) = f.object("rope_parameters")? {
             let kind = rope.opt_str("rope_type")?.unwrap_or("axial");
@@ -89,6 +92,7 @@ impl Qwen25VisionConfig {
             false => vec![7, 15, 23, 31],
         };
         let c = Self {
+            kind: QwenVisionKind::Qwen25,
             depth: f.opt_usize("depth")?.unwrap_or(32),
             hidden_size: f.opt_usize("hidden_size")?.unwrap_or(3584),
             num_heads: f.opt_usize("num_heads")?.unwrap_or(16),
@@ -102,11 +106,7 @@ impl Qwen25VisionConfig {
             rope_theta,
         };
         let bad = |what: &str| Err(f.err(format!("vision_config: {what}")));
-        if !c.hidden_size.is_multiple_of(c.num_heads)
-            || !(c.hidden_size / c.num_heads).is_multiple_of(4)
-        {
-            return bad("`hidden_size` / `num_heads` must be a multiple of 4 (axial rope)");
-        }
+        c.check_heads(f)?;
         if c.window_size < c.spatial_merge_size * c.patch_size {
             return bad("`window_size` must be at least `spatial_merge_size` · `patch_size`");
         }
@@ -114,6 +114,44 @@ impl Qwen25VisionConfig {
             return bad("`fullatt_block_indexes` must be below `depth`");
         }
         Ok(c)
+    }
+
+    /// Reads a Qwen2-VL `vision_config` (`Qwen2VLVisionConfig` defaults where a key is absent):
+    /// its `embed_dim` is the tower's width and `hidden_size` the merged rows'.
+    pub fn from_qwen2_fields(f: &Fields) -> Result<Self> {
+        check_input(f, "quick_gelu")?;
+        let width = f.opt_usize("embed_dim")?.unwrap_or(1280);
+        let depth = f.opt_usize("depth")?.unwrap_or(32);
+        let ratio = f.opt_f64("mlp_ratio")?.unwrap_or(4.0);
+        let c = Self {
+            kind: QwenVisionKind::Qwen2,
+            depth,
+            hidden_size: width,
+            num_heads: f.opt_usize("num_heads")?.unwrap_or(16),
+            intermediate_size: (width as f64 * ratio) as usize,
+            patch_size: f.opt_usize("patch_size")?.unwrap_or(14),
+            temporal_patch_size: f.opt_usize("temporal_patch_size")?.unwrap_or(2),
+            spatial_merge_size: f.opt_usize("spatial_merge_size")?.unwrap_or(2),
+            window_size: 0,
+            fullatt_block_indexes: (0..depth).collect(),
+            out_hidden_size: f.opt_usize("hidden_size")?.unwrap_or(3584),
+            rope_theta: 10000.0,
+        };
+        c.check_heads(f)?;
+        Ok(c)
+    }
+
+    /// The axial rope takes a quarter of each head's width per axis.
+    fn check_heads(&self, f: &Fields) -> Result<()> {
+        let (h, n) = (self.hidden_size, self.num_heads);
+        if n == 0 || !h.is_multiple_of(n) || !(h / n).is_multiple_of(4) {
+            return Err(f.err(
+                "vision_config: the tower's width / `num_heads` must be a multiple of 4 (axial \
+                 rope)"
+                    .into(),
+            ));
+        }
+        Ok(())
     }
 
     /// Values in one patch row: `3 · temporal_patch_size · patch_size²`.
@@ -124,6 +162,76 @@ impl Qwen25VisionConfig {
     /// Patches per merged row: `spatial_merge_size²`.
     pub fn merge_unit(&self) -> usize {
         self.spatial_merge_size.pow(2)
+    }
+}
+
+/// The tower's activation and its 3 input channels, refused by name otherwise.
+fn check_input(f: &Fields, act: &str) -> Result<()> {
+    let found = f.opt_str("hidden_act")?.unwrap_or(act);
+    if found != act {
+        return Err(f.err(format!(
+            "field `vision_config.hidden_act` `{found}` is not supported (only `{act}`)"
+        )));
+    }
+    for key in ["in_channels", "in_chans"] {
+        if f.opt_usize(key)?.is_some_and(|c| c != 3) {
+            return Err(f.err(format!(
+                "field `vision_config.{key}`: only 3 (RGB) is supported"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The blocks' and the merger's norm: LayerNorm (Qwen2-VL) or RMSNorm (Qwen2.5-VL), eps 1e-6.
+enum Norm {
+    Rms(RmsNorm),
+    Layer(LayerNorm),
+}
+
+impl Norm {
+    fn load(w: &Weights, prefix: &str, dim: usize, kind: QwenVisionKind) -> Result<Self> {
+        Ok(match kind {
+            QwenVisionKind::Qwen2 => Norm::Layer(LayerNorm::load(w, prefix, dim, EPS)?),
+            QwenVisionKind::Qwen25 => {
+                Norm::Rms(RmsNorm(w.tensor(&format!("{prefix}.weight"), &[dim])?))
+            }
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Norm::Rms(n) => n.forward(x),
+            Norm::Layer(n) => n.forward(x),
+        }
+    }
+}
+
+/// The blocks' MLP: SwiGLU (Qwen2.5-VL) or `fc2(quick_gelu(fc1 x))` (Qwen2-VL), with biases.
+enum Mlp {
+    SwiGlu {
+        gate: QLinear,
+        up: QLinear,
+        down: QLinear,
+    },
+    QuickGelu {
+        fc1: QLinear,
+        fc2: QLinear,
+    },
+}
+
+impl Mlp {
+    fn forward(&self, y: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            Mlp::SwiGlu { gate, up, down } => {
+                down.forward(&(gate.forward(y)?.silu()? * up.forward(y)?)?)?
+            }
+            Mlp::QuickGelu { fc1, fc2 } => {
+                // transformers' QuickGELUActivation: x · sigmoid(1.702 x).
+                let x = fc1.forward(y)?;
+                fc2.forward(&(&x * sigmoid(&(&x * 1.702)?)?)?)?
+            }
+        })
     }
 }
 
@@ -149,27 +257,34 @@ fn rotate_half(x: &Tensor) -> Result<Tensor> {
 }
 
 struct Block {
-    norm1: RmsNorm,
+    norm1: Norm,
     qkv: QLinear,
     proj: QLinear,
-    norm2: RmsNorm,
-    gate: QLinear,
-    up: QLinear,
-    down: QLinear,
+    norm2: Norm,
+    mlp: Mlp,
 }
 
 impl Block {
     fn load(w: &Weights, p: &str, c: &Qwen25VisionConfig) -> Result<Self> {
         let (h, i) = (c.hidden_size, c.intermediate_size);
         let lin = |name: &str, out, inp| w.linear(&format!("{p}.{name}"), out, inp, true);
+        let mlp = match c.kind {
+            QwenVisionKind::Qwen2 => Mlp::QuickGelu {
+                fc1: lin("mlp.fc1", i, h)?,
+                fc2: lin("mlp.fc2", h, i)?,
+            },
+            QwenVisionKind::Qwen25 => Mlp::SwiGlu {
+                gate: lin("mlp.gate_proj", i, h)?,
+                up: lin("mlp.up_proj", i, h)?,
+                down: lin("mlp.down_proj", h, i)?,
+            },
+        };
         Ok(Self {
-            norm1: RmsNorm(w.tensor(&format!("{p}.norm1.weight"), &[h])?),
+            norm1: Norm::load(w, &format!("{p}.norm1"), h, c.kind)?,
             qkv: lin("attn.qkv", 3 * h, h)?,
             proj: lin("attn.proj", h, h)?,
-            norm2: RmsNorm(w.tensor(&format!("{p}.norm2.weight"), &[h])?),
-            gate: lin("mlp.gate_proj", i, h)?,
-            up: lin("mlp.up_proj", i, h)?,
-            down: lin("mlp.down_proj", h, i)?,
+            norm2: Norm::load(w, &format!("{p}.norm2"), h, c.kind)?,
+            mlp,
         })
     }
 
@@ -211,9 +326,7 @@ impl Block {
         }
         let attn = Tensor::cat(&parts, 0)?;
         let x = (x + self.proj.forward(&attn)?)?;
-        let y = self.norm2.forward(&x)?;
-        let y = (self.gate.forward(&y)?.silu()? * self.up.forward(&y)?)?;
-        Ok((x + self.down.forward(&y)?)?)
+        Ok((&x + self.mlp.forward(&self.norm2.forward(&x)?)?)?)
     }
 }
 
@@ -225,8 +338,15 @@ fn window_index(
     (t, h, w): (usize, usize, usize),
 ) -> (Vec<usize>, Vec<usize>) {
     let m = c.spatial_merge_size;
-    let vw = c.window_size / m / c.patch_size;
     let (lh, lw) = (h / m, w / m);
+    if c.kind == QwenVisionKind::Qwen2 {
+        // No windows: the processor's order, one segment per frame.
+        return (
+            (0..t * lh * lw).collect(),
+            (0..=t).map(|f| f * h * w).collect(),
+        );
+    }
+    let vw = c.window_size / m / c.patch_size;
     let (nh, nw) = ((lh + vw - lh % vw) / vw, (lw + vw - lw % vw) / vw);
     let (mut index, mut bounds) = (Vec::with_capacity(t * lh * lw), vec![0]);
     for f in 0..t {
@@ -306,9 +426,12 @@ pub struct Qwen25VisionTower {
     /// row, column, as the processor lays out a patch row and the kernel is stored).
     patch: QLinear,
     blocks: Vec<Block>,
-    ln_q: RmsNorm,
+    ln_q: Norm,
     fc1: QLinear,
     fc2: QLinear,
+    /// The weights' dtype and device, which the tower computes in and on.
+    dtype: DType,
+    device: Device,
 }
 
 impl Qwen25VisionTower {
@@ -322,6 +445,7 @@ impl Qwen25VisionTower {
             &format!("{prefix}.patch_embed.proj.weight"),
             &[h, 3, tp, p, p],
         )?;
+        let (dtype, device) = (kernel.dtype(), kernel.device().clone());
         let patch = QLinear::Dense {
             w: kernel.reshape((h, c.patch_values()))?,
             b: None,
@@ -335,9 +459,11 @@ impl Qwen25VisionTower {
             config: c.clone(),
             patch,
             blocks,
-            ln_q: RmsNorm(w.tensor(&format!("{m}.ln_q.weight"), &[h])?),
+            ln_q: Norm::load(w, &format!("{m}.ln_q"), h, c.kind)?,
             fc1: w.linear(&format!("{m}.mlp.0"), merged, merged, true)?,
             fc2: w.linear(&format!("{m}.mlp.2"), c.out_hidden_size, merged, true)?,
+            dtype,
+            device,
         })
     }
 
@@ -369,7 +495,7 @@ impl Qwen25VisionTower {
             .into());
         }
         let device = patches.device();
-        let dtype = self.ln_q.0.dtype();
+        let dtype = self.dtype;
         let (window, window_bounds) = window_index(c, grid);
         // Patch order: whole merge blocks, window by window.
         let order: Vec<usize> = (window.iter())
@@ -408,7 +534,8 @@ impl Qwen25VisionTower {
 const VISION_START: &str = "<|vision_start|>";
 const VISION_END: &str = "<|vision_end|>";
 
-/// Qwen2.5-VL's image input: the processor, the tower with its merger, and the prompt's form.
+/// Qwen2.5-VL's (or Qwen2-VL's) image input: the processor, the tower with its merger, and
+/// the prompt's form.
 pub struct Qwen25Vision {
     tower: Qwen25VisionTower,
     processor: Qwen2VlProcessor,
@@ -423,7 +550,10 @@ impl Qwen25Vision {
         let vision = fields
             .object("vision_config")?
             .ok_or_else(|| fields.err("missing `vision_config`".into()))?;
-        let config = Qwen25VisionConfig::from_fields(&vision)?;
+        let config = match fields.opt_str("model_type")? {
+            Some("qwen2_vl") => Qwen25VisionConfig::from_qwen2_fields(&vision)?,
+            _ => Qwen25VisionConfig::from_fields(&vision)?,
+        };
         let processor = Qwen2VlProcessor::read(dir)?;
         let (p, m) = (config.patch_size, config.spatial_merge_size);
         if (processor.patch, processor.merge, processor.temporal)
@@ -480,7 +610,7 @@ impl ImageEncoder for Qwen25Vision {
     }
 
     fn encode(&self, input: &ImageInput) -> Result<Tensor> {
-        let device = self.tower.ln_q.0.device();
+        let device = &self.tower.device;
         let patches = input.tiles.to_device(device)?;
         let rows = self
             .tower
