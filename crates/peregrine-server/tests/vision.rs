@@ -1,5 +1,5 @@
 //! Images through the OpenAI chat API, black-box: each tiny VLM fixture (Gemma 3, SmolVLM,
-//! Qwen2.5-VL) served, a PNG sent as a base64 `data:` URL, and the answer's first-token
+//! Qwen2-VL, Qwen2.5-VL) served, a PNG sent as a base64 `data:` URL, and the answer's first-token
 //! log-probability checked against transformers' logits for the same image and prompt
 //! (tests/fixtures/vlm, made by scripts/fixtures/make_vlm.py). Then every kind of bad media:
 //! each a 400 naming its part.
@@ -117,6 +117,12 @@ fn gemma3_gguf_with_its_mmproj_takes_images() {
 #[test]
 fn qwen2_5_vl_answers_as_transformers_does() {
     answer_matches_transformers("qwen2_5_vl");
+}
+
+/// Qwen2-VL: the same prompt form and text model, its own tower.
+#[test]
+fn qwen2_vl_answers_as_transformers_does() {
+    answer_matches_transformers("qwen2_vl");
 }
 
 #[test]

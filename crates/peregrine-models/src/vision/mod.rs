@@ -143,7 +143,7 @@ pub fn load_vision(dir: &Path, device: &Device) -> Result<Option<Arc<dyn ImageEn
     let encoder: Arc<dyn ImageEncoder> = match model_type {
         "gemma3" => Arc::new(gemma3::Gemma3Vision::load(dir, &fields, &weights)?),
         "qwen2_5_vl" | "qwen2_vl" => {
-            Arc::new(qwen2_5_vl::Qwen25Vision::load(dir, &fields, &weights)?)
+            Arc::new(qwen2_vl::QwenVlVision::load(dir, &fields, &weights)?)
         }
         _ => Arc::new(smolvlm::SmolVlmVision::load(dir, &fields, &weights)?),
     };

@@ -15,17 +15,15 @@
 //! concatenated, Linear → exact GELU → Linear) gives one row per merge block, put back in the
 //! processor's order.
 //!
-//! [`Qwen25Vision`] is the family's [`ImageEncoder`]: in the prompt each
+//! [`QwenVlVision`](super::qwen2_vl::QwenVlVision) is the family's
+//! [`ImageEncoder`](super::ImageEncoder): in the prompt each
 //! `<|vision_start|><|image_pad|><|vision_end|>` gets one `<|image_pad|>` per merged row, and
 //! the text model gives those tokens M-RoPE positions from the merged grid.
 
 use peregrine_tensor::nn::ops::{sigmoid, softmax_last_dim};
 use peregrine_tensor::{D, DType, Device, QLinear, Tensor};
 
-use super::image::RgbImage;
-use super::qwen2_vl::{IMAGE_PAD, Qwen2VlProcessor, image_tokens};
 use super::siglip::LayerNorm;
-use super::{ImageEncoder, ImageInput, ImagePrompt, ImageRun};
 use crate::Result;
 use crate::config::Fields;
 use crate::weights::Weights;
@@ -472,6 +470,11 @@ impl Qwen25VisionTower {
         &self.config
     }
 
+    /// Where its weights are.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
     /// `patches: [t · h · w, 3 · temporal · patch²]` (the processor's rows, f32) of one picture
     /// or video with patch grid `(t, h, w)` → its merged rows `[t · h · w / merge², out_hidden]`
     /// in the processor's order (the rows that replace its `<|image_pad|>` tokens).
@@ -527,115 +530,5 @@ impl Qwen25VisionTower {
             reverse[b] = i;
         }
         Ok(y.index_select(&indices(&reverse, device)?, 0)?)
-    }
-}
-
-/// What the chat template writes for an image part.
-const VISION_START: &str = "<|vision_start|>";
-const VISION_END: &str = "<|vision_end|>";
-
-/// Qwen2.5-VL's (or Qwen2-VL's) image input: the processor, the tower with its merger, and
-/// the prompt's form.
-pub struct Qwen25Vision {
-    tower: Qwen25VisionTower,
-    processor: Qwen2VlProcessor,
-    prompt: ImagePrompt,
-    dtype: DType,
-}
-
-impl Qwen25Vision {
-    /// Loads from an HF checkpoint folder whose `config.json` (`fields`) has a `vision_config`;
-    /// the tower's tensors under `visual.` (hub checkpoints) or `model.visual.` (transformers 5).
-    pub fn load(dir: &std::path::Path, fields: &Fields, w: &Weights) -> Result<Self> {
-        let vision = fields
-            .object("vision_config")?
-            .ok_or_else(|| fields.err("missing `vision_config`".into()))?;
-        let config = match fields.opt_str("model_type")? {
-            Some("qwen2_vl") => Qwen25VisionConfig::from_qwen2_fields(&vision)?,
-            _ => Qwen25VisionConfig::from_fields(&vision)?,
-        };
-        let processor = Qwen2VlProcessor::read(dir)?;
-        let (p, m) = (config.patch_size, config.spatial_merge_size);
-        if (processor.patch, processor.merge, processor.temporal)
-            != (p, m, config.temporal_patch_size)
-        {
-            return Err(fields.err(format!(
-                "preprocessor_config.json's patch, merge and temporal sizes {:?} differ from \
-                 the vision tower's {:?}",
-                (processor.patch, processor.merge, processor.temporal),
-                (p, m, config.temporal_patch_size)
-            )));
-        }
-        let prefix = match w.contains("model.visual.patch_embed.proj.weight") {
-            true => "model.visual",
-            false => "visual",
-        };
-        let tower = Qwen25VisionTower::load(&config, w, prefix)?;
-        let prompt = ImagePrompt {
-            marker: format!("{VISION_START}{IMAGE_PAD}{VISION_END}"),
-            image_token: IMAGE_PAD.to_string(),
-            run: 0,
-            both_ways: false,
-        };
-        Ok(Self {
-            tower,
-            processor,
-            prompt,
-            dtype: w.dtype(),
-        })
-    }
-
-    /// The merged grid (rows, columns) of a picture's patch grid.
-    fn merged(&self, input: &ImageInput) -> (usize, usize) {
-        let m = self.processor.merge;
-        (input.grid.0 / m, input.grid.1 / m)
-    }
-}
-
-impl ImageEncoder for Qwen25Vision {
-    fn preprocess(&self, image: &RgbImage) -> Result<ImageInput> {
-        let pixels = self.processor.process(image)?;
-        let (t, h, w) = pixels.grid;
-        if t != 1 {
-            return Err(peregrine_tensor::candle::Error::Msg(format!(
-                "Qwen2.5-VL: a picture of {t} temporal patches"
-            ))
-            .into());
-        }
-        let tiles = Tensor::from_vec(pixels.patches, (pixels.rows, pixels.row_len), &Device::Cpu)?;
-        Ok(ImageInput {
-            tiles,
-            grid: (h, w),
-        })
-    }
-
-    fn encode(&self, input: &ImageInput) -> Result<Tensor> {
-        let device = &self.tower.device;
-        let patches = input.tiles.to_device(device)?;
-        let rows = self
-            .tower
-            .forward(&patches, (1, input.grid.0, input.grid.1))?;
-        Ok(rows.to_dtype(self.dtype)?)
-    }
-
-    fn width(&self) -> usize {
-        self.tower.config().out_hidden_size
-    }
-
-    fn prompt(&self) -> &ImagePrompt {
-        &self.prompt
-    }
-
-    fn expansion(&self, input: &ImageInput) -> String {
-        let n = image_tokens((1, input.grid.0, input.grid.1), self.processor.merge);
-        format!("{VISION_START}{}{VISION_END}", IMAGE_PAD.repeat(n))
-    }
-
-    fn runs(&self, input: &ImageInput) -> Vec<ImageRun> {
-        let (h, w) = self.merged(input);
-        vec![ImageRun {
-            len: h * w,
-            grid: Some((h, w)),
-        }]
     }
 }

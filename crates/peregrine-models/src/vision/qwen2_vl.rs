@@ -2,7 +2,8 @@
 //! `Qwen2VLImageProcessorPil` (`image_processing_pil_qwen2_vl.py`, the class
 //! `AutoProcessor.from_pretrained(dir, backend="pil")` resolves to in transformers 5.24), and the
 //! text the `Qwen2_5_VLProcessor` puts in place of one `<|image_pad|>`
-//! (`processing_qwen2_5_vl.py`, `replace_image_token`).
+//! (`processing_qwen2_5_vl.py`, `replace_image_token`); and [`QwenVlVision`], the family's
+//! [`ImageEncoder`] around either tower ([`Qwen25VisionTower`]).
 //!
 //! The steps, as `_preprocess` runs them on one picture already converted to RGB:
 //! 1. `do_resize`: to the size [`smart_resize`] gives (both sides multiples of
@@ -18,11 +19,16 @@
 
 use std::path::Path;
 
+use peregrine_tensor::{DType, Device, Tensor};
+
 use super::image::{MediaError, RgbImage};
 use super::processor::PixelSettings;
+use super::qwen2_5_vl::{Qwen25VisionConfig, Qwen25VisionTower};
 use super::resize::resize;
+use super::{ImageEncoder, ImageInput, ImagePrompt, ImageRun};
 use crate::Result;
 use crate::config::{Fields, read_json_object};
+use crate::weights::Weights;
 
 /// `OPENAI_CLIP_MEAN`, the class's default `image_mean`.
 const CLIP_MEAN: [f64; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
@@ -215,6 +221,116 @@ pub fn image_tokens(grid: (usize, usize, usize), merge: usize) -> usize {
 /// around it stay as they are.
 pub fn prompt_expansion(n_tokens: usize) -> String {
     IMAGE_PAD.repeat(n_tokens)
+}
+
+/// What the chat template writes for an image part.
+const VISION_START: &str = "<|vision_start|>";
+const VISION_END: &str = "<|vision_end|>";
+
+/// Qwen2.5-VL's (or Qwen2-VL's) image input: the processor, the tower with its merger, and
+/// the prompt's form.
+pub struct QwenVlVision {
+    tower: Qwen25VisionTower,
+    processor: Qwen2VlProcessor,
+    prompt: ImagePrompt,
+    dtype: DType,
+}
+
+impl QwenVlVision {
+    /// Loads from an HF checkpoint folder whose `config.json` (`fields`) has a `vision_config`;
+    /// the tower's tensors under `visual.` (hub checkpoints) or `model.visual.` (transformers 5).
+    pub fn load(dir: &std::path::Path, fields: &Fields, w: &Weights) -> Result<Self> {
+        let vision = fields
+            .object("vision_config")?
+            .ok_or_else(|| fields.err("missing `vision_config`".into()))?;
+        let config = match fields.opt_str("model_type")? {
+            Some("qwen2_vl") => Qwen25VisionConfig::from_qwen2_fields(&vision)?,
+            _ => Qwen25VisionConfig::from_fields(&vision)?,
+        };
+        let processor = Qwen2VlProcessor::read(dir)?;
+        let (p, m) = (config.patch_size, config.spatial_merge_size);
+        if (processor.patch, processor.merge, processor.temporal)
+            != (p, m, config.temporal_patch_size)
+        {
+            return Err(fields.err(format!(
+                "preprocessor_config.json's patch, merge and temporal sizes {:?} differ from \
+                 the vision tower's {:?}",
+                (processor.patch, processor.merge, processor.temporal),
+                (p, m, config.temporal_patch_size)
+            )));
+        }
+        let prefix = match w.contains("model.visual.patch_embed.proj.weight") {
+            true => "model.visual",
+            false => "visual",
+        };
+        let tower = Qwen25VisionTower::load(&config, w, prefix)?;
+        let prompt = ImagePrompt {
+            marker: format!("{VISION_START}{IMAGE_PAD}{VISION_END}"),
+            image_token: IMAGE_PAD.to_string(),
+            run: 0,
+            both_ways: false,
+        };
+        Ok(Self {
+            tower,
+            processor,
+            prompt,
+            dtype: w.dtype(),
+        })
+    }
+
+    /// The merged grid (rows, columns) of a picture's patch grid.
+    fn merged(&self, input: &ImageInput) -> (usize, usize) {
+        let m = self.processor.merge;
+        (input.grid.0 / m, input.grid.1 / m)
+    }
+}
+
+impl ImageEncoder for QwenVlVision {
+    fn preprocess(&self, image: &RgbImage) -> Result<ImageInput> {
+        let pixels = self.processor.process(image)?;
+        let (t, h, w) = pixels.grid;
+        if t != 1 {
+            return Err(peregrine_tensor::candle::Error::Msg(format!(
+                "Qwen2.5-VL: a picture of {t} temporal patches"
+            ))
+            .into());
+        }
+        let tiles = Tensor::from_vec(pixels.patches, (pixels.rows, pixels.row_len), &Device::Cpu)?;
+        Ok(ImageInput {
+            tiles,
+            grid: (h, w),
+        })
+    }
+
+    fn encode(&self, input: &ImageInput) -> Result<Tensor> {
+        let device = self.tower.device();
+        let patches = input.tiles.to_device(device)?;
+        let rows = self
+            .tower
+            .forward(&patches, (1, input.grid.0, input.grid.1))?;
+        Ok(rows.to_dtype(self.dtype)?)
+    }
+
+    fn width(&self) -> usize {
+        self.tower.config().out_hidden_size
+    }
+
+    fn prompt(&self) -> &ImagePrompt {
+        &self.prompt
+    }
+
+    fn expansion(&self, input: &ImageInput) -> String {
+        let n = image_tokens((1, input.grid.0, input.grid.1), self.processor.merge);
+        format!("{VISION_START}{}{VISION_END}", IMAGE_PAD.repeat(n))
+    }
+
+    fn runs(&self, input: &ImageInput) -> Vec<ImageRun> {
+        let (h, w) = self.merged(input);
+        vec![ImageRun {
+            len: h * w,
+            grid: Some((h, w)),
+        }]
+    }
 }
 
 #[cfg(test)]
