@@ -86,7 +86,8 @@ const ARCHITECTURES: &[(&str, Configure, Build)] = &[
 /// (its GGUF architecture is `gemma3`); llama.cpp calls Qwen3-MoE `qwen3moe` and DeepSeek-V2/V3
 /// `deepseek2`; Qwen3.5 (dense and MoE) is Qwen3-Next's decoder with its projections apart;
 /// multimodal `gemma4` and `qwen3_5` checkpoints load their text model ([`TEXT_MODELS`]), and
-/// SmolVLM's `idefics3` its llama, Qwen2-VL and Qwen2.5-VL their Qwen2.
+/// SmolVLM's `idefics3` and SmolVLM 2's `smolvlm` their llama, Qwen2-VL and Qwen2.5-VL their
+/// Qwen2.
 const ALIASES: &[(&str, &str)] = &[
     ("deepseek2", "deepseek_v3"),
     ("falcon-h1", "falcon_h1"),
@@ -105,6 +106,7 @@ const ALIASES: &[(&str, &str)] = &[
     ("qwen35moe", "qwen3_next"),
     ("qwen3next", "qwen3_next"),
     ("qwen3moe", "qwen3_moe"),
+    ("smolvlm", "llama"),
 ];
 
 /// Multimodal checkpoints whose text model loads on its own: the `text_config` is read and the
@@ -118,9 +120,10 @@ const TEXT_MODELS: &[(&str, &[(&str, &str)])] = &[
     ("qwen2_vl", LANGUAGE_MODEL),
     ("qwen3_5", LANGUAGE_MODEL),
     ("qwen3_5_moe", LANGUAGE_MODEL),
+    ("smolvlm", TEXT_MODEL),
 ];
 
-/// Where Idefics3 (SmolVLM) keeps its language model.
+/// Where Idefics3 (SmolVLM, SmolVLM 2) keeps its language model.
 const TEXT_MODEL: &[(&str, &str)] = &[("model.text_model.", "model.")];
 
 /// Where HF and MLX keep a multimodal checkpoint's language model.

@@ -1,5 +1,5 @@
-//! SmolVLM (Idefics3) with an image against transformers' f32 reference on the tiny random VLM
-//! fixture (`tests/fixtures/vlm/smolvlm`, made by scripts/fixtures/make_vlm.py): the processor's
+//! SmolVLM (Idefics3) and SmolVLM 2 with an image against transformers' f32 reference on the
+//! tiny random VLM fixtures (`tests/fixtures/vlm/smolvlm{,2}`, made by scripts/fixtures/make_vlm.py): the processor's
 //! tiles, the SigLIP tower per tile, the pixel-shuffle connector, and each tile's rows spliced
 //! into the llama text model at its run of `<image>` tokens.
 //!
@@ -50,7 +50,19 @@ fn logits(model: &dyn peregrine_models::CausalLm, ids: &[u32], runs: &[(usize, T
 
 #[test]
 fn logits_match_transformers() {
-    let dir = common::fixture("vlm/smolvlm/hf");
+    check("smolvlm");
+}
+
+/// SmolVLM 2 (`smolvlm` config, `SmolVLMForConditionalGeneration`): the same model under other
+/// names (`tests/fixtures/vlm/smolvlm2`).
+#[test]
+fn smolvlm2_logits_match_transformers() {
+    check("smolvlm2");
+}
+
+/// The fixture `family`'s photo preprocessed, encoded and spliced in, against its reference.
+fn check(family: &str) {
+    let dir = common::fixture(&format!("vlm/{family}/hf"));
     let model = load_model(&dir, &LoadOptions::default())
         .expect("text model loads")
         .model;
@@ -62,7 +74,7 @@ fn logits_match_transformers() {
         .to_vec1::<u32>()
         .unwrap();
     // The photo decoded and processed here: the processor's tiles exactly.
-    let png = std::fs::read(common::fixture("vlm/smolvlm/image.png")).unwrap();
+    let png = std::fs::read(common::fixture(&format!("vlm/{family}/image.png"))).unwrap();
     let input = vision
         .preprocess(&decode_image(&png, &Default::default()).unwrap())
         .unwrap();

@@ -112,6 +112,7 @@ pub fn load_vision(dir: &Path, device: &Device) -> Result<Option<Arc<dyn ImageEn
     let towers: &[&str] = match model_type {
         "gemma3" => &["siglip_vision_model"],
         "idefics3" => &["idefics3_vision"],
+        "smolvlm" => &["smolvlm_vision"],
         "qwen2_5_vl" => &["qwen2_5_vl_vision", ""],
         "qwen2_vl" => &["qwen2_vl_vision", ""],
         _ => {
@@ -119,7 +120,7 @@ pub fn load_vision(dir: &Path, device: &Device) -> Result<Option<Arc<dyn ImageEn
                 &config_path,
                 format!(
                     "`{model_type}` vision-language checkpoints are not supported yet (Gemma 3, \
-                     SmolVLM's `idefics3`, Qwen2-VL and Qwen2.5-VL are)"
+                     SmolVLM's `idefics3` and `smolvlm`, Qwen2-VL and Qwen2.5-VL are)"
                 ),
             ));
         }

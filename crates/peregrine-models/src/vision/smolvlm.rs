@@ -1,5 +1,5 @@
 //! SmolVLM's image input (`Idefics3ForConditionalGeneration`, `idefics3`; SmolVLM 2's
-//! `smolvlm` checkpoints are not wired up):
+//! `SmolVLMForConditionalGeneration`, `smolvlm`, is the same model under other names):
 //! <https://github.com/huggingface/transformers/blob/main/src/transformers/models/idefics3/modeling_idefics3.py>
 //!
 //! The processor ([`super::idefics3`]) splits a picture into tiles plus the whole picture; the
