@@ -316,4 +316,22 @@ fn remote_images_are_fetched_only_with_allow_remote_media() {
     let plain = Server::start_model(&dir.join("hf"), &[]);
     let refused = plain.post(CHAT, &ask(&format!("{host}/cat.png")));
     assert_bad(&refused, part, "--allow-remote-media");
+    // An allow-list of hosts: the host named reaches the picture, others are refused by name.
+    let flags = [
+        "--allow-remote-media",
+        "--remote-media-hosts",
+        "example.test,127.0.0.1",
+    ];
+    let listed = Server::start_model(&dir.join("hf"), &flags);
+    assert_eq!(
+        logprob(&listed.post(CHAT, &ask(&format!("{host}/cat.png")))),
+        inline
+    );
+    let elsewhere = host.replace("127.0.0.1", "localhost");
+    let refused = listed.post(CHAT, &ask(&format!("{elsewhere}/cat.png")));
+    assert_bad(
+        &refused,
+        part,
+        "`localhost` is not one of --remote-media-hosts",
+    );
 }

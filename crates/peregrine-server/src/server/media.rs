@@ -27,11 +27,14 @@ const MAX_REDIRECTS: usize = 3;
 /// Fetches `http(s)` image URLs for a server run with `--allow-remote-media`.
 pub struct RemoteMedia {
     agent: ureq::Agent,
+    /// The hosts URLs (and redirects) may name, lowercase; empty: any.
+    hosts: Vec<String>,
 }
 
 impl RemoteMedia {
-    /// A fetcher with 10 s to connect and 30 s for each exchange.
-    pub fn new() -> Self {
+    /// A fetcher with 10 s to connect and 30 s for each exchange, reaching only `hosts` (any
+    /// host when empty).
+    pub fn new(hosts: &[String]) -> Self {
         let agent = ureq::AgentBuilder::new()
             .timeout_connect(Duration::from_secs(10))
             .timeout(Duration::from_secs(30))
@@ -39,7 +42,8 @@ impl RemoteMedia {
             .redirects(0)
             .user_agent(concat!("peregrine/", env!("CARGO_PKG_VERSION")))
             .build();
-        Self { agent }
+        let hosts = hosts.iter().map(|h| h.to_ascii_lowercase()).collect();
+        Self { agent, hosts }
     }
 
     /// The body of `url` after at most [`MAX_REDIRECTS`] redirects to other `http(s)` URLs,
@@ -49,6 +53,11 @@ impl RemoteMedia {
         let failed = |why: &dyn std::fmt::Display| format!("fetching the image failed: {why}");
         let mut url = url::Url::parse(url).map_err(|e| failed(&e))?;
         for _ in 0..=MAX_REDIRECTS {
+            let host = url.host_str().unwrap_or_default().to_ascii_lowercase();
+            if !self.hosts.is_empty() && !self.hosts.contains(&host) {
+                let why = format!("the host `{host}` is not one of --remote-media-hosts");
+                return Err(failed(&why));
+            }
             let response = self
                 .agent
                 .request_url("GET", &url)

@@ -119,6 +119,10 @@ pub struct ServeArgs {
     /// only for trusted clients. Without it such URLs are a 400; local files are never read.
     #[arg(long)]
     allow_remote_media: bool,
+    /// With `--allow-remote-media`: the only hosts image URLs (and their redirects) may name,
+    /// comma-separated (default: any).
+    #[arg(long, value_delimiter = ',', requires = "allow_remote_media")]
+    remote_media_hosts: Vec<String>,
     /// Largest request body in MiB; larger ones get 413.
     #[arg(long, default_value_t = 16)]
     max_body_mb: usize,
@@ -408,7 +412,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         api_key: api_key(&args)?,
         cors: args.cors,
         webui: !args.no_webui,
-        remote_media: args.allow_remote_media.then(RemoteMedia::new),
+        remote_media: (args.allow_remote_media).then(|| RemoteMedia::new(&args.remote_media_hosts)),
         max_body: args.max_body_mb.saturating_mul(1 << 20),
         body_timeout: Duration::from_secs_f64(args.body_timeout),
         stopping: tokio::sync::watch::channel(false).0,
