@@ -205,6 +205,7 @@ impl TurboCodec {
 
     /// `(||k||, γ, codes, signs)` of one key row: for [`TurboKeys::Mse`] `γ` is 0, the codes
     /// are `d/2` bytes of 4-bit ones and there are no signs.
+    #[inline]
     pub(super) fn key_parts<'a>(&self, key: &'a [u8]) -> (f32, f32, &'a [u8], &'a [u8]) {
         let n = f16::from_le_bytes([key[0], key[1] & 0x7f]).to_f32();
         let d = self.dim;
