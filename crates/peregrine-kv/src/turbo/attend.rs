@@ -128,6 +128,7 @@ impl TurboCache {
             // Compressed keys in spans of CHUNK rows, scored in parallel: [span][group][row].
             cold.resize(groups * nc, 0.0);
             let span = |c: usize| c * CHUNK..((c + 1) * CHUNK).min(nc);
+            let (mean_k, mean_v) = self.means.of(kvh, d);
             if nc > 0 {
                 queries.resize_with(groups, PreparedQuery::default);
                 let qs = self.scales.of(kvh, d).1;
@@ -137,6 +138,8 @@ impl TurboCache {
                     scaled.extend_from_slice(query(g));
                     scaled.iter_mut().zip(qs).for_each(|(x, s)| *x *= s);
                     codec.prepare_query(scaled, pq);
+                    // Rows stored less the mean key get `<q, mean>` back in the kernel.
+                    pq.set_centred_offset(dot(query(g), mean_k));
                 }
                 let kb = codec.key_bytes();
                 let rows = self.keys.rows(kvh, compressed.clone());
@@ -153,7 +156,6 @@ impl TurboCache {
                         );
                     });
             }
-            let (mean_k, mean_v) = self.means.of(kvh, d);
             let at = |pos: usize| (kvh * capacity + pos - raw_start) * d;
             // The hot rows are consecutive slots: widened once, with F16C where the CPU has it.
             let widen = |plane: &[f16], wide: &mut Vec<f32>| {
@@ -167,18 +169,6 @@ impl TurboCache {
                     row[r.clone()].copy_from_slice(&block[g * r.len()..][..r.len()]);
                 }
                 let query = query(g);
-                if nc > 0 {
-                    let offset = scale * dot(query, mean_k);
-                    let rows = self.keys.rows(kvh, compressed.clone());
-                    let marked = rows
-                        .chunks_exact(codec.key_bytes())
-                        .map(TurboCodec::is_centered);
-                    row[..nc]
-                        .iter_mut()
-                        .zip(marked)
-                        .filter(|(_, m)| *m)
-                        .for_each(|(s, _)| *s += offset);
-                }
                 for (score, key) in row[nc..].iter_mut().zip(wide.chunks_exact(d)) {
                     *score = scale * dot(query, key);
                 }

@@ -84,9 +84,29 @@ pub struct PreparedQuery {
     rotated: Vec<f32>,
     projected: Vec<f32>,
     projected_sum: f32,
+    /// `<q, mean>`, added to the score of every row stored centred (see
+    /// [`PreparedQuery::set_centred_offset`]).
+    centred: f32,
 }
 
 impl PreparedQuery {
+    /// Sets `<q, mean>` for a caller whose key rows were stored as their difference from
+    /// `mean` ([`TurboCodec::encode_key_near`]): scores of those rows add it (0 after
+    /// [`TurboCodec::prepare_query`]).
+    pub fn set_centred_offset(&mut self, offset: f32) {
+        self.centred = offset;
+    }
+
+    /// What a key row stored centred adds to its score (before the scale).
+    #[inline]
+    fn offset(&self, key: &[u8]) -> f32 {
+        if TurboCodec::is_centered(key) {
+            self.centred
+        } else {
+            0.0
+        }
+    }
+
     /// `q' = R q`.
     pub fn rotated(&self) -> &[f32] {
         &self.rotated

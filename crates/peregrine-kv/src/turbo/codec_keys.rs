@@ -125,9 +125,11 @@ impl TurboCodec {
         let rows = self.sketch.chunks_exact(self.dim);
         out.projected.extend(rows.map(|row| dot(row, &out.rotated)));
         out.projected_sum = out.projected.iter().sum();
+        out.centred = 0.0;
     }
 
-    /// `out[j] = scale · <q, k_j>` estimated from the `out.len()` contiguous key rows `keys`.
+    /// `out[j] = scale · <q, k_j>` estimated from the `out.len()` contiguous key rows `keys`
+    /// (plus `<q, mean>` where row `j` is stored centred and the query has that offset set).
     pub fn scores(&self, q: &PreparedQuery, keys: &[u8], scale: f32, out: &mut [f32]) {
         self.scores_grouped(std::slice::from_ref(q), keys, scale, out)
     }
@@ -176,7 +178,7 @@ impl TurboCodec {
             if self.keys == TurboKeys::Mse {
                 let levels = codes.chunks_exact(4).flat_map(|c4| self.key_levels(c4));
                 let mse: f32 = q.rotated.iter().zip(levels).map(|(x, c)| x * c).sum();
-                *o = scale * (n * mse + exact);
+                *o = scale * (n * mse + exact + q.offset(key));
                 continue;
             }
             let mut mse = 0.0;
@@ -192,7 +194,7 @@ impl TurboCodec {
                 let set = t8.iter().enumerate().filter(|(j, _)| b >> j & 1 == 1);
                 pos += set.map(|(_, t)| t).sum::<f32>();
             }
-            *o = scale * (self.estimate(q, n, gamma, mse, pos) + exact);
+            *o = scale * (self.estimate(q, n, gamma, mse, pos) + exact + q.offset(key));
         }
     }
 

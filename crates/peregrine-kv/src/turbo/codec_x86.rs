@@ -51,7 +51,7 @@ pub unsafe fn scores<const G: usize>(
             let varying = hsum(acc[g]);
             let fixed = qjl * gamma * qs[g].projected_sum;
             let exact = c.outlier_dot(&qs[g].plain, key);
-            out[g * n + j] = scale * (norm * (varying - fixed) + exact);
+            out[g * n + j] = scale * (norm * (varying - fixed) + exact + qs[g].offset(key));
         }
     }
 }
@@ -105,7 +105,7 @@ pub unsafe fn scores_mse<const G: usize>(
             } else {
                 0.0
             };
-            out[g * n + j] = scale * (norm * hsum(acc[g]) + exact);
+            out[g * n + j] = scale * (norm * hsum(acc[g]) + exact + qs[g].offset(key));
         }
     }
 }
