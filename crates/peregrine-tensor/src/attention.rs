@@ -256,5 +256,5 @@ impl<'a> CpuKv<'a> {
 }
 
 pub use crate::attention_cpu::{
-    AttnScratch, attention_kv, attention_row_into, exp_row, quantize_rows, row_sizes,
+    AttnScratch, attention_kv, attention_row_into, quantize_rows, row_sizes,
 };

@@ -6,7 +6,7 @@ use std::ops::Range;
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-use peregrine_tensor::attention::{AttnScratch, exp_row};
+use peregrine_tensor::attention::AttnScratch;
 use peregrine_tensor::{Result, Tensor};
 use rayon::prelude::*;
 
@@ -247,15 +247,16 @@ impl TurboCache {
     }
 }
 
-/// Normalized softmax in place, after an optional soft cap (the reference's order), with the
-/// plain caches' vectorised exponentials.
+/// Normalized softmax in place, after an optional soft cap (the reference's order).
 fn softmax(scores: &mut [f32], softcap: Option<f32>) {
     if let Some(cap) = softcap {
         scores.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());
     }
-    let (_, total) = exp_row(scores);
-    if total > 0.0 {
-        let inverse = 1.0 / total;
-        scores.iter_mut().for_each(|s| *s *= inverse);
+    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+    let mut total = 0f32;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        total += *s;
     }
+    scores.iter_mut().for_each(|s| *s /= total);
 }

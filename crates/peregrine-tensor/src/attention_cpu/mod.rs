@@ -15,7 +15,6 @@ use crate::attention::{CpuKv, CpuRows, MaskSpec, QuantPlane};
 mod quant;
 mod rows;
 mod softmax;
-pub use softmax::exp_row;
 
 use quant::QuantRows;
 pub use quant::{quantize_rows, row_sizes};

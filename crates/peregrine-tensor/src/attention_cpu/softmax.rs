@@ -27,9 +27,8 @@ fn exp_nonpositive(x: f32) -> f32 {
     if x < -87.0 { 0.0 } else { e }
 }
 
-/// Replaces each score of `row` with `e^(score - max)` and returns `(max, Σ e^(score - max))`
-/// (a row of `-∞` only becomes zeros, with sum 0).
-pub fn exp_row(row: &mut [f32]) -> (f32, f32) {
+/// Replaces each score of `row` with `e^(score - max)` and returns `(max, Σ e^(score - max))`.
+pub(super) fn exp_row(row: &mut [f32]) -> (f32, f32) {
     let mut maxes = [f32::NEG_INFINITY; LANES];
     let chunks = row.chunks_exact(LANES);
     let tail_max = (chunks.remainder().iter()).fold(f32::NEG_INFINITY, |m, &s| m.max(s));
