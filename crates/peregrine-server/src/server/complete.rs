@@ -13,7 +13,7 @@ use peregrine_engine::{
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 use super::error::ApiError;
-use super::media::RemoteMedia;
+use super::media;
 use super::openai::{self, Decoded, Endpoint};
 use super::reasoning::{Tags, Think};
 use super::responses::{self, Context};
@@ -156,12 +156,9 @@ fn decode(
     body: &[u8],
     count_only: bool,
 ) -> Result<(Decoded, Context), ApiError> {
-    let defaults = (
-        state.max_tokens,
-        &state.sampling,
-        state.remote_media.as_ref(),
-    );
-    let (decoded, context) = decode_body(endpoint, body, count_only, defaults, &state.responses)?;
+    let (remote, store) = (state.remote_media.as_ref(), &state.responses);
+    let defaults = (state.max_tokens, &state.sampling, remote);
+    let (decoded, context) = decode_body(endpoint, body, count_only, defaults, store)?;
     if !state.serves(&decoded.model) {
         return Err(state.unknown_model(&decoded.model));
     }
@@ -174,14 +171,13 @@ fn decode(
     Ok((decoded, context))
 }
 
-/// Decodes a body of any endpoint; `defaults`: `max_tokens` and sampling for fields left out,
-/// and the fetcher of remote images if the server has one; `store`: the stored responses
-/// `previous_response_id` may name.
+/// Decodes a body of any endpoint; `defaults`: `max_tokens`, sampling and the remote image
+/// fetcher (if any); `store`: the stored responses `previous_response_id` may name.
 pub(super) fn decode_body(
     endpoint: Endpoint,
     body: &[u8],
     count_only: bool,
-    (max_tokens, sampling, remote): (usize, &SamplingParams, Option<&RemoteMedia>),
+    (max_tokens, sampling, remote): (usize, &SamplingParams, Option<&media::RemoteMedia>),
     store: &responses::Store,
 ) -> Result<(Decoded, Context), ApiError> {
     let chat = |body: &[u8]| openai::decode(body, Endpoint::Chat, max_tokens, sampling, remote);
