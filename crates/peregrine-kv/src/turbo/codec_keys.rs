@@ -102,7 +102,8 @@ impl TurboCodec {
 
     /// Encodes one key row `k` (`d`) as [`encode_keys`](Self::encode_keys) does, or `k − mean`
     /// when that is shorter, marked so (the sign bit of its norm, read by
-    /// [`is_centered`](Self::is_centered)); a caller adds `<q, mean>` to a marked row's score.
+    /// [`is_centered`](Self::is_centered)); a caller sets `<q, mean>` on its queries
+    /// ([`PreparedQuery::set_centred_offset`]) and the scores add it to marked rows.
     pub fn encode_key_near(&self, k: &[f32], mean: &[f32], out: &mut [u8]) {
         self.encode_near(k, mean, out, Self::encode_keys)
     }
