@@ -413,3 +413,44 @@ fn a_key_rows_largest_values_are_kept_exact() {
         assert!(n < 0.2 * norm(&k), "d {d}: {n} of {}", norm(&k));
     }
 }
+
+#[test]
+fn centred_rows_score_with_their_mean_added_back() {
+    let d = 64;
+    let mut rng = SplitMix64(31);
+    let mean: Vec<f32> = gaussian(&mut rng, d).iter().map(|x| 3.0 * x).collect();
+    let noise = gaussian(&mut rng, d);
+    let k: Vec<f32> = mean.iter().zip(&noise).map(|(m, e)| m + 0.5 * e).collect();
+    let q: Vec<f32> = mean
+        .iter()
+        .zip(gaussian(&mut rng, d))
+        .map(|(m, e)| 0.3 * m + e)
+        .collect();
+    let centred: Vec<f32> = k.iter().zip(&mean).map(|(k, m)| k - m).collect();
+    // The codec's error on the centred row is a few percent of ||q||·||k − mean||; the offset
+    // <q, mean> is far larger, so a kernel that dropped it would miss by it.
+    let tol = 0.2 * norm(&q) * norm(&centred) / (d as f32).sqrt();
+    let offset = dot(&q, &mean);
+    assert!(offset.abs() > 20.0 * tol, "{offset} vs {tol}");
+    for keys in [TurboKeys::Qjl, TurboKeys::Mse] {
+        let simd = TurboCodec::new(d, 9, keys).unwrap();
+        let scalar = TurboCodec {
+            simd: false,
+            ..simd.clone()
+        };
+        let mut key = vec![0; simd.key_bytes()];
+        simd.encode_key_near(&k, &mean, &mut key);
+        assert!(TurboCodec::is_centered(&key), "{keys:?}: stored centred");
+        for codec in [&simd, &scalar] {
+            let (mut pq, mut s) = (PreparedQuery::default(), [0.0]);
+            codec.prepare_query(&q, &mut pq);
+            codec.scores(&pq, &key, 1.0, &mut s);
+            let want = dot(&q, &centred);
+            assert!((s[0] - want).abs() <= tol, "{keys:?}: {} vs {want}", s[0]);
+            pq.set_centred_offset(offset);
+            codec.scores(&pq, &key, 1.0, &mut s);
+            let want = dot(&q, &k);
+            assert!((s[0] - want).abs() <= tol, "{keys:?}: {} vs {want}", s[0]);
+        }
+    }
+}
