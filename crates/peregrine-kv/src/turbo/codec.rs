@@ -157,11 +157,6 @@ impl TurboCodec {
         self.dim
     }
 
-    /// How key rows are coded.
-    pub fn keys(&self) -> TurboKeys {
-        self.keys
-    }
-
     /// Bytes of one key row: its header, `d/2` bytes of codes (and signs), then its outliers'.
     pub fn key_bytes(&self) -> usize {
         self.key_header() + self.dim / 2 + self.outliers() * self.outlier_bytes()

@@ -51,6 +51,24 @@ fn rotation_is_orthonormal() {
     }
 }
 
+/// Mean `||u − û||²` over `rows` random unit vectors of `d`, `û` as `round_trip` gives it.
+fn distortion(
+    rng: &mut SplitMix64,
+    d: usize,
+    rows: usize,
+    mut round_trip: impl FnMut(&[f32], &mut [f32]),
+) -> f32 {
+    let (mut u_hat, mut total) = (vec![0.0; d], 0.0);
+    for _ in 0..rows {
+        let mut u = gaussian(rng, d);
+        let n = norm(&u);
+        u.iter_mut().for_each(|x| *x /= n);
+        round_trip(&u, &mut u_hat);
+        total += dist(&u, &u_hat).powi(2);
+    }
+    total / rows as f32
+}
+
 #[test]
 fn codebook_is_lloyd_max() {
     for d in [16, 64, 128, 1024] {
@@ -86,16 +104,11 @@ fn codebook_is_lloyd_max() {
     let (d, rows) = (128, 400);
     let codec = TurboCodec::new(d, 3, TurboKeys::Qjl).unwrap();
     let mut rng = SplitMix64(2);
-    let (mut bytes, mut u_hat, mut total) = (vec![0; codec.value_bytes()], vec![0.0; d], 0.0);
-    for _ in 0..rows {
-        let mut u = gaussian(&mut rng, d);
-        let n = norm(&u);
-        u.iter_mut().for_each(|x| *x /= n);
-        codec.encode_values(&u, &mut bytes);
-        codec.decode_value(&bytes, &mut u_hat);
-        total += dist(&u, &u_hat).powi(2);
-    }
-    let mse = total / rows as f32;
+    let mut bytes = vec![0; codec.value_bytes()];
+    let mse = distortion(&mut rng, d, rows, |u, u_hat| {
+        codec.encode_values(u, &mut bytes);
+        codec.decode_value(&bytes, u_hat);
+    });
     eprintln!("d {d}: E||u - û||² = {mse:.5}");
     assert!((0.025..=0.04).contains(&mse), "distortion {mse}");
     // The distortion the estimator's weights are computed from is the one measured.
@@ -108,17 +121,12 @@ fn codebook_is_lloyd_max() {
     // it by ~2e-4), at d = 64, which keeps no exact outliers.
     let d = 64;
     let codec = TurboCodec::new(d, 3, TurboKeys::Mse).unwrap();
-    let mut u_hat = vec![0.0; d];
-    let (mut bytes, mut total) = (vec![0; codec.key_bytes()], 0.0);
-    for _ in 0..rows {
-        let mut u = gaussian(&mut rng, d);
-        let n = norm(&u);
-        u.iter_mut().for_each(|x| *x /= n);
-        codec.encode_keys(&u, &mut bytes);
-        codec.decode_key_mse(&bytes, &mut u_hat);
-        total += dist(&u, &u_hat).powi(2);
-    }
-    let (mse, computed) = (total / rows as f32, codebook16(d).1 as f32);
+    let mut bytes = vec![0; codec.key_bytes()];
+    let mse = distortion(&mut rng, d, rows, |u, u_hat| {
+        codec.encode_keys(u, &mut bytes);
+        codec.decode_key_mse(&bytes, u_hat);
+    });
+    let computed = codebook16(d).1 as f32;
     eprintln!("d {d}: 4-bit E||u - û||² = {mse:.5}, computed {computed:.5}");
     assert!((0.007..=0.012).contains(&mse), "4-bit distortion {mse}");
     assert!(
