@@ -223,6 +223,15 @@ fn interleaved_rows_equal_the_file_layout() {
         // a prefill-sized batch.
         for m in [1, 5, 6, 7, 8, 13, 15, 70] {
             let x = values(m * k, m as u64);
+            // VNNI's and AVX2's interleaved kernels do the same float operations on the same
+            // exact integer sums: the same bits, whichever the CPU picks.
+            let (avx2, vnni) = (Kernel::Avx2, Kernel::Avx512Vnni);
+            if vnni.runs_here() && fast.is_interleaved() {
+                let (a, b) = (fast.matmul_with(&x, m, avx2), fast.matmul_with(&x, m, vnni));
+                let (a, b) = (a.unwrap(), b.unwrap());
+                let same = a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{dtype:?} m={m}: VNNI's bits are not AVX2's");
+            }
             for kernel in Kernel::available() {
                 let (a, b) = (
                     fast.matmul_with(&x, m, kernel).unwrap(),
