@@ -7,6 +7,7 @@
 #![warn(missing_docs)]
 
 pub mod arch;
+pub mod audio;
 pub mod config;
 pub mod error;
 pub mod layers;

@@ -86,8 +86,8 @@ const ARCHITECTURES: &[(&str, Configure, Build)] = &[
 /// (its GGUF architecture is `gemma3`); llama.cpp calls Qwen3-MoE `qwen3moe` and DeepSeek-V2/V3
 /// `deepseek2`; Qwen3.5 (dense and MoE) is Qwen3-Next's decoder with its projections apart;
 /// multimodal `gemma4` and `qwen3_5` checkpoints load their text model ([`TEXT_MODELS`]), and
-/// SmolVLM's `idefics3` and SmolVLM 2's `smolvlm` their llama, Qwen2-VL and Qwen2.5-VL their
-/// Qwen2.
+/// SmolVLM's `idefics3` and SmolVLM 2's `smolvlm` their llama, Qwen2-VL, Qwen2.5-VL and
+/// Qwen2-Audio their Qwen2.
 const ALIASES: &[(&str, &str)] = &[
     ("deepseek2", "deepseek_v3"),
     ("falcon-h1", "falcon_h1"),
@@ -96,6 +96,7 @@ const ALIASES: &[(&str, &str)] = &[
     ("idefics3", "llama"),
     ("qwen2_5_vl", "qwen2"),
     ("qwen2_5_vl_text", "qwen2"),
+    ("qwen2_audio", "qwen2"),
     ("qwen2_vl", "qwen2"),
     ("qwen2_vl_text", "qwen2"),
     ("qwen3_5", "qwen3_next"),
@@ -117,6 +118,7 @@ const TEXT_MODELS: &[(&str, &[(&str, &str)])] = &[
     ("gemma4", LANGUAGE_MODEL),
     ("idefics3", TEXT_MODEL),
     ("qwen2_5_vl", LANGUAGE_MODEL),
+    ("qwen2_audio", LANGUAGE_MODEL),
     ("qwen2_vl", LANGUAGE_MODEL),
     ("qwen3_5", LANGUAGE_MODEL),
     ("qwen3_5_moe", LANGUAGE_MODEL),

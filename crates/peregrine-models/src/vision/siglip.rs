@@ -72,14 +72,14 @@ impl SiglipConfig {
 }
 
 /// A LayerNorm with weight and bias.
-pub(super) struct LayerNorm {
+pub(crate) struct LayerNorm {
     w: Tensor,
     b: Tensor,
     eps: f64,
 }
 
 impl LayerNorm {
-    pub(super) fn load(w: &Weights, prefix: &str, dim: usize, eps: f64) -> Result<Self> {
+    pub(crate) fn load(w: &Weights, prefix: &str, dim: usize, eps: f64) -> Result<Self> {
         Ok(Self {
             w: w.tensor(&format!("{prefix}.weight"), &[dim])?,
             b: w.tensor(&format!("{prefix}.bias"), &[dim])?,
@@ -89,7 +89,7 @@ impl LayerNorm {
 
     /// Normalises the last dimension in f32 (as torch's LayerNorm accumulates) and returns
     /// `x`'s dtype.
-    pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dtype = x.dtype();
         let x = x.to_dtype(DType::F32)?;
         let mean = x.mean_keepdim(D::Minus1)?;

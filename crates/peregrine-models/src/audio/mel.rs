@@ -1,0 +1,160 @@
+//! Whisper's log-mel features (`WhisperFeatureExtractor`, the torch path transformers takes):
+//! the clip zero-padded to the window (`chunk_length` seconds), a centred STFT with a periodic
+//! Hann window and reflected edges, power spectra without the last frame, Slaney-normalised
+//! triangular mel filters on the Slaney scale up to 8 kHz, `log10` clamped at `1e-10`, floored
+//! at the clip's maximum minus 8, then `(x + 4) / 4`. Computed in f64 (transformers: f32).
+
+use std::f64::consts::PI;
+
+use crate::Result;
+use crate::config::Fields;
+
+/// The feature extractor's settings (`preprocessor_config.json`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MelSettings {
+    /// Mel bins (`feature_size`).
+    pub mels: usize,
+    /// Samples per second the model takes (`sampling_rate`).
+    pub rate: u32,
+    /// Samples between frames (`hop_length`).
+    pub hop: usize,
+    /// FFT size (`n_fft`).
+    pub n_fft: usize,
+    /// Samples in one window of input (`chunk_length` seconds).
+    pub window_samples: usize,
+}
+
+impl MelSettings {
+    /// Reads the keys above (Whisper's defaults where absent); `dither` other than 0 and
+    /// `do_normalize` are refused.
+    pub fn read(f: &Fields) -> Result<Self> {
+        if f.opt_f64("dither")?.is_some_and(|d| d != 0.0)
+            || f.opt_bool("do_normalize")? == Some(true)
+        {
+            return Err(f.err("fields `dither` and `do_normalize` are not supported".into()));
+        }
+        let rate = f.opt_usize("sampling_rate")?.unwrap_or(16000);
+        let s = Self {
+            mels: f.opt_usize("feature_size")?.unwrap_or(80),
+            rate: rate as u32,
+            hop: f.opt_usize("hop_length")?.unwrap_or(160),
+            n_fft: f.opt_usize("n_fft")?.unwrap_or(400),
+            window_samples: f.opt_usize("chunk_length")?.unwrap_or(30) * rate,
+        };
+        if s.mels == 0 || s.hop == 0 || s.n_fft < 2 || s.window_samples < s.n_fft || rate < 16000 {
+            return Err(f.err(format!("unusable audio feature settings {s:?}")));
+        }
+        Ok(s)
+    }
+
+    /// Frames in one window.
+    pub fn frames(&self) -> usize {
+        self.window_samples / self.hop
+    }
+
+    /// Frames that hold a clip of `samples` samples (its attention mask's ones).
+    pub fn valid_frames(&self, samples: usize) -> usize {
+        samples.min(self.window_samples).div_ceil(self.hop)
+    }
+
+    /// The filter bank `[n_fft / 2 + 1][mels]` (transformers' `mel_filter_bank` with Slaney
+    /// norm and scale, 0 to 8 kHz).
+    pub fn filters(&self) -> Vec<f64> {
+        let bins = self.n_fft / 2 + 1;
+        let (lo, hi) = (hertz_to_mel(0.0), hertz_to_mel(8000.0));
+        let n = self.mels + 2;
+        let edges: Vec<f64> = (0..n)
+            .map(|i| mel_to_hertz(lo + (hi - lo) * i as f64 / (n - 1) as f64))
+            .collect();
+        let nyquist = f64::from(self.rate / 2);
+        let mut out = vec![0.0; bins * self.mels];
+        for b in 0..bins {
+            let freq = nyquist * b as f64 / (bins - 1) as f64;
+            for m in 0..self.mels {
+                let down = (freq - edges[m]) / (edges[m + 1] - edges[m]);
+                let up = (edges[m + 2] - freq) / (edges[m + 2] - edges[m + 1]);
+                let norm = 2.0 / (edges[m + 2] - edges[m]);
+                out[b * self.mels + m] = down.min(up).max(0.0) * norm;
+            }
+        }
+        out
+    }
+
+    /// The features `[mels][frames]` (row-major) of `samples` (at [`MelSettings::rate`]),
+    /// padded or cut to one window; frames past [`valid_frames`](Self::valid_frames) + 2 hold
+    /// only padding, and get its value without a transform.
+    pub fn features(&self, samples: &[f32]) -> Vec<f32> {
+        let (frames, half) = (self.frames(), self.n_fft / 2);
+        let n = samples.len().min(self.window_samples);
+        let at = |i: isize| -> f64 {
+            // The window's samples with torch's reflected edges; zeros past the clip.
+            let len = self.window_samples as isize;
+            let i = if i < 0 {
+                -i
+            } else if i >= len {
+                2 * (len - 1) - i
+            } else {
+                i
+            };
+            samples
+                .get(i as usize)
+                .filter(|_| (i as usize) < n)
+                .map_or(0.0, |&s| f64::from(s))
+        };
+        let window: Vec<f64> = (0..self.n_fft)
+            .map(|i| 0.5 - 0.5 * (2.0 * PI * i as f64 / self.n_fft as f64).cos())
+            .collect();
+        let bins = half + 1;
+        let (cos, sin): (Vec<f64>, Vec<f64>) = (0..self.n_fft)
+            .map(|i| (2.0 * PI * i as f64 / self.n_fft as f64).sin_cos())
+            .map(|(s, c)| (c, s))
+            .unzip();
+        let filters = self.filters();
+        let computed = frames.min(self.valid_frames(n) + 2);
+        let mut logs = vec![(1e-10f64).log10(); self.mels * frames];
+        let mut power = vec![0.0; bins];
+        let mut x = vec![0.0; self.n_fft];
+        for t in 0..computed {
+            let start = (t * self.hop) as isize - half as isize;
+            for (i, x) in x.iter_mut().enumerate() {
+                *x = at(start + i as isize) * window[i];
+            }
+            for (k, p) in power.iter_mut().enumerate() {
+                let (mut re, mut im) = (0.0, 0.0);
+                for (i, x) in x.iter().enumerate() {
+                    let j = (i * k) % self.n_fft;
+                    re += x * cos[j];
+                    im -= x * sin[j];
+                }
+                *p = re * re + im * im;
+            }
+            for m in 0..self.mels {
+                let e: f64 = (0..bins)
+                    .map(|b| filters[b * self.mels + m] * power[b])
+                    .sum();
+                logs[m * frames + t] = e.max(1e-10).log10();
+            }
+        }
+        let floor = logs.iter().copied().fold(f64::MIN, f64::max) - 8.0;
+        logs.iter()
+            .map(|&l| ((l.max(floor) + 4.0) / 4.0) as f32)
+            .collect()
+    }
+}
+
+/// Slaney's mel scale: linear below 1 kHz, logarithmic above.
+fn hertz_to_mel(f: f64) -> f64 {
+    if f < 1000.0 {
+        3.0 * f / 200.0
+    } else {
+        15.0 + (f / 1000.0).ln() * 27.0 / 6.4f64.ln()
+    }
+}
+
+fn mel_to_hertz(m: f64) -> f64 {
+    if m < 15.0 {
+        200.0 * m / 3.0
+    } else {
+        1000.0 * (6.4f64.ln() / 27.0 * (m - 15.0)).exp()
+    }
+}
