@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use peregrine_models::audio::AudioClip;
 use peregrine_models::vision::RgbImage;
 use peregrine_models::{KvOptions, KvQuant};
 use peregrine_sampling::{SamplingParams, TokenLogprob};
@@ -73,6 +74,9 @@ pub struct Request {
     /// Pictures for the chat's image parts, in order (the template marks where each goes).
     /// Only an engine with a vision tower takes them ([`Engine::accepts_images`](crate::Engine::accepts_images)).
     pub images: Vec<Arc<RgbImage>>,
+    /// Clips for the chat's audio parts, in order. Only an engine with an audio tower takes
+    /// them ([`Engine::accepts_audio`](crate::Engine::accepts_audio)).
+    pub audio: Vec<Arc<AudioClip>>,
 }
 
 /// A request's KV storage choices (the API's `kv_bits`, `kv_group_size`, `turbo_kv`); what it
@@ -125,6 +129,7 @@ impl Request {
             moe_top_k: None,
             speculative: true,
             images: Vec::new(),
+            audio: Vec::new(),
         }
     }
 }

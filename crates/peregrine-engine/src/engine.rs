@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
 use std::time::Instant;
 
+use peregrine_models::audio::{AudioClip, AudioEncoder};
 use peregrine_models::vision::{ImageEncoder, ImageInput};
 use peregrine_models::{
     CausalLm, KvOptions, LoadOptions, Logits, ReadPool, SequenceCache, open_model,
@@ -53,6 +54,8 @@ pub(crate) struct Shared {
     pub vision: Option<Arc<dyn ImageEncoder>>,
     /// Pictures encoded lately, by content.
     pub encoded: EncodedImages,
+    /// The audio tower of an audio-language checkpoint.
+    pub audio: Option<Arc<AudioEncoder>>,
     pub tokenizer: Tokenizer,
     template: ChatTemplate,
     pub prefill_size: usize,
@@ -139,7 +142,8 @@ impl Engine {
         drop(loaded.gguf);
         crate::allocator::release_freed();
         let vision = crate::media::load_tower(path, &opts.device, (&*model, &tokenizer), &config)?;
-        let mut engine = Self::build(model, vision, tokenizer, max_context, config)?;
+        let audio = crate::audio::load(path, &opts.device, (&*model, &tokenizer));
+        let mut engine = Self::build(model, (vision, audio), tokenizer, max_context, config)?;
         engine.expert_reads = loaded.expert_reads;
         Ok(engine)
     }
@@ -151,12 +155,12 @@ impl Engine {
         max_context: usize,
         config: EngineConfig,
     ) -> Result<Self, EngineError> {
-        Self::build(model, None, tokenizer, max_context, config)
+        Self::build(model, (None, None), tokenizer, max_context, config)
     }
 
     fn build(
         model: Arc<dyn CausalLm>,
-        vision: Option<Arc<dyn ImageEncoder>>,
+        (vision, audio): (Option<Arc<dyn ImageEncoder>>, Option<Arc<AudioEncoder>>),
         tokenizer: Tokenizer,
         max_context: usize,
         config: EngineConfig,
@@ -193,6 +197,7 @@ impl Engine {
             model,
             vision,
             encoded: EncodedImages::default(),
+            audio,
             tokenizer,
             template,
             prefill_size: config.prefill_size.max(1),
@@ -306,6 +311,11 @@ impl Engine {
         self.shared.vision.is_some()
     }
 
+    /// Whether requests may carry audio (the model loaded with an audio tower).
+    pub fn accepts_audio(&self) -> bool {
+        self.shared.audio.is_some()
+    }
+
     /// Pictures run through the vision tower, and pictures whose rows were reused from an
     /// earlier request, since the engine started.
     pub fn image_stats(&self) -> (u64, u64) {
@@ -318,13 +328,14 @@ impl Engine {
 
     /// Renders and tokenizes a prompt exactly as `submit` will (without images).
     pub fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<u32>, EngineError> {
-        self.prompt_ids_with(prompt, &[])
+        self.prompt_ids_with(prompt, (&[], &[]))
     }
 
     /// The prompt ids `submit` runs for `request`: its prompt's, each image's marker
     /// expanded into the image's tokens.
     pub fn request_ids(&self, request: &Request) -> Result<Vec<u32>, EngineError> {
-        self.prompt_ids_with(&request.prompt, &self.image_inputs(request)?)
+        let images = self.image_inputs(request)?;
+        self.prompt_ids_with(&request.prompt, (&images, &request.audio))
     }
 
     /// `request`'s pictures as the vision tower takes them (none without pictures); refused
@@ -344,12 +355,12 @@ impl Engine {
         }
     }
 
-    /// [`prompt_ids`](Self::prompt_ids) of a chat with `images`, each image's marker the
-    /// template writes expanded into the image's tokens.
+    /// [`prompt_ids`](Self::prompt_ids) of a chat with `images` and audio `clips`, each
+    /// image's marker and clip's token the template writes expanded into its run of tokens.
     fn prompt_ids_with(
         &self,
         prompt: &Prompt,
-        images: &[ImageInput],
+        (images, clips): (&[ImageInput], &[Arc<AudioClip>]),
     ) -> Result<Vec<u32>, EngineError> {
         let tok = &self.shared.tokenizer;
         let vision = self.shared.vision.as_deref();
@@ -366,6 +377,7 @@ impl Engine {
                 if let (Some(vision), false) = (vision, images.is_empty()) {
                     text = crate::media::expand_markers(&text, images, vision)?;
                 }
+                text = crate::audio::expand(&text, clips, self.shared.audio.as_deref())?;
                 // Templates write BOS themselves, as with HF's apply_chat_template.
                 tok.encode(&text, false)?
             }
@@ -488,7 +500,7 @@ impl Engine {
     ) -> Result<Vec<EventStream>, EngineError> {
         request.sampling.validate()?;
         let inputs = self.image_inputs(&request)?;
-        let ids = self.prompt_ids_with(&request.prompt, &inputs)?;
+        let ids = self.prompt_ids_with(&request.prompt, (&inputs, &request.audio))?;
         if ids.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
@@ -501,7 +513,7 @@ impl Engine {
         let kv = self.request_kv(&request.kv)?;
         self.check_moe_top_k(request.moe_top_k)?;
         let (reserve, positions) = self.kv_reservation(&request, ids.len(), &kv, n.max(1))?;
-        let images = match (&self.shared.vision, request.images.is_empty()) {
+        let mut images = match (&self.shared.vision, request.images.is_empty()) {
             (Some(vision), false) => crate::media::encode(
                 &ids,
                 (&request.images, &inputs),
@@ -510,6 +522,14 @@ impl Engine {
             )?,
             _ => Vec::new(),
         };
+        let audio = self.shared.audio.as_deref();
+        images.extend(crate::audio::encode(
+            &ids,
+            &request.audio,
+            audio,
+            &self.shared.tokenizer,
+        )?);
+        images.sort_by_key(|span| span.start);
         let (choices, streams) = (0..n.max(1))
             .map(|_| {
                 let (tx, rx) = unbounded_channel();

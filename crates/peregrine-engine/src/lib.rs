@@ -15,6 +15,7 @@
 
 mod allocator;
 pub mod api;
+mod audio;
 pub mod chat_template;
 mod config;
 pub mod constraint;

@@ -205,7 +205,7 @@ pub(crate) fn encode(
 }
 
 /// Each maximal run of `token` in `ids`: where it starts and how long it is.
-fn runs(ids: &[u32], token: u32) -> Vec<(usize, usize)> {
+pub(crate) fn runs(ids: &[u32], token: u32) -> Vec<(usize, usize)> {
     let mut found = Vec::new();
     let mut i = 0;
     while i < ids.len() {

@@ -168,6 +168,12 @@ fn decode(
         let message = "this model takes no image input (it has no vision tower)";
         return Err(ApiError::invalid(part.as_str(), message));
     }
+    if let Some(part) = decoded.audio_parts.first()
+        && !state.engine()?.accepts_audio()
+    {
+        let message = "this model takes no audio input (it has no audio tower)";
+        return Err(ApiError::invalid(part.as_str(), message));
+    }
     Ok((decoded, context))
 }
 

@@ -1,6 +1,6 @@
-//! Image content parts: `data:` URLs (and, with `--allow-remote-media`, `http(s)` ones)
-//! decoded and checked here, at the edge, so that a bad picture is a 400 naming its part.
-//! Nothing is ever read from the server's disk.
+//! Image content parts: `data:` URLs (and, with `--allow-remote-media`, `http(s)` ones), and
+//! audio parts (base64 WAV), decoded and checked here, at the edge, so that a bad picture or
+//! clip is a 400 naming its part. Nothing is ever read from the server's disk.
 
 use std::io::Read;
 use std::sync::Arc;
@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
+use peregrine_models::audio::{AudioClip, decode_wav};
 use peregrine_models::vision::{ImageLimits, RgbImage, decode_image};
 use serde_json::{Value, json};
 
@@ -15,6 +16,11 @@ use super::error::ApiError;
 
 /// Most images in one request.
 pub(super) const MAX_IMAGES: usize = 16;
+
+/// Most audio clips in one request, and the longest one decoded (the model's window, checked
+/// by the engine, is usually shorter: 30 s for Whisper's towers).
+const MAX_CLIPS: usize = 8;
+const MAX_CLIP_SECONDS: f64 = 600.0;
 
 /// The limits every picture is held to: its encoded bytes and its pixels.
 pub(super) fn limits() -> ImageLimits {
@@ -98,12 +104,16 @@ fn read_at_most(response: ureq::Response, max: usize) -> Result<Vec<u8>, String>
     }
 }
 
-/// The pictures of a request's image parts, in order, with the parts that held them.
+/// The pictures of a request's image parts and the clips of its audio parts, in order, with
+/// the parts that held them.
 #[derive(Default)]
 pub(super) struct Images<'a> {
     pub images: Vec<Arc<RgbImage>>,
     /// Each image's part (`messages[0].content[1]`), for errors.
     pub parts: Vec<String>,
+    pub audio: Vec<Arc<AudioClip>>,
+    /// Each clip's part.
+    pub audio_parts: Vec<String>,
     /// Where remote URLs may be fetched (`--allow-remote-media`).
     remote: Option<&'a RemoteMedia>,
 }
@@ -144,6 +154,51 @@ impl<'a> Images<'a> {
         self.images.push(Arc::new(image));
         self.parts.push(param.to_string());
         Ok(json!({"type": "image"}))
+    }
+
+    /// Decodes the audio part `part` (at `param`): an OpenAI `input_audio` part,
+    /// `{"input_audio": {"data": BASE64, "format": "wav"}}`. Returns the part the chat
+    /// template sees in its place, `{"type": "audio"}`.
+    pub(super) fn take_audio(&mut self, param: &str, part: &Value) -> Result<Value, ApiError> {
+        let bad = |m: &str| ApiError::invalid(param, m);
+        if self.audio.len() == MAX_CLIPS {
+            let message = format!("a request holds at most {MAX_CLIPS} audio clips");
+            return Err(ApiError::invalid(param, message));
+        }
+        let Some(Value::Object(audio)) = part.get("input_audio") else {
+            return Err(bad(
+                "an audio part needs `input_audio` ({\"data\": base64, \"format\": \"wav\"})",
+            ));
+        };
+        let Some(Value::String(data)) = audio.get("data") else {
+            return Err(bad("`input_audio.data` must be a base64 string"));
+        };
+        match audio.get("format").and_then(Value::as_str) {
+            Some("wav") => {}
+            Some(other) => {
+                let message = format!("`input_audio.format` `{other}` is not supported (`wav` is)");
+                return Err(ApiError::invalid(param, message));
+            }
+            None => return Err(bad("`input_audio.format` must be a string (`wav`)")),
+        }
+        let max = limits().max_bytes;
+        if data.len() / 4 * 3 > max {
+            return Err(ApiError::invalid(
+                param,
+                format!("the clip is larger than {max} bytes"),
+            ));
+        }
+        let bytes = (STANDARD.decode(data.trim_end())).map_err(|e| {
+            ApiError::invalid(
+                param,
+                format!("`input_audio.data` is not valid base64: {e}"),
+            )
+        })?;
+        let clip = decode_wav(&bytes, MAX_CLIP_SECONDS)
+            .map_err(|e| ApiError::invalid(param, format!("the audio cannot be used: {e}")))?;
+        self.audio.push(Arc::new(clip));
+        self.audio_parts.push(param.to_string());
+        Ok(json!({"type": "audio"}))
     }
 }
 

@@ -70,6 +70,8 @@ pub struct Decoded {
     pub tools: Option<Tools>,
     /// The content parts that held the requests' images (`messages[0].content[1]`).
     pub image_parts: Vec<String>,
+    /// Each audio part, in order (`messages[0].content[1]`), for errors.
+    pub audio_parts: Vec<String>,
 }
 
 /// Parses and validates a body. `default_max_tokens` and `defaults` apply to fields the body
@@ -180,11 +182,13 @@ pub fn decode(
         .map(|prompt| Request {
             prompt,
             images: images.images.clone(),
+            audio: images.audio.clone(),
             ..base.clone()
         })
         .collect();
     Ok(Decoded {
         image_parts: images.parts,
+        audio_parts: images.audio_parts,
         model,
         requests,
         echo,

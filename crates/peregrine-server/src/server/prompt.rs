@@ -84,11 +84,12 @@ fn chat_message(i: usize, item: &Value, images: &mut Images) -> Result<ChatMessa
                 match kind {
                     Some("text") if text.is_some() => {}
                     Some("image_url") => *part = images.take(&param, part)?,
+                    Some("input_audio") => *part = images.take_audio(&param, part)?,
                     _ => {
                         return Err(ApiError::invalid(
                             param,
                             "a content part must be `text` ({\"type\": \"text\", \"text\": \
-                             ...}) or `image_url`",
+                             ...}), `image_url` or `input_audio`",
                         ));
                     }
                 }
