@@ -34,8 +34,8 @@ pub(crate) fn load(
 ) -> Option<Arc<AudioEncoder>> {
     let fits = |a: AudioEncoder| -> peregrine_models::Result<AudioEncoder> {
         let hidden = model.config().hidden_size;
-        if a.tower.width() != hidden {
-            let why = format!("the audio tower gives rows of {} values", a.tower.width());
+        if a.width() != hidden {
+            let why = format!("the audio tower gives rows of {} values", a.width());
             return Err(ModelError::config(
                 path,
                 format!("{why}; the text model takes {hidden}"),
@@ -49,11 +49,8 @@ pub(crate) fn load(
     };
     match load_audio(path, device).and_then(|a| a.map(fits).transpose()) {
         Ok(Some(audio)) => {
-            let seconds = audio.mel.window_samples / audio.mel.rate as usize;
-            tracing::info!(
-                "audio tower loaded: clips of up to {seconds} s at {} Hz",
-                audio.mel.rate
-            );
+            let (seconds, rate) = (audio.max_seconds(), audio.rate());
+            tracing::info!("audio tower loaded: clips of up to {seconds} s at {rate} Hz");
             Some(Arc::new(audio))
         }
         Ok(None) => None,
@@ -66,7 +63,7 @@ pub(crate) fn load(
 
 /// Checks each clip against the tower (sample rate, length) and gives its token count.
 fn token_counts(clips: &[Arc<AudioClip>], audio: &AudioEncoder) -> Result<Vec<usize>, EngineError> {
-    let max = audio.mel.window_samples as f64 / f64::from(audio.mel.rate);
+    let max = audio.max_seconds();
     let count = |(i, clip): (usize, &Arc<AudioClip>)| {
         if clip.seconds() > max {
             let why = format!(
@@ -112,7 +109,7 @@ pub(crate) fn expand(
     let mut parts = text.split(token);
     let mut out = parts.next().unwrap_or_default().to_string();
     for (part, n) in parts.zip(token_counts(clips, audio)?) {
-        out.push_str(&token.repeat(n));
+        out.push_str(&audio.expansion(n));
         out.push_str(part);
     }
     Ok(out)

@@ -9,7 +9,7 @@
 
 mod common;
 
-use peregrine_models::audio::{AudioClip, Qwen2AudioTower, decode_wav, load_audio};
+use peregrine_models::audio::{AudioClip, AudioTower, Qwen2AudioTower, decode_wav, load_audio};
 use peregrine_models::{
     BatchSeq, KvOptions, LoadOptions, Logits, Media, SequenceCache, load_model,
 };
@@ -41,7 +41,9 @@ fn features_match_whisper_feature_extractor() {
         .unwrap()
         .expect("an audio tower");
     let r = reference();
-    let mel = &audio.mel;
+    let AudioTower::Qwen2(mel, _) = &audio.tower else {
+        panic!("Qwen2-Audio's tower")
+    };
     let filters: Vec<f32> = mel.filters().iter().map(|&f| f as f32).collect();
     let filters = Tensor::from_vec(filters, (mel.n_fft / 2 + 1, mel.mels), &Device::Cpu).unwrap();
     let filter_diff = max_abs(&filters, &r["mel_filters"]);

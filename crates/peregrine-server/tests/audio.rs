@@ -100,7 +100,10 @@ fn the_answer_matches_transformers() {
     let content = |b: &Value| b["choices"][0]["message"]["content"].clone();
     assert_eq!(content(&again), content(&body));
     let logprob = |b: &Value| b["choices"][0]["logprobs"]["content"][0]["logprob"].as_f64();
-    assert!((logprob(&again).unwrap() - f64::from(got)).abs() < 1e-5, "{again}");
+    assert!(
+        (logprob(&again).unwrap() - f64::from(got)).abs() < 1e-5,
+        "{again}"
+    );
 
     let part = "messages[0].content[0]";
     let corrupt = json!({"data": "@@@not base64@@@", "format": "wav"});

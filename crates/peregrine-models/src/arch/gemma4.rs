@@ -63,6 +63,7 @@ pub fn configure(fields: &Fields, config: &mut ModelConfig) -> Result<()> {
                 vocab: fields
                     .opt_usize("vocab_size_per_layer_input")?
                     .unwrap_or(PER_LAYER_VOCAB),
+                pad: (fields.token_ids("pad_token_id")?.first()).map_or(0, |&id| id),
             }),
             None => None,
         };

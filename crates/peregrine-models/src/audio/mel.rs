@@ -60,24 +60,13 @@ impl MelSettings {
     /// The filter bank `[n_fft / 2 + 1][mels]` (transformers' `mel_filter_bank` with Slaney
     /// norm and scale, 0 to 8 kHz).
     pub fn filters(&self) -> Vec<f64> {
-        let bins = self.n_fft / 2 + 1;
-        let (lo, hi) = (hertz_to_mel(0.0), hertz_to_mel(8000.0));
-        let n = self.mels + 2;
-        let edges: Vec<f64> = (0..n)
-            .map(|i| mel_to_hertz(lo + (hi - lo) * i as f64 / (n - 1) as f64))
-            .collect();
-        let nyquist = f64::from(self.rate / 2);
-        let mut out = vec![0.0; bins * self.mels];
-        for b in 0..bins {
-            let freq = nyquist * b as f64 / (bins - 1) as f64;
-            for m in 0..self.mels {
-                let down = (freq - edges[m]) / (edges[m + 1] - edges[m]);
-                let up = (edges[m + 2] - freq) / (edges[m + 2] - edges[m + 1]);
-                let norm = 2.0 / (edges[m + 2] - edges[m]);
-                out[b * self.mels + m] = down.min(up).max(0.0) * norm;
-            }
-        }
-        out
+        mel_filters(
+            self.n_fft / 2 + 1,
+            self.mels,
+            self.rate,
+            8000.0,
+            MelScale::Slaney,
+        )
     }
 
     /// The features `[mels][frames]` (row-major) of `samples` (at [`MelSettings::rate`]),
@@ -142,8 +131,51 @@ impl MelSettings {
     }
 }
 
+/// The mel scale and filter normalisation of a filter bank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MelScale {
+    /// Slaney's scale (linear below 1 kHz, logarithmic above), filters normalised to equal
+    /// area (Whisper).
+    Slaney,
+    /// HTK's `2595 · log10(1 + f / 700)`, unnormalised triangles (Gemma 4's audio).
+    Htk,
+}
+
+/// transformers' `mel_filter_bank`: `mels` triangles from 0 Hz to `max_hz` over `bins`
+/// frequency bins from 0 to half of `rate`, row-major `[bins][mels]`, in f64.
+pub fn mel_filters(bins: usize, mels: usize, rate: u32, max_hz: f64, scale: MelScale) -> Vec<f64> {
+    type Map = fn(f64) -> f64;
+    let (to_mel, to_hz): (Map, Map) = match scale {
+        MelScale::Slaney => (slaney_mel, slaney_hertz),
+        MelScale::Htk => (
+            |f| 2595.0 * (1.0 + f / 700.0).log10(),
+            |m| 700.0 * (10f64.powf(m / 2595.0) - 1.0),
+        ),
+    };
+    let (lo, hi) = (to_mel(0.0), to_mel(max_hz));
+    let n = mels + 2;
+    // As numpy's `linspace`: the start plus the index times the step.
+    let step = (hi - lo) / (n - 1) as f64;
+    let edges: Vec<f64> = (0..n).map(|i| to_hz(lo + i as f64 * step)).collect();
+    let bin_step = f64::from(rate / 2) / (bins - 1) as f64;
+    let mut out = vec![0.0; bins * mels];
+    for b in 0..bins {
+        let freq = b as f64 * bin_step;
+        for m in 0..mels {
+            let down = (freq - edges[m]) / (edges[m + 1] - edges[m]);
+            let up = (edges[m + 2] - freq) / (edges[m + 2] - edges[m + 1]);
+            let norm = match scale {
+                MelScale::Slaney => 2.0 / (edges[m + 2] - edges[m]),
+                MelScale::Htk => 1.0,
+            };
+            out[b * mels + m] = down.min(up).max(0.0) * norm;
+        }
+    }
+    out
+}
+
 /// Slaney's mel scale: linear below 1 kHz, logarithmic above.
-fn hertz_to_mel(f: f64) -> f64 {
+fn slaney_mel(f: f64) -> f64 {
     if f < 1000.0 {
         3.0 * f / 200.0
     } else {
@@ -151,7 +183,7 @@ fn hertz_to_mel(f: f64) -> f64 {
     }
 }
 
-fn mel_to_hertz(m: f64) -> f64 {
+fn slaney_hertz(m: f64) -> f64 {
     if m < 15.0 {
         200.0 * m / 3.0
     } else {

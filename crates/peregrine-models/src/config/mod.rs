@@ -121,6 +121,9 @@ pub struct PerLayerInput {
     pub hidden: usize,
     /// Rows of the per-layer table (`vocab_size_per_layer_input`).
     pub vocab: usize,
+    /// The token whose row image and audio positions read (`pad_token_id`), as transformers
+    /// gives multimodal tokens the padding token's per-layer input.
+    pub pad: u32,
 }
 
 /// One layer's shape where it differs from the model-wide fields (transformers'

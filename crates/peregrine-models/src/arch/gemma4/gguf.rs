@@ -54,7 +54,10 @@ pub(crate) fn configure(meta: &GgufMeta, config: &mut ModelConfig) -> Result<()>
     {
         let rows = file.tensor_dims("per_layer_token_embd.weight");
         let vocab = rows.map_or(config.vocab_size, |d| d[0]);
-        config.per_layer_input = Some(PerLayerInput { hidden, vocab });
+        let pad = meta
+            .opt_usize("tokenizer.ggml.padding_token_id")?
+            .unwrap_or(0) as u32;
+        config.per_layer_input = Some(PerLayerInput { hidden, vocab, pad });
     }
     let shared = meta.opt_usize("attention.shared_kv_layers")?.unwrap_or(0);
     if shared >= layers {

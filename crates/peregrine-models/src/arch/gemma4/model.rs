@@ -13,8 +13,8 @@ use peregrine_tensor::{DType, Device, Embedding, QLinear, RopeScaling, RotaryEmb
 use crate::config::PerLayerInput;
 use crate::layers::attention::{Attention, KvProjections};
 use crate::layers::batch::{
-    BatchSeq, Segment, batch_logits, check_batch, check_media, moe_limits, record_hidden,
-    run_layers, splice_media, stacked_ids,
+    BatchSeq, Segment, batch_logits, check_media, moe_limits, record_hidden, run_layers,
+    splice_media, stacked_ids,
 };
 use crate::layers::decoder::SelfAttention;
 use crate::layers::mlp::GatedMlp;
@@ -55,6 +55,8 @@ struct PerLayerInputs {
     width: usize,
     /// `sqrt(width)`, the table's scale; `hidden^-0.5`, the projection's.
     scales: (f32, f32),
+    /// The token whose table row image and audio positions read.
+    pad: u32,
 }
 
 /// transformers' `per_layer_input_scale`: the sum of the two halves times `2^-0.5`.
@@ -177,7 +179,11 @@ impl GemmaLm {
             });
         }
         let per_layer_inputs = match c.per_layer_input {
-            Some(PerLayerInput { hidden: pl, vocab }) => {
+            Some(PerLayerInput {
+                hidden: pl,
+                vocab,
+                pad,
+            }) => {
                 let all = pl * c.num_hidden_layers;
                 Some(PerLayerInputs {
                     embed: w.embedding("model.embed_tokens_per_layer.weight", vocab, all)?,
@@ -185,6 +191,7 @@ impl GemmaLm {
                     norm: norm_weight(c, w, "model.per_layer_projection_norm.weight", pl)?,
                     width: pl,
                     scales: ((pl as f32).sqrt(), (h as f32).powf(-0.5)),
+                    pad,
                 })
             }
             None => None,
@@ -235,20 +242,23 @@ impl GemmaLm {
 
     /// The last layer's output `[1, rows, hidden]` for the stacked new tokens of `batch`.
     fn hidden(&self, batch: &mut [BatchSeq]) -> Result<Tensor> {
-        let max = self.rope_global.max_positions();
-        match self.per_layer_inputs {
-            // Gemma 4's per-layer inputs of image tokens are not wired up yet.
-            Some(_) => check_batch(batch, max)?,
-            None => check_media(batch, max)?,
-        }
+        check_media(batch, self.rope_global.max_positions())?;
         let eps = self.config.rms_norm_eps as f32;
-        let ids = Tensor::new(stacked_ids(batch), &self.device)?.unsqueeze(0)?; // [1, rows]
+        let stacked = stacked_ids(batch);
+        let ids = Tensor::new(stacked.as_slice(), &self.device)?.unsqueeze(0)?; // [1, rows]
         let x = self.embed_tokens.forward(&ids, self.dtype)?;
-        // [1, rows, hidden]; image rows replace their tokens' embeddings unscaled.
+        // [1, rows, hidden]; image and audio rows replace their tokens' embeddings unscaled.
         let x = splice_media(x.broadcast_mul(&self.embed_scale)?, batch)?;
         let layers = self.layers.len();
         let inputs = (self.per_layer_inputs.as_ref())
-            .map(|p| p.forward(&ids, &x, layers, eps))
+            .map(|p| {
+                p.forward(
+                    &media_as_pad(&stacked, batch, p.pad, &self.device)?,
+                    &x,
+                    layers,
+                    eps,
+                )
+            })
             .transpose()?; // [1, rows, layers, width]
         let slot = |i: usize| self.layers[i].slot;
         let limits = moe_limits(batch);
@@ -524,4 +534,19 @@ impl CausalLm for GemmaLm {
                 &self.lm_head,
             )
     }
+}
+
+/// The stacked ids `[1, rows]` of `batch` with each media row's token replaced by `pad`: the
+/// per-layer table's row transformers gives image and audio positions.
+fn media_as_pad(ids: &[u32], batch: &[BatchSeq], pad: u32, device: &Device) -> Result<Tensor> {
+    let mut ids = ids.to_vec();
+    let mut at = 0;
+    for s in batch.iter() {
+        if let Some(m) = &s.media {
+            let rows = m.rows.dim(0)?;
+            ids[at + m.offset..at + m.offset + rows].fill(pad);
+        }
+        at += s.tokens.len();
+    }
+    Ok(Tensor::new(ids.as_slice(), device)?.unsqueeze(0)?)
 }
