@@ -1,6 +1,6 @@
-//! Audio through the OpenAI chat API, black-box: the tiny Qwen2-Audio fixture served, its
-//! espeak-ng WAV sent as an `input_audio` part, and the answer's first-token log-probability
-//! checked against transformers' logits for the same clip and prompt
+//! Audio through the OpenAI chat API, black-box: the tiny Qwen2-Audio and Gemma 4 fixtures
+//! served, their espeak-ng WAV sent as an `input_audio` part, and the answer's first-token
+//! log-probability checked against transformers' logits for the same clip and prompt
 //! (tests/fixtures/audio, made by scripts/fixtures/make_audio.py). Then bad audio: each a
 //! 400 naming its part.
 
@@ -16,9 +16,10 @@ use support::{Reply, Server};
 
 const CHAT: &str = "/v1/chat/completions";
 
-fn fixture() -> std::path::PathBuf {
+fn fixture(family: &str) -> std::path::PathBuf {
     std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/audio/qwen2_audio")
+        .join("../../tests/fixtures/audio")
+        .join(family)
 }
 
 /// The fixture's prompt: the clip, then the question, in one user message.
@@ -63,9 +64,11 @@ fn tone(seconds: f64, rate: u32) -> Vec<u8> {
     out
 }
 
-#[test]
-fn the_answer_matches_transformers() {
-    let dir = fixture();
+/// Serves the audio fixture `family`, asks about its speech through the chat API and checks the
+/// prompt's length and the first answer token's log-probability against transformers: the
+/// template, the expansion, the features, the tower and the splice all play a part.
+fn answer_matches_transformers(family: &str) -> (Server, Vec<u8>, Value) {
+    let dir = fixture(family);
     let server = Server::start_model(&dir.join("hf"), &[]);
     let speech = std::fs::read(dir.join("speech.wav")).unwrap();
     let reply = server.post(CHAT, &ask(wav(&speech)));
@@ -92,7 +95,24 @@ fn the_answer_matches_transformers() {
     let expected = logp.get(first).unwrap().to_scalar::<f32>().unwrap();
     let got = body["choices"][0]["logprobs"]["content"][0]["logprob"].as_f64();
     let got = got.expect("a logprob") as f32;
-    assert!((got - expected).abs() < 1e-3, "logprob {got} vs {expected}");
+    assert!(
+        (got - expected).abs() < 1e-3,
+        "{family}: logprob {got} vs {expected}"
+    );
+    (server, speech, body)
+}
+
+#[test]
+fn gemma4_answers_as_transformers_does() {
+    answer_matches_transformers("gemma4");
+}
+
+#[test]
+fn qwen2_audio_answers_as_transformers_does() {
+    let (server, speech, body) = answer_matches_transformers("qwen2_audio");
+    let got = body["choices"][0]["logprobs"]["content"][0]["logprob"]
+        .as_f64()
+        .unwrap();
 
     // The same clip again (its run reused from the prompt cache): the same answer, its
     // log-probability within 1e-5 (a reused prefix changes pass sizes, so summation order).
