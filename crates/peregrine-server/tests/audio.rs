@@ -120,10 +120,7 @@ fn qwen2_audio_answers_as_transformers_does() {
     let content = |b: &Value| b["choices"][0]["message"]["content"].clone();
     assert_eq!(content(&again), content(&body));
     let logprob = |b: &Value| b["choices"][0]["logprobs"]["content"][0]["logprob"].as_f64();
-    assert!(
-        (logprob(&again).unwrap() - got).abs() < 1e-5,
-        "{again}"
-    );
+    assert!((logprob(&again).unwrap() - got).abs() < 1e-5, "{again}");
 
     let part = "messages[0].content[0]";
     let corrupt = json!({"data": "@@@not base64@@@", "format": "wav"});

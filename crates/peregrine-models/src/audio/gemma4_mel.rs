@@ -7,6 +7,9 @@
 
 use std::f64::consts::PI;
 
+use rayon::prelude::*;
+
+use super::fft::Fft;
 use super::mel::{MelScale, mel_filters};
 use crate::Result;
 use crate::config::Fields;
@@ -119,33 +122,30 @@ impl Gemma4MelSettings {
             .map(|i| (0.5 - 0.5 * (2.0 * PI * i as f64 / self.frame as f64).cos()) as f32)
             .collect();
         let bins = self.n_fft / 2 + 1;
-        let (cos, sin): (Vec<f64>, Vec<f64>) = (0..self.n_fft)
-            .map(|i| (2.0 * PI * i as f64 / self.n_fft as f64).sin_cos())
-            .map(|(s, c)| (c, s))
-            .unzip();
+        let fft = Fft::new(self.n_fft);
         let filters = self.filters();
         let mut out = vec![0.0f32; frames * self.mels];
-        let mut magnitude = vec![0.0; bins];
-        for t in (0..frames).filter(|&t| valid[t]) {
+        // Frames in parallel; those past the clip stay zero.
+        let rows = out
+            .par_chunks_mut(self.mels)
+            .enumerate()
+            .filter(|(t, _)| valid[*t]);
+        rows.for_each(|(t, row)| {
             let x: Vec<f64> = (0..self.frame)
                 .map(|i| f64::from(at(t * self.hop + i) * window[i]))
                 .collect();
-            for (k, m) in magnitude.iter_mut().enumerate() {
-                let (mut re, mut im) = (0.0, 0.0);
-                for (i, x) in x.iter().enumerate() {
-                    let j = (i * k) % self.n_fft;
-                    re += x * cos[j];
-                    im -= x * sin[j];
-                }
-                *m = (re * re + im * im).sqrt();
-            }
-            for (m, out) in out[t * self.mels..][..self.mels].iter_mut().enumerate() {
+            let magnitude: Vec<f64> = fft
+                .real(&x)
+                .iter()
+                .map(|(re, im)| (re * re + im * im).sqrt())
+                .collect();
+            for (m, out) in row.iter_mut().enumerate() {
                 let e: f64 = (0..bins)
                     .map(|b| magnitude[b] * filters[b * self.mels + m])
                     .sum();
                 *out = (e + self.floor).ln() as f32;
             }
-        }
+        });
         (out, valid)
     }
 }

@@ -6,6 +6,9 @@
 
 use std::f64::consts::PI;
 
+use rayon::prelude::*;
+
+use super::fft::Fft;
 use crate::Result;
 use crate::config::Fields;
 
@@ -94,34 +97,36 @@ impl MelSettings {
             .map(|i| 0.5 - 0.5 * (2.0 * PI * i as f64 / self.n_fft as f64).cos())
             .collect();
         let bins = half + 1;
-        let (cos, sin): (Vec<f64>, Vec<f64>) = (0..self.n_fft)
-            .map(|i| (2.0 * PI * i as f64 / self.n_fft as f64).sin_cos())
-            .map(|(s, c)| (c, s))
-            .unzip();
+        let fft = Fft::new(self.n_fft);
         let filters = self.filters();
         let computed = frames.min(self.valid_frames(n) + 2);
+        // Frames in parallel, each its mels' logarithms.
+        let rows: Vec<Vec<f64>> = (0..computed)
+            .into_par_iter()
+            .map(|t| {
+                let start = (t * self.hop) as isize - half as isize;
+                let x: Vec<f64> = (0..self.n_fft)
+                    .map(|i| at(start + i as isize) * window[i])
+                    .collect();
+                let power: Vec<f64> = fft
+                    .real(&x)
+                    .iter()
+                    .map(|(re, im)| re * re + im * im)
+                    .collect();
+                (0..self.mels)
+                    .map(|m| {
+                        let e: f64 = (0..bins)
+                            .map(|b| filters[b * self.mels + m] * power[b])
+                            .sum();
+                        e.max(1e-10).log10()
+                    })
+                    .collect()
+            })
+            .collect();
         let mut logs = vec![(1e-10f64).log10(); self.mels * frames];
-        let mut power = vec![0.0; bins];
-        let mut x = vec![0.0; self.n_fft];
-        for t in 0..computed {
-            let start = (t * self.hop) as isize - half as isize;
-            for (i, x) in x.iter_mut().enumerate() {
-                *x = at(start + i as isize) * window[i];
-            }
-            for (k, p) in power.iter_mut().enumerate() {
-                let (mut re, mut im) = (0.0, 0.0);
-                for (i, x) in x.iter().enumerate() {
-                    let j = (i * k) % self.n_fft;
-                    re += x * cos[j];
-                    im -= x * sin[j];
-                }
-                *p = re * re + im * im;
-            }
-            for m in 0..self.mels {
-                let e: f64 = (0..bins)
-                    .map(|b| filters[b * self.mels + m] * power[b])
-                    .sum();
-                logs[m * frames + t] = e.max(1e-10).log10();
+        for (t, row) in rows.iter().enumerate() {
+            for (m, &l) in row.iter().enumerate() {
+                logs[m * frames + t] = l;
             }
         }
         let floor = logs.iter().copied().fold(f64::MIN, f64::max) - 8.0;

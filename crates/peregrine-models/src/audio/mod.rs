@@ -4,6 +4,7 @@
 //! audio-language checkpoint loads its language model through the registry and its tower here
 //! ([`load_audio`]); the tower's rows replace the prompt's audio tokens.
 
+mod fft;
 pub mod gemma4_audio;
 pub mod gemma4_mel;
 pub mod mel;
