@@ -79,7 +79,14 @@ impl Gemma4AudioConfig {
             residual_weight: f.opt_f64("residual_weight")?.unwrap_or(0.5),
             chunk: f.opt_usize("attention_chunk_size")?.unwrap_or(12),
             left: f.opt_usize("attention_context_left")?.unwrap_or(13),
-            right: f.opt_usize("attention_context_right")?.unwrap_or(0),
+            right: match f.get("attention_context_right") {
+                None => 0,
+                Some(v) => v.as_u64().ok_or_else(|| {
+                    f.err(format!(
+                        "audio_config: `attention_context_right` must be a count, got {v}"
+                    ))
+                })? as usize,
+            },
             logit_cap: f.opt_f64("attention_logit_cap")?.unwrap_or(50.0),
             invalid_logit: f.opt_f64("attention_invalid_logits_value")?.unwrap_or(-1e9) as f32,
             clip: f
