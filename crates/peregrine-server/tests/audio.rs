@@ -104,7 +104,16 @@ fn answer_matches_transformers(family: &str) -> (Server, Vec<u8>, Value) {
 
 #[test]
 fn gemma4_answers_as_transformers_does() {
-    answer_matches_transformers("gemma4");
+    let (server, speech, body) = answer_matches_transformers("gemma4");
+    // Responses' input_audio parts: the same prompt.
+    let responses = json!({"model": "tiny", "max_output_tokens": 4, "input": [
+        {"role": "user", "content": [
+            {"type": "input_audio", "input_audio": wav(&speech)},
+            {"type": "input_text", "text": "What does the speaker say?"}]}]});
+    let reply = server.post("/v1/responses", &responses);
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let tokens = &reply.json()["usage"]["input_tokens"];
+    assert_eq!(tokens, &body["usage"]["prompt_tokens"], "{}", reply.body);
 }
 
 #[test]

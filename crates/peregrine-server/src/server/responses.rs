@@ -300,14 +300,12 @@ fn message(at: &str, it: &Fields) -> Result<Value, ApiError> {
     Ok(json!({"role": role, "content": content}))
 }
 
-/// A message's parts as chat content: their text, or chat's parts where images are among
-/// them (`input_image` with an `image_url`).
+/// A message's parts as chat content: their text, or chat's parts where images or audio are
+/// among them (`input_image` with an `image_url`, `input_audio` as chat's).
 fn content_parts(at: &str, parts: &[Value]) -> Result<Value, ApiError> {
     let kind = |p: &Value| p.get("type").and_then(Value::as_str).map(str::to_owned);
-    if !parts
-        .iter()
-        .any(|p| kind(p).as_deref() == Some("input_image"))
-    {
+    let media = |p: &Value| matches!(kind(p).as_deref(), Some("input_image" | "input_audio"));
+    if !parts.iter().any(media) {
         return Ok(Value::String(content_text(at, parts)?));
     }
     if parts.len() > MAX_CONTENT_PARTS {
@@ -328,8 +326,9 @@ fn content_parts(at: &str, parts: &[Value]) -> Result<Value, ApiError> {
                 let message = "an `input_image` part needs an `image_url` (a base64 `data:` URL)";
                 return Err(ApiError::invalid(format!("{at}[{j}]"), message));
             }
+            (Some("input_audio"), ..) => out.push(part.clone()),
             _ => {
-                let expected = "an `input_text` or `input_image` part";
+                let expected = "an `input_text`, `input_image` or `input_audio` part";
                 return Err(type_error(&format!("{at}[{j}]"), expected));
             }
         }
