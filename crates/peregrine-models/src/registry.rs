@@ -87,13 +87,14 @@ const ARCHITECTURES: &[(&str, Configure, Build)] = &[
 /// `deepseek2`; Qwen3.5 (dense and MoE) is Qwen3-Next's decoder with its projections apart;
 /// multimodal `gemma4` and `qwen3_5` checkpoints load their text model ([`TEXT_MODELS`]), and
 /// SmolVLM's `idefics3` and SmolVLM 2's `smolvlm` their llama, Qwen2-VL, Qwen2.5-VL and
-/// Qwen2-Audio their Qwen2.
+/// Qwen2-Audio their Qwen2, Mistral 3 its Mistral.
 const ALIASES: &[(&str, &str)] = &[
     ("deepseek2", "deepseek_v3"),
     ("falcon-h1", "falcon_h1"),
     ("gemma3_text", "gemma3"),
     ("gemma4", "gemma4_text"),
     ("idefics3", "llama"),
+    ("mistral3", "mistral"),
     ("qwen2_5_vl", "qwen2"),
     ("qwen2_5_vl_text", "qwen2"),
     ("qwen2_audio", "qwen2"),
@@ -117,6 +118,7 @@ const TEXT_MODELS: &[(&str, &[(&str, &str)])] = &[
     ("gemma3", LANGUAGE_MODEL),
     ("gemma4", LANGUAGE_MODEL),
     ("idefics3", TEXT_MODEL),
+    ("mistral3", LANGUAGE_MODEL),
     ("qwen2_5_vl", LANGUAGE_MODEL),
     ("qwen2_audio", LANGUAGE_MODEL),
     ("qwen2_vl", LANGUAGE_MODEL),

@@ -12,6 +12,7 @@
 pub mod gemma3;
 pub mod idefics3;
 pub mod image;
+pub mod mistral3;
 pub mod mmproj;
 pub mod processor;
 pub mod qwen2_5_vl;
@@ -115,12 +116,14 @@ pub fn load_vision(dir: &Path, device: &Device) -> Result<Option<Arc<dyn ImageEn
         "smolvlm" => &["smolvlm_vision"],
         "qwen2_5_vl" => &["qwen2_5_vl_vision", ""],
         "qwen2_vl" => &["qwen2_vl_vision", ""],
+        "mistral3" => &["pixtral"],
         _ => {
             return Err(ModelError::config(
                 &config_path,
                 format!(
                     "`{model_type}` vision-language checkpoints are not supported yet (Gemma 3, \
-                     SmolVLM's `idefics3` and `smolvlm`, Qwen2-VL and Qwen2.5-VL are)"
+                     SmolVLM's `idefics3` and `smolvlm`, Qwen2-VL, Qwen2.5-VL and Mistral 3 \
+                     are)"
                 ),
             ));
         }
@@ -146,6 +149,7 @@ pub fn load_vision(dir: &Path, device: &Device) -> Result<Option<Arc<dyn ImageEn
         "qwen2_5_vl" | "qwen2_vl" => {
             Arc::new(qwen2_vl::QwenVlVision::load(dir, &fields, &weights)?)
         }
+        "mistral3" => Arc::new(mistral3::Mistral3Vision::load(dir, &fields, &weights)?),
         _ => Arc::new(smolvlm::SmolVlmVision::load(dir, &fields, &weights)?),
     };
     Ok(Some(encoder))

@@ -31,9 +31,9 @@ use crate::config::{Fields, read_json_object};
 use crate::weights::Weights;
 
 /// `OPENAI_CLIP_MEAN`, the class's default `image_mean`.
-const CLIP_MEAN: [f64; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
+pub(crate) const CLIP_MEAN: [f64; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
 /// `OPENAI_CLIP_STD`, the class's default `image_std`.
-const CLIP_STD: [f64; 3] = [0.268_629_54, 0.261_302_58, 0.275_777_11];
+pub(crate) const CLIP_STD: [f64; 3] = [0.268_629_54, 0.261_302_58, 0.275_777_11];
 
 /// What the chat template writes for an image, around the placeholder [`prompt_expansion`]
 /// replaces: `<|vision_start|><|image_pad|><|vision_end|>`.
