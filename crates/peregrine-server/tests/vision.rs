@@ -1,5 +1,5 @@
 //! Images through the OpenAI chat API, black-box: each tiny VLM fixture (Gemma 3, SmolVLM,
-//! SmolVLM 2, Qwen2-VL, Qwen2.5-VL, Mistral 3) served, a PNG sent as a base64 `data:` URL, and the answer's first-token
+//! SmolVLM 2, Qwen2-VL, Qwen2.5-VL, Mistral 3, Gemma 4) served, a PNG sent as a base64 `data:` URL, and the answer's first-token
 //! log-probability checked against transformers' logits for the same image and prompt
 //! (tests/fixtures/vlm, made by scripts/fixtures/make_vlm.py). Then every kind of bad media:
 //! each a 400 naming its part.
@@ -88,6 +88,12 @@ fn answer_matches_transformers(family: &str) -> (Server, Vec<u8>, usize) {
 #[test]
 fn smolvlm_answers_as_transformers_does() {
     answer_matches_transformers("smolvlm");
+}
+
+/// Gemma 4: per-layer inputs, and the picture seen both ways in sliding layers only.
+#[test]
+fn gemma4_answers_as_transformers_does() {
+    answer_matches_transformers("gemma4");
 }
 
 /// Mistral 3: the picture's rows of merged patches as separate runs between `[IMG_BREAK]`s.

@@ -114,7 +114,7 @@ impl Gemma4AudioConfig {
 }
 
 /// Gemma 4's RMSNorm: `x · (mean(x²) + eps)^-½ · w` in f32 (no `1 + w`), `w` optional.
-fn rms(x: &Tensor, w: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+pub(crate) fn rms(x: &Tensor, w: Option<&Tensor>, eps: f64) -> Result<Tensor> {
     let ms = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?;
     let y = x.broadcast_mul(&ms.powf(-0.5)?)?;
     Ok(match w {
@@ -127,14 +127,20 @@ fn clamp(x: &Tensor, limit: f64) -> Result<Tensor> {
     Ok(x.clamp(-limit, limit)?)
 }
 
-/// A bias-free linear layer whose input and output are clamped to stored ranges.
-struct Clipped {
+/// A bias-free linear layer whose input and output are clamped to stored ranges (Gemma 4's
+/// `Gemma4ClippableLinear`).
+pub(crate) struct Clipped {
     w: QLinear,
     ranges: Option<[f64; 4]>,
 }
 
 impl Clipped {
-    fn load(w: &Weights, p: &str, (out, inp): (usize, usize), clipped: bool) -> Result<Self> {
+    pub(crate) fn load(
+        w: &Weights,
+        p: &str,
+        (out, inp): (usize, usize),
+        clipped: bool,
+    ) -> Result<Self> {
         let scalar = |name: &str| -> Result<f64> {
             let t = w
                 .tensor(&format!("{p}.{name}"), &[])?
@@ -154,7 +160,7 @@ impl Clipped {
         Ok(Self { w, ranges })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let Some([a, b, c, d]) = self.ranges else {
             return Ok(self.w.forward(x)?);
         };

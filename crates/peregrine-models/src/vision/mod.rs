@@ -10,6 +10,7 @@
 //! they give the pixel values of an HF image processor run with the PIL backend.
 
 pub mod gemma3;
+pub mod gemma4;
 pub mod idefics3;
 pub mod image;
 pub mod mistral3;
@@ -117,13 +118,14 @@ pub fn load_vision(dir: &Path, device: &Device) -> Result<Option<Arc<dyn ImageEn
         "qwen2_5_vl" => &["qwen2_5_vl_vision", ""],
         "qwen2_vl" => &["qwen2_vl_vision", ""],
         "mistral3" => &["pixtral"],
+        "gemma4" => &["gemma4_vision"],
         _ => {
             return Err(ModelError::config(
                 &config_path,
                 format!(
                     "`{model_type}` vision-language checkpoints are not supported yet (Gemma 3, \
-                     SmolVLM's `idefics3` and `smolvlm`, Qwen2-VL, Qwen2.5-VL and Mistral 3 \
-                     are)"
+                     SmolVLM's `idefics3` and `smolvlm`, Qwen2-VL, Qwen2.5-VL, Mistral 3 and \
+                     Gemma 4 are)"
                 ),
             ));
         }
@@ -150,6 +152,7 @@ pub fn load_vision(dir: &Path, device: &Device) -> Result<Option<Arc<dyn ImageEn
             Arc::new(qwen2_vl::QwenVlVision::load(dir, &fields, &weights)?)
         }
         "mistral3" => Arc::new(mistral3::Mistral3Vision::load(dir, &fields, &weights)?),
+        "gemma4" => Arc::new(gemma4::Gemma4Vision::load(dir, &fields, &weights)?),
         _ => Arc::new(smolvlm::SmolVlmVision::load(dir, &fields, &weights)?),
     };
     Ok(Some(encoder))

@@ -263,6 +263,10 @@ impl GemmaLm {
         let slot = |i: usize| self.layers[i].slot;
         let limits = moe_limits(batch);
         run_layers(batch, x, layers, slot, |i, x, segments| {
+            if !self.layers[i].sliding {
+                // A picture's tokens see each other both ways in sliding layers only.
+                segments.iter_mut().for_each(|s| s.both_ways = None);
+            }
             let input = match &inputs {
                 Some(t) => Some(t.narrow(2, i, 1)?.squeeze(2)?),
                 None => None,

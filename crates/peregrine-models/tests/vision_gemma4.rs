@@ -1,0 +1,85 @@
+//! Gemma 4 with an image against transformers' f32 reference on the tiny random VLM fixture
+//! (`tests/fixtures/vlm/gemma4`, made by scripts/fixtures/make_vlm_gemma4.py): the processor's
+//! aspect-preserving resize and channel-last patches, the tower (2D rotary attention over
+//! columns and rows, normalised queries, keys and values, GQA, clipped linears), pooling,
+//! standardisation, the embedder, and the rows spliced into a text model with per-layer inputs
+//! whose sliding layers see the picture both ways.
+//!
+//! Tolerances: pixel values 1e-6 (8-bit levels times 1/255, as transformers rounds them);
+//! logits 1e-3 max abs, as tests/golden.rs (weights stored in bf16, both sides compute in f32).
+
+mod common;
+
+use peregrine_models::vision::{decode_image, load_vision};
+use peregrine_models::{
+    BatchSeq, CausalLm, KvOptions, LoadOptions, Logits, Media, SequenceCache, load_model,
+};
+use peregrine_tensor::candle::safetensors::load;
+use peregrine_tensor::{DType, Device, Tensor};
+
+fn logits(
+    model: &dyn CausalLm,
+    ids: &[u32],
+    (offset, rows): (usize, &Tensor),
+    both_ways: bool,
+) -> Tensor {
+    let mut cache = SequenceCache::new(&model.cache_spec(), &KvOptions::default());
+    let media = Some(Media {
+        offset,
+        rows,
+        both_ways,
+        grid: None,
+    });
+    let mut batch = [BatchSeq {
+        tokens: ids,
+        cache: &mut cache,
+        logits: Logits::All,
+        media,
+    }];
+    model.forward_batch(&mut batch).unwrap()
+}
+
+#[test]
+fn logits_match_transformers() {
+    let dir = common::fixture("vlm/gemma4/hf");
+    let model = load_model(&dir, &LoadOptions::default())
+        .expect("text model loads")
+        .model;
+    let vision = (load_vision(&dir, &Device::Cpu).unwrap()).expect("a vision tower");
+    let r = load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
+    let ids: Vec<u32> = r["input_ids"]
+        .to_dtype(DType::U32)
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let png = std::fs::read(common::fixture("vlm/gemma4/image.png")).unwrap();
+    let input = vision
+        .preprocess(&decode_image(&png, &Default::default()).unwrap())
+        .unwrap();
+    let pixel_diff = peregrine_tensor::ops::max_abs_diff(&input.tiles, &r["pixel_values"]).unwrap();
+    eprintln!("pixel values: max abs diff {pixel_diff:.2e}");
+    assert!(pixel_diff < 1e-6, "{pixel_diff}");
+    assert_eq!(input.grid, (21, 27), "168×216 pixels in patches of 8");
+    let rows = vision.encode(&input).unwrap();
+    assert_eq!(rows.dims(), [63, model.config().hidden_size]);
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    let token = config["image_token_id"].as_u64().unwrap() as u32;
+    let first = ids.iter().position(|&t| t == token).expect("image tokens");
+    assert!(vision.prompt().both_ways);
+    let diff = peregrine_tensor::ops::max_abs_diff(
+        &logits(model.as_ref(), &ids, (first, &rows), true),
+        &r["logits"],
+    )
+    .unwrap();
+    eprintln!("logits: max abs diff {diff:.2e}");
+    assert!(diff < 1e-3, "{diff}");
+    // The comparison can fail: a causal picture is off.
+    let causal = peregrine_tensor::ops::max_abs_diff(
+        &logits(model.as_ref(), &ids, (first, &rows), false),
+        &r["logits"],
+    )
+    .unwrap();
+    eprintln!("causal inside the picture: max abs diff {causal:.2e}");
+    assert!(causal > 0.05, "{causal}");
+}
