@@ -7,8 +7,10 @@
 //! against the same prompt without it. Prints one JSON line; threads are rayon's
 //! (`RAYON_NUM_THREADS`).
 
+#[path = "support.rs"]
+mod support;
+
 use std::path::PathBuf;
-use std::time::Instant;
 
 use peregrine::engine::{ChatMessage, ChatTemplate, Tokenizer};
 use peregrine::models::audio::{AudioTower, decode_wav, load_audio};
@@ -17,23 +19,7 @@ use peregrine::models::{
 };
 use peregrine::tensor::device::in_compute_pool;
 use peregrine::tensor::{DType, Device};
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
-}
-
-/// Seconds `f` takes, median of `repeat` runs, and its last result.
-fn timed<T>(repeat: usize, mut f: impl FnMut() -> T) -> (f64, T) {
-    let mut times = Vec::with_capacity(repeat);
-    let mut out = None;
-    for _ in 0..repeat {
-        let start = Instant::now();
-        out = Some(f());
-        times.push(start.elapsed().as_secs_f64());
-    }
-    (median(times), out.expect("at least one run"))
-}
+use support::timed;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = (std::env::args().skip(1))

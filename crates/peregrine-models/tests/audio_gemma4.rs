@@ -10,9 +10,7 @@
 mod common;
 
 use peregrine_models::audio::{AudioTower, decode_wav, load_audio};
-use peregrine_models::{
-    BatchSeq, KvOptions, LoadOptions, Logits, Media, SequenceCache, load_model,
-};
+use peregrine_models::{LoadOptions, load_model};
 use peregrine_tensor::candle::safetensors::load;
 use peregrine_tensor::{DType, Device, Tensor};
 
@@ -93,22 +91,8 @@ fn rows_and_logits_match_transformers() {
     assert_eq!(audio.tokens(&speech()).unwrap(), n);
     assert_eq!(rows.dims(), [n, model.config().hidden_size]);
     assert!(row_diff < 1e-3, "rows: {row_diff}");
-    let forward = |rows: &Tensor| {
-        let mut cache = SequenceCache::new(&model.cache_spec(), &KvOptions::default());
-        let media = Some(Media {
-            offset: first,
-            rows,
-            both_ways: false,
-            grid: None,
-        });
-        let mut batch = [BatchSeq {
-            tokens: &ids,
-            cache: &mut cache,
-            logits: Logits::All,
-            media,
-        }];
-        model.forward_batch(&mut batch).expect("forward")
-    };
+    let forward =
+        |rows: &Tensor| common::media_logits(model.as_ref(), &ids, &[(first, rows.clone())], false);
     let diff = max_abs(&forward(&rows), &r["logits"]);
     eprintln!("logits: max abs diff {diff:.2e}");
     assert!(diff < 1e-3, "logits: {diff}");

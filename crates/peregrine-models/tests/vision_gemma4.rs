@@ -11,33 +11,9 @@
 mod common;
 
 use peregrine_models::vision::{decode_image, load_vision};
-use peregrine_models::{
-    BatchSeq, CausalLm, KvOptions, LoadOptions, Logits, Media, SequenceCache, load_model,
-};
+use peregrine_models::{LoadOptions, load_model};
 use peregrine_tensor::candle::safetensors::load;
-use peregrine_tensor::{DType, Device, Tensor};
-
-fn logits(
-    model: &dyn CausalLm,
-    ids: &[u32],
-    (offset, rows): (usize, &Tensor),
-    both_ways: bool,
-) -> Tensor {
-    let mut cache = SequenceCache::new(&model.cache_spec(), &KvOptions::default());
-    let media = Some(Media {
-        offset,
-        rows,
-        both_ways,
-        grid: None,
-    });
-    let mut batch = [BatchSeq {
-        tokens: ids,
-        cache: &mut cache,
-        logits: Logits::All,
-        media,
-    }];
-    model.forward_batch(&mut batch).unwrap()
-}
+use peregrine_tensor::{DType, Device};
 
 #[test]
 fn logits_match_transformers() {
@@ -68,7 +44,7 @@ fn logits_match_transformers() {
     let first = ids.iter().position(|&t| t == token).expect("image tokens");
     assert!(vision.prompt().both_ways);
     let diff = peregrine_tensor::ops::max_abs_diff(
-        &logits(model.as_ref(), &ids, (first, &rows), true),
+        &common::media_logits(model.as_ref(), &ids, &[(first, rows.clone())], true),
         &r["logits"],
     )
     .unwrap();
@@ -76,7 +52,7 @@ fn logits_match_transformers() {
     assert!(diff < 1e-3, "{diff}");
     // The comparison can fail: a causal picture is off.
     let causal = peregrine_tensor::ops::max_abs_diff(
-        &logits(model.as_ref(), &ids, (first, &rows), false),
+        &common::media_logits(model.as_ref(), &ids, &[(first, rows.clone())], false),
         &r["logits"],
     )
     .unwrap();

@@ -10,39 +10,9 @@
 mod common;
 
 use peregrine_models::vision::{ImageRun, decode_image, load_vision};
-use peregrine_models::{
-    BatchSeq, CausalLm, KvOptions, LoadOptions, Logits, Media, SequenceCache, load_model,
-};
+use peregrine_models::{LoadOptions, load_model};
 use peregrine_tensor::candle::safetensors::load;
-use peregrine_tensor::{DType, Device, Tensor};
-
-/// Every position's logits, one forward pass per run of image tokens (with the text after it).
-fn logits(model: &dyn CausalLm, ids: &[u32], runs: &[(usize, Tensor)]) -> Tensor {
-    let mut cache = SequenceCache::new(&model.cache_spec(), &KvOptions::default());
-    let mut ends: Vec<usize> = runs.iter().map(|(s, r)| s + r.dim(0).unwrap()).collect();
-    ends.pop();
-    ends.push(ids.len());
-    let (mut from, mut parts) = (0, Vec::new());
-    for end in ends {
-        let media = (runs.iter())
-            .find(|(s, _)| (from..end).contains(s))
-            .map(|(s, rows)| Media {
-                offset: s - from,
-                rows,
-                both_ways: false,
-                grid: None,
-            });
-        let mut batch = [BatchSeq {
-            tokens: &ids[from..end],
-            cache: &mut cache,
-            logits: Logits::All,
-            media,
-        }];
-        parts.push(model.forward_batch(&mut batch).unwrap());
-        from = end;
-    }
-    Tensor::cat(&parts, 0).unwrap()
-}
+use peregrine_tensor::{DType, Device};
 
 #[test]
 fn logits_match_transformers() {
@@ -79,9 +49,11 @@ fn logits_match_transformers() {
         }
     }
     assert_eq!(at, 12, "the prompt holds the image's 12 tokens");
-    let diff =
-        peregrine_tensor::ops::max_abs_diff(&logits(model.as_ref(), &ids, &runs), &r["logits"])
-            .unwrap();
+    let diff = peregrine_tensor::ops::max_abs_diff(
+        &common::media_logits(model.as_ref(), &ids, &runs, false),
+        &r["logits"],
+    )
+    .unwrap();
     eprintln!("logits: max abs diff {diff:.2e}");
     assert!(diff < 1e-3, "{diff}");
     // The comparison can fail: the rows in the wrong order move the logits.
@@ -92,9 +64,11 @@ fn logits_match_transformers() {
         .zip(runs.iter().map(|(s, _)| *s))
         .map(|(r, s)| (s, r))
         .collect();
-    let off =
-        peregrine_tensor::ops::max_abs_diff(&logits(model.as_ref(), &ids, &flipped), &r["logits"])
-            .unwrap();
+    let off = peregrine_tensor::ops::max_abs_diff(
+        &common::media_logits(model.as_ref(), &ids, &flipped, false),
+        &r["logits"],
+    )
+    .unwrap();
     eprintln!("rows of the picture upside down: max abs diff {off:.2e}");
     assert!(off > 0.05, "{off}");
 }

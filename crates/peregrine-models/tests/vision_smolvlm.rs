@@ -10,43 +10,11 @@
 mod common;
 
 use peregrine_models::vision::{decode_image, load_vision};
-use peregrine_models::{
-    BatchSeq, KvOptions, LoadOptions, Logits, Media, SequenceCache, load_model,
-};
+use peregrine_models::{LoadOptions, load_model};
 use peregrine_tensor::candle::safetensors::load;
 use peregrine_tensor::{DType, Device, Tensor};
 
 const TOLERANCE: f32 = 1e-3;
-
-/// Every position's logits of `ids`, one forward pass per run of image tokens (each pass holds
-/// one run, whose rows are `rows[k]`) and the text between.
-fn logits(model: &dyn peregrine_models::CausalLm, ids: &[u32], runs: &[(usize, Tensor)]) -> Tensor {
-    let mut cache = SequenceCache::new(&model.cache_spec(), &KvOptions::default());
-    let mut ends: Vec<usize> = runs.iter().map(|(s, r)| s + r.dim(0).unwrap()).collect();
-    ends.pop();
-    ends.push(ids.len());
-    let mut from = 0;
-    let mut parts = Vec::new();
-    for end in ends {
-        let media = (runs.iter())
-            .find(|(s, _)| (from..end).contains(s))
-            .map(|(s, rows)| Media {
-                offset: s - from,
-                rows,
-                both_ways: false,
-                grid: None,
-            });
-        let mut batch = [BatchSeq {
-            tokens: &ids[from..end],
-            cache: &mut cache,
-            logits: Logits::All,
-            media,
-        }];
-        parts.push(model.forward_batch(&mut batch).unwrap());
-        from = end;
-    }
-    Tensor::cat(&parts, 0).unwrap()
-}
 
 #[test]
 fn logits_match_transformers() {
@@ -91,16 +59,20 @@ fn check(family: &str) {
     let runs: Vec<(usize, Tensor)> = (starts.iter().enumerate())
         .map(|(t, &s)| (s, rows.narrow(0, t * run, run).unwrap()))
         .collect();
-    let diff =
-        peregrine_tensor::ops::max_abs_diff(&logits(model.as_ref(), &ids, &runs), &r["logits"]);
+    let diff = peregrine_tensor::ops::max_abs_diff(
+        &common::media_logits(model.as_ref(), &ids, &runs, false),
+        &r["logits"],
+    );
     let diff = diff.unwrap();
     eprintln!("max abs diff {diff:.2e}");
     assert!(diff < TOLERANCE, "{diff}");
     // The comparison can fail: the first two tiles' rows swapped.
     let mut swapped = runs.clone();
     (swapped[0].1, swapped[1].1) = (runs[1].1.clone(), runs[0].1.clone());
-    let off =
-        peregrine_tensor::ops::max_abs_diff(&logits(model.as_ref(), &ids, &swapped), &r["logits"]);
+    let off = peregrine_tensor::ops::max_abs_diff(
+        &common::media_logits(model.as_ref(), &ids, &swapped, false),
+        &r["logits"],
+    );
     let off = off.unwrap();
     eprintln!("tiles swapped: max abs diff {off:.2e}");
     assert!(off > 0.05, "{off}");

@@ -171,9 +171,10 @@ pub fn load_audio(dir: &Path, device: &Device) -> Result<Option<AudioEncoder>> {
                 );
                 return Err(ModelError::config(&processor_path, why));
             }
-            let tokens = gemma4_tokens(dir)?;
+            let keys = ["audio_token", "boa_token", "eoa_token"];
+            let [token, boa, eoa] = crate::vision::token_names(dir, keys, "audio input")?;
             let tower = Gemma4AudioTower::load(config, &weights, text_width)?;
-            (AudioTower::Gemma4(mel, tower), tokens.0, Some(tokens.1))
+            (AudioTower::Gemma4(mel, tower), token, Some((boa, eoa)))
         }
         _ => {
             let why = format!(
@@ -189,21 +190,4 @@ pub fn load_audio(dir: &Path, device: &Device) -> Result<Option<AudioEncoder>> {
         around,
         device: device.clone(),
     }))
-}
-
-/// Gemma 4's audio token and the tokens around a clip, as `tokenizer_config.json` names them
-/// (`audio_token`, `boa_token`, `eoa_token`).
-fn gemma4_tokens(dir: &Path) -> Result<(String, (String, String))> {
-    let path = dir.join("tokenizer_config.json");
-    let map = read_json_object(&path)?;
-    let f = Fields::new(&path, &map);
-    let name = |key: &str| -> Result<String> {
-        f.opt_str(key)?
-            .map(str::to_owned)
-            .ok_or_else(|| f.err(format!("field `{key}` is needed for audio input")))
-    };
-    Ok((
-        name("audio_token")?,
-        (name("boa_token")?, name("eoa_token")?),
-    ))
 }

@@ -7,12 +7,12 @@
 //! the text model's width. transformers runs the whole 30-second window and masks the keys past
 //! the clip; the positions before the mask see nothing past it, so only they are computed here.
 
-use peregrine_tensor::nn::ops::softmax_last_dim;
-use peregrine_tensor::{DType, Device, QLinear, Tensor};
+use peregrine_tensor::{Device, QLinear, Tensor};
 
 use crate::Result;
 use crate::config::Fields;
 use crate::vision::siglip::LayerNorm;
+use crate::vision::{attend_all, heads_first};
 use crate::weights::Weights;
 
 /// The tower's shape, from an `audio_config`.
@@ -86,18 +86,14 @@ impl EncoderLayer {
 
     /// `x: [positions, width]`, every position attending to every other.
     fn forward(&self, x: &Tensor, heads: usize) -> Result<Tensor> {
-        let (n, h) = x.dims2()?;
+        let h = x.dim(1)?;
         let hd = h / heads;
         let y = self.norm1.forward(x)?;
-        let split = |t: Tensor| -> Result<Tensor> {
-            Ok(t.reshape((n, heads, hd))?.transpose(0, 1)?.contiguous()?)
-        };
+        let split = |t: Tensor| heads_first(&t, heads);
         // The queries are scaled before the product, as transformers does.
         let q = split((self.q.forward(&y)? * (hd as f64).powf(-0.5))?)?;
         let (k, v) = (split(self.k.forward(&y)?)?, split(self.v.forward(&y)?)?);
-        let scores = q.matmul(&k.t()?)?.to_dtype(DType::F32)?;
-        let probs = softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
-        let attn = probs.matmul(&v)?.transpose(0, 1)?.reshape((n, h))?;
+        let attn = attend_all(&q, &k, &v, 1.0)?;
         let x = (x + self.out.forward(&attn)?)?;
         let y = self.fc1.forward(&self.norm2.forward(&x)?)?.gelu_erf()?;
         Ok((x + self.fc2.forward(&y)?)?)

@@ -81,12 +81,7 @@ impl Gemma3Vision {
     /// Loads from an HF checkpoint folder whose `config.json` (`config_fields`) has a
     /// `vision_config`; tensors `vision_tower.vision_model.*` and `multi_modal_projector.*`.
     pub fn load(dir: &Path, fields: &Fields, w: &Weights) -> Result<Self> {
-        let vision = fields
-            .object("vision_config")?
-            .ok_or_else(|| fields.err("missing `vision_config`".into()))?;
-        let text = fields
-            .object("text_config")?
-            .ok_or_else(|| fields.err("missing `text_config`".into()))?;
+        let (vision, text) = super::sections(fields)?;
         let config = SiglipConfig::from_fields(&vision)?;
         let processor = read_processor(dir, config.image_size)?;
         let parts = Gemma3Parts {

@@ -17,7 +17,6 @@
 
 use std::path::Path;
 
-use peregrine_tensor::nn::ops::softmax_last_dim;
 use peregrine_tensor::{D, DType, Device, QLinear, Tensor};
 
 use super::image::RgbImage;
@@ -169,12 +168,8 @@ impl Layer {
         };
         let q = q.transpose(0, 1)?.contiguous()?;
         let (k, v) = (repeat(k)?, repeat(v)?);
-        let probs =
-            softmax_last_dim(&q.matmul(&k.t()?)?.to_dtype(DType::F32)?)?.to_dtype(v.dtype())?;
-        let attn = probs
-            .matmul(&v)?
-            .transpose(0, 1)?
-            .reshape((n, c.heads * hd))?;
+        // Scores unscaled: the query and key norms set their size.
+        let attn = super::attend_all(&q, &k, &v, 1.0)?;
         let x = (x + rms(&self.o.forward(&attn)?, Some(&self.norms[1]), c.eps)?)?;
         let y = rms(&x, Some(&self.norms[2]), c.eps)?;
         let y = self
@@ -207,10 +202,7 @@ impl Gemma4Vision {
     /// Loads from an HF checkpoint folder whose `config.json` (`fields`) has a Gemma 4
     /// `vision_config`; tensors `model.vision_tower.*` and `model.embed_vision.*`.
     pub fn load(dir: &Path, fields: &Fields, w: &Weights) -> Result<Self> {
-        let vision = (fields.object("vision_config")?)
-            .ok_or_else(|| fields.err("missing `vision_config`".into()))?;
-        let text = (fields.object("text_config")?)
-            .ok_or_else(|| fields.err("missing `text_config`".into()))?;
+        let (vision, text) = super::sections(fields)?;
         let both_ways = match text.opt_str("use_bidirectional_attention")? {
             None => false,
             Some("vision") => true,
@@ -236,7 +228,8 @@ impl Gemma4Vision {
         };
         let text_hidden = text.usize("hidden_size")?;
         let (max_soft_tokens, filter, rescale) = read_processor(dir, &config)?;
-        let names = read_tokens(dir)?;
+        let keys = ["image_token", "boi_token", "eoi_token"];
+        let [token, boi, eoi] = super::token_names(dir, keys, "images")?;
         Ok(Self {
             input_proj: w.linear(
                 &format!("{t}.patch_embedder.input_proj"),
@@ -260,12 +253,12 @@ impl Gemma4Vision {
             filter,
             rescale,
             prompt: ImagePrompt {
-                marker: names.0.clone(),
-                image_token: names.0,
+                marker: token.clone(),
+                image_token: token,
                 run: 0,
                 both_ways,
             },
-            around: (names.1, names.2),
+            around: (boi, eoi),
             text_hidden,
             config,
         })
@@ -370,19 +363,6 @@ fn read_processor(dir: &Path, c: &Config) -> Result<(usize, Filter, f64)> {
         filter,
         f.opt_f64("rescale_factor")?.unwrap_or(1.0 / 255.0),
     ))
-}
-
-/// `<|image|>`, `<|image>` and `<image|>`, as `tokenizer_config.json` names them
-/// (`image_token`, `boi_token`, `eoi_token`).
-fn read_tokens(dir: &Path) -> Result<(String, String, String)> {
-    let path = dir.join("tokenizer_config.json");
-    let map = read_json_object(&path)?;
-    let f = Fields::new(&path, &map);
-    let name = |key: &str| -> Result<String> {
-        (f.opt_str(key)?.map(str::to_owned))
-            .ok_or_else(|| f.err(format!("field `{key}` is needed for images")))
-    };
-    Ok((name("image_token")?, name("boi_token")?, name("eoi_token")?))
 }
 
 impl ImageEncoder for Gemma4Vision {

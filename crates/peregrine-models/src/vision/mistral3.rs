@@ -15,9 +15,8 @@
 
 use std::path::Path;
 
-use peregrine_tensor::nn::ops::softmax_last_dim;
 use peregrine_tensor::ops::rms_norm;
-use peregrine_tensor::{D, DType, Device, QLinear, Tensor};
+use peregrine_tensor::{D, Device, QLinear, Tensor};
 
 use super::image::RgbImage;
 use super::processor::PixelSettings;
@@ -106,13 +105,8 @@ impl Layer {
         (cos, sin): (&Tensor, &Tensor),
         c: &PixtralConfig,
     ) -> Result<Tensor> {
-        let (n, h) = x.dims2()?;
         let y = rms_norm(x, &self.attention_norm, 1e-5)?;
-        let heads = |t: Tensor| -> Result<Tensor> {
-            Ok(t.reshape((n, c.heads, c.head_dim))?
-                .transpose(0, 1)?
-                .contiguous()?)
-        };
+        let heads = |t: Tensor| super::heads_first(&t, c.heads);
         // rotate_half: the second half of each head negated and moved in front of the first.
         let rotate = |t: Tensor| -> Result<Tensor> {
             let half = c.head_dim / 2;
@@ -126,9 +120,7 @@ impl Layer {
         let q = rotate(heads(self.q.forward(&y)?)?)?;
         let k = rotate(heads(self.k.forward(&y)?)?)?;
         let v = heads(self.v.forward(&y)?)?;
-        let scores = (q.matmul(&k.t()?)? * (c.head_dim as f64).powf(-0.5))?;
-        let probs = softmax_last_dim(&scores.to_dtype(DType::F32)?)?.to_dtype(v.dtype())?;
-        let attn = probs.matmul(&v)?.transpose(0, 1)?.reshape((n, h))?;
+        let attn = super::attend_all(&q, &k, &v, (c.head_dim as f64).powf(-0.5))?;
         let x = (x + self.o.forward(&attn)?)?;
         let y = rms_norm(&x, &self.ffn_norm, 1e-5)?;
         let y = (self.gate.forward(&y)?.silu()? * self.up.forward(&y)?)?;
@@ -161,10 +153,7 @@ impl Mistral3Vision {
     /// Loads from an HF checkpoint folder whose `config.json` (`fields`) has a Pixtral
     /// `vision_config`; tensors `vision_tower.*` and `multi_modal_projector.*`.
     pub fn load(dir: &Path, fields: &Fields, w: &Weights) -> Result<Self> {
-        let vision = (fields.object("vision_config")?)
-            .ok_or_else(|| fields.err("missing `vision_config`".into()))?;
-        let text = (fields.object("text_config")?)
-            .ok_or_else(|| fields.err("missing `text_config`".into()))?;
+        let (vision, text) = super::sections(fields)?;
         let config = PixtralConfig::from_fields(&vision)?;
         if fields
             .opt_str("projector_hidden_act")?

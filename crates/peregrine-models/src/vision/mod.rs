@@ -26,7 +26,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use peregrine_tensor::device::compute_dtype;
-use peregrine_tensor::{Device, Tensor};
+use peregrine_tensor::nn::ops::softmax_last_dim;
+use peregrine_tensor::{DType, Device, Tensor};
 
 use crate::config::{Fields, read_json_object};
 use crate::weights::{SafetensorsFiles, Source, Weights};
@@ -95,6 +96,50 @@ pub trait ImageEncoder: Send + Sync {
         };
         vec![run; tiles]
     }
+}
+
+/// Rows `[n, heads · hd]` as `[heads, n, hd]`, each head's rows together.
+pub(crate) fn heads_first(t: &Tensor, heads: usize) -> Result<Tensor> {
+    let (n, width) = t.dims2()?;
+    Ok(t.reshape((n, heads, width / heads))?
+        .transpose(0, 1)?
+        .contiguous()?)
+}
+
+/// Every query over every key, as the towers attend: `q`, `k`, `v` `[heads, n, hd]`, the
+/// scores times `scale`, their softmax in f32 → `[n, heads · hd]`. One GEMM for the scores
+/// (the fused kernel, built for a cache's rows, is slower at thousands of queries).
+pub(crate) fn attend_all(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    let (heads, n, hd) = q.dims3()?;
+    let scores = (q.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?;
+    let probs = softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
+    Ok(probs.matmul(v)?.transpose(0, 1)?.reshape((n, heads * hd))?)
+}
+
+/// A vision-language config's `vision_config` and `text_config`, both required.
+pub(crate) fn sections<'a>(fields: &Fields<'a>) -> Result<(Fields<'a>, Fields<'a>)> {
+    let section = |key: &str| -> Result<Fields<'a>> {
+        (fields.object(key)?).ok_or_else(|| fields.err(format!("missing `{key}`")))
+    };
+    Ok((section("vision_config")?, section("text_config")?))
+}
+
+/// The special tokens `tokenizer_config.json` names under `keys` (Gemma 4's image and audio
+/// tokens), each required for `what`.
+pub(crate) fn token_names<const N: usize>(
+    dir: &Path,
+    keys: [&str; N],
+    what: &str,
+) -> Result<[String; N]> {
+    let path = dir.join("tokenizer_config.json");
+    let map = read_json_object(&path)?;
+    let f = Fields::new(&path, &map);
+    let mut out: [String; N] = std::array::from_fn(|_| String::new());
+    for (name, key) in out.iter_mut().zip(keys) {
+        *name = (f.opt_str(key)?.map(str::to_owned))
+            .ok_or_else(|| f.err(format!("field `{key}` is needed for {what}")))?;
+    }
+    Ok(out)
 }
 
 /// The vision tower of the HF checkpoint folder `dir`, when its `config.json` has a

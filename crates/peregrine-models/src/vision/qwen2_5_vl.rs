@@ -20,7 +20,7 @@
 //! `<|vision_start|><|image_pad|><|vision_end|>` gets one `<|image_pad|>` per merged row, and
 //! the text model gives those tokens M-RoPE positions from the merged grid.
 
-use peregrine_tensor::nn::ops::{sigmoid, softmax_last_dim};
+use peregrine_tensor::nn::ops::sigmoid;
 use peregrine_tensor::{D, DType, Device, QLinear, Tensor};
 
 use super::siglip::LayerNorm;
@@ -318,9 +318,7 @@ impl Block {
                 Ok(t.narrow(0, a, len)?.transpose(0, 1)?.contiguous()?)
             };
             let (q, k, v) = (part(&q)?, part(&k)?, part(&v)?);
-            let scores = (q.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?;
-            let probs = softmax_last_dim(&scores)?.to_dtype(dtype)?;
-            parts.push(probs.matmul(&v)?.transpose(0, 1)?.reshape((len, h))?);
+            parts.push(super::attend_all(&q, &k, &v, scale)?);
         }
         let attn = Tensor::cat(&parts, 0)?;
         let x = (x + self.proj.forward(&attn)?)?;

@@ -6,7 +6,6 @@
 //! bias, bidirectional multi-head attention with biased projections, a GELU-tanh MLP) and a final
 //! LayerNorm. No pooling head: the VLMs read the last hidden state.
 
-use peregrine_tensor::nn::ops::softmax_last_dim;
 use peregrine_tensor::{D, DType, QLinear, Tensor};
 
 use crate::Result;
@@ -134,24 +133,17 @@ impl EncoderLayer {
 
     /// `x: [patches, hidden]`.
     fn forward(&self, x: &Tensor, heads: usize) -> Result<Tensor> {
-        let (n, h) = x.dims2()?;
+        let h = x.dim(1)?;
         let hd = h / heads;
         let y = self.norm1.forward(x)?;
-        let split = |t: Tensor| -> Result<Tensor> {
-            Ok(t.reshape((1, n, heads, hd))?
-                .transpose(1, 2)?
-                .contiguous()?)
-        };
+        let split = |t: Tensor| super::heads_first(&t, heads);
         let (q, k, v) = (
             split(self.q.forward(&y)?)?,
             split(self.k.forward(&y)?)?,
             split(self.v.forward(&y)?)?,
         );
-        // Every patch sees every patch: one GEMM for the scores (the fused kernel, built for a
-        // cache's rows, is slower at thousands of queries), a fused softmax in f32.
-        let scores = (q.matmul(&k.t()?)? * (hd as f64).powf(-0.5))?.to_dtype(DType::F32)?;
-        let probs = softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
-        let attn = probs.matmul(&v)?.transpose(1, 2)?.reshape((n, h))?;
+        // Every patch sees every patch.
+        let attn = super::attend_all(&q, &k, &v, (hd as f64).powf(-0.5))?;
         let x = (x + self.out.forward(&attn)?)?;
         let y = self.fc1.forward(&self.norm2.forward(&x)?)?.gelu()?;
         Ok((x + self.fc2.forward(&y)?)?)

@@ -57,3 +57,38 @@ pub fn real_model(file: &str) -> PathBuf {
     );
     path
 }
+
+/// Every position's logits of `ids` with media rows: `runs` are each run's first index and
+/// rows (in prompt order), seen both ways within a run when `both_ways`. One forward pass per
+/// run, with the text up to the next run, as the engine feeds a prompt with media.
+pub fn media_logits(
+    model: &dyn CausalLm,
+    ids: &[u32],
+    runs: &[(usize, peregrine_tensor::Tensor)],
+    both_ways: bool,
+) -> peregrine_tensor::Tensor {
+    let mut cache = SequenceCache::new(&model.cache_spec(), &KvOptions::default());
+    let mut ends: Vec<usize> = runs.iter().map(|(s, r)| s + r.dim(0).unwrap()).collect();
+    ends.pop();
+    ends.push(ids.len());
+    let (mut from, mut parts) = (0, Vec::new());
+    for end in ends {
+        let media = (runs.iter())
+            .find(|(s, _)| (from..end).contains(s))
+            .map(|(s, rows)| peregrine_models::Media {
+                offset: s - from,
+                rows,
+                both_ways,
+                grid: None,
+            });
+        let mut batch = [peregrine_models::BatchSeq {
+            tokens: &ids[from..end],
+            cache: &mut cache,
+            logits: Logits::All,
+            media,
+        }];
+        parts.push(model.forward_batch(&mut batch).unwrap());
+        from = end;
+    }
+    peregrine_tensor::Tensor::cat(&parts, 0).unwrap()
+}
