@@ -262,9 +262,11 @@ impl GemmaLm {
             .transpose()?; // [1, rows, layers, width]
         let slot = |i: usize| self.layers[i].slot;
         let limits = moe_limits(batch);
+        let gemma4 = self.config.model_type.starts_with("gemma4");
         run_layers(batch, x, layers, slot, |i, x, segments| {
-            if !self.layers[i].sliding {
-                // A picture's tokens see each other both ways in sliding layers only.
+            if gemma4 && !self.layers[i].sliding {
+                // Gemma 4's picture tokens see each other both ways in sliding layers only
+                // (Gemma 3's in every layer).
                 segments.iter_mut().for_each(|s| s.both_ways = None);
             }
             let input = match &inputs {
