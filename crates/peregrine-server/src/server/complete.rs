@@ -162,18 +162,7 @@ fn decode(
     if !state.serves(&decoded.model) {
         return Err(state.unknown_model(&decoded.model));
     }
-    if let Some(part) = decoded.image_parts.first()
-        && !state.engine()?.accepts_images()
-    {
-        let message = "this model takes no image input (it has no vision tower)";
-        return Err(ApiError::invalid(part.as_str(), message));
-    }
-    if let Some(part) = decoded.audio_parts.first()
-        && !state.engine()?.accepts_audio()
-    {
-        let message = "this model takes no audio input (it has no audio tower)";
-        return Err(ApiError::invalid(part.as_str(), message));
-    }
+    media::check_towers(state, (&decoded.image_parts, &decoded.audio_parts))?;
     Ok((decoded, context))
 }
 

@@ -202,6 +202,26 @@ impl<'a> Images<'a> {
     }
 }
 
+/// A 400 naming the first image or audio part (`parts`) that the served model has no tower for.
+pub(super) fn check_towers(
+    state: &super::State,
+    (images, clips): (&[String], &[String]),
+) -> Result<(), ApiError> {
+    let refuse = |part: &String, what: &str, tower: &str| {
+        let message = format!("this model takes no {what} input (it has no {tower} tower)");
+        Err(ApiError::invalid(part.as_str(), message))
+    };
+    if let Some(part) = images.first()
+        && !state.engine()?.accepts_images()
+    {
+        return refuse(part, "image", "vision");
+    }
+    match clips.first() {
+        Some(part) if !state.engine()?.accepts_audio() => refuse(part, "audio", "audio"),
+        _ => Ok(()),
+    }
+}
+
 /// Whether `url` is an `http(s)` one.
 fn is_remote(url: &str) -> bool {
     let lower = url.get(..8).unwrap_or(url).to_ascii_lowercase();
