@@ -11,8 +11,7 @@ use peregrine_tensor::{Device, QLinear, Tensor};
 
 use crate::Result;
 use crate::config::Fields;
-use crate::vision::siglip::LayerNorm;
-use crate::vision::{attend_all, heads_first};
+use crate::vision::siglip::{EncoderLayer, LayerNorm, LayerStyle};
 use crate::weights::Weights;
 
 /// The tower's shape, from an `audio_config`.
@@ -57,48 +56,13 @@ impl AudioTowerConfig {
     }
 }
 
-struct EncoderLayer {
-    norm1: LayerNorm,
-    q: QLinear,
-    k: QLinear,
-    v: QLinear,
-    out: QLinear,
-    norm2: LayerNorm,
-    fc1: QLinear,
-    fc2: QLinear,
-}
-
-impl EncoderLayer {
-    fn load(w: &Weights, p: &str, c: &AudioTowerConfig) -> Result<Self> {
-        let (h, i) = (c.width, c.ffn);
-        let lin = |name: &str, out, inp, bias| w.linear(&format!("{p}.{name}"), out, inp, bias);
-        Ok(Self {
-            norm1: LayerNorm::load(w, &format!("{p}.self_attn_layer_norm"), h, 1e-5)?,
-            q: lin("self_attn.q_proj", h, h, true)?,
-            k: lin("self_attn.k_proj", h, h, false)?,
-            v: lin("self_attn.v_proj", h, h, true)?,
-            out: lin("self_attn.out_proj", h, h, true)?,
-            norm2: LayerNorm::load(w, &format!("{p}.final_layer_norm"), h, 1e-5)?,
-            fc1: lin("fc1", i, h, true)?,
-            fc2: lin("fc2", h, i, true)?,
-        })
-    }
-
-    /// `x: [positions, width]`, every position attending to every other.
-    fn forward(&self, x: &Tensor, heads: usize) -> Result<Tensor> {
-        let h = x.dim(1)?;
-        let hd = h / heads;
-        let y = self.norm1.forward(x)?;
-        let split = |t: Tensor| heads_first(&t, heads);
-        // The queries are scaled before the product, as transformers does.
-        let q = split((self.q.forward(&y)? * (hd as f64).powf(-0.5))?)?;
-        let (k, v) = (split(self.k.forward(&y)?)?, split(self.v.forward(&y)?)?);
-        let attn = attend_all(&q, &k, &v, 1.0)?;
-        let x = (x + self.out.forward(&attn)?)?;
-        let y = self.fc1.forward(&self.norm2.forward(&x)?)?.gelu_erf()?;
-        Ok((x + self.fc2.forward(&y)?)?)
-    }
-}
+/// Whisper's layer names, its key projection without a bias, and the exact GELU.
+const WHISPER: LayerStyle = LayerStyle {
+    names: ["self_attn_layer_norm", "final_layer_norm", "fc1", "fc2"],
+    key_bias: false,
+    exact_gelu: true,
+    eps: 1e-5,
+};
 
 /// Qwen2-Audio's tower and projector: log-mel frames in, rows of the text model's input
 /// embeddings out.
@@ -125,7 +89,10 @@ impl Qwen2AudioTower {
             ))
         };
         let layers = (0..config.layers)
-            .map(|i| EncoderLayer::load(w, &format!("audio_tower.layers.{i}"), &config))
+            .map(|i| {
+                let p = format!("audio_tower.layers.{i}");
+                EncoderLayer::load(w, &p, (config.width, config.ffn), &WHISPER)
+            })
             .collect::<Result<_>>()?;
         Ok(Self {
             conv1: conv("conv1", m)?,

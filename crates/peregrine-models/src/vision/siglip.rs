@@ -104,7 +104,25 @@ impl LayerNorm {
     }
 }
 
-struct EncoderLayer {
+/// Where a pre-norm encoder layer keeps its tensors and which GELU its MLP takes: SigLIP's
+/// layers and Whisper's (Qwen2-Audio's tower) differ only in these.
+pub(crate) struct LayerStyle {
+    /// The norms before attention and before the MLP, and the MLP's two linears.
+    pub names: [&'static str; 4],
+    /// The key projection has a bias.
+    pub key_bias: bool,
+    /// The exact (erf) GELU rather than the tanh approximation.
+    pub exact_gelu: bool,
+    /// LayerNorm epsilon.
+    pub eps: f64,
+}
+
+/// SigLIP's tensor names (its key projection has a bias, its GELU is the tanh one).
+const SIGLIP: [&str; 4] = ["layer_norm1", "layer_norm2", "mlp.fc1", "mlp.fc2"];
+
+/// A pre-norm transformer encoder layer: LayerNorm, bidirectional multi-head attention with
+/// biased projections, LayerNorm, a two-layer GELU MLP, each added to the residual.
+pub(crate) struct EncoderLayer {
     norm1: LayerNorm,
     q: QLinear,
     k: QLinear,
@@ -113,26 +131,34 @@ struct EncoderLayer {
     norm2: LayerNorm,
     fc1: QLinear,
     fc2: QLinear,
+    exact_gelu: bool,
 }
 
 impl EncoderLayer {
-    fn load(w: &Weights, p: &str, c: &SiglipConfig) -> Result<Self> {
-        let (h, i) = (c.hidden_size, c.intermediate_size);
-        let lin = |name: &str, out, inp| w.linear(&format!("{p}.{name}"), out, inp, true);
+    /// The layer `p` of width `h` and MLP width `i`, named and computed as `style` says.
+    pub(crate) fn load(
+        w: &Weights,
+        p: &str,
+        (h, i): (usize, usize),
+        style: &LayerStyle,
+    ) -> Result<Self> {
+        let lin = |name: &str, out, inp, bias| w.linear(&format!("{p}.{name}"), out, inp, bias);
+        let [norm1, norm2, fc1, fc2] = style.names;
         Ok(Self {
-            norm1: LayerNorm::load(w, &format!("{p}.layer_norm1"), h, c.eps)?,
-            q: lin("self_attn.q_proj", h, h)?,
-            k: lin("self_attn.k_proj", h, h)?,
-            v: lin("self_attn.v_proj", h, h)?,
-            out: lin("self_attn.out_proj", h, h)?,
-            norm2: LayerNorm::load(w, &format!("{p}.layer_norm2"), h, c.eps)?,
-            fc1: lin("mlp.fc1", i, h)?,
-            fc2: lin("mlp.fc2", h, i)?,
+            norm1: LayerNorm::load(w, &format!("{p}.{norm1}"), h, style.eps)?,
+            q: lin("self_attn.q_proj", h, h, true)?,
+            k: lin("self_attn.k_proj", h, h, style.key_bias)?,
+            v: lin("self_attn.v_proj", h, h, true)?,
+            out: lin("self_attn.out_proj", h, h, true)?,
+            norm2: LayerNorm::load(w, &format!("{p}.{norm2}"), h, style.eps)?,
+            fc1: lin(fc1, i, h, true)?,
+            fc2: lin(fc2, h, i, true)?,
+            exact_gelu: style.exact_gelu,
         })
     }
 
-    /// `x: [patches, hidden]`.
-    fn forward(&self, x: &Tensor, heads: usize) -> Result<Tensor> {
+    /// `x: [positions, hidden]`, every position attending to every other.
+    pub(crate) fn forward(&self, x: &Tensor, heads: usize) -> Result<Tensor> {
         let h = x.dim(1)?;
         let hd = h / heads;
         let y = self.norm1.forward(x)?;
@@ -142,10 +168,14 @@ impl EncoderLayer {
             split(self.k.forward(&y)?)?,
             split(self.v.forward(&y)?)?,
         );
-        // Every patch sees every patch.
         let attn = super::attend_all(&q, &k, &v, (hd as f64).powf(-0.5))?;
         let x = (x + self.out.forward(&attn)?)?;
-        let y = self.fc1.forward(&self.norm2.forward(&x)?)?.gelu()?;
+        let y = self.fc1.forward(&self.norm2.forward(&x)?)?;
+        let y = if self.exact_gelu {
+            y.gelu_erf()?
+        } else {
+            y.gelu()?
+        };
         Ok((x + self.fc2.forward(&y)?)?)
     }
 }
@@ -178,8 +208,15 @@ impl SiglipVision {
             &format!("{prefix}.embeddings.position_embedding.weight"),
             &[n, h],
         )?;
+        let style = LayerStyle {
+            names: SIGLIP,
+            key_bias: true,
+            exact_gelu: false,
+            eps: config.eps,
+        };
+        let widths = (h, config.intermediate_size);
         let layers = (0..config.layers)
-            .map(|i| EncoderLayer::load(w, &format!("{prefix}.encoder.layers.{i}"), &config))
+            .map(|i| EncoderLayer::load(w, &format!("{prefix}.encoder.layers.{i}"), widths, &style))
             .collect::<Result<_>>()?;
         let post_norm = LayerNorm::load(w, &format!("{prefix}.post_layernorm"), h, config.eps)?;
         Ok(Self {
