@@ -8,9 +8,6 @@ mod support;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
-use peregrine_engine::tensor::candle::safetensors::load;
-use peregrine_engine::tensor::nn::ops::log_softmax;
-use peregrine_engine::tensor::{D, DType, Device};
 use serde_json::{Value, json};
 use support::{Reply, Server};
 
@@ -74,31 +71,7 @@ fn answer_matches_transformers(family: &str) -> (Server, Vec<u8>, Value) {
     let reply = server.post(CHAT, &ask(wav(&speech)));
     assert_eq!(reply.status, 200, "{}", reply.body);
     let body = reply.json();
-    let r = load(dir.join("hf/reference.safetensors"), &Device::Cpu).unwrap();
-    let u32s = |name: &str| {
-        r[name]
-            .to_dtype(DType::U32)
-            .unwrap()
-            .to_vec1::<u32>()
-            .unwrap()
-    };
-    let ids = u32s("input_ids");
-    assert_eq!(body["usage"]["prompt_tokens"], ids.len(), "{body}");
-    // Against log-softmax of transformers' last logits over the tokenizer's ids (1e-3, as the
-    // model tests: f32 on both sides, summation order apart).
-    let vocab = peregrine_engine::Tokenizer::from_dir(&dir.join("hf"))
-        .unwrap()
-        .vocab_size();
-    let last = r["logits"].get(ids.len() - 1).unwrap();
-    let logp = log_softmax(&last.narrow(0, 0, vocab).unwrap(), D::Minus1).unwrap();
-    let first = u32s("greedy_ids")[0] as usize;
-    let expected = logp.get(first).unwrap().to_scalar::<f32>().unwrap();
-    let got = body["choices"][0]["logprobs"]["content"][0]["logprob"].as_f64();
-    let got = got.expect("a logprob") as f32;
-    assert!(
-        (got - expected).abs() < 1e-3,
-        "{family}: logprob {got} vs {expected}"
-    );
+    support::check_first_logprob(&dir, &body);
     (server, speech, body)
 }
 

@@ -265,3 +265,45 @@ fn dechunk(mut rest: &str) -> String {
 mod repo;
 #[allow(unused_imports)] // each test binary uses its own subset
 pub use repo::real_model;
+
+/// Checks a chat reply (`body`, asked with `logprobs`) to a media fixture's prompt against
+/// transformers' reference in `dir/hf/reference.safetensors`: the prompt's length, and the
+/// first answer token's log-probability within 1e-3 (as the model tests: f32 on both sides,
+/// summation order apart) of log-softmax over the tokenizer's ids of the reference's last
+/// logits (the head's padding rows are never drawn, so they hold no probability). Returns the
+/// prompt's length and that log-probability.
+pub fn check_first_logprob(dir: &std::path::Path, body: &Value) -> (usize, f64) {
+    use peregrine_engine::tensor::candle::safetensors::load;
+    use peregrine_engine::tensor::nn::ops::log_softmax;
+    use peregrine_engine::tensor::{D, DType, Device};
+    let r = load(dir.join("hf/reference.safetensors"), &Device::Cpu).unwrap();
+    let u32s = |name: &str| {
+        r[name]
+            .to_dtype(DType::U32)
+            .unwrap()
+            .to_vec1::<u32>()
+            .unwrap()
+    };
+    let ids = u32s("input_ids");
+    assert_eq!(
+        body["usage"]["prompt_tokens"],
+        ids.len(),
+        "{}: {body}",
+        dir.display()
+    );
+    let vocab = peregrine_engine::Tokenizer::from_dir(&dir.join("hf"))
+        .unwrap()
+        .vocab_size();
+    let last = r["logits"].get(ids.len() - 1).unwrap();
+    let logp = log_softmax(&last.narrow(0, 0, vocab).unwrap(), D::Minus1).unwrap();
+    let first = u32s("greedy_ids")[0] as usize;
+    let expected = logp.get(first).unwrap().to_scalar::<f32>().unwrap();
+    let got = body["choices"][0]["logprobs"]["content"][0]["logprob"].as_f64();
+    let got = got.expect("a logprob");
+    assert!(
+        (got as f32 - expected).abs() < 1e-3,
+        "{}: logprob {got} vs {expected}",
+        dir.display()
+    );
+    (ids.len(), got)
+}
