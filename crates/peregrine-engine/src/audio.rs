@@ -13,16 +13,8 @@ use peregrine_tensor::device::in_compute_pool;
 use sha2::{Digest, Sha256};
 
 use crate::error::EngineError;
-use crate::media::ImageSpan;
+use crate::media::{ImageSpan, refuse};
 use crate::tokenizer::Tokenizer;
-
-/// The error for a request whose audio cannot be used.
-fn refuse(message: String) -> EngineError {
-    EngineError::Unsupported {
-        param: "messages",
-        message,
-    }
-}
 
 /// The audio tower of the checkpoint at `path`, when it has one that fits the text model (its
 /// rows' width, a tokenizer that knows its token); one that does not load or fit is reported

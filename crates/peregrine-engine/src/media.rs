@@ -114,8 +114,8 @@ impl ImageSpan {
     }
 }
 
-/// The error for a request whose images cannot be used.
-fn refuse(message: String) -> EngineError {
+/// The error for a request whose images or audio cannot be used.
+pub(crate) fn refuse(message: String) -> EngineError {
     EngineError::Unsupported {
         param: "messages",
         message,
