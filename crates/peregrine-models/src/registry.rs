@@ -87,7 +87,7 @@ const ARCHITECTURES: &[(&str, Configure, Build)] = &[
 /// `deepseek2`; Qwen3.5 (dense and MoE) is Qwen3-Next's decoder with its projections apart;
 /// multimodal `gemma4` and `qwen3_5` checkpoints load their text model ([`TEXT_MODELS`]), and
 /// SmolVLM's `idefics3` and SmolVLM 2's `smolvlm` their llama, Qwen2-VL, Qwen2.5-VL and
-/// Qwen2-Audio their Qwen2, Mistral 3 its Mistral.
+/// Qwen2-Audio their Qwen2, Qwen3-VL its Qwen3, Mistral 3 its Mistral.
 const ALIASES: &[(&str, &str)] = &[
     ("deepseek2", "deepseek_v3"),
     ("falcon-h1", "falcon_h1"),
@@ -104,6 +104,8 @@ const ALIASES: &[(&str, &str)] = &[
     ("qwen3_5_moe", "qwen3_next"),
     ("qwen3_5_moe_text", "qwen3_next"),
     ("qwen3_5_text", "qwen3_next"),
+    ("qwen3_vl", "qwen3"),
+    ("qwen3_vl_text", "qwen3"),
     ("qwen35", "qwen3_next"),
     ("qwen35moe", "qwen3_next"),
     ("qwen3next", "qwen3_next"),
@@ -124,6 +126,7 @@ const TEXT_MODELS: &[(&str, &[(&str, &str)])] = &[
     ("qwen2_vl", LANGUAGE_MODEL),
     ("qwen3_5", LANGUAGE_MODEL),
     ("qwen3_5_moe", LANGUAGE_MODEL),
+    ("qwen3_vl", LANGUAGE_MODEL),
     ("smolvlm", TEXT_MODEL),
 ];
 

@@ -107,6 +107,13 @@ fn qwen2_5_vl_answers_as_transformers_does() {
     answer_matches_transformers("qwen2_5_vl");
 }
 
+/// Qwen3-VL: the same prompt form, a Qwen3 text model taking DeepStack's rows after its first
+/// layers, interleaved M-RoPE.
+#[test]
+fn qwen3_vl_answers_as_transformers_does() {
+    answer_matches_transformers("qwen3_vl");
+}
+
 /// Qwen2-VL: the same prompt form and text model, its own tower.
 #[test]
 fn qwen2_vl_answers_as_transformers_does() {

@@ -108,6 +108,9 @@ pub struct RotaryEmbedding {
     /// Multimodal RoPE: the rotated pairs each position axis (time, height, width) turns, in
     /// order ([`with_sections`](Self::with_sections)).
     sections: Option<[usize; 3]>,
+    /// Qwen3-VL's M-RoPE layout: the axes take turns pair by pair instead of in runs
+    /// ([`with_interleaved_sections`](Self::with_interleaved_sections)).
+    interleaved: bool,
 }
 
 /// One set of frequencies and its tables.
@@ -298,6 +301,7 @@ impl RotaryEmbedding {
             device: device.clone(),
             style,
             sections: None,
+            interleaved: false,
         })
     }
 
@@ -313,7 +317,33 @@ impl RotaryEmbedding {
             )
         }
         self.sections = Some(sections);
+        self.interleaved = false;
         Ok(self)
+    }
+
+    /// Qwen3-VL's interleaved M-RoPE (`mrope_interleaved`): pair `j` turns by the height
+    /// position when `j % 3 == 1` and `j < 3 · sections[1]`, by the width position when
+    /// `j % 3 == 2` and `j < 3 · sections[2]`, and by the time position otherwise
+    /// (transformers' `Qwen3VLTextRotaryEmbedding.recomposition_frequencies`).
+    pub fn with_interleaved_sections(self, sections: [usize; 3]) -> Result<Self> {
+        let mut rope = self.with_sections(sections)?;
+        rope.interleaved = true;
+        Ok(rope)
+    }
+
+    /// The position axis (0 time, 1 height, 2 width) each rotated pair turns by.
+    fn pair_axes(&self, sections: [usize; 3]) -> Vec<u32> {
+        let half = self.rotary_dim / 2;
+        (0..half)
+            .map(|j| match self.interleaved {
+                true if j % 3 == 1 && j < 3 * sections[1] => 1,
+                true if j % 3 == 2 && j < 3 * sections[2] => 2,
+                true => 0,
+                false if j < sections[0] => 0,
+                false if j < sections[0] + sections[1] => 1,
+                false => 2,
+            })
+            .collect()
     }
 
     /// The M-RoPE sections, when this table has them.
@@ -418,15 +448,19 @@ impl RotaryEmbedding {
             .max()
             .map_or(0, |&p| p as usize + 1);
         let (cos, sin) = self.tables(0, end)?;
-        let (mut cos_parts, mut sin_parts) = (Vec::new(), Vec::new());
-        let mut first = 0;
-        for (axis, &width) in positions.iter().zip(&sections) {
-            let rows = Tensor::new(axis.as_slice(), cos.device())?;
-            cos_parts.push(cos.index_select(&rows, 0)?.narrow(1, first, width)?);
-            sin_parts.push(sin.index_select(&rows, 0)?.narrow(1, first, width)?);
-            first += width;
-        }
-        let (cos, sin) = (Tensor::cat(&cos_parts, 1)?, Tensor::cat(&sin_parts, 1)?);
+        // Each axis's rows of the tables side by side, then each pair's column from its axis.
+        let half = self.rotary_dim / 2;
+        let columns: Vec<u32> = (self.pair_axes(sections).iter().enumerate())
+            .map(|(j, &axis)| axis * half as u32 + j as u32)
+            .collect();
+        let columns = Tensor::new(columns.as_slice(), cos.device())?;
+        let pick = |table: &Tensor| -> Result<Tensor> {
+            let per_axis = (positions.iter())
+                .map(|axis| table.index_select(&Tensor::new(axis.as_slice(), table.device())?, 0))
+                .collect::<Result<Vec<_>>>()?;
+            Tensor::cat(&per_axis, 1)?.index_select(&columns, 1)
+        };
+        let (cos, sin) = (pick(&cos)?, pick(&sin)?);
         self.rotate(x, &cos, &sin)
     }
 

@@ -90,7 +90,9 @@ fn rope_matches_reference_for_every_style_and_scaling() {
 
 /// M-RoPE (sections 2, 3, 3 of 8 pairs): rows whose three positions agree turn as plain RoPE
 /// does; otherwise pair `i` turns by the position of the axis whose section holds it, as
-/// transformers' `apply_multimodal_rotary_pos_emb` does (checked by hand in f64).
+/// transformers' `apply_multimodal_rotary_pos_emb` does, or in Qwen3-VL's interleaved layout
+/// by the axis `recomposition_frequencies` gives it (pairs 1, 4, 7 height, 2, 5 width, the
+/// rest time); checked by hand in f64.
 #[test]
 fn multimodal_rope_turns_each_section_by_its_axis() {
     let plain = || {
@@ -105,40 +107,62 @@ fn multimodal_rope_turns_each_section_by_its_axis() {
             &Device::Cpu,
         )
     };
-    let rope = plain().unwrap().with_sections([2, 3, 3]).unwrap();
-    let x = randn(&[1, 2, 5, 16], 9);
-    let same: Vec<u32> = (40..45).collect();
-    let got = rope
-        .apply_positions(&x, &[same.clone(), same.clone(), same])
-        .unwrap();
-    assert!(max_diff(&got, &rope.apply(&x, 40).unwrap()) < TOL);
-
-    let axes = [
-        vec![3u32, 3, 3, 3, 9],
-        vec![3, 3, 4, 4, 9],
-        vec![3, 4, 3, 4, 9],
-    ];
-    let got = rope.apply_positions(&x, &axes).unwrap();
-    let data = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let mut want = data.clone();
-    let axis_of = |i: usize| match i {
+    let chunked = |i: usize| match i {
         0..2 => 0,
         2..5 => 1,
         _ => 2,
     };
-    for h in 0..2 {
-        for r in 0..5 {
-            let row = &mut want[(h * 5 + r) * 16..][..16];
-            for i in 0..8 {
-                let angle = axes[axis_of(i)][r] as f64 / 1e4f64.powf(2.0 * i as f64 / 16.0);
-                let (a, b) = (row[i] as f64, row[i + 8] as f64);
-                row[i] = (a * angle.cos() - b * angle.sin()) as f32;
-                row[i + 8] = (a * angle.sin() + b * angle.cos()) as f32;
+    let interleaved = |i: usize| match i {
+        1 | 4 | 7 => 1,
+        2 | 5 => 2,
+        _ => 0,
+    };
+    let layouts: [(RotaryEmbedding, &dyn Fn(usize) -> usize); 2] = [
+        (plain().unwrap().with_sections([2, 3, 3]).unwrap(), &chunked),
+        (
+            plain()
+                .unwrap()
+                .with_interleaved_sections([2, 3, 3])
+                .unwrap(),
+            &interleaved,
+        ),
+    ];
+    let x = randn(&[1, 2, 5, 16], 9);
+    let mut results = Vec::new();
+    for (rope, axis_of) in layouts {
+        let same: Vec<u32> = (40..45).collect();
+        let got = rope
+            .apply_positions(&x, &[same.clone(), same.clone(), same])
+            .unwrap();
+        assert!(max_diff(&got, &rope.apply(&x, 40).unwrap()) < TOL);
+
+        let axes = [
+            vec![3u32, 3, 3, 3, 9],
+            vec![3, 3, 4, 4, 9],
+            vec![3, 4, 3, 4, 9],
+        ];
+        let got = rope.apply_positions(&x, &axes).unwrap();
+        let data = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let mut want = data.clone();
+        for h in 0..2 {
+            for r in 0..5 {
+                let row = &mut want[(h * 5 + r) * 16..][..16];
+                for i in 0..8 {
+                    let angle = axes[axis_of(i)][r] as f64 / 1e4f64.powf(2.0 * i as f64 / 16.0);
+                    let (a, b) = (row[i] as f64, row[i + 8] as f64);
+                    row[i] = (a * angle.cos() - b * angle.sin()) as f32;
+                    row[i + 8] = (a * angle.sin() + b * angle.cos()) as f32;
+                }
             }
         }
+        let want = Tensor::from_vec(want, (1, 2, 5, 16), &Device::Cpu).unwrap();
+        assert!(max_diff(&got, &want) < TOL);
+        results.push(got);
     }
-    let want = Tensor::from_vec(want, (1, 2, 5, 16), &Device::Cpu).unwrap();
-    assert!(max_diff(&got, &want) < TOL);
+    assert!(
+        max_diff(&results[0], &results[1]) > 0.1,
+        "the layouts differ"
+    );
     let uneven = plain().unwrap().with_sections([2, 3, 4]);
     assert!(uneven.is_err(), "sections must cover the rotated pairs");
 }

@@ -50,6 +50,8 @@ pub struct ModelConfig {
     /// Qwen2-VL's M-RoPE: the rotated pairs that turn by an image token's time, height and
     /// width positions (text tokens turn as plain RoPE).
     pub mrope_sections: Option<[usize; 3]>,
+    /// Whether the M-RoPE sections take turns pair by pair (Qwen3-VL's `mrope_interleaved`).
+    pub mrope_interleaved: bool,
     /// Longest context the model was trained for.
     pub max_position_embeddings: usize,
     /// The output projection reuses the embedding table.
@@ -286,6 +288,7 @@ impl ModelConfig {
             }
         };
         let (rope_theta, rope_scaling, partial_rotary_factor) = rope_from_hf(fields)?;
+        let mrope = mrope_sections(fields)?;
         let config = Self {
             model_type,
             vocab_size: fields.usize("vocab_size")?,
@@ -302,7 +305,8 @@ impl ModelConfig {
             rope_scaling,
             partial_rotary_factor,
             rope_style: RopeStyle::Half,
-            mrope_sections: mrope_sections(fields)?,
+            mrope_sections: mrope.map(|(sections, _)| sections),
+            mrope_interleaved: mrope.is_some_and(|(_, interleaved)| interleaved),
             max_position_embeddings: fields.opt_usize("max_position_embeddings")?.unwrap_or(4096),
             tie_word_embeddings: fields.opt_bool("tie_word_embeddings")?.unwrap_or(false),
             sliding_window: None,

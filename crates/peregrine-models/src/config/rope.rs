@@ -45,19 +45,17 @@ pub(super) fn rope_from_hf(fields: &Fields) -> Result<(f64, RopeScaling, f64)> {
 }
 
 /// Qwen2-VL's M-RoPE sections (`mrope_section` of `rope_parameters` or the legacy
-/// `rope_scaling`): the rotated pairs that turn by time, height and width positions, in order.
-/// `None` without them, or when interleaved (`mrope_interleaved`, Qwen3-VL's layout, which only
-/// matters with images and is not implemented).
-pub(super) fn mrope_sections(fields: &Fields) -> Result<Option<[usize; 3]>> {
+/// `rope_scaling`): the rotated pairs that turn by time, height and width positions, and
+/// whether they take turns pair by pair (`mrope_interleaved`, Qwen3-VL's and Qwen3.5's layout)
+/// instead of running in order. `None` without them.
+pub(super) fn mrope_sections(fields: &Fields) -> Result<Option<([usize; 3], bool)>> {
     let Some(scaling) = fields
         .object("rope_parameters")?
         .or(fields.object("rope_scaling")?)
     else {
         return Ok(None);
     };
-    if scaling.opt_bool("mrope_interleaved")?.unwrap_or(false) {
-        return Ok(None);
-    }
+    let interleaved = scaling.opt_bool("mrope_interleaved")?.unwrap_or(false);
     let Some(sections) = scaling.get("mrope_section") else {
         return Ok(None);
     };
@@ -65,7 +63,7 @@ pub(super) fn mrope_sections(fields: &Fields) -> Result<Option<[usize; 3]>> {
         .map(|a| a.iter().map(|v| v.as_u64().map(|n| n as usize)).collect())
         .unwrap_or(None);
     match sections.as_deref() {
-        Some(&[t, h, w]) => Ok(Some([t, h, w])),
+        Some(&[t, h, w]) => Ok(Some(([t, h, w], interleaved))),
         _ => Err(scaling.err("`mrope_section` must be three counts of rotated pairs".into())),
     }
 }

@@ -30,7 +30,8 @@ pub struct BatchSeq<'a> {
 pub struct Media<'a> {
     /// Where the run starts among the sequence's new tokens of the pass.
     pub offset: usize,
-    /// `[n, hidden]` in the model's dtype: the run's `n` embeddings.
+    /// `[n, hidden]` in the model's dtype: the run's `n` embeddings (DeepStack towers:
+    /// `[n, (1 + k) · hidden]`, the rows to add after each of the first `k` layers beside them).
     pub rows: &'a Tensor,
     /// Whether the run's positions attend to each other both ways (Gemma 3's images).
     pub both_ways: bool,
@@ -188,6 +189,7 @@ pub fn run_layers(
     let ropes: Vec<RopePlan> = (batch.iter().zip(&starts))
         .map(|(s, &start)| RopePlan::new(s, start))
         .collect::<Result<_>>()?;
+    let deepstack = deepstack_runs(batch, x.dim(2)?)?;
     for i in 0..layers {
         let mut segments: Vec<Segment> = (batch.iter_mut().zip(&starts).zip(&ropes))
             .map(|((s, &start), rope)| {
@@ -204,7 +206,7 @@ pub fn run_layers(
                 }
             })
             .collect();
-        x = layer(i, &x, &mut segments)?;
+        x = add_deepstack(layer(i, &x, &mut segments)?, &deepstack, i)?;
     }
     for (s, rope) in batch.iter_mut().zip(&ropes) {
         if let Some((from, by)) = rope.shift {
@@ -312,8 +314,52 @@ pub fn no_media() -> ModelError {
     ModelError::Tensor(candle::Error::Msg("this model takes no image input".into()))
 }
 
+/// DeepStack (Qwen3-VL): image rows wider than the model carry, after their `hidden` input
+/// values, one more block of `hidden` values per early layer, which is added to the run's
+/// hidden states after that layer. Each such run as (its first row among the stacked rows,
+/// those blocks `[n, k · hidden]`).
+fn deepstack_runs(batch: &[BatchSeq], hidden: usize) -> Result<Vec<(usize, Tensor)>> {
+    let mut runs = Vec::new();
+    let mut at = 0;
+    for s in batch {
+        if let Some(m) = &s.media {
+            let width = m.rows.dim(1)?;
+            if width > hidden {
+                runs.push((at + m.offset, m.rows.narrow(1, hidden, width - hidden)?));
+            }
+        }
+        at += s.tokens.len();
+    }
+    Ok(runs)
+}
+
+/// `x` (`[1, rows, hidden]`, layer `layer`'s output) with each DeepStack run's block for that
+/// layer added to its rows ([`deepstack_runs`]); `x` itself where there is none.
+fn add_deepstack(x: Tensor, runs: &[(usize, Tensor)], layer: usize) -> Result<Tensor> {
+    let (_, rows, hidden) = x.dims3()?;
+    let (mut parts, mut done) = (Vec::new(), 0);
+    for (at, blocks) in runs {
+        if blocks.dim(1)? < (layer + 1) * hidden {
+            continue;
+        }
+        let n = blocks.dim(0)?;
+        let add = blocks
+            .narrow(1, layer * hidden, hidden)?
+            .to_dtype(x.dtype())?;
+        parts.push(x.narrow(1, done, at - done)?);
+        parts.push(x.narrow(1, *at, n)?.broadcast_add(&add.unsqueeze(0)?)?);
+        done = at + n;
+    }
+    if parts.is_empty() {
+        return Ok(x);
+    }
+    parts.push(x.narrow(1, done, rows - done)?);
+    Ok(Tensor::cat(&parts, 1)?)
+}
+
 /// `x` (`[1, rows, hidden]`, the stacked embeddings of `batch`) with each sequence's image rows
-/// in place of its run of image tokens' embeddings.
+/// (their first `hidden` values: [`deepstack_runs`] reads the rest) in place of its run of
+/// image tokens' embeddings.
 pub fn splice_media(x: Tensor, batch: &[BatchSeq]) -> Result<Tensor> {
     if batch.iter().all(|s| s.media.is_none()) {
         return Ok(x);
@@ -325,7 +371,8 @@ pub fn splice_media(x: Tensor, batch: &[BatchSeq]) -> Result<Tensor> {
             let n = m.rows.dim(0)?;
             let row = at + m.offset;
             parts.push(x.narrow(1, at, m.offset)?);
-            parts.push(m.rows.to_dtype(x.dtype())?.unsqueeze(0)?);
+            let rows = m.rows.narrow(1, 0, x.dim(2)?)?;
+            parts.push(rows.to_dtype(x.dtype())?.unsqueeze(0)?);
             parts.push(x.narrow(1, row + n, s.tokens.len() - m.offset - n)?);
         } else {
             parts.push(x.narrow(1, at, s.tokens.len())?);

@@ -119,6 +119,7 @@ pub fn rope_table(
         w.device(),
     )?;
     Ok(match c.mrope_sections {
+        Some(sections) if c.mrope_interleaved => rope.with_interleaved_sections(sections)?,
         Some(sections) => rope.with_sections(sections)?,
         None => rope,
     })

@@ -38,6 +38,9 @@ pub enum QwenVisionKind {
     Qwen2,
     /// Qwen2.5-VL: RMSNorms, SwiGLU MLP, window attention but in `fullatt_block_indexes`.
     Qwen25,
+    /// Qwen3-VL: LayerNorms, tanh-GELU MLP (`linear_fc1`, `linear_fc2`), full attention
+    /// ([`Qwen3VisionTower`](super::qwen3_vl::Qwen3VisionTower) adds the rest).
+    Qwen3,
 }
 
 /// The tower's shape, from a `vision_config`.
@@ -74,17 +77,7 @@ impl Qwen25VisionConfig {
     /// absent).
     pub fn from_fields(f: &Fields) -> Result<Self> {
         check_input(f, "silu")?;
-        let mut rope_theta = 10000.0;
-        if let Some(rope) = f.object("rope_parameters")? {
-            let kind = rope.opt_str("rope_type")?.unwrap_or("axial");
-            if kind != "axial" {
-                return Err(f.err(format!(
-                    "field `vision_config.rope_parameters.rope_type` `{kind}` is not supported \
-                     (only `axial`)"
-                )));
-            }
-            rope_theta = rope.opt_f64("rope_theta")?.unwrap_or(rope_theta);
-        }
+        let rope_theta = axial_theta(f)?;
         let fullatt = match f.contains("fullatt_block_indexes") {
             true => f.usize_list("fullatt_block_indexes")?,
             false => vec![7, 15, 23, 31],
@@ -140,7 +133,7 @@ impl Qwen25VisionConfig {
     }
 
     /// The axial rope takes a quarter of each head's width per axis.
-    fn check_heads(&self, f: &Fields) -> Result<()> {
+    pub(super) fn check_heads(&self, f: &Fields) -> Result<()> {
         let (h, n) = (self.hidden_size, self.num_heads);
         if n == 0 || !h.is_multiple_of(n) || !(h / n).is_multiple_of(4) {
             return Err(f.err(
@@ -163,8 +156,24 @@ impl Qwen25VisionConfig {
     }
 }
 
+/// The axial rope's base (`rope_parameters.rope_theta`, 10000 by default); another rope type is
+/// refused by name.
+pub(super) fn axial_theta(f: &Fields) -> Result<f64> {
+    let Some(rope) = f.object("rope_parameters")? else {
+        return Ok(10000.0);
+    };
+    let kind = rope.opt_str("rope_type")?.unwrap_or("axial");
+    if kind != "axial" {
+        return Err(f.err(format!(
+            "field `vision_config.rope_parameters.rope_type` `{kind}` is not supported (only \
+             `axial`)"
+        )));
+    }
+    Ok(rope.opt_f64("rope_theta")?.unwrap_or(10000.0))
+}
+
 /// The tower's activation and its 3 input channels, refused by name otherwise.
-fn check_input(f: &Fields, act: &str) -> Result<()> {
+pub(super) fn check_input(f: &Fields, act: &str) -> Result<()> {
     let found = f.opt_str("hidden_act")?.unwrap_or(act);
     if found != act {
         return Err(f.err(format!(
@@ -181,7 +190,8 @@ fn check_input(f: &Fields, act: &str) -> Result<()> {
     Ok(())
 }
 
-/// The blocks' and the merger's norm: LayerNorm (Qwen2-VL) or RMSNorm (Qwen2.5-VL), eps 1e-6.
+/// The blocks' and the merger's norm: LayerNorm (Qwen2-VL, Qwen3-VL) or RMSNorm (Qwen2.5-VL),
+/// eps 1e-6.
 enum Norm {
     Rms(RmsNorm),
     Layer(LayerNorm),
@@ -190,7 +200,9 @@ enum Norm {
 impl Norm {
     fn load(w: &Weights, prefix: &str, dim: usize, kind: QwenVisionKind) -> Result<Self> {
         Ok(match kind {
-            QwenVisionKind::Qwen2 => Norm::Layer(LayerNorm::load(w, prefix, dim, EPS)?),
+            QwenVisionKind::Qwen2 | QwenVisionKind::Qwen3 => {
+                Norm::Layer(LayerNorm::load(w, prefix, dim, EPS)?)
+            }
             QwenVisionKind::Qwen25 => {
                 Norm::Rms(RmsNorm(w.tensor(&format!("{prefix}.weight"), &[dim])?))
             }
@@ -205,7 +217,8 @@ impl Norm {
     }
 }
 
-/// The blocks' MLP: SwiGLU (Qwen2.5-VL) or `fc2(quick_gelu(fc1 x))` (Qwen2-VL), with biases.
+/// The blocks' MLP: SwiGLU (Qwen2.5-VL), `fc2(quick_gelu(fc1 x))` (Qwen2-VL) or
+/// `fc2(gelu_tanh(fc1 x))` (Qwen3-VL), with biases.
 enum Mlp {
     SwiGlu {
         gate: QLinear,
@@ -213,6 +226,10 @@ enum Mlp {
         down: QLinear,
     },
     QuickGelu {
+        fc1: QLinear,
+        fc2: QLinear,
+    },
+    GeluTanh {
         fc1: QLinear,
         fc2: QLinear,
     },
@@ -229,6 +246,7 @@ impl Mlp {
                 let x = fc1.forward(y)?;
                 fc2.forward(&(&x * sigmoid(&(&x * 1.702)?)?)?)?
             }
+            Mlp::GeluTanh { fc1, fc2 } => fc2.forward(&fc1.forward(y)?.gelu()?)?,
         })
     }
 }
@@ -254,7 +272,9 @@ fn rotate_half(x: &Tensor) -> Result<Tensor> {
     Ok(Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?)
 }
 
-struct Block {
+/// A pre-norm block: bidirectional attention with a fused biased `qkv` and the axial rope,
+/// then the MLP.
+pub(super) struct Block {
     norm1: Norm,
     qkv: QLinear,
     proj: QLinear,
@@ -263,7 +283,7 @@ struct Block {
 }
 
 impl Block {
-    fn load(w: &Weights, p: &str, c: &Qwen25VisionConfig) -> Result<Self> {
+    pub(super) fn load(w: &Weights, p: &str, c: &Qwen25VisionConfig) -> Result<Self> {
         let (h, i) = (c.hidden_size, c.intermediate_size);
         let lin = |name: &str, out, inp| w.linear(&format!("{p}.{name}"), out, inp, true);
         let mlp = match c.kind {
@@ -275,6 +295,10 @@ impl Block {
                 gate: lin("mlp.gate_proj", i, h)?,
                 up: lin("mlp.up_proj", i, h)?,
                 down: lin("mlp.down_proj", h, i)?,
+            },
+            QwenVisionKind::Qwen3 => Mlp::GeluTanh {
+                fc1: lin("mlp.linear_fc1", i, h)?,
+                fc2: lin("mlp.linear_fc2", h, i)?,
             },
         };
         Ok(Self {
@@ -288,7 +312,7 @@ impl Block {
 
     /// `x: [n, hidden]` in window order; `cos`, `sin`: `[n, 1, head_dim]` f32; `bounds`: the
     /// cumulative row counts of the segments that attend within themselves.
-    fn forward(
+    pub(super) fn forward(
         &self,
         x: &Tensor,
         heads: usize,
@@ -335,7 +359,7 @@ fn window_index(
 ) -> (Vec<usize>, Vec<usize>) {
     let m = c.spatial_merge_size;
     let (lh, lw) = (h / m, w / m);
-    if c.kind == QwenVisionKind::Qwen2 {
+    if c.kind != QwenVisionKind::Qwen25 {
         // No windows: the processor's order, one segment per frame.
         return (
             (0..t * lh * lw).collect(),
@@ -365,7 +389,7 @@ fn window_index(
 
 /// The rope's cos and sin `[n, 1, head_dim]` (f32) for the patches in the processor's order:
 /// each patch's row then column angles, the pair repeated (`Qwen2_5_VLVisionRotaryEmbedding`).
-fn rope_tables(
+pub(super) fn rope_tables(
     c: &Qwen25VisionConfig,
     (t, h, w): (usize, usize, usize),
 ) -> Result<(Tensor, Tensor)> {
@@ -396,7 +420,9 @@ fn rope_tables(
 }
 
 /// Every `(a, b, c, d, e)` below `dims`, row-major.
-fn grid_points(dims: [usize; 5]) -> impl Iterator<Item = (usize, usize, usize, usize, usize)> {
+pub(super) fn grid_points(
+    dims: [usize; 5],
+) -> impl Iterator<Item = (usize, usize, usize, usize, usize)> {
     let total: usize = dims.iter().product();
     (0..total).map(move |mut k| {
         let mut at = [0; 5];
@@ -409,7 +435,7 @@ fn grid_points(dims: [usize; 5]) -> impl Iterator<Item = (usize, usize, usize, u
 }
 
 /// Indices as a `u32` tensor on `device`.
-fn indices(v: &[usize], device: &Device) -> Result<Tensor> {
+pub(super) fn indices(v: &[usize], device: &Device) -> Result<Tensor> {
     let v: Vec<u32> = v.iter().map(|&i| i as u32).collect();
     let n = v.len();
     Ok(Tensor::from_vec(v, n, device)?)

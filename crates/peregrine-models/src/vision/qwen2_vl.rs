@@ -24,6 +24,7 @@ use peregrine_tensor::{DType, Device, Tensor};
 use super::image::{MediaError, RgbImage};
 use super::processor::PixelSettings;
 use super::qwen2_5_vl::{Qwen25VisionConfig, Qwen25VisionTower};
+use super::qwen3_vl::{Qwen3VisionConfig, Qwen3VisionTower};
 use super::resize::resize;
 use super::{ImageEncoder, ImageInput, ImagePrompt, ImageRun};
 use crate::Result;
@@ -227,10 +228,28 @@ pub fn prompt_expansion(n_tokens: usize) -> String {
 const VISION_START: &str = "<|vision_start|>";
 const VISION_END: &str = "<|vision_end|>";
 
-/// Qwen2.5-VL's (or Qwen2-VL's) image input: the processor, the tower with its merger, and
-/// the prompt's form.
+/// The tower inside [`QwenVlVision`].
+enum Tower {
+    /// Qwen2-VL's or Qwen2.5-VL's.
+    Qwen2(Qwen25VisionTower),
+    /// Qwen3-VL's, whose rows carry DeepStack's beside them.
+    Qwen3(Qwen3VisionTower),
+}
+
+impl Tower {
+    /// The shape the Qwen towers share.
+    fn config(&self) -> &Qwen25VisionConfig {
+        match self {
+            Tower::Qwen2(t) => t.config(),
+            Tower::Qwen3(t) => &t.config().base,
+        }
+    }
+}
+
+/// Qwen2.5-VL's (or Qwen2-VL's, or Qwen3-VL's) image input: the processor, the tower with its
+/// merger, and the prompt's form.
 pub struct QwenVlVision {
-    tower: Qwen25VisionTower,
+    tower: Tower,
     processor: Qwen2VlProcessor,
     prompt: ImagePrompt,
     dtype: DType,
@@ -243,8 +262,13 @@ impl QwenVlVision {
         let vision = fields
             .object("vision_config")?
             .ok_or_else(|| fields.err("missing `vision_config`".into()))?;
-        let config = match fields.opt_str("model_type")? {
-            Some("qwen2_vl") => Qwen25VisionConfig::from_qwen2_fields(&vision)?,
+        let qwen3 = match fields.opt_str("model_type")? {
+            Some("qwen3_vl") => Some(Qwen3VisionConfig::from_fields(&vision)?),
+            _ => None,
+        };
+        let config = match (fields.opt_str("model_type")?, &qwen3) {
+            (_, Some(c)) => c.base.clone(),
+            (Some("qwen2_vl"), _) => Qwen25VisionConfig::from_qwen2_fields(&vision)?,
             _ => Qwen25VisionConfig::from_fields(&vision)?,
         };
         let processor = Qwen2VlProcessor::read(dir)?;
@@ -263,7 +287,10 @@ impl QwenVlVision {
             true => "model.visual",
             false => "visual",
         };
-        let tower = Qwen25VisionTower::load(&config, w, prefix)?;
+        let tower = match qwen3 {
+            Some(c) => Tower::Qwen3(Qwen3VisionTower::load(&c, w, prefix)?),
+            None => Tower::Qwen2(Qwen25VisionTower::load(&config, w, prefix)?),
+        };
         let prompt = ImagePrompt {
             marker: format!("{VISION_START}{IMAGE_PAD}{VISION_END}"),
             image_token: IMAGE_PAD.to_string(),
@@ -303,11 +330,11 @@ impl ImageEncoder for QwenVlVision {
     }
 
     fn encode(&self, input: &ImageInput) -> Result<Tensor> {
-        let device = self.tower.device();
-        let patches = input.tiles.to_device(device)?;
-        let rows = self
-            .tower
-            .forward(&patches, (1, input.grid.0, input.grid.1))?;
+        let grid = (1, input.grid.0, input.grid.1);
+        let rows = match &self.tower {
+            Tower::Qwen2(t) => t.forward(&input.tiles.to_device(t.device())?, grid)?,
+            Tower::Qwen3(t) => t.forward(&input.tiles.to_device(t.device())?, grid)?,
+        };
         Ok(rows.to_dtype(self.dtype)?)
     }
 

@@ -280,6 +280,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         partial_rotary_factor: 1.0,
         // llama.cpp's converter permutes llama q/k weights for GPT-J-style rotation.
         mrope_sections: None,
+        mrope_interleaved: false,
         rope_style: if arch == "llama" {
             RopeStyle::Interleaved
         } else {

@@ -67,6 +67,18 @@ pub fn media_logits(
     runs: &[(usize, peregrine_tensor::Tensor)],
     both_ways: bool,
 ) -> peregrine_tensor::Tensor {
+    media_logits_at(model, ids, runs, both_ways, None)
+}
+
+/// [`media_logits`] for an M-RoPE model: every run is a picture of merged grid `grid` (rows,
+/// columns), or at plain positions where `None`.
+pub fn media_logits_at(
+    model: &dyn CausalLm,
+    ids: &[u32],
+    runs: &[(usize, peregrine_tensor::Tensor)],
+    both_ways: bool,
+    grid: Option<(usize, usize)>,
+) -> peregrine_tensor::Tensor {
     let mut cache = SequenceCache::new(&model.cache_spec(), &KvOptions::default());
     let mut ends: Vec<usize> = runs.iter().map(|(s, r)| s + r.dim(0).unwrap()).collect();
     ends.pop();
@@ -79,7 +91,7 @@ pub fn media_logits(
                 offset: s - from,
                 rows,
                 both_ways,
-                grid: None,
+                grid,
             });
         let mut batch = [peregrine_models::BatchSeq {
             tokens: &ids[from..end],

@@ -1,0 +1,111 @@
+//! Qwen3-VL with a picture against transformers' f32 reference on the tiny random VLM fixture
+//! (`tests/fixtures/vlm/qwen3_vl`, made by scripts/fixtures/make_vlm_qwen3.py): Qwen2-VL's
+//! processor with patch 16 and mean / std 0.5, the tower's learned position table resampled
+//! to the 6×8 patch grid, its LayerNorm blocks and axial rope, the merger and two DeepStack
+//! mergers, whose rows the Qwen3 text model adds after its layers 0 and 1; the picture at
+//! interleaved M-RoPE positions.
+//!
+//! Tolerances: pixel values 1e-5 (the same 8-bit levels through the same f32 arithmetic); logits
+//! 1e-3 max abs, as tests/golden.rs (weights stored in bf16, both sides compute in f32).
+
+mod common;
+
+use peregrine_models::vision::{ImageRun, decode_image, load_vision};
+use peregrine_models::{KvOptions, LoadOptions, SequenceCache, load_model};
+use peregrine_tensor::candle::safetensors::load;
+use peregrine_tensor::ops::max_abs_diff;
+use peregrine_tensor::{DType, Device, Tensor};
+
+#[test]
+fn logits_with_the_picture_match_transformers() {
+    let dir = common::fixture("vlm/qwen3_vl/hf");
+    let model = load_model(&dir, &LoadOptions::default())
+        .expect("text model loads")
+        .model;
+    let vision = (load_vision(&dir, &Device::Cpu).unwrap()).expect("a vision tower");
+    let r = load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
+    let u32s = |t: &Tensor| t.to_dtype(DType::U32).unwrap().to_vec1::<u32>().unwrap();
+    let ids = u32s(&r["input_ids"]);
+    let png = std::fs::read(common::fixture("vlm/qwen3_vl/image.png")).unwrap();
+    let input = vision
+        .preprocess(&decode_image(&png, &Default::default()).unwrap())
+        .unwrap();
+    let pixel_diff = max_abs_diff(&input.tiles, &r["pixel_values"]).unwrap();
+    eprintln!("pixel values: max abs diff {pixel_diff:.2e}");
+    assert!(pixel_diff < 1e-5, "{pixel_diff}");
+    assert_eq!(u32s(&r["image_grid_thw"].flatten_all().unwrap()), [1, 6, 8]);
+    let grid = (3, 4);
+    let runs = vision.runs(&input);
+    assert_eq!(
+        runs,
+        [ImageRun {
+            len: 12,
+            grid: Some(grid)
+        }]
+    );
+
+    // The merged rows and the two DeepStack mergers' beside them.
+    let rows = vision.encode(&input).unwrap();
+    let hidden = model.config().hidden_size;
+    assert_eq!(rows.dims(), [12, 3 * hidden]);
+    let types = u32s(&r["mm_token_type_ids"]);
+    let first = types.iter().position(|&t| t == 1).expect("image tokens");
+    let logits = |rows: &Tensor, grid| {
+        let runs = [(first, rows.clone())];
+        common::media_logits_at(model.as_ref(), &ids, &runs, false, grid)
+    };
+    let diff = max_abs_diff(&logits(&rows, Some(grid)), &r["logits"]).unwrap();
+    eprintln!("logits: max abs diff {diff:.2e}");
+    assert!(diff < 1e-3, "{diff}");
+
+    // The comparison can fail: without DeepStack's rows, or at plain positions.
+    let merged_only = rows.narrow(1, 0, hidden).unwrap();
+    let without = max_abs_diff(&logits(&merged_only, Some(grid)), &r["logits"]).unwrap();
+    let plain = max_abs_diff(&logits(&rows, None), &r["logits"]).unwrap();
+    eprintln!("without DeepStack: {without:.2e}; plain positions: {plain:.2e}");
+    assert!(without > 1e-2 && plain > 1e-2, "{without} {plain}");
+}
+
+/// Decoding past the picture (positions shifted by it) gives transformers' greedy tokens.
+#[test]
+fn greedy_continuation_past_the_picture() {
+    let dir = common::fixture("vlm/qwen3_vl/hf");
+    let model = load_model(&dir, &LoadOptions::default()).unwrap().model;
+    let vision = load_vision(&dir, &Device::Cpu).unwrap().unwrap();
+    let r = load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
+    let u32s = |t: &Tensor| t.to_dtype(DType::U32).unwrap().to_vec1::<u32>().unwrap();
+    let ids = u32s(&r["input_ids"]);
+    let png = std::fs::read(common::fixture("vlm/qwen3_vl/image.png")).unwrap();
+    let input = vision
+        .preprocess(&decode_image(&png, &Default::default()).unwrap())
+        .unwrap();
+    let rows = vision.encode(&input).unwrap();
+    let first = u32s(&r["mm_token_type_ids"])
+        .iter()
+        .position(|&t| t == 1)
+        .unwrap();
+    let mut cache = SequenceCache::new(&model.cache_spec(), &KvOptions::default());
+    let mut batch = [peregrine_models::BatchSeq {
+        tokens: &ids,
+        cache: &mut cache,
+        logits: peregrine_models::Logits::Last,
+        media: Some(peregrine_models::Media {
+            offset: first,
+            rows: &rows,
+            both_ways: false,
+            grid: Some((3, 4)),
+        }),
+    }];
+    let last = model.forward_batch(&mut batch).unwrap();
+    let mut logits = last.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let want = u32s(&r["greedy_ids"]);
+    let mut got = Vec::new();
+    for _ in 0..want.len() {
+        let next = (0..logits.len())
+            .max_by(|&a, &b| logits[a].total_cmp(&logits[b]).then(b.cmp(&a)))
+            .unwrap() as u32;
+        got.push(next);
+        model.decode(next, &mut cache, &mut logits).unwrap();
+    }
+    assert_eq!(got, want);
+}
