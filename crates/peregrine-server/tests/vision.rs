@@ -114,6 +114,12 @@ fn qwen3_vl_answers_as_transformers_does() {
     answer_matches_transformers("qwen3_vl");
 }
 
+/// Qwen3.5: Qwen3-VL's tower without DeepStack before the hybrid (gated delta-net) text model.
+#[test]
+fn qwen3_5_answers_as_transformers_does() {
+    answer_matches_transformers("qwen3_5");
+}
+
 /// Qwen2-VL: the same prompt form and text model, its own tower.
 #[test]
 fn qwen2_vl_answers_as_transformers_does() {

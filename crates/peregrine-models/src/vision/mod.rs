@@ -164,6 +164,8 @@ pub fn load_vision(dir: &Path, device: &Device) -> Result<Option<Arc<dyn ImageEn
         "qwen2_5_vl" => &["qwen2_5_vl_vision", ""],
         "qwen2_vl" => &["qwen2_vl_vision", ""],
         "qwen3_vl" => &["qwen3_vl_vision", "qwen3_vl"],
+        "qwen3_5" => &["qwen3_5_vision", "qwen3_5"],
+        "qwen3_5_moe" => &["qwen3_5_moe_vision", "qwen3_5_moe"],
         "mistral3" => &["pixtral"],
         "gemma4" => &["gemma4_vision"],
         _ => {
@@ -171,8 +173,8 @@ pub fn load_vision(dir: &Path, device: &Device) -> Result<Option<Arc<dyn ImageEn
                 &config_path,
                 format!(
                     "`{model_type}` vision-language checkpoints are not supported yet (Gemma 3, \
-                     SmolVLM's `idefics3` and `smolvlm`, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Mistral \
-                     3 and Gemma 4 are)"
+                     SmolVLM's `idefics3` and `smolvlm`, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, \
+                     Mistral 3 and Gemma 4 are)"
                 ),
             ));
         }
@@ -195,7 +197,7 @@ pub fn load_vision(dir: &Path, device: &Device) -> Result<Option<Arc<dyn ImageEn
     );
     let encoder: Arc<dyn ImageEncoder> = match model_type {
         "gemma3" => Arc::new(gemma3::Gemma3Vision::load(dir, &fields, &weights)?),
-        "qwen2_5_vl" | "qwen2_vl" | "qwen3_vl" => {
+        "qwen2_5_vl" | "qwen2_vl" | "qwen3_vl" | "qwen3_5" | "qwen3_5_moe" => {
             Arc::new(qwen2_vl::QwenVlVision::load(dir, &fields, &weights)?)
         }
         "mistral3" => Arc::new(mistral3::Mistral3Vision::load(dir, &fields, &weights)?),

@@ -263,7 +263,8 @@ impl QwenVlVision {
             .object("vision_config")?
             .ok_or_else(|| fields.err("missing `vision_config`".into()))?;
         let qwen3 = match fields.opt_str("model_type")? {
-            Some("qwen3_vl") => Some(Qwen3VisionConfig::from_fields(&vision)?),
+            Some("qwen3_vl") => Some(Qwen3VisionConfig::from_fields(&vision, &[8, 16, 24])?),
+            Some("qwen3_5" | "qwen3_5_moe") => Some(Qwen3VisionConfig::from_fields(&vision, &[])?),
             _ => None,
         };
         let config = match (fields.opt_str("model_type")?, &qwen3) {

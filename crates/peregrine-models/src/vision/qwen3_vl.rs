@@ -1,4 +1,5 @@
-//! Qwen3-VL's vision tower (`Qwen3VLVisionModel`):
+//! Qwen3-VL's vision tower (`Qwen3VLVisionModel`), also Qwen3.5's (`Qwen3_5VisionModel`: the
+//! same without DeepStack):
 //! <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen3_vl/modeling_qwen3_vl.py>
 //! with the position helpers of transformers' `vision_utils.py`.
 //!
@@ -36,8 +37,9 @@ pub struct Qwen3VisionConfig {
 
 impl Qwen3VisionConfig {
     /// Reads a `vision_config` (transformers' `Qwen3VLVisionConfig` defaults where a key is
-    /// absent).
-    pub fn from_fields(f: &Fields) -> Result<Self> {
+    /// absent; `deepstack` stands for an absent `deepstack_visual_indexes`: Qwen3-VL's
+    /// `[8, 16, 24]`, none for Qwen3.5's tower, which has no DeepStack).
+    pub fn from_fields(f: &Fields, deepstack: &[usize]) -> Result<Self> {
         check_input(f, "gelu_pytorch_tanh")?;
         let depth = f.opt_usize("depth")?.unwrap_or(27);
         let base = Qwen25VisionConfig {
@@ -57,7 +59,7 @@ impl Qwen3VisionConfig {
         base.check_heads(f)?;
         let deepstack = match f.contains("deepstack_visual_indexes") {
             true => f.usize_list("deepstack_visual_indexes")?,
-            false => vec![8, 16, 24],
+            false => deepstack.to_vec(),
         };
         let positions = f.opt_usize("num_position_embeddings")?.unwrap_or(2304);
         let side = (positions as f64).sqrt() as usize;
