@@ -130,8 +130,12 @@ const TEXT_MODELS: &[(&str, &[(&str, &str)])] = &[
     ("smolvlm", TEXT_MODEL),
 ];
 
-/// Where Idefics3 (SmolVLM, SmolVLM 2) keeps its language model.
-const TEXT_MODEL: &[(&str, &str)] = &[("model.text_model.", "model.")];
+/// Where Idefics3 (SmolVLM, SmolVLM 2) keeps its language model (HF's, then mlx-vlm's).
+const TEXT_MODEL: &[(&str, &str)] = &[
+    ("model.text_model.", "model."),
+    ("language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+];
 
 /// Where HF and MLX keep a multimodal checkpoint's language model.
 const LANGUAGE_MODEL: &[(&str, &str)] = &[

@@ -31,7 +31,7 @@ use peregrine_tensor::nn::ops::softmax_last_dim;
 use peregrine_tensor::{DType, Device, Tensor};
 
 use crate::config::{Fields, read_json_object};
-use crate::weights::{SafetensorsFiles, Source, Weights};
+use crate::weights::{MlxActivations, MlxQuantization, SafetensorsFiles, Source, Weights};
 use crate::{ModelError, Result};
 pub use image::{ImageLimits, MediaError, RgbImage, decode_image};
 pub use mmproj::load_mmproj;
@@ -143,6 +143,17 @@ pub(crate) fn token_names<const N: usize>(
     Ok(out)
 }
 
+/// Where mlx-vlm's conversions keep the towers and projectors, and where the loaders look for
+/// them (HF's names): Qwen's `visual`, Pixtral's `vision_tower`, Idefics3's `model.vision_model`
+/// and `model.connector`. The convolution kernels mlx-vlm stores channels-last are turned back
+/// as they are read ([`Weights::tensor`]).
+const MLX_VLM_NAMES: [(&str, &str); 4] = [
+    ("vision_tower.", "visual."),
+    ("vision_tower.vision_model.", "vision_tower."),
+    ("vision_model.", "model.vision_model."),
+    ("connector.", "model.connector."),
+];
+
 /// The vision tower of the HF checkpoint folder `dir`, when its `config.json` has a
 /// `vision_config`; `None` for text models, GGUF files and other paths.
 pub fn load_vision(dir: &Path, device: &Device) -> Result<Option<Arc<dyn ImageEncoder>>> {
@@ -161,8 +172,8 @@ pub fn load_vision(dir: &Path, device: &Device) -> Result<Option<Arc<dyn ImageEn
         "gemma3" => &["siglip_vision_model"],
         "idefics3" => &["idefics3_vision"],
         "smolvlm" => &["smolvlm_vision"],
-        "qwen2_5_vl" => &["qwen2_5_vl_vision", ""],
-        "qwen2_vl" => &["qwen2_vl_vision", ""],
+        "qwen2_5_vl" => &["qwen2_5_vl_vision", "qwen2_5_vl", ""],
+        "qwen2_vl" => &["qwen2_vl_vision", "qwen2_vl", ""],
         "qwen3_vl" => &["qwen3_vl_vision", "qwen3_vl"],
         "qwen3_5" => &["qwen3_5_vision", "qwen3_5"],
         "qwen3_5_moe" => &["qwen3_5_moe_vision", "qwen3_5_moe"],
@@ -189,12 +200,19 @@ pub fn load_vision(dir: &Path, device: &Device) -> Result<Option<Arc<dyn ImageEn
             ),
         ));
     }
-    let files = SafetensorsFiles::open_dir(dir)?;
+    let mut files = SafetensorsFiles::open_dir(dir)?;
+    let mut mlx = MlxQuantization::from_config(&config_path, &map)?;
+    for (from, to) in MLX_VLM_NAMES {
+        files.alias_prefix(from, to);
+        mlx.iter_mut().for_each(|q| q.alias_prefix(from, to));
+    }
+    // A quantized projector (mlx-vlm quantizes SmolVLM's connector) runs on dequantized weights.
     let weights = Weights::new(
         Source::Safetensors(files),
         device.clone(),
         compute_dtype(device),
-    );
+    )
+    .with_mlx(mlx, MlxActivations::F32);
     let encoder: Arc<dyn ImageEncoder> = match model_type {
         "gemma3" => Arc::new(gemma3::Gemma3Vision::load(dir, &fields, &weights)?),
         "qwen2_5_vl" | "qwen2_vl" | "qwen3_vl" | "qwen3_5" | "qwen3_5_moe" => {

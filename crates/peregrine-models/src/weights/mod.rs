@@ -63,6 +63,27 @@ fn row_ranges(parts: &[usize]) -> Vec<(usize, usize)> {
         .collect()
 }
 
+/// A convolution kernel `t` stored channels-last, as MLX conversions store them (`[out, …,
+/// in]`: mlx-vlm's towers), turned to the `[out, in, …]` that `shape` asks for; any other
+/// tensor as it is.
+fn channels_first(t: Tensor, shape: &[usize]) -> Result<Tensor> {
+    let dims = t.dims();
+    let rank = dims.len();
+    if rank < 4 || dims == shape || shape.len() != rank {
+        return Ok(t);
+    }
+    let moved: Vec<usize> = [shape[0]]
+        .into_iter()
+        .chain(shape[2..].iter().copied())
+        .chain([shape[1]])
+        .collect();
+    if dims != moved {
+        return Ok(t);
+    }
+    let order: Vec<usize> = [0, rank - 1].into_iter().chain(1..rank - 1).collect();
+    Ok(t.permute(order)?.contiguous()?)
+}
+
 /// Where the tensors come from.
 pub enum Source {
     /// One or more safetensors files (sharded checkpoints).
@@ -249,6 +270,7 @@ impl Weights {
             Source::Safetensors(s) => s.load(name, &self.device)?,
             Source::Gguf(g) => g.qtensor(name, &self.device)?.dequantize(&self.device)?,
         };
+        let t = channels_first(t, shape)?;
         self.check_shape(name, t.dims(), shape)?;
         Ok(t)
     }
