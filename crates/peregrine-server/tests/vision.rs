@@ -120,6 +120,22 @@ fn qwen3_5_answers_as_transformers_does() {
     answer_matches_transformers("qwen3_5");
 }
 
+/// An MLX checkpoint as mlx-vlm converts one (4-bit language model, the tower under its
+/// names, its own tokenizer and processor files), computing as mlx-lm does: its answer against
+/// transformers on the dequantized weights.
+#[test]
+fn an_mlx_vlm_conversion_answers_as_its_reference() {
+    for family in ["qwen3_vl", "smolvlm"] {
+        let dir = vlm(family);
+        let args = ["--mlx-activations", "f32"];
+        let server = Server::start_model(&dir.join("mlx-q4-g32"), &args);
+        let png = std::fs::read(dir.join("image.png")).unwrap();
+        let reply = server.post(CHAT, &ask(&data_url(&png)));
+        assert_eq!(reply.status, 200, "{family}: {}", reply.body);
+        support::check_first_logprob_of(&dir, "mlx-q4-g32", &reply.json());
+    }
+}
+
 /// Qwen2-VL: the same prompt form and text model, its own tower.
 #[test]
 fn qwen2_vl_answers_as_transformers_does() {

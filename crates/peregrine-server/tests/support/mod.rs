@@ -273,10 +273,23 @@ pub use repo::real_model;
 /// logits (the head's padding rows are never drawn, so they hold no probability). Returns the
 /// prompt's length and that log-probability.
 pub fn check_first_logprob(dir: &std::path::Path, body: &Value) -> (usize, f64) {
+    check_first_logprob_of(dir, "hf", body)
+}
+
+/// [`check_first_logprob`] against the logits and greedy ids of the fixture's folder `variant`
+/// (an MLX conversion's, whose prompt is the `hf` folder's).
+pub fn check_first_logprob_of(dir: &std::path::Path, variant: &str, body: &Value) -> (usize, f64) {
     use peregrine_engine::tensor::candle::safetensors::load;
     use peregrine_engine::tensor::nn::ops::log_softmax;
     use peregrine_engine::tensor::{D, DType, Device};
-    let r = load(dir.join("hf/reference.safetensors"), &Device::Cpu).unwrap();
+    let mut r = load(dir.join("hf/reference.safetensors"), &Device::Cpu).unwrap();
+    r.extend(
+        load(
+            dir.join(variant).join("reference.safetensors"),
+            &Device::Cpu,
+        )
+        .unwrap(),
+    );
     let u32s = |name: &str| {
         r[name]
             .to_dtype(DType::U32)
