@@ -45,6 +45,7 @@ fn check(family: &str) {
         .unwrap();
     let rows = vision.encode(&input).unwrap();
     let token = image_token(&dir);
+    let both_ways = vision.prompt().both_ways;
     // Each run of image tokens in the prompt takes the next rows.
     let (mut runs, mut at, mut used, mut grid) = (Vec::new(), 0, 0, None);
     for ImageRun { len, grid: g } in vision.runs(&input) {
@@ -54,8 +55,9 @@ fn check(family: &str) {
         runs.push((start, rows.narrow(0, used, len).unwrap()));
         (at, used, grid) = (start + len, used + len, g);
     }
-    let logits =
-        |runs: &[(usize, Tensor)]| common::media_logits_at(model.as_ref(), &ids, runs, false, grid);
+    let logits = |runs: &[(usize, Tensor)]| {
+        common::media_logits_at(model.as_ref(), &ids, runs, both_ways, grid)
+    };
     let diff = max_abs_diff(&logits(&runs), &r["logits"]).unwrap();
     eprintln!("{family} MLX 4-bit: max abs diff {diff:.2e}");
     assert!(diff < 1e-3, "{family}: {diff}");
@@ -101,6 +103,12 @@ fn qwen3_5() {
 #[test]
 fn smolvlm() {
     check("smolvlm");
+}
+
+/// Gemma 3: the picture seen both ways, Gemma's norms as mlx-vlm keeps them.
+#[test]
+fn gemma3() {
+    check("gemma3");
 }
 
 #[test]
