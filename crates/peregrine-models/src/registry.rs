@@ -83,7 +83,8 @@ const ARCHITECTURES: &[(&str, Configure, Build)] = &[
 ];
 
 /// Names registered under another one: Gemma 3's text-only HF checkpoints are `gemma3_text`
-/// (its GGUF architecture is `gemma3`); llama.cpp calls Qwen3-MoE `qwen3moe` and DeepSeek-V2/V3
+/// (its GGUF architecture is `gemma3`); llama.cpp calls Qwen3-MoE `qwen3moe`, Qwen2(.5)-VL's text
+/// model `qwen2vl` and DeepSeek-V2/V3
 /// `deepseek2`; Qwen3.5 (dense and MoE) is Qwen3-Next's decoder with its projections apart;
 /// multimodal `gemma4` and `qwen3_5` checkpoints load their text model ([`TEXT_MODELS`]), and
 /// SmolVLM's `idefics3` and SmolVLM 2's `smolvlm` their llama, Qwen2-VL, Qwen2.5-VL and
@@ -100,6 +101,7 @@ const ALIASES: &[(&str, &str)] = &[
     ("qwen2_audio", "qwen2"),
     ("qwen2_vl", "qwen2"),
     ("qwen2_vl_text", "qwen2"),
+    ("qwen2vl", "qwen2"),
     ("qwen3_5", "qwen3_next"),
     ("qwen3_5_moe", "qwen3_next"),
     ("qwen3_5_moe_text", "qwen3_next"),

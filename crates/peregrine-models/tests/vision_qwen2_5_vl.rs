@@ -21,7 +21,7 @@ use std::path::Path;
 
 use peregrine_models::config::{Fields, read_json_object};
 use peregrine_models::vision::qwen2_5_vl::{Qwen25VisionConfig, Qwen25VisionTower};
-use peregrine_models::vision::{ImageRun, decode_image, load_vision};
+use peregrine_models::vision::{ImageRun, decode_image, load_mmproj, load_vision};
 use peregrine_models::weights::{SafetensorsFiles, Source, Weights};
 use peregrine_models::{
     BatchSeq, CausalLm, KvOptions, LoadOptions, Logits, Media, SequenceCache, load_model,
@@ -285,6 +285,38 @@ fn check_logits(f: &Vlm) {
     let plain = max_abs(&f.logits(&mut f.cache(), &[], None), &f.logits);
     eprintln!("plain positions: max abs diff {plain:.2e}");
     assert!(plain > 1e-2, "{plain}");
+}
+
+/// llama.cpp's files of the Qwen2.5-VL and Qwen2-VL fixtures (scripts/fixtures/make_mmproj.py,
+/// its own converter): the text model as `qwen2vl` (M-RoPE sections in the metadata, bf16: the
+/// fixtures' numbers) and the projector file with the tower's `qkv` and Conv3d split (f32).
+/// Together they give transformers' logits as the HF folders do.
+#[test]
+fn llama_cpp_files_with_the_mmproj_match_transformers() {
+    for family in ["qwen2_5_vl", "qwen2_vl"] {
+        let hf = vlm_from(&common::fixture(&format!("vlm/{family}/hf")), family);
+        let gguf = common::fixture(&format!("vlm/{family}/gguf"));
+        let model = load_model(&gguf.join("model-bf16.gguf"), &LoadOptions::default())
+            .expect("the qwen2vl GGUF loads")
+            .model;
+        let vision = load_mmproj(&gguf.join("mmproj-f32.gguf"), &Device::Cpu).expect("the mmproj");
+        let png = std::fs::read(common::fixture(&format!("vlm/{family}/image.png"))).unwrap();
+        let input = vision
+            .preprocess(&decode_image(&png, &Default::default()).unwrap())
+            .unwrap();
+        assert_eq!(
+            vision.runs(&input),
+            [ImageRun {
+                len: 12,
+                grid: Some((3, 4))
+            }]
+        );
+        let rows = vision.encode(&input).unwrap();
+        let diff = max_abs(&rows, &hf.rows);
+        eprintln!("{family} mmproj rows vs the HF tower's: {diff:.2e}");
+        assert!(diff < TOLERANCE, "{diff}");
+        check_logits(&Vlm { model, rows, ..hf });
+    }
 }
 
 /// Generation past the image (decode steps at shifted positions) gives transformers' greedy

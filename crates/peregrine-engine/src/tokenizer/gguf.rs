@@ -83,7 +83,23 @@ pub(super) fn load(md: &HashMap<String, Value>) -> Result<Tokenizer, TokenizerEr
         "gpt2" => gguf_bpe::build(md, &vocab)?,
         _ => gguf_spm::build(md, &vocab, unk_id(md, n)?)?,
     };
-    Ok(specials.build(inner))
+    let mut tokenizer = specials.build(inner);
+    tokenizer.vocab_size -= unused_tail(md)?;
+    Ok(tokenizer)
+}
+
+/// How many tokens at the end of the list are typed unused (5): the `[PADn]` entries llama.cpp's
+/// converter adds to fill the embedding's padded rows (Qwen's). They stay outside the vocabulary
+/// generation draws from, as the rows past an HF tokenizer's ids do.
+fn unused_tail(md: &HashMap<String, Value>) -> Result<usize, TokenizerError> {
+    let Some(types) = array(md, KEY_TYPES)? else {
+        return Ok(0);
+    };
+    Ok(types
+        .iter()
+        .rev()
+        .take_while(|v| integer(v) == Some(5))
+        .count())
 }
 
 /// The unknown-token id for SentencePiece vocabularies (llama.cpp default 0).

@@ -53,6 +53,30 @@ fn gpt2_metadata(pre: &str) -> HashMap<String, Value> {
     md
 }
 
+/// llama.cpp's converter pads Qwen's token list with unused `[PADn]` entries up to the
+/// embedding's rows: they stay outside the vocabulary (generation never draws them, their ids
+/// do not decode), as the rows past an HF tokenizer's ids do.
+#[test]
+fn trailing_unused_tokens_are_padding() {
+    let mut md = gpt2_metadata("qwen2");
+    let push = |md: &mut HashMap<String, Value>, key: &str, value: Value| {
+        if let Some(Value::Array(items)) = md.get_mut(key) {
+            items.push(value);
+        }
+    };
+    for i in 262..266 {
+        push(
+            &mut md,
+            "tokenizer.ggml.tokens",
+            Value::String(format!("[PAD{i}]")),
+        );
+        push(&mut md, "tokenizer.ggml.token_type", Value::I32(5));
+    }
+    let tok = Tokenizer::from_gguf(&md).unwrap();
+    assert_eq!(tok.vocab_size(), 262);
+    assert!(tok.decode(&[263], false).is_err());
+}
+
 fn byte_id(b: u8) -> u32 {
     u32::from(b)
 }

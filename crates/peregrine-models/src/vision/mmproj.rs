@@ -2,11 +2,13 @@
 //! `clip` holding a vision tower and its projector, written by `convert_hf_to_gguf.py --mmproj`
 //! beside the text model's GGUF. Its `clip.vision.*` metadata stands for the HF
 //! `vision_config` and image processor, its `v.*` / `mm.*` tensors for the HF ones
-//! ([`gguf_name`](crate::weights::gguf_name)). Gemma 3's projector is supported.
+//! ([`gguf_name`](crate::weights::gguf_name)). Gemma 3's projector (`gemma3`) and Qwen2-VL's and
+//! Qwen2.5-VL's (`qwen2vl_merger`, `qwen2.5vl_merger`) are supported.
 //!
-//! Preprocessing stays the HF processor's (PIL's bilinear resize to the tower's square, the
-//! file's mean and standard deviation), not llama.cpp's own resampler, so a picture gives the
-//! pixel values transformers would.
+//! Preprocessing stays the HF processor's (Gemma 3: PIL's bilinear resize to the tower's
+//! square; Qwen: the dynamic resolution of `Qwen2VLImageProcessor` with its default pixel
+//! bounds; the file's mean and standard deviation), not llama.cpp's own resampler, so a picture
+//! gives the pixel values transformers would.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -17,11 +19,23 @@ use peregrine_tensor::device::compute_dtype;
 use super::ImageEncoder;
 use super::gemma3::{Gemma3Parts, Gemma3Vision};
 use super::processor::{HALF, PixelSettings};
+use super::qwen2_5_vl::{Qwen25VisionConfig, Qwen25VisionTower, QwenVisionKind};
+use super::qwen2_vl::{CLIP_MEAN, CLIP_STD, Qwen2VlProcessor, QwenVlVision};
 use super::resize::Filter;
 use super::siglip::SiglipConfig;
 use crate::weights::gguf_config::GgufMeta;
 use crate::weights::{GgufFile, Source, Weights};
 use crate::{ModelError, Result};
+
+/// OpenAI CLIP's mean and standard deviation, Qwen's defaults, as f32.
+const CLIP: ([f32; 3], [f32; 3]) = (
+    [
+        CLIP_MEAN[0] as f32,
+        CLIP_MEAN[1] as f32,
+        CLIP_MEAN[2] as f32,
+    ],
+    [CLIP_STD[0] as f32, CLIP_STD[1] as f32, CLIP_STD[2] as f32],
+);
 
 /// The vision tower of the llama.cpp projector file `path`.
 pub fn load_mmproj(path: &Path, device: &Device) -> Result<Arc<dyn ImageEncoder>> {
@@ -50,11 +64,53 @@ pub fn load_mmproj(path: &Path, device: &Device) -> Result<Arc<dyn ImageEncoder>
         Some(p) => p,
         None => meta.opt_str("vision.projector_type")?.unwrap_or_default(),
     };
-    if projector != "gemma3" {
-        return Err(bad(format!(
-            "metadata `clip.projector_type` `{projector}` is not supported yet (Gemma 3's \
-             `gemma3` is)"
-        )));
+    let triple = |key: &str, default: [f32; 3]| -> Result<[f32; 3]> {
+        match meta.opt_f64s(key)?.as_deref() {
+            None => Ok(default),
+            Some(&[a, b, c]) => Ok([a as f32, b as f32, c as f32]),
+            Some(_) => Err(bad(format!("metadata `clip.{key}` must hold 3 numbers"))),
+        }
+    };
+    let weights = |file| Weights::new(Source::Gguf(file), device.clone(), compute_dtype(device));
+    match projector {
+        "gemma3" => {}
+        "qwen2vl_merger" | "qwen2.5vl_merger" => {
+            let kind = match projector {
+                "qwen2vl_merger" => QwenVisionKind::Qwen2,
+                _ => QwenVisionKind::Qwen25,
+            };
+            let (mean, std) = (
+                triple("vision.image_mean", CLIP.0)?,
+                triple("vision.image_std", CLIP.1)?,
+            );
+            // Its own handle on the file: the metadata is still read from this one.
+            let w = weights(GgufFile::open(path)?);
+            let tower = qwen_tower(&meta, &w, kind).map_err(|e| bad(e.to_string()))?;
+            let processor = Qwen2VlProcessor {
+                min_pixels: meta
+                    .opt_usize("vision.image_min_pixels")?
+                    .unwrap_or(56 * 56),
+                max_pixels: meta
+                    .opt_usize("vision.image_max_pixels")?
+                    .unwrap_or(28 * 28 * 1280),
+                patch: tower.config().patch_size,
+                temporal: tower.config().temporal_patch_size,
+                merge: tower.config().spatial_merge_size,
+                pixels: PixelSettings {
+                    filter: Filter::Bicubic,
+                    rescale: 1.0 / 255.0,
+                    mean,
+                    std,
+                },
+            };
+            return Ok(Arc::new(QwenVlVision::from_tower(tower, processor)));
+        }
+        _ => {
+            return Err(bad(format!(
+                "metadata `clip.projector_type` `{projector}` is not supported yet (Gemma 3's \
+                 `gemma3`, Qwen2-VL's `qwen2vl_merger` and Qwen2.5-VL's `qwen2.5vl_merger` are)"
+            )));
+        }
     }
     let config = SiglipConfig {
         hidden_size: meta.usize("vision.embedding_length")?,
@@ -76,13 +132,6 @@ pub fn load_mmproj(path: &Path, device: &Device) -> Result<Arc<dyn ImageEncoder>
     // llama.cpp pools Gemma 3's patches by `scale_factor` per side (4 unless written).
     let scale = (meta.opt_usize("vision.projector.scale_factor")?).unwrap_or(4);
     let per_side = config.patches_per_side() / scale.max(1);
-    let triple = |key: &str, default: [f32; 3]| -> Result<[f32; 3]> {
-        match meta.opt_f64s(key)?.as_deref() {
-            None => Ok(default),
-            Some(&[a, b, c]) => Ok([a as f32, b as f32, c as f32]),
-            Some(_) => Err(bad(format!("metadata `clip.{key}` must hold 3 numbers"))),
-        }
-    };
     let processor = PixelSettings {
         filter: Filter::Bilinear,
         rescale: 1.0 / 255.0,
@@ -97,6 +146,37 @@ pub fn load_mmproj(path: &Path, device: &Device) -> Result<Arc<dyn ImageEncoder>
         processor,
         norm_has_one: true,
     };
-    let weights = Weights::new(Source::Gguf(file), device.clone(), compute_dtype(device));
-    Ok(Arc::new(Gemma3Vision::from_parts(parts, &weights)?))
+    Ok(Arc::new(Gemma3Vision::from_parts(parts, &weights(file))?))
+}
+
+/// Qwen2(.5)-VL's tower from a projector file: its shape from `clip.vision.*` (full attention
+/// every `n_wa_pattern`-th block, windows of `window_size` pixels, 112 when unwritten, as
+/// llama.cpp assumes), the MLP's width from its tensors.
+fn qwen_tower(meta: &GgufMeta, w: &Weights, kind: QwenVisionKind) -> Result<Qwen25VisionTower> {
+    let depth = meta.usize("vision.block_count")?;
+    let up = match kind {
+        QwenVisionKind::Qwen2 => "visual.blocks.0.mlp.fc1.weight",
+        _ => "visual.blocks.0.mlp.up_proj.weight",
+    };
+    let fullatt = match (kind, meta.opt_usize("vision.n_wa_pattern")?) {
+        (QwenVisionKind::Qwen25, Some(n)) if n > 0 => {
+            (0..depth).filter(|i| (i + 1) % n == 0).collect()
+        }
+        _ => (0..depth).collect(),
+    };
+    let config = Qwen25VisionConfig {
+        kind,
+        depth,
+        hidden_size: meta.usize("vision.embedding_length")?,
+        num_heads: meta.usize("vision.attention.head_count")?,
+        intermediate_size: w.dims(up)?[0],
+        patch_size: meta.usize("vision.patch_size")?,
+        temporal_patch_size: 2,
+        spatial_merge_size: meta.opt_usize("vision.spatial_merge_size")?.unwrap_or(2),
+        window_size: meta.opt_usize("vision.window_size")?.unwrap_or(112),
+        fullatt_block_indexes: fullatt,
+        out_hidden_size: meta.usize("vision.projection_dim")?,
+        rope_theta: 10000.0,
+    };
+    Qwen25VisionTower::load(&config, w, "visual")
 }

@@ -292,18 +292,29 @@ impl QwenVlVision {
             Some(c) => Tower::Qwen3(Qwen3VisionTower::load(&c, w, prefix)?),
             None => Tower::Qwen2(Qwen25VisionTower::load(&config, w, prefix)?),
         };
+        Ok(Self::assemble(tower, processor, w.dtype()))
+    }
+
+    /// Qwen2(.5)-VL's `tower` (from a llama.cpp projector file) with `processor`, whose patch,
+    /// merge and temporal sizes it was checked against.
+    pub(crate) fn from_tower(tower: Qwen25VisionTower, processor: Qwen2VlProcessor) -> Self {
+        let dtype = tower.dtype();
+        Self::assemble(Tower::Qwen2(tower), processor, dtype)
+    }
+
+    fn assemble(tower: Tower, processor: Qwen2VlProcessor, dtype: DType) -> Self {
         let prompt = ImagePrompt {
             marker: format!("{VISION_START}{IMAGE_PAD}{VISION_END}"),
             image_token: IMAGE_PAD.to_string(),
             run: 0,
             both_ways: false,
         };
-        Ok(Self {
+        Self {
             tower,
             processor,
             prompt,
-            dtype: w.dtype(),
-        })
+            dtype,
+        }
     }
 
     /// The merged grid (rows, columns) of a picture's patch grid.

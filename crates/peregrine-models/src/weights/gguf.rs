@@ -17,8 +17,11 @@ use crate::{ModelError, Result};
 
 /// The name in a llama.cpp multimodal projector file (`general.architecture` `clip`, what
 /// `--mmproj` reads) of an HF name of Gemma 3's SigLIP tower (`vision_tower.vision_model.`) or
-/// projector (`multi_modal_projector.`).
+/// projector (`multi_modal_projector.`), or of Qwen2(.5)-VL's tower (`visual.`: [`qwen_clip_name`]).
 fn clip_name(hf: &str) -> Option<String> {
+    if let Some(rest) = hf.strip_prefix("visual.") {
+        return qwen_clip_name(rest);
+    }
     if let Some(rest) = hf.strip_prefix("multi_modal_projector.") {
         let name = match rest {
             "mm_input_projection_weight" => "mm.input_projection.weight",
@@ -50,6 +53,45 @@ fn clip_name(hf: &str) -> Option<String> {
         "layer_norm2" => "ln2",
         "mlp.fc1" => "ffn_up",
         "mlp.fc2" => "ffn_down",
+        _ => return None,
+    };
+    Some(format!("v.blk.{layer}.{name}.{kind}"))
+}
+
+/// [`clip_name`] of Qwen2(.5)-VL's `visual.{rest}`. llama.cpp's converter splits the fused
+/// `attn.qkv` into `attn_q` / `attn_k` / `attn_v` (HF-named here `attn.q`, `attn.k`, `attn.v`)
+/// and the Conv3d's two frames into `v.patch_embd.weight` and `.weight.1` (`patch_embed.proj.weight`
+/// and `.weight.1`); the merger's norm is `v.post_ln`, its MLP `mm.0` / `mm.2`.
+fn qwen_clip_name(rest: &str) -> Option<String> {
+    let whole = match rest {
+        "patch_embed.proj.weight" => Some("v.patch_embd.weight"),
+        "patch_embed.proj.weight.1" => Some("v.patch_embd.weight.1"),
+        _ => None,
+    };
+    if let Some(name) = whole {
+        return Some(name.to_string());
+    }
+    let (module, kind) = rest.rsplit_once('.')?;
+    let merger = match module {
+        "merger.ln_q" => Some("v.post_ln"),
+        "merger.mlp.0" => Some("mm.0"),
+        "merger.mlp.2" => Some("mm.2"),
+        _ => None,
+    };
+    if let Some(name) = merger {
+        return Some(format!("{name}.{kind}"));
+    }
+    let (layer, module) = module.strip_prefix("blocks.")?.split_once('.')?;
+    let name = match module {
+        "attn.q" => "attn_q",
+        "attn.k" => "attn_k",
+        "attn.v" => "attn_v",
+        "attn.proj" => "attn_out",
+        "norm1" => "ln1",
+        "norm2" => "ln2",
+        "mlp.gate_proj" => "ffn_gate",
+        "mlp.up_proj" | "mlp.fc1" => "ffn_up",
+        "mlp.down_proj" | "mlp.fc2" => "ffn_down",
         _ => return None,
     };
     Some(format!("v.blk.{layer}.{name}.{kind}"))

@@ -147,6 +147,19 @@ impl GgufMeta<'_> {
     }
 }
 
+/// llama.cpp's `qwen2vl` M-RoPE sections (`rope.dimension_sections`: time, height, width and
+/// an unused fourth), as rotated pairs.
+fn mrope_sections(meta: &GgufMeta) -> Result<Option<[usize; 3]>> {
+    let key = "rope.dimension_sections";
+    match meta.opt_f64s(key)?.as_deref() {
+        None => Ok(None),
+        Some([t, h, w, rest @ ..]) if rest.iter().all(|&x| x == 0.0) => {
+            Ok(Some([*t as usize, *h as usize, *w as usize]))
+        }
+        Some(_) => Err(meta.err(key, "must hold three section sizes (and zeros)")),
+    }
+}
+
 /// Maps GGUF metadata to a [`ModelConfig`].
 pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
     let md = file.metadata();
@@ -278,9 +291,9 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         rope_theta: meta.opt_f64("rope.freq_base")?.unwrap_or(10_000.0),
         rope_scaling,
         partial_rotary_factor: 1.0,
-        // llama.cpp's converter permutes llama q/k weights for GPT-J-style rotation.
-        mrope_sections: None,
+        mrope_sections: mrope_sections(&meta)?,
         mrope_interleaved: false,
+        // llama.cpp's converter permutes llama q/k weights for GPT-J-style rotation.
         rope_style: if arch == "llama" {
             RopeStyle::Interleaved
         } else {
