@@ -84,7 +84,7 @@ const ARCHITECTURES: &[(&str, Configure, Build)] = &[
 
 /// Names registered under another one: Gemma 3's text-only HF checkpoints are `gemma3_text`
 /// (its GGUF architecture is `gemma3`); llama.cpp calls Qwen3-MoE `qwen3moe`, Qwen2(.5)-VL's text
-/// model `qwen2vl` and DeepSeek-V2/V3
+/// model `qwen2vl`, Qwen3-VL's `qwen3vl` / `qwen3vlmoe`, and DeepSeek-V2/V3
 /// `deepseek2`; Qwen3.5 (dense and MoE) is Qwen3-Next's decoder with its projections apart;
 /// multimodal `gemma4` and `qwen3_5` checkpoints load their text model ([`TEXT_MODELS`]), and
 /// SmolVLM's `idefics3` and SmolVLM 2's `smolvlm` their llama, Qwen2-VL, Qwen2.5-VL and
@@ -112,6 +112,8 @@ const ALIASES: &[(&str, &str)] = &[
     ("qwen35moe", "qwen3_next"),
     ("qwen3next", "qwen3_next"),
     ("qwen3moe", "qwen3_moe"),
+    ("qwen3vl", "qwen3"),
+    ("qwen3vlmoe", "qwen3_moe"),
     ("smolvlm", "llama"),
 ];
 

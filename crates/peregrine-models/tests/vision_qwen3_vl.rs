@@ -129,3 +129,41 @@ fn greedy_continuation_past_the_picture() {
     }
     assert_eq!(got, want);
 }
+
+/// llama.cpp's files of the Qwen3-VL and Qwen3.5 fixtures (scripts/fixtures/make_mmproj.py, its
+/// own converter): the text models as `qwen3vl` and `qwen35` (interleaved M-RoPE), the projector
+/// files with the Conv3d split and Qwen3-VL's DeepStack mergers named by their blocks. The
+/// projectors' rows equal the HF towers', and the logits transformers' (Qwen3.5 as its HF
+/// folder gives them: one ill-conditioned position, see above).
+#[test]
+fn llama_cpp_files_with_the_mmproj_match_transformers() {
+    for (family, grid) in [("qwen3_vl", (3, 4)), ("qwen3_5", (4, 3))] {
+        let fixture = |path: &str| common::fixture(&format!("vlm/{family}/{path}"));
+        let gguf = load_model(&fixture("gguf/model-bf16.gguf"), &LoadOptions::default())
+            .expect("the text GGUF loads")
+            .model;
+        let mmproj_path = fixture("gguf/mmproj-f32.gguf");
+        let mmproj =
+            peregrine_models::vision::load_mmproj(&mmproj_path, &Device::Cpu).expect("the mmproj");
+        let hf = load_vision(&fixture("hf"), &Device::Cpu).unwrap().unwrap();
+        let png = std::fs::read(fixture("image.png")).unwrap();
+        let image = decode_image(&png, &Default::default()).unwrap();
+        let rows = mmproj.encode(&mmproj.preprocess(&image).unwrap()).unwrap();
+        let want = hf.encode(&hf.preprocess(&image).unwrap()).unwrap();
+        let diff = max_abs_diff(&rows, &want).unwrap();
+        eprintln!("{family} mmproj rows vs the HF tower's: {diff:.2e}");
+        assert!(diff < 1e-5, "{diff}");
+        let r = load(fixture("hf/reference.safetensors"), &Device::Cpu).unwrap();
+        let u32s = |t: &Tensor| t.to_dtype(DType::U32).unwrap().to_vec1::<u32>().unwrap();
+        let ids = u32s(&r["input_ids"]);
+        let first = u32s(&r["mm_token_type_ids"])
+            .iter()
+            .position(|&t| t == 1)
+            .unwrap();
+        let runs = [(first, rows)];
+        let logits = common::media_logits_at(gguf.as_ref(), &ids, &runs, false, Some(grid));
+        let diff = max_abs_diff(&logits, &r["logits"]).unwrap();
+        eprintln!("{family} GGUF logits: max abs diff {diff:.2e}");
+        assert!(diff < 1e-3, "{diff}");
+    }
+}

@@ -101,19 +101,22 @@ fn gemma3_gguf_with_its_mmproj_takes_images() {
     );
 }
 
-/// llama.cpp's files of the Qwen2.5-VL fixture (scripts/fixtures/make_mmproj.py): the `qwen2vl`
-/// text model's GGUF (its tokenizer, template and M-RoPE sections from the metadata) with the
-/// projector file: the prompt and the first answer token's log-probability are transformers'.
+/// llama.cpp's files of the Qwen VLM fixtures (scripts/fixtures/make_mmproj.py): the text
+/// model's GGUF (`qwen2vl`, `qwen3vl`, `qwen35`: its tokenizer, template and M-RoPE sections from
+/// the metadata) with the projector file: the prompt and the first answer token's
+/// log-probability are transformers'.
 #[test]
-fn qwen2_5_vl_gguf_with_its_mmproj_answers_as_transformers_does() {
-    let dir = vlm("qwen2_5_vl");
-    let mmproj = dir.join("gguf/mmproj-f32.gguf");
-    let args = ["--mmproj", mmproj.to_str().unwrap()];
-    let server = Server::start_model(&dir.join("gguf/model-bf16.gguf"), &args);
-    let png = std::fs::read(dir.join("image.png")).unwrap();
-    let reply = server.post(CHAT, &ask(&data_url(&png)));
-    assert_eq!(reply.status, 200, "{}", reply.body);
-    support::check_first_logprob(&dir, &reply.json());
+fn qwen_ggufs_with_their_mmproj_answer_as_transformers_does() {
+    for family in ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5"] {
+        let dir = vlm(family);
+        let mmproj = dir.join("gguf/mmproj-f32.gguf");
+        let args = ["--mmproj", mmproj.to_str().unwrap()];
+        let server = Server::start_model(&dir.join("gguf/model-bf16.gguf"), &args);
+        let png = std::fs::read(dir.join("image.png")).unwrap();
+        let reply = server.post(CHAT, &ask(&data_url(&png)));
+        assert_eq!(reply.status, 200, "{family}: {}", reply.body);
+        support::check_first_logprob(&dir, &reply.json());
+    }
 }
 
 /// Qwen2.5-VL: a run of image tokens whose length the picture decides, at M-RoPE positions.

@@ -21,6 +21,7 @@ use super::gemma3::{Gemma3Parts, Gemma3Vision};
 use super::processor::{HALF, PixelSettings};
 use super::qwen2_5_vl::{Qwen25VisionConfig, Qwen25VisionTower, QwenVisionKind};
 use super::qwen2_vl::{CLIP_MEAN, CLIP_STD, Qwen2VlProcessor, QwenVlVision};
+use super::qwen3_vl::{Qwen3VisionConfig, Qwen3VisionTower};
 use super::resize::Filter;
 use super::siglip::SiglipConfig;
 use crate::weights::gguf_config::GgufMeta;
@@ -74,18 +75,25 @@ pub fn load_mmproj(path: &Path, device: &Device) -> Result<Arc<dyn ImageEncoder>
     let weights = |file| Weights::new(Source::Gguf(file), device.clone(), compute_dtype(device));
     match projector {
         "gemma3" => {}
-        "qwen2vl_merger" | "qwen2.5vl_merger" => {
-            let kind = match projector {
-                "qwen2vl_merger" => QwenVisionKind::Qwen2,
-                _ => QwenVisionKind::Qwen25,
-            };
+        "qwen2vl_merger" | "qwen2.5vl_merger" | "qwen3vl_merger" => {
             let (mean, std) = (
                 triple("vision.image_mean", CLIP.0)?,
                 triple("vision.image_std", CLIP.1)?,
             );
             // Its own handle on the file: the metadata is still read from this one.
             let w = weights(GgufFile::open(path)?);
-            let tower = qwen_tower(&meta, &w, kind).map_err(|e| bad(e.to_string()))?;
+            let tower = match projector {
+                "qwen3vl_merger" => QwenTower::Qwen3(qwen3_tower(&meta, &w)),
+                "qwen2vl_merger" => QwenTower::Qwen2(qwen_tower(&meta, &w, QwenVisionKind::Qwen2)),
+                _ => QwenTower::Qwen2(qwen_tower(&meta, &w, QwenVisionKind::Qwen25)),
+            };
+            let config = match &tower {
+                QwenTower::Qwen2(Ok(t)) => t.config(),
+                QwenTower::Qwen3(Ok(t)) => &t.config().base,
+                QwenTower::Qwen2(Err(e)) | QwenTower::Qwen3(Err(e)) => {
+                    return Err(bad(e.to_string()));
+                }
+            };
             let processor = Qwen2VlProcessor {
                 min_pixels: meta
                     .opt_usize("vision.image_min_pixels")?
@@ -93,9 +101,9 @@ pub fn load_mmproj(path: &Path, device: &Device) -> Result<Arc<dyn ImageEncoder>
                 max_pixels: meta
                     .opt_usize("vision.image_max_pixels")?
                     .unwrap_or(28 * 28 * 1280),
-                patch: tower.config().patch_size,
-                temporal: tower.config().temporal_patch_size,
-                merge: tower.config().spatial_merge_size,
+                patch: config.patch_size,
+                temporal: config.temporal_patch_size,
+                merge: config.spatial_merge_size,
                 pixels: PixelSettings {
                     filter: Filter::Bicubic,
                     rescale: 1.0 / 255.0,
@@ -103,12 +111,16 @@ pub fn load_mmproj(path: &Path, device: &Device) -> Result<Arc<dyn ImageEncoder>
                     std,
                 },
             };
-            return Ok(Arc::new(QwenVlVision::from_tower(tower, processor)));
+            return Ok(match tower {
+                QwenTower::Qwen2(t) => Arc::new(QwenVlVision::from_tower(t?, processor)),
+                QwenTower::Qwen3(t) => Arc::new(QwenVlVision::from_qwen3_tower(t?, processor)),
+            });
         }
         _ => {
             return Err(bad(format!(
                 "metadata `clip.projector_type` `{projector}` is not supported yet (Gemma 3's \
-                 `gemma3`, Qwen2-VL's `qwen2vl_merger` and Qwen2.5-VL's `qwen2.5vl_merger` are)"
+                 `gemma3`, Qwen2-VL's `qwen2vl_merger`, Qwen2.5-VL's `qwen2.5vl_merger` and \
+                 Qwen3-VL's and Qwen3.5's `qwen3vl_merger` are)"
             )));
         }
     }
@@ -147,6 +159,44 @@ pub fn load_mmproj(path: &Path, device: &Device) -> Result<Arc<dyn ImageEncoder>
         norm_has_one: true,
     };
     Ok(Arc::new(Gemma3Vision::from_parts(parts, &weights(file))?))
+}
+
+/// A Qwen tower read from a projector file, or why it could not be.
+enum QwenTower {
+    Qwen2(Result<Qwen25VisionTower>),
+    Qwen3(Result<Qwen3VisionTower>),
+}
+
+/// Qwen3-VL's (or Qwen3.5's) tower from a projector file: Qwen2-VL's fields, the DeepStack
+/// blocks from `is_deepstack_layers`, the position table's size from its tensor.
+fn qwen3_tower(meta: &GgufMeta, w: &Weights) -> Result<Qwen3VisionTower> {
+    let depth = meta.usize("vision.block_count")?;
+    let deepstack = match meta.opt_bools("vision.is_deepstack_layers")? {
+        Some(flags) => (0..depth)
+            .filter(|&i| flags.get(i) == Some(&true))
+            .collect(),
+        None => Vec::new(),
+    };
+    let base = Qwen25VisionConfig {
+        kind: QwenVisionKind::Qwen3,
+        depth,
+        hidden_size: meta.usize("vision.embedding_length")?,
+        num_heads: meta.usize("vision.attention.head_count")?,
+        intermediate_size: w.dims("visual.blocks.0.mlp.linear_fc1.weight")?[0],
+        patch_size: meta.usize("vision.patch_size")?,
+        temporal_patch_size: 2,
+        spatial_merge_size: meta.opt_usize("vision.spatial_merge_size")?.unwrap_or(2),
+        window_size: 0,
+        fullatt_block_indexes: (0..depth).collect(),
+        out_hidden_size: meta.usize("vision.projection_dim")?,
+        rope_theta: 10000.0,
+    };
+    let config = Qwen3VisionConfig {
+        base,
+        num_position_embeddings: w.dims("visual.pos_embed.weight")?[0],
+        deepstack_visual_indexes: deepstack,
+    };
+    Qwen3VisionTower::load(&config, w, "visual")
 }
 
 /// Qwen2(.5)-VL's tower from a projector file: its shape from `clip.vision.*` (full attention

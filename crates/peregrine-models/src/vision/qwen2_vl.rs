@@ -302,6 +302,12 @@ impl QwenVlVision {
         Self::assemble(Tower::Qwen2(tower), processor, dtype)
     }
 
+    /// [`from_tower`](Self::from_tower) for Qwen3-VL's (or Qwen3.5's) tower.
+    pub(crate) fn from_qwen3_tower(tower: Qwen3VisionTower, processor: Qwen2VlProcessor) -> Self {
+        let dtype = tower.dtype();
+        Self::assemble(Tower::Qwen3(tower), processor, dtype)
+    }
+
     fn assemble(tower: Tower, processor: Qwen2VlProcessor, dtype: DType) -> Self {
         let prompt = ImagePrompt {
             marker: format!("{VISION_START}{IMAGE_PAD}{VISION_END}"),

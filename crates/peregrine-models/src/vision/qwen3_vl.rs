@@ -17,7 +17,7 @@ use peregrine_tensor::{DType, Device, QLinear, Tensor};
 
 use super::qwen2_5_vl::{
     Block, Qwen25VisionConfig, QwenVisionKind, axial_theta, check_input, grid_points, indices,
-    rope_tables,
+    patch_kernel, rope_tables,
 };
 use super::siglip::LayerNorm;
 use crate::Result;
@@ -140,10 +140,7 @@ impl Qwen3VisionTower {
     pub fn load(config: &Qwen3VisionConfig, w: &Weights, prefix: &str) -> Result<Self> {
         let c = &config.base;
         let (h, p, tp) = (c.hidden_size, c.patch_size, c.temporal_patch_size);
-        let kernel = w.tensor(
-            &format!("{prefix}.patch_embed.proj.weight"),
-            &[h, 3, tp, p, p],
-        )?;
+        let kernel = patch_kernel(w, prefix, [h, 3, tp, p, p])?;
         let (dtype, device) = (kernel.dtype(), kernel.device().clone());
         let patch = QLinear::Dense {
             w: kernel.reshape((h, c.patch_values()))?,
@@ -156,14 +153,15 @@ impl Qwen3VisionTower {
         let blocks = (0..c.depth)
             .map(|i| Block::load(w, &format!("{prefix}.blocks.{i}"), c))
             .collect::<Result<_>>()?;
-        let deepstack = (0..config.deepstack_visual_indexes.len())
-            .map(|i| {
-                Merger::load(
-                    w,
-                    &format!("{prefix}.deepstack_merger_list.{i}"),
-                    config,
-                    true,
-                )
+        // HF lists the DeepStack mergers; llama.cpp's projector files name each by its block.
+        let listed = w.contains(&format!("{prefix}.deepstack_merger_list.0.norm.weight"));
+        let deepstack = (config.deepstack_visual_indexes.iter().enumerate())
+            .map(|(i, block)| {
+                let name = match listed {
+                    true => format!("{prefix}.deepstack_merger_list.{i}"),
+                    false => format!("{prefix}.deepstack.{block}"),
+                };
+                Merger::load(w, &name, config, true)
             })
             .collect::<Result<_>>()?;
         Ok(Self {
@@ -186,6 +184,11 @@ impl Qwen3VisionTower {
     /// Where its weights are.
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// The dtype it computes in.
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
     /// `patches: [t · h · w, 3 · temporal · patch²]` (the processor's rows, f32) of one picture

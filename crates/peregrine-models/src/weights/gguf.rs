@@ -58,14 +58,18 @@ fn clip_name(hf: &str) -> Option<String> {
     Some(format!("v.blk.{layer}.{name}.{kind}"))
 }
 
-/// [`clip_name`] of Qwen2(.5)-VL's `visual.{rest}`. llama.cpp's converter splits the fused
-/// `attn.qkv` into `attn_q` / `attn_k` / `attn_v` (HF-named here `attn.q`, `attn.k`, `attn.v`)
-/// and the Conv3d's two frames into `v.patch_embd.weight` and `.weight.1` (`patch_embed.proj.weight`
-/// and `.weight.1`); the merger's norm is `v.post_ln`, its MLP `mm.0` / `mm.2`.
+/// [`clip_name`] of Qwen2(.5)-VL's and Qwen3-VL's `visual.{rest}`. llama.cpp's converter splits
+/// Qwen2(.5)-VL's fused `attn.qkv` into `attn_q` / `attn_k` / `attn_v` (HF-named here `attn.q`,
+/// `attn.k`, `attn.v`; Qwen3-VL's stays `attn_qkv`) and the Conv3d's two frames into
+/// `v.patch_embd.weight` and `.weight.1` (`patch_embed.proj.weight` and `.weight.1`); the
+/// merger's norm is `v.post_ln`, its MLP `mm.0` / `mm.2`; a DeepStack merger is named by the
+/// block it reads (`v.deepstack.{block}`, HF-named `deepstack.{block}`).
 fn qwen_clip_name(rest: &str) -> Option<String> {
     let whole = match rest {
         "patch_embed.proj.weight" => Some("v.patch_embd.weight"),
         "patch_embed.proj.weight.1" => Some("v.patch_embd.weight.1"),
+        "patch_embed.proj.bias" => Some("v.patch_embd.bias"),
+        "pos_embed.weight" => Some("v.position_embd.weight"),
         _ => None,
     };
     if let Some(name) = whole {
@@ -73,25 +77,38 @@ fn qwen_clip_name(rest: &str) -> Option<String> {
     }
     let (module, kind) = rest.rsplit_once('.')?;
     let merger = match module {
-        "merger.ln_q" => Some("v.post_ln"),
-        "merger.mlp.0" => Some("mm.0"),
-        "merger.mlp.2" => Some("mm.2"),
+        "merger.ln_q" | "merger.norm" => Some("v.post_ln"),
+        "merger.mlp.0" | "merger.linear_fc1" => Some("mm.0"),
+        "merger.mlp.2" | "merger.linear_fc2" => Some("mm.2"),
         _ => None,
     };
     if let Some(name) = merger {
         return Some(format!("{name}.{kind}"));
+    }
+    if let Some((layer, part)) = module
+        .strip_prefix("deepstack.")
+        .and_then(|m| m.split_once('.'))
+    {
+        let part = match part {
+            "norm" => "norm",
+            "linear_fc1" => "fc1",
+            "linear_fc2" => "fc2",
+            _ => return None,
+        };
+        return Some(format!("v.deepstack.{layer}.{part}.{kind}"));
     }
     let (layer, module) = module.strip_prefix("blocks.")?.split_once('.')?;
     let name = match module {
         "attn.q" => "attn_q",
         "attn.k" => "attn_k",
         "attn.v" => "attn_v",
+        "attn.qkv" => "attn_qkv",
         "attn.proj" => "attn_out",
         "norm1" => "ln1",
         "norm2" => "ln2",
         "mlp.gate_proj" => "ffn_gate",
-        "mlp.up_proj" | "mlp.fc1" => "ffn_up",
-        "mlp.down_proj" | "mlp.fc2" => "ffn_down",
+        "mlp.up_proj" | "mlp.fc1" | "mlp.linear_fc1" => "ffn_up",
+        "mlp.down_proj" | "mlp.fc2" | "mlp.linear_fc2" => "ffn_down",
         _ => return None,
     };
     Some(format!("v.blk.{layer}.{name}.{kind}"))

@@ -147,7 +147,7 @@ impl GgufMeta<'_> {
     }
 }
 
-/// llama.cpp's `qwen2vl` M-RoPE sections (`rope.dimension_sections`: time, height, width and
+/// llama.cpp's M-RoPE sections (`qwen2vl`, `qwen3vl`, `qwen35`, …) (`rope.dimension_sections`: time, height, width and
 /// an unused fourth), as rotated pairs.
 fn mrope_sections(meta: &GgufMeta) -> Result<Option<[usize; 3]>> {
     let key = "rope.dimension_sections";
@@ -292,7 +292,11 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         rope_scaling,
         partial_rotary_factor: 1.0,
         mrope_sections: mrope_sections(&meta)?,
-        mrope_interleaved: false,
+        // llama.cpp turns these by its interleaved M-RoPE (Qwen3-VL's layout).
+        mrope_interleaved: matches!(
+            arch.as_str(),
+            "qwen3vl" | "qwen3vlmoe" | "qwen35" | "qwen35moe"
+        ),
         // llama.cpp's converter permutes llama q/k weights for GPT-J-style rotation.
         rope_style: if arch == "llama" {
             RopeStyle::Interleaved
