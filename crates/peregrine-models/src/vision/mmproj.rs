@@ -2,11 +2,13 @@
 //! `clip` holding a vision tower and its projector, written by `convert_hf_to_gguf.py --mmproj`
 //! beside the text model's GGUF. Its `clip.vision.*` metadata stands for the HF
 //! `vision_config` and image processor, its `v.*` / `mm.*` tensors for the HF ones
-//! ([`gguf_name`](crate::weights::gguf_name)). Gemma 3's projector (`gemma3`) and Qwen2-VL's and
-//! Qwen2.5-VL's (`qwen2vl_merger`, `qwen2.5vl_merger`) are supported.
+//! ([`gguf_name`](crate::weights::gguf_name)). Gemma 3's projector (`gemma3`), SmolVLM's
+//! (`idefics3`) and the Qwen VLs' (`qwen2vl_merger`, `qwen2.5vl_merger`, `qwen3vl_merger`: Qwen2-VL,
+//! Qwen2.5-VL, Qwen3-VL, Qwen3.5) are supported.
 //!
 //! Preprocessing stays the HF processor's (Gemma 3: PIL's bilinear resize to the tower's
-//! square; Qwen: the dynamic resolution of `Qwen2VLImageProcessor` with its default pixel
+//! square; SmolVLM: Lanczos to the file's `preproc_image_size`, then tiles of the tower's size;
+//! Qwen: the dynamic resolution of `Qwen2VLImageProcessor` with its default pixel
 //! bounds; the file's mean and standard deviation), not llama.cpp's own resampler, so a picture
 //! gives the pixel values transformers would.
 
@@ -18,6 +20,8 @@ use peregrine_tensor::device::compute_dtype;
 
 use super::ImageEncoder;
 use super::gemma3::{Gemma3Parts, Gemma3Vision};
+use super::idefics3::Idefics3Processor;
+use super::smolvlm::SmolVlmVision;
 use super::processor::{HALF, PixelSettings};
 use super::qwen2_5_vl::{Qwen25VisionConfig, Qwen25VisionTower, QwenVisionKind};
 use super::qwen2_vl::{CLIP_MEAN, CLIP_STD, Qwen2VlProcessor, QwenVlVision};
@@ -75,6 +79,36 @@ pub fn load_mmproj(path: &Path, device: &Device) -> Result<Arc<dyn ImageEncoder>
     let weights = |file| Weights::new(Source::Gguf(file), device.clone(), compute_dtype(device));
     match projector {
         "gemma3" => {}
+        "idefics3" => {
+            let config = siglip_config(&meta).map_err(|e| bad(e.to_string()))?;
+            let scale = meta.opt_usize("vision.projector.scale_factor")?.unwrap_or(2);
+            let side = config.patches_per_side();
+            if scale == 0 || !side.is_multiple_of(scale) {
+                return Err(bad(format!(
+                    "metadata `clip.vision.projector.scale_factor` {scale} must divide the {side} \
+                     patches per side"
+                )));
+            }
+            let tile = config.image_size;
+            let processor = Idefics3Processor {
+                do_resize: true,
+                longest_edge: meta.opt_usize("vision.preproc_image_size")?.unwrap_or(4 * tile),
+                tile,
+                split: true,
+                pixels: PixelSettings {
+                    filter: Filter::Lanczos,
+                    rescale: 1.0 / 255.0,
+                    mean: triple("vision.image_mean", HALF.0)?,
+                    std: triple("vision.image_std", HALF.1)?,
+                },
+                image_seq_len: side * side / (scale * scale),
+            };
+            let w = weights(GgufFile::open(path)?);
+            let text = w.dims("model.connector.modality_projection.proj.weight")?[0];
+            let parts = (&w, "model.vision_model");
+            let vision = SmolVlmVision::from_parts(config, scale, processor, parts, text);
+            return Ok(Arc::new(vision.map_err(|e| bad(e.to_string()))?));
+        }
         "qwen2vl_merger" | "qwen2.5vl_merger" | "qwen3vl_merger" => {
             let (mean, std) = (
                 triple("vision.image_mean", CLIP.0)?,
@@ -119,28 +153,12 @@ pub fn load_mmproj(path: &Path, device: &Device) -> Result<Arc<dyn ImageEncoder>
         _ => {
             return Err(bad(format!(
                 "metadata `clip.projector_type` `{projector}` is not supported yet (Gemma 3's \
-                 `gemma3`, Qwen2-VL's `qwen2vl_merger`, Qwen2.5-VL's `qwen2.5vl_merger` and \
-                 Qwen3-VL's and Qwen3.5's `qwen3vl_merger` are)"
+                 `gemma3`, SmolVLM's `idefics3`, Qwen2-VL's `qwen2vl_merger`, Qwen2.5-VL's \
+                 `qwen2.5vl_merger` and Qwen3-VL's and Qwen3.5's `qwen3vl_merger` are)"
             )));
         }
     }
-    let config = SiglipConfig {
-        hidden_size: meta.usize("vision.embedding_length")?,
-        intermediate_size: meta.usize("vision.feed_forward_length")?,
-        layers: meta.usize("vision.block_count")?,
-        heads: meta.usize("vision.attention.head_count")?,
-        image_size: meta.usize("vision.image_size")?,
-        patch_size: meta.usize("vision.patch_size")?,
-        eps: (meta.opt_f64("vision.attention.layer_norm_epsilon")?).unwrap_or(1e-6),
-    };
-    if config.patch_size == 0
-        || config.heads == 0
-        || !config.image_size.is_multiple_of(config.patch_size)
-    {
-        return Err(bad(
-            "metadata `clip.vision.*`: patch size, heads or image size do not fit".into(),
-        ));
-    }
+    let config = siglip_config(&meta).map_err(|e| bad(e.to_string()))?;
     // llama.cpp pools Gemma 3's patches by `scale_factor` per side (4 unless written).
     let scale = (meta.opt_usize("vision.projector.scale_factor")?).unwrap_or(4);
     let per_side = config.patches_per_side() / scale.max(1);
@@ -159,6 +177,29 @@ pub fn load_mmproj(path: &Path, device: &Device) -> Result<Arc<dyn ImageEncoder>
         norm_has_one: true,
     };
     Ok(Arc::new(Gemma3Vision::from_parts(parts, &weights(file))?))
+}
+
+/// A SigLIP tower's shape from `clip.vision.*` (Gemma 3's, SmolVLM's).
+fn siglip_config(meta: &GgufMeta) -> Result<SiglipConfig> {
+    let config = SiglipConfig {
+        hidden_size: meta.usize("vision.embedding_length")?,
+        intermediate_size: meta.usize("vision.feed_forward_length")?,
+        layers: meta.usize("vision.block_count")?,
+        heads: meta.usize("vision.attention.head_count")?,
+        image_size: meta.usize("vision.image_size")?,
+        patch_size: meta.usize("vision.patch_size")?,
+        eps: (meta.opt_f64("vision.attention.layer_norm_epsilon")?).unwrap_or(1e-6),
+    };
+    if config.patch_size == 0
+        || config.heads == 0
+        || !config.image_size.is_multiple_of(config.patch_size)
+    {
+        return Err(meta.err(
+            "vision.patch_size",
+            "patch size, heads or image size do not fit",
+        ));
+    }
+    Ok(config)
 }
 
 /// A Qwen tower read from a projector file, or why it could not be.

@@ -59,10 +59,26 @@ impl SmolVlmVision {
                 config.image_size
             )));
         }
-        let (vh, th) = (config.hidden_size, text.usize("hidden_size")?);
+        let th = text.usize("hidden_size")?;
+        Self::from_parts(config, scale, processor, (w, "model.vision_model"), th)
+    }
+
+    /// The tower of `config` and its connector (`model.connector.modality_projection.proj`,
+    /// into `text_hidden`) from `w` under `prefix`, with `processor` (a llama.cpp projector
+    /// file's settings, or the checkpoint's); `scale` divides the tower's patches per side.
+    pub(crate) fn from_parts(
+        config: SiglipConfig,
+        scale: usize,
+        processor: Idefics3Processor,
+        (w, prefix): (&Weights, &str),
+        text_hidden: usize,
+    ) -> Result<Self> {
+        let side = config.patches_per_side();
+        let run = side * side / (scale * scale);
+        let vh = config.hidden_size;
         let proj = "model.connector.modality_projection.proj";
-        let projection = w.linear(proj, th, vh * scale * scale, false)?;
-        let tower = SiglipVision::load(config, w, "model.vision_model")?;
+        let projection = w.linear(proj, text_hidden, vh * scale * scale, false)?;
+        let tower = SiglipVision::load(config, w, prefix)?;
         let tokens = Idefics3Tokens::default();
         let prompt = ImagePrompt {
             marker: tokens.image.clone(),
@@ -78,7 +94,7 @@ impl SmolVlmVision {
             tokens,
             prompt,
             device: w.device().clone(),
-            width: th,
+            width: text_hidden,
         })
     }
 

@@ -16,8 +16,9 @@ use super::LoadProgress;
 use crate::{ModelError, Result};
 
 /// The name in a llama.cpp multimodal projector file (`general.architecture` `clip`, what
-/// `--mmproj` reads) of an HF name of Gemma 3's SigLIP tower (`vision_tower.vision_model.`) or
-/// projector (`multi_modal_projector.`), or of Qwen2(.5)-VL's tower (`visual.`: [`qwen_clip_name`]).
+/// `--mmproj` reads) of an HF name of a SigLIP tower (Gemma 3's `vision_tower.vision_model.`,
+/// SmolVLM's `model.vision_model.`), Gemma 3's projector (`multi_modal_projector.`) or SmolVLM's
+/// connector, or of a Qwen VL's tower (`visual.`: [`qwen_clip_name`]).
 fn clip_name(hf: &str) -> Option<String> {
     if let Some(rest) = hf.strip_prefix("visual.") {
         return qwen_clip_name(rest);
@@ -30,7 +31,11 @@ fn clip_name(hf: &str) -> Option<String> {
         };
         return Some(name.to_string());
     }
-    let rest = hf.strip_prefix("vision_tower.vision_model.")?;
+    if hf == "model.connector.modality_projection.proj.weight" {
+        return Some("mm.model.fc.weight".to_string());
+    }
+    let rest = (hf.strip_prefix("vision_tower.vision_model."))
+        .or_else(|| hf.strip_prefix("model.vision_model."))?;
     let whole = match rest {
         "embeddings.patch_embedding.weight" => Some("v.patch_embd.weight"),
         "embeddings.patch_embedding.bias" => Some("v.patch_embd.bias"),
