@@ -84,15 +84,16 @@ fn check(family: &str) {
 #[test]
 fn llama_cpp_projector_file_gives_the_towers_rows() {
     let dir = common::fixture("vlm/smolvlm");
-    let mmproj = peregrine_models::vision::load_mmproj(
-        &dir.join("gguf/mmproj-f32.gguf"),
-        &Device::Cpu,
-    )
-    .expect("the projector file loads");
+    let mmproj =
+        peregrine_models::vision::load_mmproj(&dir.join("gguf/mmproj-f32.gguf"), &Device::Cpu)
+            .expect("the projector file loads");
     let hf = (load_vision(&dir.join("hf"), &Device::Cpu).unwrap()).expect("a vision tower");
     let png = std::fs::read(dir.join("image.png")).unwrap();
     let image = decode_image(&png, &Default::default()).unwrap();
-    let (ours, theirs) = (mmproj.preprocess(&image).unwrap(), hf.preprocess(&image).unwrap());
+    let (ours, theirs) = (
+        mmproj.preprocess(&image).unwrap(),
+        hf.preprocess(&image).unwrap(),
+    );
     assert_eq!(ours.grid, theirs.grid);
     let pixels = peregrine_tensor::ops::max_abs_diff(&ours.tiles, &theirs.tiles).unwrap();
     assert_eq!(pixels, 0.0, "the same tiles");

@@ -24,19 +24,37 @@ use super::qwen2_vl::{CLIP_MEAN, CLIP_STD};
 use super::resize::resize;
 use super::{ImageEncoder, ImageInput, ImagePrompt, ImageRun};
 use crate::config::{Fields, read_json_object};
-use crate::weights::Weights;
+use crate::weights::{Source, Weights};
 use crate::{ModelError, Result};
 
 /// The tower's shape (`vision_config`, `PixtralVisionConfig`).
 #[derive(Debug, Clone, PartialEq)]
-struct PixtralConfig {
-    hidden: usize,
-    intermediate: usize,
-    layers: usize,
-    heads: usize,
-    head_dim: usize,
-    patch: usize,
-    theta: f64,
+pub(crate) struct PixtralConfig {
+    pub(crate) hidden: usize,
+    pub(crate) intermediate: usize,
+    pub(crate) layers: usize,
+    pub(crate) heads: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) patch: usize,
+    pub(crate) theta: f64,
+}
+
+/// What [`Mistral3Vision::from_parts`] builds on besides the weights: from a checkpoint folder
+/// or a llama.cpp projector file.
+pub(crate) struct Mistral3Parts {
+    pub(crate) config: PixtralConfig,
+    /// `spatial_merge_size`.
+    pub(crate) merge: usize,
+    /// The projector's linears carry biases.
+    pub(crate) bias: bool,
+    pub(crate) text_hidden: usize,
+    /// The projector's RMSNorm epsilon (the text model's).
+    pub(crate) norm_eps: f32,
+    pub(crate) processor: PixelSettings,
+    /// `size.longest_edge`.
+    pub(crate) longest_edge: usize,
+    /// `[IMG]`, `[IMG_BREAK]`, `[IMG_END]`.
+    pub(crate) tokens: (String, String, String),
 }
 
 impl PixtralConfig {
@@ -85,10 +103,26 @@ impl Layer {
     fn load(w: &Weights, p: &str, c: &PixtralConfig) -> Result<Self> {
         let (h, i) = (c.hidden, c.intermediate);
         let lin = |name: &str, out, inp| w.linear(&format!("{p}.{name}"), out, inp, false);
+        // llama.cpp's converter orders each head's query and key rows for its own (interleaved)
+        // rotation: put back in HF's halves.
+        let rotated = |name: &str| -> Result<QLinear> {
+            let name = format!("{p}.{name}");
+            if !matches!(w.source(), Source::Gguf(_)) {
+                return w.linear(&name, h, h, false);
+            }
+            let t = w.tensor(&format!("{name}.weight"), &[h, h])?;
+            let t = t
+                .reshape((c.heads, c.head_dim / 2, 2, h))?
+                .transpose(1, 2)?;
+            Ok(QLinear::Dense {
+                w: t.contiguous()?.reshape((h, h))?,
+                b: None,
+            })
+        };
         Ok(Self {
             attention_norm: w.tensor(&format!("{p}.attention_norm.weight"), &[h])?,
-            q: lin("attention.q_proj", h, h)?,
-            k: lin("attention.k_proj", h, h)?,
+            q: rotated("attention.q_proj")?,
+            k: rotated("attention.k_proj")?,
             v: lin("attention.v_proj", h, h)?,
             o: lin("attention.o_proj", h, h)?,
             ffn_norm: w.tensor(&format!("{p}.ffn_norm.weight"), &[h])?,
@@ -167,20 +201,39 @@ impl Mistral3Vision {
                 return Err(fields.err("field `vision_feature_layer`: only -1 is supported".into()));
             }
         }
-        let merge = fields.opt_usize("spatial_merge_size")?.unwrap_or(2);
-        let bias = fields
-            .opt_bool("multimodal_projector_bias")?
-            .unwrap_or(true);
         let text_hidden = text.usize("hidden_size")?;
-        let norm_eps = text.opt_f64("rms_norm_eps")?.unwrap_or(1e-5) as f32;
+        let (processor, longest_edge) = read_processor(dir)?;
+        let parts = Mistral3Parts {
+            config,
+            merge: fields.opt_usize("spatial_merge_size")?.unwrap_or(2),
+            bias: (fields.opt_bool("multimodal_projector_bias")?).unwrap_or(true),
+            text_hidden,
+            norm_eps: text.opt_f64("rms_norm_eps")?.unwrap_or(1e-5) as f32,
+            processor,
+            longest_edge,
+            tokens: read_tokens(dir)?,
+        };
+        Self::from_parts(parts, w)
+    }
+
+    /// The tower and projector of `parts` from `w` (`vision_tower.*`, `multi_modal_projector.*`).
+    pub(crate) fn from_parts(parts: Mistral3Parts, w: &Weights) -> Result<Self> {
+        let Mistral3Parts {
+            config,
+            merge,
+            bias,
+            text_hidden,
+            norm_eps,
+            processor,
+            longest_edge,
+            tokens: names,
+        } = parts;
         let (h, p) = (config.hidden, config.patch);
         let kernel = w.tensor("vision_tower.patch_conv.weight", &[h, 3, p, p])?;
         let layers = (0..config.layers)
             .map(|i| Layer::load(w, &format!("vision_tower.transformer.layers.{i}"), &config))
             .collect::<Result<_>>()?;
         let proj = "multi_modal_projector";
-        let (processor, longest_edge) = read_processor(dir)?;
-        let names = read_tokens(dir)?;
         Ok(Self {
             patch: QLinear::Dense {
                 w: kernel.reshape((h, 3 * p * p))?,

@@ -3,7 +3,7 @@
 //! beside the text model's GGUF. Its `clip.vision.*` metadata stands for the HF
 //! `vision_config` and image processor, its `v.*` / `mm.*` tensors for the HF ones
 //! ([`gguf_name`](crate::weights::gguf_name)). Gemma 3's projector (`gemma3`), SmolVLM's
-//! (`idefics3`) and the Qwen VLs' (`qwen2vl_merger`, `qwen2.5vl_merger`, `qwen3vl_merger`: Qwen2-VL,
+//! (`idefics3`), Mistral 3's (`pixtral`) and the Qwen VLs' (`qwen2vl_merger`, `qwen2.5vl_merger`, `qwen3vl_merger`: Qwen2-VL,
 //! Qwen2.5-VL, Qwen3-VL, Qwen3.5) are supported.
 //!
 //! Preprocessing stays the HF processor's (Gemma 3: PIL's bilinear resize to the tower's
@@ -21,13 +21,14 @@ use peregrine_tensor::device::compute_dtype;
 use super::ImageEncoder;
 use super::gemma3::{Gemma3Parts, Gemma3Vision};
 use super::idefics3::Idefics3Processor;
-use super::smolvlm::SmolVlmVision;
+use super::mistral3::{Mistral3Parts, Mistral3Vision, PixtralConfig};
 use super::processor::{HALF, PixelSettings};
 use super::qwen2_5_vl::{Qwen25VisionConfig, Qwen25VisionTower, QwenVisionKind};
 use super::qwen2_vl::{CLIP_MEAN, CLIP_STD, Qwen2VlProcessor, QwenVlVision};
 use super::qwen3_vl::{Qwen3VisionConfig, Qwen3VisionTower};
 use super::resize::Filter;
 use super::siglip::SiglipConfig;
+use super::smolvlm::SmolVlmVision;
 use crate::weights::gguf_config::GgufMeta;
 use crate::weights::{GgufFile, Source, Weights};
 use crate::{ModelError, Result};
@@ -79,9 +80,46 @@ pub fn load_mmproj(path: &Path, device: &Device) -> Result<Arc<dyn ImageEncoder>
     let weights = |file| Weights::new(Source::Gguf(file), device.clone(), compute_dtype(device));
     match projector {
         "gemma3" => {}
+        "pixtral" => {
+            let config = PixtralConfig {
+                hidden: meta.usize("vision.embedding_length")?,
+                intermediate: meta.usize("vision.feed_forward_length")?,
+                layers: meta.usize("vision.block_count")?,
+                heads: meta.usize("vision.attention.head_count")?,
+                head_dim: 0,
+                patch: meta.usize("vision.patch_size")?,
+                // llama.cpp's, which the file does not record
+                theta: 10000.0,
+            };
+            let config = PixtralConfig {
+                head_dim: config.hidden / config.heads.max(1),
+                ..config
+            };
+            let w = weights(GgufFile::open(path)?);
+            let parts = Mistral3Parts {
+                merge: meta.opt_usize("vision.spatial_merge_size")?.unwrap_or(2),
+                bias: w.contains("multi_modal_projector.linear_1.bias"),
+                text_hidden: meta.usize("vision.projection_dim")?,
+                // the text model's, which the file does not record: Mistral 3's
+                norm_eps: 1e-5,
+                processor: PixelSettings {
+                    filter: Filter::Bicubic,
+                    rescale: 1.0 / 255.0,
+                    mean: triple("vision.image_mean", CLIP.0)?,
+                    std: triple("vision.image_std", CLIP.1)?,
+                },
+                longest_edge: meta.usize("vision.image_size")?,
+                tokens: ("[IMG]".into(), "[IMG_BREAK]".into(), "[IMG_END]".into()),
+                config,
+            };
+            let vision = Mistral3Vision::from_parts(parts, &w);
+            return Ok(Arc::new(vision.map_err(|e| bad(e.to_string()))?));
+        }
         "idefics3" => {
             let config = siglip_config(&meta).map_err(|e| bad(e.to_string()))?;
-            let scale = meta.opt_usize("vision.projector.scale_factor")?.unwrap_or(2);
+            let scale = meta
+                .opt_usize("vision.projector.scale_factor")?
+                .unwrap_or(2);
             let side = config.patches_per_side();
             if scale == 0 || !side.is_multiple_of(scale) {
                 return Err(bad(format!(
@@ -92,7 +130,9 @@ pub fn load_mmproj(path: &Path, device: &Device) -> Result<Arc<dyn ImageEncoder>
             let tile = config.image_size;
             let processor = Idefics3Processor {
                 do_resize: true,
-                longest_edge: meta.opt_usize("vision.preproc_image_size")?.unwrap_or(4 * tile),
+                longest_edge: meta
+                    .opt_usize("vision.preproc_image_size")?
+                    .unwrap_or(4 * tile),
                 tile,
                 split: true,
                 pixels: PixelSettings {
@@ -153,7 +193,7 @@ pub fn load_mmproj(path: &Path, device: &Device) -> Result<Arc<dyn ImageEncoder>
         _ => {
             return Err(bad(format!(
                 "metadata `clip.projector_type` `{projector}` is not supported yet (Gemma 3's \
-                 `gemma3`, SmolVLM's `idefics3`, Qwen2-VL's `qwen2vl_merger`, Qwen2.5-VL's \
+                 `gemma3`, SmolVLM's `idefics3`, Mistral 3's `pixtral`, Qwen2-VL's `qwen2vl_merger`, Qwen2.5-VL's \
                  `qwen2.5vl_merger` and Qwen3-VL's and Qwen3.5's `qwen3vl_merger` are)"
             )));
         }

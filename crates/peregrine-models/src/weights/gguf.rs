@@ -27,9 +27,21 @@ fn clip_name(hf: &str) -> Option<String> {
         let name = match rest {
             "mm_input_projection_weight" => "mm.input_projection.weight",
             "mm_soft_emb_norm.weight" => "mm.soft_emb_norm.weight",
+            // Mistral 3's
+            "norm.weight" => "mm.input_norm.weight",
+            "patch_merger.merging_layer.weight" => "mm.patch_merger.weight",
+            "linear_1.weight" => "mm.1.weight",
+            "linear_1.bias" => "mm.1.bias",
+            "linear_2.weight" => "mm.2.weight",
+            "linear_2.bias" => "mm.2.bias",
             _ => return None,
         };
         return Some(name.to_string());
+    }
+    if let Some(rest) = hf.strip_prefix("vision_tower.")
+        && !rest.starts_with("vision_model.")
+    {
+        return pixtral_clip_name(rest);
     }
     if hf == "model.connector.modality_projection.proj.weight" {
         return Some("mm.model.fc.weight".to_string());
@@ -58,6 +70,33 @@ fn clip_name(hf: &str) -> Option<String> {
         "layer_norm2" => "ln2",
         "mlp.fc1" => "ffn_up",
         "mlp.fc2" => "ffn_down",
+        _ => return None,
+    };
+    Some(format!("v.blk.{layer}.{name}.{kind}"))
+}
+
+/// [`clip_name`] of Pixtral's `vision_tower.{rest}` (Mistral 3's tower).
+fn pixtral_clip_name(rest: &str) -> Option<String> {
+    let whole = match rest {
+        "patch_conv.weight" => Some("v.patch_embd.weight"),
+        "ln_pre.weight" => Some("v.pre_ln.weight"),
+        _ => None,
+    };
+    if let Some(name) = whole {
+        return Some(name.to_string());
+    }
+    let (layer, rest) = rest.strip_prefix("transformer.layers.")?.split_once('.')?;
+    let (module, kind) = rest.rsplit_once('.')?;
+    let name = match module {
+        "attention.q_proj" => "attn_q",
+        "attention.k_proj" => "attn_k",
+        "attention.v_proj" => "attn_v",
+        "attention.o_proj" => "attn_out",
+        "attention_norm" => "ln1",
+        "ffn_norm" => "ln2",
+        "feed_forward.gate_proj" => "ffn_gate",
+        "feed_forward.up_proj" => "ffn_up",
+        "feed_forward.down_proj" => "ffn_down",
         _ => return None,
     };
     Some(format!("v.blk.{layer}.{name}.{kind}"))
