@@ -59,3 +59,27 @@ fn logits_match_transformers() {
     eprintln!("causal inside the picture: max abs diff {causal:.2e}");
     assert!(causal > 0.05, "{causal}");
 }
+
+/// llama.cpp's projector file of the fixture (`gemma4v`, written by its converter:
+/// scripts/fixtures/make_mmproj.py; its patch kernel stored as a convolution, its clipping
+/// ranges as one-value vectors) encodes the HF processor's patches into the HF tower's rows.
+/// (The file records no processor settings: it preprocesses as the released checkpoints do,
+/// 280 soft tokens, where the fixture asks for 70.)
+#[test]
+fn llama_cpp_projector_file_gives_the_towers_rows() {
+    let dir = common::fixture("vlm/gemma4");
+    let mmproj_path = dir.join("gguf/mmproj-f32.gguf");
+    let mmproj = peregrine_models::vision::load_mmproj(&mmproj_path, &Device::Cpu)
+        .expect("the projector file loads");
+    let hf = (load_vision(&dir.join("hf"), &Device::Cpu).unwrap()).expect("a vision tower");
+    assert_eq!(mmproj.prompt(), hf.prompt());
+    let png = std::fs::read(dir.join("image.png")).unwrap();
+    let input = hf
+        .preprocess(&decode_image(&png, &Default::default()).unwrap())
+        .unwrap();
+    let rows = mmproj.encode(&input).unwrap();
+    let want = hf.encode(&input).unwrap();
+    let diff = peregrine_tensor::ops::max_abs_diff(&rows, &want).unwrap();
+    eprintln!("mmproj rows vs the HF tower's: {diff:.2e}");
+    assert!(diff < 1e-5, "{diff}");
+}

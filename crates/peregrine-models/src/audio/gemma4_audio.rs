@@ -141,11 +141,15 @@ impl Clipped {
         (out, inp): (usize, usize),
         clipped: bool,
     ) -> Result<Self> {
+        // A scalar, or the one-value vector llama.cpp's converter makes of it.
         let scalar = |name: &str| -> Result<f64> {
-            let t = w
-                .tensor(&format!("{p}.{name}"), &[])?
-                .to_dtype(DType::F32)?;
-            Ok(f64::from(t.to_scalar::<f32>()?))
+            let name = format!("{p}.{name}");
+            let shape = match w.dims(&name)?.as_slice() {
+                [1] => vec![1],
+                _ => vec![],
+            };
+            let t = w.tensor(&name, &shape)?.to_dtype(DType::F32)?;
+            Ok(f64::from(t.flatten_all()?.get(0)?.to_scalar::<f32>()?))
         };
         let ranges = match clipped {
             true => Some([

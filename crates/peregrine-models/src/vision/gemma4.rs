@@ -24,25 +24,38 @@ use super::resize::{Filter, resize};
 use super::{ImageEncoder, ImageInput, ImagePrompt, MediaError};
 use crate::audio::gemma4_audio::{Clipped, rms};
 use crate::config::{Fields, read_json_object};
-use crate::weights::Weights;
+use crate::weights::{Source, Weights};
 use crate::{ModelError, Result};
 
 /// The tower's shape (`vision_config`).
 #[derive(Debug, Clone, PartialEq)]
-struct Config {
-    hidden: usize,
-    intermediate: usize,
-    layers: usize,
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    patch: usize,
-    positions: usize,
-    pool: usize,
-    eps: f64,
-    theta: f64,
-    clipped: bool,
-    standardize: bool,
+pub(crate) struct Config {
+    pub(crate) hidden: usize,
+    pub(crate) intermediate: usize,
+    pub(crate) layers: usize,
+    pub(crate) heads: usize,
+    pub(crate) kv_heads: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) patch: usize,
+    pub(crate) positions: usize,
+    pub(crate) pool: usize,
+    pub(crate) eps: f64,
+    pub(crate) theta: f64,
+    pub(crate) clipped: bool,
+    pub(crate) standardize: bool,
+}
+
+/// What [`Gemma4Vision::from_parts`] builds on besides the weights: from a checkpoint folder or
+/// a llama.cpp projector file.
+pub(crate) struct Gemma4Parts {
+    pub(crate) config: Config,
+    pub(crate) text_hidden: usize,
+    /// The processor's `max_soft_tokens`, resampling filter and rescale factor.
+    pub(crate) processor: (usize, Filter, f64),
+    /// `<|image|>`, `<|image>`, `<image|>`.
+    pub(crate) tokens: [String; 3],
+    /// The text model attends both ways within a picture (`use_bidirectional_attention`).
+    pub(crate) both_ways: bool,
 }
 
 impl Config {
@@ -214,6 +227,29 @@ impl Gemma4Vision {
             }
         };
         let config = Config::from_fields(&vision)?;
+        let processor = read_processor(dir, &config)?;
+        let keys = ["image_token", "boi_token", "eoi_token"];
+        let parts = Gemma4Parts {
+            config,
+            text_hidden: text.usize("hidden_size")?,
+            processor,
+            tokens: super::token_names(dir, keys, "images")?,
+            both_ways,
+        };
+        Self::from_parts(parts, w)
+    }
+
+    /// The tower and embedder of `parts` from `w` (`model.vision_tower.*`,
+    /// `model.embed_vision.*`; a llama.cpp projector file's patch kernel, stored as a
+    /// convolution's `[hidden, 3, p, p]`, is turned back into the linear's `(p, p, 3)` order).
+    pub(crate) fn from_parts(parts: Gemma4Parts, w: &Weights) -> Result<Self> {
+        let Gemma4Parts {
+            config,
+            text_hidden,
+            processor: (max_soft_tokens, filter, rescale),
+            tokens: [token, boi, eoi],
+            both_ways,
+        } = parts;
         let (h, p) = (config.hidden, config.patch);
         let t = "model.vision_tower";
         let layers = (0..config.layers)
@@ -226,17 +262,20 @@ impl Gemma4Vision {
             )),
             false => None,
         };
-        let text_hidden = text.usize("hidden_size")?;
-        let (max_soft_tokens, filter, rescale) = read_processor(dir, &config)?;
-        let keys = ["image_token", "boi_token", "eoi_token"];
-        let [token, boi, eoi] = super::token_names(dir, keys, "images")?;
+        let input_proj = format!("{t}.patch_embedder.input_proj");
+        let input_proj = match w.source() {
+            Source::Gguf(_) => {
+                let kernel = w.tensor(&format!("{input_proj}.weight"), &[h, 3, p, p])?;
+                let kernel = kernel.permute((0, 2, 3, 1))?.contiguous()?;
+                QLinear::Dense {
+                    w: kernel.reshape((h, 3 * p * p))?,
+                    b: None,
+                }
+            }
+            Source::Safetensors(_) => w.linear(&input_proj, h, 3 * p * p, false)?,
+        };
         Ok(Self {
-            input_proj: w.linear(
-                &format!("{t}.patch_embedder.input_proj"),
-                h,
-                3 * p * p,
-                false,
-            )?,
+            input_proj,
             position_table: w.tensor(
                 &format!("{t}.patch_embedder.position_embedding_table"),
                 &[2, config.positions, h],

@@ -2,7 +2,8 @@
 //! `clip` holding a vision tower and its projector, written by `convert_hf_to_gguf.py --mmproj`
 //! beside the text model's GGUF. Its `clip.vision.*` metadata stands for the HF
 //! `vision_config` and image processor, its `v.*` / `mm.*` tensors for the HF ones
-//! ([`gguf_name`](crate::weights::gguf_name)). Gemma 3's projector (`gemma3`), SmolVLM's
+//! ([`gguf_name`](crate::weights::gguf_name)). Gemma 3's projector (`gemma3`), Gemma 4's vision
+//! tower (`gemma4v`; the file's audio tower is not read), SmolVLM's
 //! (`idefics3`), Mistral 3's (`pixtral`) and the Qwen VLs' (`qwen2vl_merger`, `qwen2.5vl_merger`, `qwen3vl_merger`: Qwen2-VL,
 //! Qwen2.5-VL, Qwen3-VL, Qwen3.5) are supported.
 //!
@@ -20,6 +21,7 @@ use peregrine_tensor::device::compute_dtype;
 
 use super::ImageEncoder;
 use super::gemma3::{Gemma3Parts, Gemma3Vision};
+use super::gemma4::{Config as Gemma4Config, Gemma4Parts, Gemma4Vision};
 use super::idefics3::Idefics3Processor;
 use super::mistral3::{Mistral3Parts, Mistral3Vision, PixtralConfig};
 use super::processor::{HALF, PixelSettings};
@@ -80,6 +82,11 @@ pub fn load_mmproj(path: &Path, device: &Device) -> Result<Arc<dyn ImageEncoder>
     let weights = |file| Weights::new(Source::Gguf(file), device.clone(), compute_dtype(device));
     match projector {
         "gemma3" => {}
+        "gemma4v" => {
+            let w = weights(GgufFile::open(path)?);
+            let vision = gemma4_vision(&meta, &w).map_err(|e| bad(e.to_string()))?;
+            return Ok(Arc::new(vision));
+        }
         "pixtral" => {
             let config = PixtralConfig {
                 hidden: meta.usize("vision.embedding_length")?,
@@ -193,7 +200,7 @@ pub fn load_mmproj(path: &Path, device: &Device) -> Result<Arc<dyn ImageEncoder>
         _ => {
             return Err(bad(format!(
                 "metadata `clip.projector_type` `{projector}` is not supported yet (Gemma 3's \
-                 `gemma3`, SmolVLM's `idefics3`, Mistral 3's `pixtral`, Qwen2-VL's `qwen2vl_merger`, Qwen2.5-VL's \
+                 `gemma3`, Gemma 4's `gemma4v`, SmolVLM's `idefics3`, Mistral 3's `pixtral`, Qwen2-VL's `qwen2vl_merger`, Qwen2.5-VL's \
                  `qwen2.5vl_merger` and Qwen3-VL's and Qwen3.5's `qwen3vl_merger` are)"
             )));
         }
@@ -217,6 +224,42 @@ pub fn load_mmproj(path: &Path, device: &Device) -> Result<Arc<dyn ImageEncoder>
         norm_has_one: true,
     };
     Ok(Arc::new(Gemma3Vision::from_parts(parts, &weights(file))?))
+}
+
+/// Gemma 4's tower from a projector file: its shape from `clip.vision.*` and its tensors' shapes;
+/// the processor's and prompt's settings, which the file does not record, are the released
+/// checkpoints' (280 soft tokens, 3×3 pooling, bicubic, `<|image|>` between `<|image>` and
+/// `<image|>`, seen both ways).
+fn gemma4_vision(meta: &GgufMeta, w: &Weights) -> Result<Gemma4Vision> {
+    let t = "model.vision_tower";
+    let head_dim = w.dims(&format!("{t}.encoder.layers.0.self_attn.q_norm.weight"))?[0];
+    let kv = w.dims(&format!(
+        "{t}.encoder.layers.0.self_attn.k_proj.linear.weight"
+    ))?[0];
+    let table = w.dims(&format!("{t}.patch_embedder.position_embedding_table"))?;
+    let config = Gemma4Config {
+        hidden: meta.usize("vision.embedding_length")?,
+        intermediate: meta.usize("vision.feed_forward_length")?,
+        layers: meta.usize("vision.block_count")?,
+        heads: meta.usize("vision.attention.head_count")?,
+        kv_heads: kv / head_dim.max(1),
+        head_dim,
+        patch: meta.usize("vision.patch_size")?,
+        positions: table.get(1).copied().unwrap_or(0),
+        pool: 3,
+        eps: (meta.opt_f64("vision.attention.layer_norm_epsilon")?).unwrap_or(1e-6),
+        theta: 100.0,
+        clipped: w.contains(&format!("{t}.encoder.layers.0.self_attn.q_proj.input_max")),
+        standardize: w.contains(&format!("{t}.std_bias")),
+    };
+    let parts = Gemma4Parts {
+        config,
+        text_hidden: w.dims("model.embed_vision.embedding_projection.weight")?[0],
+        processor: (280, Filter::Bicubic, 1.0 / 255.0),
+        tokens: ["<|image|>", "<|image>", "<image|>"].map(String::from),
+        both_ways: true,
+    };
+    Gemma4Vision::from_parts(parts, w)
 }
 
 /// A SigLIP tower's shape from `clip.vision.*` (Gemma 3's, SmolVLM's).

@@ -23,6 +23,12 @@ fn clip_name(hf: &str) -> Option<String> {
     if let Some(rest) = hf.strip_prefix("visual.") {
         return qwen_clip_name(rest);
     }
+    if let Some(rest) = hf.strip_prefix("model.vision_tower.") {
+        return gemma4_clip_name(rest);
+    }
+    if hf == "model.embed_vision.embedding_projection.weight" {
+        return Some("mm.input_projection.weight".to_string());
+    }
     if let Some(rest) = hf.strip_prefix("multi_modal_projector.") {
         let name = match rest {
             "mm_input_projection_weight" => "mm.input_projection.weight",
@@ -70,6 +76,42 @@ fn clip_name(hf: &str) -> Option<String> {
         "layer_norm2" => "ln2",
         "mlp.fc1" => "ffn_up",
         "mlp.fc2" => "ffn_down",
+        _ => return None,
+    };
+    Some(format!("v.blk.{layer}.{name}.{kind}"))
+}
+
+/// [`clip_name`] of Gemma 4's `model.vision_tower.{rest}`: the clipped linears' `linear.weight`
+/// is the layer's `weight`, their ranges keep their names (`input_max`, …), the sandwich norms
+/// are `ln1`, `attn_post_norm`, `ln2` and `ffn_post_norm`.
+fn gemma4_clip_name(rest: &str) -> Option<String> {
+    let whole = match rest {
+        "patch_embedder.input_proj.weight" => Some("v.patch_embd.weight"),
+        "patch_embedder.position_embedding_table" => Some("v.position_embd.weight"),
+        "std_bias" => Some("v.std_bias"),
+        "std_scale" => Some("v.std_scale"),
+        _ => None,
+    };
+    if let Some(name) = whole {
+        return Some(name.to_string());
+    }
+    let (layer, rest) = rest.strip_prefix("encoder.layers.")?.split_once('.')?;
+    let rest = rest.replace(".linear.weight", ".weight");
+    let (module, kind) = rest.rsplit_once('.')?;
+    let name = match module {
+        "self_attn.q_proj" => "attn_q",
+        "self_attn.k_proj" => "attn_k",
+        "self_attn.v_proj" => "attn_v",
+        "self_attn.o_proj" => "attn_out",
+        "self_attn.q_norm" => "attn_q_norm",
+        "self_attn.k_norm" => "attn_k_norm",
+        "input_layernorm" => "ln1",
+        "post_attention_layernorm" => "attn_post_norm",
+        "pre_feedforward_layernorm" => "ln2",
+        "post_feedforward_layernorm" => "ffn_post_norm",
+        "mlp.gate_proj" => "ffn_gate",
+        "mlp.up_proj" => "ffn_up",
+        "mlp.down_proj" => "ffn_down",
         _ => return None,
     };
     Some(format!("v.blk.{layer}.{name}.{kind}"))
