@@ -111,6 +111,12 @@ fn gemma3() {
     check("gemma3");
 }
 
+/// Gemma 4: per-layer inputs, the picture both ways in sliding layers only.
+#[test]
+fn gemma4() {
+    check("gemma4");
+}
+
 #[test]
 fn mistral3() {
     check("mistral3");

@@ -145,13 +145,15 @@ pub(crate) fn token_names<const N: usize>(
 
 /// Where mlx-vlm's conversions keep the towers and projectors, and where the loaders look for
 /// them (HF's names): Qwen's `visual`, Pixtral's `vision_tower`, Idefics3's `model.vision_model`
-/// and `model.connector`. The convolution kernels mlx-vlm stores channels-last are turned back
+/// and `model.connector`, Gemma 4's `model.vision_tower` and `model.embed_vision`. The convolution kernels mlx-vlm stores channels-last are turned back
 /// as they are read ([`Weights::tensor`]).
-const MLX_VLM_NAMES: [(&str, &str); 4] = [
+const MLX_VLM_NAMES: [(&str, &str); 6] = [
     ("vision_tower.", "visual."),
     ("vision_tower.vision_model.", "vision_tower."),
     ("vision_model.", "model.vision_model."),
     ("connector.", "model.connector."),
+    ("vision_tower.", "model.vision_tower."),
+    ("embed_vision.", "model.embed_vision."),
 ];
 
 /// The vision tower of the HF checkpoint folder `dir`, when its `config.json` has a
