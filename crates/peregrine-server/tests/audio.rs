@@ -103,6 +103,15 @@ fn qwen2_audio_answers_as_transformers_does() {
     assert_eq!(content(&again), content(&body));
     let logprob = |b: &Value| b["choices"][0]["logprobs"]["content"][0]["logprob"].as_f64();
     assert!((logprob(&again).unwrap() - got).abs() < 1e-5, "{again}");
+    // The same speech as FLAC (a lossless copy: tests/fixtures/audio/flac): the same answer.
+    let flac = std::fs::read(fixture("flac").join("speech.flac")).unwrap();
+    let as_flac = json!({"data": STANDARD.encode(&flac), "format": "flac"});
+    let heard = server.post(CHAT, &ask(as_flac)).json();
+    assert_eq!(content(&heard), content(&body), "{heard}");
+    assert!((logprob(&heard).unwrap() - got).abs() < 1e-5, "{heard}");
+    let not_flac = json!({"data": STANDARD.encode(&speech), "format": "flac"});
+    let part = "messages[0].content[0]";
+    assert_bad(&server.post(CHAT, &ask(not_flac)), part, "not a FLAC file");
 
     let part = "messages[0].content[0]";
     let corrupt = json!({"data": "@@@not base64@@@", "format": "wav"});

@@ -1,10 +1,11 @@
-//! Audio input: WAV decoding ([`decode_wav`]), the feature extractors (Whisper's log-mel,
+//! Audio input: WAV and FLAC decoding ([`decode_wav`], [`decode_flac`]), the feature extractors (Whisper's log-mel,
 //! [`MelSettings`]; Gemma 4's, [`Gemma4MelSettings`]) and the towers (Qwen2-Audio's Whisper
 //! encoder, [`Qwen2AudioTower`]; Gemma 4's Conformer, [`Gemma4AudioTower`]). As with images, an
 //! audio-language checkpoint loads its language model through the registry and its tower here
 //! ([`load_audio`]); the tower's rows replace the prompt's audio tokens.
 
 mod fft;
+pub mod flac;
 pub mod gemma4_audio;
 pub mod gemma4_mel;
 pub mod mel;
@@ -19,6 +20,7 @@ use peregrine_tensor::{Device, Tensor};
 use crate::config::{Fields, read_json_object};
 use crate::weights::{SafetensorsFiles, Source, Weights};
 use crate::{ModelError, Result};
+pub use flac::decode_flac;
 pub use gemma4_audio::{Gemma4AudioConfig, Gemma4AudioTower};
 pub use gemma4_mel::Gemma4MelSettings;
 pub use mel::MelSettings;

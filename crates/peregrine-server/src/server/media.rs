@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
-use peregrine_models::audio::{AudioClip, decode_wav};
+use peregrine_models::audio::{AudioClip, decode_flac, decode_wav};
 use peregrine_models::vision::{ImageLimits, RgbImage, decode_image};
 use serde_json::{Value, json};
 
@@ -157,7 +157,7 @@ impl<'a> Images<'a> {
     }
 
     /// Decodes the audio part `part` (at `param`): an OpenAI `input_audio` part,
-    /// `{"input_audio": {"data": BASE64, "format": "wav"}}`. Returns the part the chat
+    /// `{"input_audio": {"data": BASE64, "format": "wav"}}` (or `"flac"`). Returns the part the chat
     /// template sees in its place, `{"type": "audio"}`.
     pub(super) fn take_audio(&mut self, param: &str, part: &Value) -> Result<Value, ApiError> {
         let bad = |m: &str| ApiError::invalid(param, m);
@@ -173,14 +173,21 @@ impl<'a> Images<'a> {
         let Some(Value::String(data)) = audio.get("data") else {
             return Err(bad("`input_audio.data` must be a base64 string"));
         };
-        match audio.get("format").and_then(Value::as_str) {
-            Some("wav") => {}
+        let decode = match audio.get("format").and_then(Value::as_str) {
+            Some("wav") => decode_wav,
+            Some("flac") => decode_flac,
             Some(other) => {
-                let message = format!("`input_audio.format` `{other}` is not supported (`wav` is)");
+                let message = format!(
+                    "`input_audio.format` `{other}` is not supported (`wav` and `flac` are)"
+                );
                 return Err(ApiError::invalid(param, message));
             }
-            None => return Err(bad("`input_audio.format` must be a string (`wav`)")),
-        }
+            None => {
+                return Err(bad(
+                    "`input_audio.format` must be a string (`wav` or `flac`)",
+                ));
+            }
+        };
         let max = limits().max_bytes;
         if data.len() / 4 * 3 > max {
             return Err(ApiError::invalid(
@@ -194,7 +201,7 @@ impl<'a> Images<'a> {
                 format!("`input_audio.data` is not valid base64: {e}"),
             )
         })?;
-        let clip = decode_wav(&bytes, MAX_CLIP_SECONDS)
+        let clip = decode(&bytes, MAX_CLIP_SECONDS)
             .map_err(|e| ApiError::invalid(param, format!("the audio cannot be used: {e}")))?;
         self.audio.push(Arc::new(clip));
         self.audio_parts.push(param.to_string());
