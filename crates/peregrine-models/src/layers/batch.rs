@@ -358,7 +358,7 @@ fn add_deepstack(x: Tensor, runs: &[(usize, Tensor)], layer: usize) -> Result<Te
 }
 
 /// `x` (`[1, rows, hidden]`, the stacked embeddings of `batch`) with each sequence's image rows
-/// (their first `hidden` values: [`deepstack_runs`] reads the rest) in place of its run of
+/// (their first `hidden` values; DeepStack's rest is added after early layers) in place of its run of
 /// image tokens' embeddings.
 pub fn splice_media(x: Tensor, batch: &[BatchSeq]) -> Result<Tensor> {
     if batch.iter().all(|s| s.media.is_none()) {

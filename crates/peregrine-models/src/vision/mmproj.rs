@@ -16,8 +16,8 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use peregrine_tensor::Device;
 use peregrine_tensor::device::compute_dtype;
+use peregrine_tensor::{Device, QLinear, Tensor};
 
 use super::ImageEncoder;
 use super::gemma3::{Gemma3Parts, Gemma3Vision};
@@ -353,4 +353,44 @@ fn qwen_tower(meta: &GgufMeta, w: &Weights, kind: QwenVisionKind) -> Result<Qwen
         rope_theta: 10000.0,
     };
     Qwen25VisionTower::load(&config, w, "visual")
+}
+
+/// A Qwen2(.5)-VL block `p`'s fused `attn.qkv` `[3 · h, h]`, or the `attn.q`, `attn.k` and `attn.v` that
+/// llama.cpp's projector files split it into, stacked back.
+pub(super) fn fused_qkv(w: &Weights, p: &str, h: usize) -> Result<QLinear> {
+    if !w.contains(&format!("{p}.attn.q.weight")) {
+        return w.linear(&format!("{p}.attn.qkv"), 3 * h, h, true);
+    }
+    let parts = |kind: &str, shape: &[usize]| -> Result<Tensor> {
+        let parts = ["q", "k", "v"].map(|n| w.tensor(&format!("{p}.attn.{n}.{kind}"), shape));
+        let [q, k, v] = parts;
+        Ok(Tensor::cat(&[q?, k?, v?], 0)?)
+    };
+    Ok(QLinear::Dense {
+        w: parts("weight", &[h, h])?,
+        b: Some(parts("bias", &[h])?),
+    })
+}
+
+/// The patch embedding's Conv3d kernel `shape` (`[h, 3, frames, p, p]`), or the two frames'
+/// Conv2d kernels that llama.cpp's projector files store (`weight`, `weight.1`), stacked back.
+pub(super) fn patch_kernel(w: &Weights, prefix: &str, shape: [usize; 5]) -> Result<Tensor> {
+    let name = format!("{prefix}.patch_embed.proj.weight");
+    let second = format!("{name}.1");
+    if !w.contains(&second) {
+        return w.tensor(&name, &shape);
+    }
+    let [h, c, frames, p, _] = shape;
+    if frames != 2 {
+        return Err(peregrine_tensor::candle::Error::Msg(format!(
+            "{}: `{second}` holds a second frame, but the tower takes {frames}",
+            w.path().display()
+        ))
+        .into());
+    }
+    let one = [h, c, p, p];
+    Ok(Tensor::stack(
+        &[w.tensor(&name, &one)?, w.tensor(&second, &one)?],
+        2,
+    )?)
 }

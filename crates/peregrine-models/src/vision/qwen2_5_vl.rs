@@ -23,6 +23,7 @@
 use peregrine_tensor::nn::ops::sigmoid;
 use peregrine_tensor::{D, DType, Device, QLinear, Tensor};
 
+use super::mmproj::{fused_qkv, patch_kernel};
 use super::siglip::LayerNorm;
 use crate::Result;
 use crate::config::Fields;
@@ -348,46 +349,6 @@ impl Block {
         let x = (x + self.proj.forward(&attn)?)?;
         Ok((&x + self.mlp.forward(&self.norm2.forward(&x)?)?)?)
     }
-}
-
-/// Block `p`'s fused `attn.qkv` `[3 · h, h]`, or the `attn.q`, `attn.k` and `attn.v` that
-/// llama.cpp's projector files split it into, stacked back.
-fn fused_qkv(w: &Weights, p: &str, h: usize) -> Result<QLinear> {
-    if !w.contains(&format!("{p}.attn.q.weight")) {
-        return w.linear(&format!("{p}.attn.qkv"), 3 * h, h, true);
-    }
-    let parts = |kind: &str, shape: &[usize]| -> Result<Tensor> {
-        let parts = ["q", "k", "v"].map(|n| w.tensor(&format!("{p}.attn.{n}.{kind}"), shape));
-        let [q, k, v] = parts;
-        Ok(Tensor::cat(&[q?, k?, v?], 0)?)
-    };
-    Ok(QLinear::Dense {
-        w: parts("weight", &[h, h])?,
-        b: Some(parts("bias", &[h])?),
-    })
-}
-
-/// The patch embedding's Conv3d kernel `shape` (`[h, 3, frames, p, p]`), or the two frames'
-/// Conv2d kernels that llama.cpp's projector files store (`weight`, `weight.1`), stacked back.
-pub(super) fn patch_kernel(w: &Weights, prefix: &str, shape: [usize; 5]) -> Result<Tensor> {
-    let name = format!("{prefix}.patch_embed.proj.weight");
-    let second = format!("{name}.1");
-    if !w.contains(&second) {
-        return w.tensor(&name, &shape);
-    }
-    let [h, c, frames, p, _] = shape;
-    if frames != 2 {
-        return Err(peregrine_tensor::candle::Error::Msg(format!(
-            "{}: `{second}` holds a second frame, but the tower takes {frames}",
-            w.path().display()
-        ))
-        .into());
-    }
-    let one = [h, c, p, p];
-    Ok(Tensor::stack(
-        &[w.tensor(&name, &one)?, w.tensor(&second, &one)?],
-        2,
-    )?)
 }
 
 /// The order in which the window blocks see the merge blocks, and the windows' cumulative

@@ -3,7 +3,7 @@
 //! <https://github.com/huggingface/transformers/blob/main/src/transformers/models/qwen3_vl/modeling_qwen3_vl.py>
 //! with the position helpers of transformers' `vision_utils.py`.
 //!
-//! Qwen2-VL's tower ([`Block`]s of LayerNorms and full attention over the picture, the axial
+//! Qwen2-VL's tower (blocks of LayerNorms and full attention over the picture, the axial
 //! rope) with a biased Conv3d patch embedding, a learned square table of position embeddings
 //! resampled bilinearly (corners aligned) to each picture's patch grid and added after the patch
 //! embedding, a tanh-GELU MLP, and DeepStack: after each block named in
@@ -15,9 +15,10 @@
 
 use peregrine_tensor::{DType, Device, QLinear, Tensor};
 
+use super::mmproj::patch_kernel;
 use super::qwen2_5_vl::{
     Block, Qwen25VisionConfig, QwenVisionKind, axial_theta, check_input, grid_points, indices,
-    patch_kernel, rope_tables,
+    rope_tables,
 };
 use super::siglip::LayerNorm;
 use crate::Result;

@@ -2,6 +2,7 @@
 //! `model.layers.0.self_attn.q_proj` and never learns which format it came from.
 
 mod gguf;
+mod gguf_clip;
 pub(crate) mod gguf_config;
 pub mod mlx;
 mod safetensors;
