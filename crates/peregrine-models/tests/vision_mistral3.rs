@@ -102,23 +102,5 @@ fn the_processor_shrinks_and_rounds_as_pixtral_does() {
 /// put back at load) gives the HF tower's rows from the same processed picture.
 #[test]
 fn llama_cpp_projector_file_gives_the_towers_rows() {
-    let dir = common::fixture("vlm/mistral3");
-    let mmproj =
-        peregrine_models::vision::load_mmproj(&dir.join("gguf/mmproj-f32.gguf"), &Device::Cpu)
-            .expect("the projector file loads");
-    let hf = (load_vision(&dir.join("hf"), &Device::Cpu).unwrap()).expect("a vision tower");
-    let png = std::fs::read(dir.join("image.png")).unwrap();
-    let image = decode_image(&png, &Default::default()).unwrap();
-    let (ours, theirs) = (
-        mmproj.preprocess(&image).unwrap(),
-        hf.preprocess(&image).unwrap(),
-    );
-    let pixels = peregrine_tensor::ops::max_abs_diff(&ours.tiles, &theirs.tiles).unwrap();
-    assert_eq!(pixels, 0.0, "the same pixels");
-    assert_eq!(mmproj.runs(&ours), hf.runs(&theirs));
-    assert_eq!(mmproj.expansion(&ours), hf.expansion(&theirs));
-    let rows = mmproj.encode(&ours).unwrap();
-    let diff = peregrine_tensor::ops::max_abs_diff(&rows, &hf.encode(&theirs).unwrap()).unwrap();
-    eprintln!("mmproj rows vs the HF tower's: {diff:.2e}");
-    assert!(diff < 1e-5, "{diff}");
+    common::check_mmproj_against_hf("mistral3");
 }

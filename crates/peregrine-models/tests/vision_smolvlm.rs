@@ -83,23 +83,5 @@ fn check(family: &str) {
 /// `preproc_image_size` and tile size are the processor's) and gives the HF tower's rows.
 #[test]
 fn llama_cpp_projector_file_gives_the_towers_rows() {
-    let dir = common::fixture("vlm/smolvlm");
-    let mmproj =
-        peregrine_models::vision::load_mmproj(&dir.join("gguf/mmproj-f32.gguf"), &Device::Cpu)
-            .expect("the projector file loads");
-    let hf = (load_vision(&dir.join("hf"), &Device::Cpu).unwrap()).expect("a vision tower");
-    let png = std::fs::read(dir.join("image.png")).unwrap();
-    let image = decode_image(&png, &Default::default()).unwrap();
-    let (ours, theirs) = (
-        mmproj.preprocess(&image).unwrap(),
-        hf.preprocess(&image).unwrap(),
-    );
-    assert_eq!(ours.grid, theirs.grid);
-    let pixels = peregrine_tensor::ops::max_abs_diff(&ours.tiles, &theirs.tiles).unwrap();
-    assert_eq!(pixels, 0.0, "the same tiles");
-    assert_eq!(mmproj.prompt(), hf.prompt());
-    let rows = mmproj.encode(&ours).unwrap();
-    let diff = peregrine_tensor::ops::max_abs_diff(&rows, &hf.encode(&theirs).unwrap()).unwrap();
-    eprintln!("mmproj rows vs the HF tower's: {diff:.2e}");
-    assert!(diff < 1e-5, "{diff}");
+    common::check_mmproj_against_hf("smolvlm");
 }

@@ -104,3 +104,35 @@ pub fn media_logits_at(
     }
     peregrine_tensor::Tensor::cat(&parts, 0).unwrap()
 }
+
+/// The VLM fixture `family`'s llama.cpp projector file (`gguf/mmproj-f32.gguf`, written by its
+/// converter) against its HF folder's tower on the fixture's photo: the same pixels, grid,
+/// runs, prompt form and expansion, and the same rows within 1e-5.
+pub fn check_mmproj_against_hf(family: &str) {
+    use peregrine_models::vision::{decode_image, load_mmproj, load_vision};
+    use peregrine_tensor::Device;
+    use peregrine_tensor::ops::max_abs_diff;
+    let dir = fixture(&format!("vlm/{family}"));
+    let mmproj = load_mmproj(&dir.join("gguf/mmproj-f32.gguf"), &Device::Cpu)
+        .expect("the projector file loads");
+    let hf = (load_vision(&dir.join("hf"), &Device::Cpu).unwrap()).expect("a vision tower");
+    let png = std::fs::read(dir.join("image.png")).unwrap();
+    let image = decode_image(&png, &Default::default()).unwrap();
+    let (ours, theirs) = (
+        mmproj.preprocess(&image).unwrap(),
+        hf.preprocess(&image).unwrap(),
+    );
+    assert_eq!(ours.grid, theirs.grid, "{family}");
+    assert_eq!(
+        max_abs_diff(&ours.tiles, &theirs.tiles).unwrap(),
+        0.0,
+        "{family}: pixels"
+    );
+    assert_eq!(mmproj.prompt(), hf.prompt(), "{family}");
+    assert_eq!(mmproj.runs(&ours), hf.runs(&theirs), "{family}");
+    assert_eq!(mmproj.expansion(&ours), hf.expansion(&theirs), "{family}");
+    let rows = mmproj.encode(&ours).unwrap();
+    let diff = max_abs_diff(&rows, &hf.encode(&theirs).unwrap()).unwrap();
+    eprintln!("{family}: mmproj rows vs the HF tower's: {diff:.2e}");
+    assert!(diff < 1e-5, "{family}: {diff}");
+}
