@@ -324,11 +324,13 @@ impl RotaryEmbedding {
     /// Qwen3-VL's interleaved M-RoPE (`mrope_interleaved`): pair `j` turns by the height
     /// position when `j % 3 == 1` and `j < 3 · sections[1]`, by the width position when
     /// `j % 3 == 2` and `j < 3 · sections[2]`, and by the time position otherwise
-    /// (transformers' `Qwen3VLTextRotaryEmbedding.recomposition_frequencies`).
-    pub fn with_interleaved_sections(self, sections: [usize; 3]) -> Result<Self> {
-        let mut rope = self.with_sections(sections)?;
-        rope.interleaved = true;
-        Ok(rope)
+    /// (transformers' `Qwen3VLTextRotaryEmbedding.recomposition_frequencies`). The sections need
+    /// not add up to the rotated pairs: as there, a pair past them turns by time (llama.cpp's
+    /// converter writes Qwen3.5's `[11, 11, 10]` whatever the rotated width).
+    pub fn with_interleaved_sections(mut self, sections: [usize; 3]) -> Result<Self> {
+        self.sections = Some(sections);
+        self.interleaved = true;
+        Ok(self)
     }
 
     /// The position axis (0 time, 1 height, 2 width) each rotated pair turns by.

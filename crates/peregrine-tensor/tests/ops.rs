@@ -165,6 +165,17 @@ fn multimodal_rope_turns_each_section_by_its_axis() {
     );
     let uneven = plain().unwrap().with_sections([2, 3, 4]);
     assert!(uneven.is_err(), "sections must cover the rotated pairs");
+    // Interleaved sections wider than the pairs (llama.cpp's Qwen3.5 metadata on a narrow
+    // rotation): pair 1 by height, the rest by time, positions that agree as plain RoPE.
+    let wide = plain()
+        .unwrap()
+        .with_interleaved_sections([11, 11, 10])
+        .unwrap();
+    let same: Vec<u32> = (7..12).collect();
+    let got = wide
+        .apply_positions(&x, &[same.clone(), same.clone(), same])
+        .unwrap();
+    assert!(max_diff(&got, &wide.apply(&x, 7).unwrap()) < TOL);
 }
 
 /// LongRoPE factors for `pairs` rotated pairs, switching past `original` positions.
