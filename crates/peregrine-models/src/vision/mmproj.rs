@@ -47,9 +47,16 @@ const CLIP: ([f32; 3], [f32; 3]) = (
 
 /// The vision tower of the llama.cpp projector file `path`.
 pub fn load_mmproj(path: &Path, device: &Device) -> Result<Arc<dyn ImageEncoder>> {
-    let file = GgufFile::open(path)?;
+    let w = Weights::new(
+        Source::Gguf(GgufFile::open(path)?),
+        device.clone(),
+        compute_dtype(device),
+    );
+    let Source::Gguf(file) = w.source() else {
+        unreachable!("built from a GGUF file just above")
+    };
     let meta = GgufMeta {
-        file: &file,
+        file,
         arch: "clip".into(),
     };
     let bad = |message: String| ModelError::config(path, message);
@@ -79,11 +86,9 @@ pub fn load_mmproj(path: &Path, device: &Device) -> Result<Arc<dyn ImageEncoder>
             Some(_) => Err(bad(format!("metadata `clip.{key}` must hold 3 numbers"))),
         }
     };
-    let weights = |file| Weights::new(Source::Gguf(file), device.clone(), compute_dtype(device));
     match projector {
         "gemma3" => {}
         "gemma4v" => {
-            let w = weights(GgufFile::open(path)?);
             let vision = gemma4_vision(&meta, &w).map_err(|e| bad(e.to_string()))?;
             return Ok(Arc::new(vision));
         }
@@ -102,7 +107,6 @@ pub fn load_mmproj(path: &Path, device: &Device) -> Result<Arc<dyn ImageEncoder>
                 head_dim: config.hidden / config.heads.max(1),
                 ..config
             };
-            let w = weights(GgufFile::open(path)?);
             let parts = Mistral3Parts {
                 merge: meta.opt_usize("vision.spatial_merge_size")?.unwrap_or(2),
                 bias: w.contains("multi_modal_projector.linear_1.bias"),
@@ -150,7 +154,6 @@ pub fn load_mmproj(path: &Path, device: &Device) -> Result<Arc<dyn ImageEncoder>
                 },
                 image_seq_len: side * side / (scale * scale),
             };
-            let w = weights(GgufFile::open(path)?);
             let text = w.dims("model.connector.modality_projection.proj.weight")?[0];
             let parts = (&w, "model.vision_model");
             let vision = SmolVlmVision::from_parts(config, scale, processor, parts, text);
@@ -161,41 +164,38 @@ pub fn load_mmproj(path: &Path, device: &Device) -> Result<Arc<dyn ImageEncoder>
                 triple("vision.image_mean", CLIP.0)?,
                 triple("vision.image_std", CLIP.1)?,
             );
-            // Its own handle on the file: the metadata is still read from this one.
-            let w = weights(GgufFile::open(path)?);
-            let tower = match projector {
-                "qwen3vl_merger" => QwenTower::Qwen3(qwen3_tower(&meta, &w)),
-                "qwen2vl_merger" => QwenTower::Qwen2(qwen_tower(&meta, &w, QwenVisionKind::Qwen2)),
-                _ => QwenTower::Qwen2(qwen_tower(&meta, &w, QwenVisionKind::Qwen25)),
+            let processor = |config: &Qwen25VisionConfig| -> Result<Qwen2VlProcessor> {
+                Ok(Qwen2VlProcessor {
+                    min_pixels: meta
+                        .opt_usize("vision.image_min_pixels")?
+                        .unwrap_or(56 * 56),
+                    max_pixels: meta
+                        .opt_usize("vision.image_max_pixels")?
+                        .unwrap_or(28 * 28 * 1280),
+                    patch: config.patch_size,
+                    temporal: config.temporal_patch_size,
+                    merge: config.spatial_merge_size,
+                    pixels: PixelSettings {
+                        filter: Filter::Bicubic,
+                        rescale: 1.0 / 255.0,
+                        mean,
+                        std,
+                    },
+                })
             };
-            let config = match &tower {
-                QwenTower::Qwen2(Ok(t)) => t.config(),
-                QwenTower::Qwen3(Ok(t)) => &t.config().base,
-                QwenTower::Qwen2(Err(e)) | QwenTower::Qwen3(Err(e)) => {
-                    return Err(bad(e.to_string()));
-                }
+            let tower_err = |e: ModelError| bad(e.to_string());
+            if projector == "qwen3vl_merger" {
+                let tower = qwen3_tower(&meta, &w).map_err(tower_err)?;
+                let processor = processor(&tower.config().base)?;
+                return Ok(Arc::new(QwenVlVision::from_qwen3_tower(tower, processor)));
+            }
+            let kind = match projector {
+                "qwen2vl_merger" => QwenVisionKind::Qwen2,
+                _ => QwenVisionKind::Qwen25,
             };
-            let processor = Qwen2VlProcessor {
-                min_pixels: meta
-                    .opt_usize("vision.image_min_pixels")?
-                    .unwrap_or(56 * 56),
-                max_pixels: meta
-                    .opt_usize("vision.image_max_pixels")?
-                    .unwrap_or(28 * 28 * 1280),
-                patch: config.patch_size,
-                temporal: config.temporal_patch_size,
-                merge: config.spatial_merge_size,
-                pixels: PixelSettings {
-                    filter: Filter::Bicubic,
-                    rescale: 1.0 / 255.0,
-                    mean,
-                    std,
-                },
-            };
-            return Ok(match tower {
-                QwenTower::Qwen2(t) => Arc::new(QwenVlVision::from_tower(t?, processor)),
-                QwenTower::Qwen3(t) => Arc::new(QwenVlVision::from_qwen3_tower(t?, processor)),
-            });
+            let tower = qwen_tower(&meta, &w, kind).map_err(tower_err)?;
+            let processor = processor(tower.config())?;
+            return Ok(Arc::new(QwenVlVision::from_tower(tower, processor)));
         }
         _ => {
             return Err(bad(format!(
@@ -223,7 +223,7 @@ pub fn load_mmproj(path: &Path, device: &Device) -> Result<Arc<dyn ImageEncoder>
         processor,
         norm_has_one: true,
     };
-    Ok(Arc::new(Gemma3Vision::from_parts(parts, &weights(file))?))
+    Ok(Arc::new(Gemma3Vision::from_parts(parts, &w)?))
 }
 
 /// Gemma 4's tower from a projector file: its shape from `clip.vision.*` and its tensors' shapes;
@@ -283,12 +283,6 @@ fn siglip_config(meta: &GgufMeta) -> Result<SiglipConfig> {
         ));
     }
     Ok(config)
-}
-
-/// A Qwen tower read from a projector file, or why it could not be.
-enum QwenTower {
-    Qwen2(Result<Qwen25VisionTower>),
-    Qwen3(Result<Qwen3VisionTower>),
 }
 
 /// Qwen3-VL's (or Qwen3.5's) tower from a projector file: Qwen2-VL's fields, the DeepStack
