@@ -219,7 +219,7 @@ fn interleaved_rows_equal_the_file_layout() {
         );
         let wf = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap();
         let wf: Vec<f32> = wf.to_vec1().unwrap();
-        // Decode, a 4-input tile plus each size of tail, two tiles with and without tails, and
+        // Decode, one call of 5 to 8 inputs (4 and a tail with AVX2), a tile of 8 and tails, and
         // a prefill-sized batch.
         for m in [1, 5, 6, 7, 8, 13, 15, 70] {
             let x = values(m * k, m as u64);

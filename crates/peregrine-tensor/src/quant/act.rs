@@ -98,6 +98,8 @@ pub struct Refinement {
 pub struct Q8Input {
     /// Row-major blocks, `k / 32` per row.
     pub blocks: Vec<Q8Block>,
+    /// The same blocks in tiles of [`TILE`] rows, block-major within a tile ([`tile`](Self::tile)).
+    tiled: Vec<Q8Block>,
     /// [`REFINED`] slots per row (or none), the first `counts[i]` of row `i` in use.
     refined: Vec<Refinement>,
     counts: Vec<u8>,
@@ -112,6 +114,7 @@ impl Q8Input {
         let blocks = k / QK;
         self.blocks.clear();
         self.blocks.resize(m * blocks, Q8Block::default());
+        self.tiled.clear();
         self.refined.clear();
         self.counts.clear();
         if blocks == 0 {
@@ -144,7 +147,49 @@ impl Q8Input {
     pub fn any_refined(&self) -> bool {
         self.counts.iter().any(|&n| n > 0)
     }
+
+    /// Lays the `m` rows out again in tiles of [`TILE`] rows, block-major within a tile: row
+    /// `TILE·k + t`'s block `b` at `TILE·k·blocks + b·n + t`, `n` the tile's rows. The
+    /// interleaved kernels then find every input's block at a fixed offset from one pointer,
+    /// instead of holding a pointer per input (8 of x86's 16 general registers). One row needs
+    /// no tiling.
+    pub fn tile(&mut self, m: usize) {
+        let blocks = self.blocks.len() / m.max(1);
+        self.tiled.clear();
+        if m < 2 {
+            return;
+        }
+        self.tiled.resize(self.blocks.len(), Q8Block::default());
+        for (k, tile) in self.tiled.chunks_mut(TILE * blocks).enumerate() {
+            let n = tile.len() / blocks;
+            for (t, row) in self.blocks[TILE * k * blocks..]
+                .chunks(blocks)
+                .take(n)
+                .enumerate()
+            {
+                for (b, block) in row.iter().enumerate() {
+                    tile[b * n + t] = *block;
+                }
+            }
+        }
+    }
+
+    /// Row `i`'s blocks and those of the rows after it in its tile, as the interleaved kernels
+    /// read them: row `i + t`'s block `b` at `[b · stride + t]` of the slice returned with
+    /// `stride`. Without [`tile`](Self::tile) (one row), row `i`'s blocks with stride 1.
+    pub fn tiled(&self, i: usize, m: usize) -> (&[Q8Block], usize) {
+        let blocks = self.blocks.len() / m.max(1);
+        if self.tiled.is_empty() {
+            return (&self.blocks[i * blocks..], 1);
+        }
+        let (k, t) = (i / TILE, i % TILE);
+        let n = (m - TILE * k).min(TILE);
+        (&self.tiled[TILE * k * blocks + t..], n)
+    }
 }
+
+/// Rows per tile of [`Q8Input::tile`]: the most inputs an interleaved kernel call takes.
+pub const TILE: usize = 8;
 
 /// Refines the blocks of `q` (the row `x` quantized) of largest scale, the first of equal ones,
 /// at most `out.len()` and none that is all zeros, in ascending block order; returns how many.

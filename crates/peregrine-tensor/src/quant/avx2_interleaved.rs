@@ -26,13 +26,35 @@ pub struct Run<'a, const T: usize> {
     pub group_bytes: usize,
     /// The groups to multiply.
     pub groups: std::ops::Range<usize>,
-    /// Each input's blocks (the matrix's width).
-    pub x: [&'a [Q8Block]; T],
+    /// The inputs' blocks (the matrix's width each), tiled.
+    pub x: Inputs<'a>,
     /// Each input's refinements, added where the format takes them ([`Format::refines`];
     /// others ignore them).
     pub refined: [&'a [Refinement]; T],
     /// Each input's output row: group `g`'s 8 outputs are written at `out[t] + 8g`.
     pub out: [*mut f32; T],
+}
+
+/// A run's inputs, tiled ([`Q8Input::tile`](super::act::Q8Input::tile)): input `t`'s block `b`
+/// at `blocks[b · stride + t]`.
+#[derive(Clone, Copy)]
+pub struct Inputs<'a> {
+    /// From the first input's first block on.
+    pub blocks: &'a [Q8Block],
+    /// Inputs per block.
+    pub stride: usize,
+}
+
+impl Inputs<'_> {
+    /// Input `t`'s block `b`.
+    ///
+    /// # Safety
+    /// `b · stride + t` is within the blocks.
+    #[inline(always)]
+    pub(super) unsafe fn get(&self, t: usize, b: usize) -> &Q8Block {
+        // SAFETY: per this function's contract.
+        unsafe { self.blocks.get_unchecked(b * self.stride + t) }
+    }
 }
 
 /// `Σ w·x` of the 8 rows of each group of `run` for each of its inputs, into their outputs.
@@ -133,7 +155,7 @@ unsafe fn dispatch<I: Isa, const T: usize>(format: Format, shared: usize, run: &
 #[inline(always)]
 unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, const T: usize>(
     w: &[u8],
-    x: [&[Q8Block]; T],
+    x: Inputs,
     refined: [&[Refinement]; T],
 ) -> [__m256; T] {
     // Scales, minimums (Q4_1, Q5_1), fifth-bit masks (Q5_0, Q5_1), then 128 bytes of codes for
@@ -145,49 +167,40 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, 
     let offset = if FIFTH { 16.0 } else { 8.0 };
     // SAFETY: per this function's contract; every load below stays inside block `b`.
     unsafe {
-        // Two accumulator chains per input: one would wait on the FMA latency every block.
-        // Block `i` goes into chain `i % 2`; units go in pairs so that each chain is named
-        // statically (indexed by a runtime parity, the chains lived on the stack: a load and
-        // a store per FMA).
-        let mut acc = [[_mm256_setzero_ps(); T]; 2];
-        let mut mins = [[_mm256_setzero_ps(); T]; 2];
+        // One accumulator chain per input (and one for its minimum terms): the inputs of a
+        // tile are independent chains already, and a second chain per input spilled
+        // registers at 4 inputs (the C equivalent of this loop: 116 GMAC/s with two chains at
+        // 4 inputs, 133 with one).
+        let mut acc = [_mm256_setzero_ps(); T];
+        let mut mins = [_mm256_setzero_ps(); T];
         let units = w.len() / unit_bytes;
-        let (a, m, p) = (&mut acc, &mut mins, w.as_ptr());
-        for u in (0..units).step_by(2) {
-            // The unit's first block is `u·SHARED`, even; the next unit's has `SHARED`'s parity.
-            unit_terms::<I, MIN, FIFTH, SHARED, T>(p.add(u * unit_bytes), u * SHARED, 0, x, a, m);
-            if u + 1 < units {
-                let (next, parity) = (p.add((u + 1) * unit_bytes), SHARED % 2);
-                unit_terms::<I, MIN, FIFTH, SHARED, T>(next, (u + 1) * SHARED, parity, x, a, m);
-            }
+        for u in 0..units {
+            let p = w.as_ptr().add(u * unit_bytes);
+            unit_terms::<I, MIN, FIFTH, SHARED, T>(p, u * SHARED, x, &mut acc, &mut mins);
         }
-        // Each refined block once, for every input refining it (neighbouring tokens' outliers
-        // sit in the same block), in block order: each input adds its own in ascending order
-        // whatever the other inputs refine, so its bits do not depend on its batch.
-        let mut next = [0usize; T];
-        while let Some(at) = next_refined(&refined, &next) {
-            let p = w.as_ptr().add(at / SHARED * unit_bytes);
-            let (dw, mw) = heads::<MIN>(p);
-            let codes = unpack::<I, FIFTH>(p, masks_at, head + 128 * (at % SHARED));
-            for t in 0..T {
-                if let Some(r) = refined[t].get(next[t]).filter(|r| r.at == at) {
-                    let (c, m) = (&mut acc[0][t], &mut mins[0][t]);
-                    terms::<I, MIN, FIFTH>(&codes, &r.residual, dw, mw, offset, c, m);
-                    next[t] += 1;
-                }
+        // Each input's refined blocks after all its blocks, in ascending order, whatever the
+        // other inputs refine: its bits do not depend on its batch. (This loop picks an
+        // input's accumulators by a runtime index, which would keep them in memory through
+        // the blocks above too: they move to memory here, once.)
+        let (mut acc, mut mins) = (std::hint::black_box(acc), std::hint::black_box(mins));
+        for t in 0..T {
+            for r in refined[t] {
+                let p = w.as_ptr().add(r.at / SHARED * unit_bytes);
+                let (dw, mw) = heads::<MIN>(p);
+                let codes = unpack::<I, FIFTH>(p, masks_at, head + 128 * (r.at % SHARED));
+                let (c, m) = (&mut acc[t], &mut mins[t]);
+                terms::<I, MIN, FIFTH>(&codes, &r.residual, dw, mw, offset, c, m);
             }
         }
         let mut y = [_mm256_setzero_ps(); T];
         for (t, y) in y.iter_mut().enumerate() {
-            let sum = _mm256_add_ps(acc[0][t], acc[1][t]);
-            *y = _mm256_add_ps(sum, _mm256_add_ps(mins[0][t], mins[1][t]));
+            *y = _mm256_add_ps(acc[t], mins[t]);
         }
         y
     }
 }
 
-/// One unit's terms (its `SHARED` blocks from block `first` on, the first into chain `parity`)
-/// for every input. `parity` is a constant where this inlines, so the chains stay in registers.
+/// One unit's terms (its `SHARED` blocks from block `first` on) for every input.
 ///
 /// # Safety
 /// The CPU must support `I`'s features; the caller is compiled with them, so all inlines; `p`
@@ -203,10 +216,9 @@ unsafe fn unit_terms<
 >(
     p: *const u8,
     first: usize,
-    parity: usize,
-    x: [&[Q8Block]; T],
-    acc: &mut [[__m256; T]; 2],
-    mins: &mut [[__m256; T]; 2],
+    x: Inputs,
+    acc: &mut [__m256; T],
+    mins: &mut [__m256; T],
 ) {
     let masks_at = if MIN { 32 } else { 16 };
     let head = masks_at + if FIFTH { 32 } else { 0 };
@@ -217,23 +229,13 @@ unsafe fn unit_terms<
         let (dw, mw) = heads::<MIN>(p);
         for s in 0..SHARED {
             let codes = unpack::<I, FIFTH>(p, masks_at, head + 128 * s);
-            let chain = (parity + s) % 2;
             for t in 0..T {
-                let (c, m) = (&mut acc[chain][t], &mut mins[chain][t]);
-                let xb = x[t].get_unchecked(first + s);
+                let (c, m) = (&mut acc[t], &mut mins[t]);
+                let xb = x.get(t, first + s);
                 terms::<I, MIN, FIFTH>(&codes, xb, dw, mw, offset, c, m);
             }
         }
     }
-}
-
-/// The lowest block that an input refines and has not added yet (`next[t]` of input `t`'s
-/// refinements are added; each input's are in ascending block order).
-#[inline(always)]
-fn next_refined<const T: usize>(refined: &[&[Refinement]; T], next: &[usize; T]) -> Option<usize> {
-    (0..T)
-        .filter_map(|t| refined[t].get(next[t]).map(|r| r.at))
-        .min()
 }
 
 /// The 8 code vectors of a 4/5-bit unit at `p` whose block's codes start at `codes_at`
@@ -326,42 +328,33 @@ unsafe fn terms<I: Isa, const MIN: bool, const FIFTH: bool>(
 #[inline(always)]
 unsafe fn rows_q8_0<I: Isa, const T: usize>(
     w: &[u8],
-    x: [&[Q8Block]; T],
+    x: Inputs,
     refined: [&[Refinement]; T],
 ) -> [__m256; T] {
     let block_bytes = super::interleaved::group_block_bytes(Format::Q8_0);
     // SAFETY: per this function's contract; every load below stays inside block `b`.
     unsafe {
-        let mut acc = [[_mm256_setzero_ps(); T]; 2];
+        // One chain per input, as in `rows`.
+        let mut acc = [_mm256_setzero_ps(); T];
         for (b, gb) in w.chunks_exact(block_bytes).enumerate() {
             let p = gb.as_ptr();
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
             let (codes, magnitudes) = unpack_q8_0(p);
-            let chain = &mut acc[b % 2];
-            for t in 0..T {
-                chain[t] = term_q8_0::<I>(&codes, &magnitudes, &x[t][b], dw, chain[t]);
+            for (t, acc) in acc.iter_mut().enumerate() {
+                *acc = term_q8_0::<I>(&codes, &magnitudes, x.get(t, b), dw, *acc);
             }
         }
-        // As in `rows`: each refined block unpacked once for every input refining it, in
-        // block order.
-        let mut next = [0usize; T];
-        while let Some(at) = next_refined(&refined, &next) {
-            let p = w.as_ptr().add(at * block_bytes);
-            let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
-            let (codes, magnitudes) = unpack_q8_0(p);
-            for t in 0..T {
-                if let Some(r) = refined[t].get(next[t]).filter(|r| r.at == at) {
-                    let x = &r.residual;
-                    acc[0][t] = term_q8_0::<I>(&codes, &magnitudes, x, dw, acc[0][t]);
-                    next[t] += 1;
-                }
+        // As in `rows`: each input's refined blocks after its blocks, in ascending order.
+        let mut acc = std::hint::black_box(acc);
+        for (acc, refined) in acc.iter_mut().zip(refined) {
+            for r in refined {
+                let p = w.as_ptr().add(r.at * block_bytes);
+                let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
+                let (codes, magnitudes) = unpack_q8_0(p);
+                *acc = term_q8_0::<I>(&codes, &magnitudes, &r.residual, dw, *acc);
             }
         }
-        let mut y = [_mm256_setzero_ps(); T];
-        for (t, y) in y.iter_mut().enumerate() {
-            *y = _mm256_add_ps(acc[0][t], acc[1][t]);
-        }
-        y
+        acc
     }
 }
 

@@ -4,8 +4,8 @@
 
 use std::arch::x86_64::*;
 
-use super::act::Q8Block;
 use super::avx2::Isa;
+use super::avx2_interleaved::Inputs;
 use super::avx2_interleaved::{halves, sum};
 use super::format::Format;
 
@@ -16,7 +16,7 @@ use super::format::Format;
 /// # Safety
 /// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
 #[inline(always)]
-pub(super) unsafe fn rows_q4k<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; T]) -> [__m256; T] {
+pub(super) unsafe fn rows_q4k<I: Isa, const T: usize>(w: &[u8], x: Inputs) -> [__m256; T] {
     use super::interleaved::q4k::{CODES, DMIN, MINS, SCALES};
     let block_bytes = super::interleaved::group_block_bytes(Format::Q4K);
     // SAFETY: per this function's contract; every load below stays inside super-block `b`.
@@ -45,7 +45,7 @@ pub(super) unsafe fn rows_q4k<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; 
                     *code = _mm256_and_si256(q, mask);
                 }
                 for t in 0..T {
-                    let xb = &x[t][8 * i + j];
+                    let xb = x.get(t, 8 * i + j);
                     let sum = _mm256_cvtepi32_ps(sum::<I, 4>(&codes, xb));
                     let scaled = _mm256_mul_ps(scale, _mm256_set1_ps(xb.d));
                     acc[t] = _mm256_fmadd_ps(scaled, sum, acc[t]);
@@ -68,7 +68,7 @@ pub(super) unsafe fn rows_q4k<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; 
 /// # Safety
 /// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
 #[inline(always)]
-pub(super) unsafe fn rows_q6k<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; T]) -> [__m256; T] {
+pub(super) unsafe fn rows_q6k<I: Isa, const T: usize>(w: &[u8], x: Inputs) -> [__m256; T] {
     use super::interleaved::q6k::{QH, QL, SCALES};
     let block_bytes = super::interleaved::group_block_bytes(Format::Q6K);
     // SAFETY: per this function's contract; every load below stays inside super-block `b`.
@@ -104,7 +104,7 @@ pub(super) unsafe fn rows_q6k<I: Isa, const T: usize>(w: &[u8], x: [&[Q8Block]; 
                     *code = _mm256_or_si256(low, _mm256_and_si256(high, high_mask));
                 }
                 for tt in 0..T {
-                    let xb = &x[tt][8 * i + j];
+                    let xb = x.get(tt, 8 * i + j);
                     let (s0, s1) = halves::<I, 6>(&codes, xb);
                     let sum = _mm256_add_epi32(
                         _mm256_mullo_epi32(s0, sc_lo),

@@ -355,6 +355,11 @@ impl GgufMatrix {
         let blocks = k / QK;
         let refine = mats.iter().any(|w| w.format.is_some_and(Format::refines));
         xq.quantize(x, m, refine);
+        let interleaved =
+            |p: &Option<Part>| matches!(p, Some(p) if matches!(p.bytes, PartBytes::Interleaved(_)));
+        if parts.iter().any(interleaved) {
+            xq.tile(m);
+        }
         let input = &*xq;
         let xq = &input.blocks[..];
 

@@ -2,9 +2,9 @@
 //! each rayon task owns some output columns (weight rows) of one matrix and multiplies them
 //! against every input with the kernel its layout and the batch size call for.
 
-use super::act::{Q8Block, Q8Input, QK};
+use super::act::{Q8Block, Q8Input, QK, TILE};
 #[cfg(target_arch = "x86_64")]
-use super::avx2_interleaved::Run;
+use super::avx2_interleaved::{Inputs, Run};
 use super::format::Format;
 use super::interleaved::{self, Interleaved};
 use super::{Kernel, scalar};
@@ -103,7 +103,7 @@ pub(super) unsafe fn rows_task(
 }
 
 /// Interleaved rows `r0..r1` (whole groups of 8) against every input: the x86 kernels take a
-/// group and up to 4 inputs per call, with the inputs' refinements; the portable path
+/// group and up to 8 inputs per call (4 with AVX2), with the inputs' refinements; the portable path
 /// multiplies each row as GGUF lays it out (and [`refine_task`] adds the refinements).
 ///
 /// # Safety
@@ -137,34 +137,26 @@ pub(super) unsafe fn interleaved_task(
             kernel,
             w,
             xq,
-            blocks,
+            m,
             out,
         };
         for i0 in (0..m).step_by(INPUT_TILE) {
             let i1 = (i0 + INPUT_TILE).min(m);
-            let (quads, rest) = ((i1 - i0) / 4, (i1 - i0) % 4);
             // SAFETY (each call below): the kernel runs here (contract); inputs < m, and the
             // groups' output columns are this task's.
-            if quads == 0 {
-                // Fewer than four inputs (a decode step's one): each over all the task's groups
-                // in one call.
-                for i in i0..i1 {
-                    unsafe { tiles.run::<1>(i, g0..g1) };
-                }
-                continue;
-            }
-            // Four inputs at a time, then the rest together, group by group: each group's
-            // weights come from memory once and stay in L1 for all the tile's inputs.
-            let tail = i0 + 4 * quads;
-            for g in g0..g1 {
-                for q in 0..quads {
-                    unsafe { tiles.run::<4>(i0 + 4 * q, g..g + 1) };
-                }
-                match rest {
-                    1 => unsafe { tiles.run::<1>(tail, g..g + 1) },
-                    2 => unsafe { tiles.run::<2>(tail, g..g + 1) },
-                    3 => unsafe { tiles.run::<3>(tail, g..g + 1) },
-                    _ => {}
+            match i1 - i0 {
+                // Up to 8 inputs (a decode step's one, a batch's few): one call over all the
+                // task's groups, each group's weights unpacked once for all of them.
+                n if n <= tiles.widest() => unsafe { tiles.run_inputs(i0, n, g0..g1) },
+                // More: as many as a call takes at a time, group by group, so that each
+                // group's weights come from memory once and stay in L1 for all the tile's inputs.
+                _ => {
+                    let wide = tiles.widest();
+                    for g in g0..g1 {
+                        for i in (i0..i1).step_by(wide) {
+                            unsafe { tiles.run_inputs(i, (i1 - i).min(wide), g..g + 1) };
+                        }
+                    }
                 }
             }
         }
@@ -177,24 +169,60 @@ struct Tiles<'a> {
     kernel: Kernel,
     w: &'a Interleaved,
     xq: &'a Q8Input,
-    blocks: usize,
+    /// Input rows.
+    m: usize,
     out: &'a Columns,
 }
 
 #[cfg(target_arch = "x86_64")]
 impl Tiles<'_> {
+    /// The most inputs one kernel call takes: 8 with AVX-512's 32 vector registers, which
+    /// hold their 16 accumulators beside a block's 8 code vectors; 4 with AVX2's 16.
+    fn widest(&self) -> usize {
+        match self.kernel {
+            Kernel::Avx512Vnni => 8,
+            _ => 4,
+        }
+    }
+
+    /// Inputs `i..i + n` (1 to 8, within one tile of [`Q8Input::tile`]) over `groups`, into
+    /// their outputs.
+    ///
+    /// # Safety
+    /// `kernel` runs on this CPU and has AVX2; inputs `i..i + n` exist; no other thread writes
+    /// the groups' output columns.
+    unsafe fn run_inputs(&self, i: usize, n: usize, groups: std::ops::Range<usize>) {
+        // SAFETY: per this function's contract, for inputs `i..i + n`.
+        unsafe {
+            match n {
+                1 => self.run::<1>(i, groups),
+                2 => self.run::<2>(i, groups),
+                3 => self.run::<3>(i, groups),
+                4 => self.run::<4>(i, groups),
+                5 => self.run::<5>(i, groups),
+                6 => self.run::<6>(i, groups),
+                7 => self.run::<7>(i, groups),
+                _ => self.run::<8>(i, groups),
+            }
+        }
+    }
+
     /// Inputs `i..i + T` over `groups`, into their outputs.
     ///
     /// # Safety
     /// `kernel` runs on this CPU and has AVX2; inputs `i..i + T` exist; no other thread writes
     /// the groups' output columns.
     unsafe fn run<const T: usize>(&self, i: usize, groups: std::ops::Range<usize>) {
-        let (xq, blocks) = (self.xq, self.blocks);
+        let xq = self.xq;
         let run: Run<T> = Run {
             w: &self.w.bytes,
             group_bytes: self.w.group_bytes(),
             groups,
-            x: std::array::from_fn(|t| &xq.blocks[(i + t) * blocks..][..blocks]),
+            x: {
+                let (blocks, stride) = xq.tiled(i, self.m);
+                debug_assert!(i % TILE + T <= stride.max(1), "inputs across a tile");
+                Inputs { blocks, stride }
+            },
             refined: std::array::from_fn(|t| xq.refined(i + t)),
             // SAFETY: row i + t < m of the output (contract).
             out: std::array::from_fn(|t| unsafe { self.out.row(i + t) }),
