@@ -150,13 +150,12 @@ impl Q8Input {
 
     /// Lays the `m` rows out again in tiles of [`TILE`] rows, block-major within a tile: row
     /// `TILE·k + t`'s block `b` at `TILE·k·blocks + b·n + t`, `n` the tile's rows. The
-    /// interleaved kernels then find every input's block at a fixed offset from one pointer,
-    /// instead of holding a pointer per input (8 of x86's 16 general registers). One row needs
-    /// no tiling.
-    pub fn tile(&mut self, m: usize) {
+    /// interleaved kernels then find every input's block at a fixed offset from one pointer
+    /// instead of a pointer per input. One row needs no tiling.
+    pub(crate) fn tile(&mut self, m: usize) {
         let blocks = self.blocks.len() / m.max(1);
         self.tiled.clear();
-        if m < 2 {
+        if m < 2 || blocks == 0 {
             return;
         }
         self.tiled.resize(self.blocks.len(), Q8Block::default());
@@ -177,7 +176,7 @@ impl Q8Input {
     /// Row `i`'s blocks and those of the rows after it in its tile, as the interleaved kernels
     /// read them: row `i + t`'s block `b` at `[b · stride + t]` of the slice returned with
     /// `stride`. Without [`tile`](Self::tile) (one row), row `i`'s blocks with stride 1.
-    pub fn tiled(&self, i: usize, m: usize) -> (&[Q8Block], usize) {
+    pub(crate) fn tiled(&self, i: usize, m: usize) -> (&[Q8Block], usize) {
         let blocks = self.blocks.len() / m.max(1);
         if self.tiled.is_empty() {
             return (&self.blocks[i * blocks..], 1);
@@ -189,7 +188,7 @@ impl Q8Input {
 }
 
 /// Rows per tile of [`Q8Input::tile`]: the most inputs an interleaved kernel call takes.
-pub const TILE: usize = 8;
+pub(crate) const TILE: usize = 8;
 
 /// Refines the blocks of `q` (the row `x` quantized) of largest scale, the first of equal ones,
 /// at most `out.len()` and none that is all zeros, in ascending block order; returns how many.
