@@ -183,12 +183,11 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, 
         // input's accumulators by a runtime index, which would keep them in memory through
         // the blocks above too: they move to memory here, once.)
         let (mut acc, mut mins) = (std::hint::black_box(acc), std::hint::black_box(mins));
-        for t in 0..T {
-            for r in refined[t] {
+        for ((c, m), refined) in acc.iter_mut().zip(&mut mins).zip(refined) {
+            for r in refined {
                 let p = w.as_ptr().add(r.at / SHARED * unit_bytes);
                 let (dw, mw) = heads::<MIN>(p);
                 let codes = unpack::<I, FIFTH>(p, masks_at, head + 128 * (r.at % SHARED));
-                let (c, m) = (&mut acc[t], &mut mins[t]);
                 terms::<I, MIN, FIFTH>(&codes, &r.residual, dw, mw, offset, c, m);
             }
         }

@@ -5,8 +5,7 @@
 use std::arch::x86_64::*;
 
 use super::avx2::Isa;
-use super::avx2_interleaved::Inputs;
-use super::avx2_interleaved::{halves, sum};
+use super::avx2_interleaved::{Inputs, halves, sum};
 use super::format::Format;
 
 /// Q4_K: per sub-block the 8 rows' scales and minimums (bytes) widen to one vector each, so

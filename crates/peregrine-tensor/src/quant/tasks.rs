@@ -180,7 +180,7 @@ impl Tiles<'_> {
     /// hold their 16 accumulators beside a block's 8 code vectors; 4 with AVX2's 16.
     fn widest(&self) -> usize {
         match self.kernel {
-            Kernel::Avx512Vnni => 8,
+            Kernel::Avx512Vnni => TILE,
             _ => 4,
         }
     }
@@ -220,7 +220,7 @@ impl Tiles<'_> {
             groups,
             x: {
                 let (blocks, stride) = xq.tiled(i, self.m);
-                debug_assert!(i % TILE + T <= stride.max(1), "inputs across a tile");
+                debug_assert!(i % TILE + T <= stride, "inputs across a tile");
                 Inputs { blocks, stride }
             },
             refined: std::array::from_fn(|t| xq.refined(i + t)),
