@@ -492,7 +492,7 @@ impl Shape {
             simd::scores(
                 simd,
                 task.queries.subset(h0, g),
-                task.keys,
+                (task.keys, task.values),
                 self.scale,
                 scores,
             );

@@ -100,6 +100,10 @@ pub(crate) trait KvRows: Copy + Send + Sync {
     /// `j < count`, `c + 16 ≤ width`, on a CPU with AVX2/FMA/F16C.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load16(&self, j: usize, c: usize) -> [__m256; 2];
+    /// Asks for row `j` (if there is one) to be brought into the cache: a chunk's rows are too
+    /// few for the hardware prefetcher to ramp up on (none by default).
+    #[inline]
+    fn prefetch(&self, _j: usize) {}
 }
 
 impl<E: Elem> KvRows for Rows<'_, E> {
@@ -129,6 +133,19 @@ impl<E: Elem> KvRows for Rows<'_, E> {
             [E::load8(p), E::load8(p.add(8))]
         }
     }
+
+    #[inline]
+    fn prefetch(&self, j: usize) {
+        #[cfg(target_arch = "x86_64")]
+        if j < self.count {
+            let row = self.data[j * self.stride..].as_ptr().cast::<i8>();
+            let bytes = self.len * size_of::<E>();
+            for at in (0..bytes).step_by(64) {
+                // SAFETY: a prefetch reads nothing; the address lies within or just past the row.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(at)) };
+            }
+        }
+    }
 }
 
 /// Scores and weighted sums for up to [`simd::HEADS`] query heads that share their key and value
@@ -144,21 +161,28 @@ pub(super) mod simd {
     }
 
     /// `out[g · n + j] = scale · q_g · k_j` for the `g` query rows and `n` key rows.
-    pub fn scores<K: KvRows>(simd: bool, q: Rows<f32>, k: K, scale: f32, out: &mut [f32]) {
+    /// `values` are the rows the weighted sum reads next (prefetched meanwhile).
+    pub fn scores<K: KvRows>(
+        simd: bool,
+        q: Rows<f32>,
+        (k, values): (K, K),
+        scale: f32,
+        out: &mut [f32],
+    ) {
         #[cfg(target_arch = "x86_64")]
         if simd && q.len.is_multiple_of(16) {
             // SAFETY: `simd` comes from `available()`; rows are `len` long, a multiple of 16,
             // and `out` holds one score per (query, key).
             return unsafe {
                 match q.count {
-                    1 => x86::scores::<1, K>(q, k, scale, out),
-                    2 => x86::scores::<2, K>(q, k, scale, out),
-                    3 => x86::scores::<3, K>(q, k, scale, out),
-                    _ => x86::scores::<HEADS, K>(q, k, scale, out),
+                    1 => x86::scores::<1, K>(q, (k, values), scale, out),
+                    2 => x86::scores::<2, K>(q, (k, values), scale, out),
+                    3 => x86::scores::<3, K>(q, (k, values), scale, out),
+                    _ => x86::scores::<HEADS, K>(q, (k, values), scale, out),
                 }
             };
         }
-        let _ = simd;
+        let _ = (simd, values);
         for (g, out) in out.chunks_exact_mut(k.count()).enumerate() {
             let q = q.row(g);
             for (j, s) in out.iter_mut().enumerate() {
@@ -203,18 +227,24 @@ pub(super) mod simd {
         use super::super::{KvRows, Rows};
         use std::arch::x86_64::*;
 
+        /// Rows ahead of the one in use that a kernel prefetches.
+        const AHEAD: usize = 8;
+
         /// # Safety
         /// AVX2/FMA/F16C; `q.count == G`, `q.len == k.len`, a multiple of 16.
         #[target_feature(enable = "avx2,fma,f16c")]
         pub unsafe fn scores<const G: usize, K: KvRows>(
             q: Rows<f32>,
-            k: K,
+            (k, values): (K, K),
             scale: f32,
             out: &mut [f32],
         ) {
             let (n, d) = (k.count(), q.len);
             let qs: [&[f32]; G] = std::array::from_fn(|g| q.row(g));
             for j in 0..n {
+                // The values too, for the weighted sum that follows.
+                k.prefetch(j + AHEAD);
+                values.prefetch(j + AHEAD);
                 // Two accumulators per head: FMA latency, not throughput, bounds one chain.
                 let mut acc = [[_mm256_setzero_ps(); 2]; G];
                 for c in (0..d).step_by(16) {

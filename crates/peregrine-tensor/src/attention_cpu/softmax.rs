@@ -16,19 +16,41 @@ fn exp_nonpositive(x: f32) -> f32 {
     const LN2_LO: f32 = -2.121_944_4e-4;
     // Adding 1.5·2^23 rounds to the nearest integer without a rounding instruction.
     const ROUND: f32 = 12_582_912.0;
+    // The low mantissa bits of 1.5·2^23 + n hold n + 0x400000 (|n| < 2^22).
+    const ROUND_BITS: u32 = 0x4B40_0000;
     let clamped = x.max(-87.0);
-    let n = (clamped * LOG2E + ROUND) - ROUND;
+    let shifted = clamped * LOG2E + ROUND;
+    let n = shifted - ROUND;
     let r = (clamped - n * LN2_HI) - n * LN2_LO;
     let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
         + 1.666_666_5e-1)
         * r
         + 5e-1;
-    let e = (p * r * r + r + 1.0) * f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // 2^n from n's integer bits: a float-to-int cast would not vectorise (Rust's saturates).
+    let two_n = f32::from_bits(shifted.to_bits().wrapping_sub(ROUND_BITS - 127) << 23);
+    let e = (p * r * r + r + 1.0) * two_n;
     if x < -87.0 { 0.0 } else { e }
 }
 
 /// Replaces each score of `row` with `e^(score - max)` and returns `(max, Σ e^(score - max))`.
 pub(super) fn exp_row(row: &mut [f32]) -> (f32, f32) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::Kernel::best().has_avx2() {
+        // SAFETY: the CPU has AVX2 and FMA.
+        return unsafe { exp_row_avx2(row) };
+    }
+    exp_row_portable(row)
+}
+
+/// [`exp_row`] compiled for AVX2 (8 lanes a vector; the same arithmetic, so the same bits).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn exp_row_avx2(row: &mut [f32]) -> (f32, f32) {
+    exp_row_portable(row)
+}
+
+#[inline(always)]
+fn exp_row_portable(row: &mut [f32]) -> (f32, f32) {
     let mut maxes = [f32::NEG_INFINITY; LANES];
     let chunks = row.chunks_exact(LANES);
     let tail_max = (chunks.remainder().iter()).fold(f32::NEG_INFINITY, |m, &s| m.max(s));
