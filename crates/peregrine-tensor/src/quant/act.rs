@@ -21,6 +21,8 @@ pub struct Q8Block {
     pub dsum: f32,
     /// `d · Σ qs` over each half (16 values), for Q6_K's per-16 scales.
     pub dsum16: [f32; 2],
+    /// `Σ qs`: VNNI's Q8_0 kernel takes codes offset by 128 and subtracts `128 · Σ qs`.
+    pub sum: i32,
 }
 
 /// Quantizes `x` block by block into `out` (`x.len() / QK` blocks). Every path gives the same
@@ -67,6 +69,7 @@ pub(crate) fn finish(qs: [i8; QK], amax: f32, sums: [i32; 2]) -> Q8Block {
         ds: f16_round(d * sum),
         dsum: rounded * sum,
         dsum16: sums.map(|s| rounded * s as f32),
+        sum: sums[0] + sums[1],
     }
 }
 
@@ -235,6 +238,7 @@ pub(crate) fn residual_block(x: &[f32], main: &Q8Block) -> Q8Block {
         ds: sum - main.ds,
         dsum: d * (sums[0] + sums[1]) as f32,
         dsum16: sums.map(|s| d * s as f32),
+        sum: sums[0] + sums[1],
     }
 }
 

@@ -319,8 +319,10 @@ unsafe fn terms<I: Isa, const MIN: bool, const FIFTH: bool>(
 }
 
 /// Q8_0: the 8 vectors are the block's 256 code bytes as they stand (signed). `dot4` takes
-/// unsigned bytes, so each vector goes in as `|q|` against the input's quad carrying `q`'s
-/// sign (ggml's trick; `|q| ≤ 128` keeps AVX2's pair sums from saturating).
+/// unsigned bytes: with AVX2 each vector goes in as `|q|` against the input's quad carrying
+/// `q`'s sign (ggml's trick; `|q| ≤ 128` keeps the pair sums from saturating); with VNNI, whose
+/// sums do not saturate, as `q + 128` (its top bit flipped, once for all inputs), less
+/// `128 · Σ x` per input: the same integer sum with a third of the work per input.
 ///
 /// # Safety
 /// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
@@ -338,9 +340,9 @@ unsafe fn rows_q8_0<I: Isa, const T: usize>(
         for (b, gb) in w.chunks_exact(block_bytes).enumerate() {
             let p = gb.as_ptr();
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
-            let (codes, magnitudes) = unpack_q8_0(p);
+            let (codes, unsigned) = unpack_q8_0::<I>(p);
             for (t, acc) in acc.iter_mut().enumerate() {
-                *acc = term_q8_0::<I>(&codes, &magnitudes, x.get(t, b), dw, *acc);
+                *acc = term_q8_0::<I>(&codes, &unsigned, x.get(t, b), dw, *acc);
             }
         }
         // As in `rows`: each input's refined blocks after its blocks, in ascending order.
@@ -349,42 +351,47 @@ unsafe fn rows_q8_0<I: Isa, const T: usize>(
             for r in refined {
                 let p = w.as_ptr().add(r.at * block_bytes);
                 let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
-                let (codes, magnitudes) = unpack_q8_0(p);
-                *acc = term_q8_0::<I>(&codes, &magnitudes, &r.residual, dw, *acc);
+                let (codes, unsigned) = unpack_q8_0::<I>(p);
+                *acc = term_q8_0::<I>(&codes, &unsigned, &r.residual, dw, *acc);
             }
         }
         acc
     }
 }
 
-/// A Q8_0 group block's 8 code vectors at `p`, and their magnitudes.
+/// A Q8_0 group block's 8 code vectors at `p` and what `dot4` takes of them: their magnitudes,
+/// or with VNNI the codes plus 128 (then the first array is unused).
 ///
 /// # Safety
-/// The CPU must support AVX2; the caller is compiled with it, so all inlines.
+/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
 #[inline(always)]
-unsafe fn unpack_q8_0(p: *const u8) -> ([__m256i; 8], [__m256i; 8]) {
+unsafe fn unpack_q8_0<I: Isa>(p: *const u8) -> ([__m256i; 8], [__m256i; 8]) {
     // SAFETY: per this function's contract; the block holds 16 bytes of scales and 256 of codes.
     unsafe {
         let mut codes = [_mm256_setzero_si256(); 8];
         for (k, code) in codes.iter_mut().enumerate() {
             *code = _mm256_loadu_si256(p.add(16 + 32 * k).cast());
         }
-        let mut magnitudes = [_mm256_setzero_si256(); 8];
-        for (m, code) in magnitudes.iter_mut().zip(&codes) {
-            *m = _mm256_abs_epi8(*code);
+        let mut unsigned = [_mm256_setzero_si256(); 8];
+        for (u, code) in unsigned.iter_mut().zip(&codes) {
+            *u = match I::WIDE {
+                true => _mm256_xor_si256(*code, _mm256_set1_epi8(-128)),
+                false => _mm256_abs_epi8(*code),
+            };
         }
-        (codes, magnitudes)
+        (codes, unsigned)
     }
 }
 
-/// `chain` plus one Q8_0 block's sums against `xb`, times the rows' scales `dw` and `xb.d`.
+/// `chain` plus one Q8_0 block's sums against `xb`, times the rows' scales `dw` and `xb.d`;
+/// `codes` and `unsigned` as [`unpack_q8_0`] gives them.
 ///
 /// # Safety
 /// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
 #[inline(always)]
 unsafe fn term_q8_0<I: Isa>(
     codes: &[__m256i; 8],
-    magnitudes: &[__m256i; 8],
+    unsigned: &[__m256i; 8],
     xb: &Q8Block,
     dw: __m256,
     chain: __m256,
@@ -392,12 +399,19 @@ unsafe fn term_q8_0<I: Isa>(
     let xq = xb.qs.as_ptr().cast::<i32>();
     // SAFETY: `qs` holds 8 quads; per this function's contract for the intrinsics.
     unsafe {
-        let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+        let quad = |k: usize| _mm256_set1_epi32(xq.add(k).read_unaligned());
+        let (mut s0, mut s1) = match I::WIDE {
+            // |Σ (q + 128)·x| ≤ 32·255·127: no i32 overflow.
+            true => (_mm256_set1_epi32(-128 * xb.sum), _mm256_setzero_si256()),
+            false => (_mm256_setzero_si256(), _mm256_setzero_si256()),
+        };
         for k in 0..4 {
-            let quad = |k: usize| _mm256_set1_epi32(xq.add(k).read_unaligned());
-            let signed = |k: usize| _mm256_sign_epi8(quad(k), codes[k]);
-            s0 = I::dot4(s0, magnitudes[k], signed(k));
-            s1 = I::dot4(s1, magnitudes[k + 4], signed(k + 4));
+            let x = |k: usize| match I::WIDE {
+                true => quad(k),
+                false => _mm256_sign_epi8(quad(k), codes[k]),
+            };
+            s0 = I::dot4(s0, unsigned[k], x(k));
+            s1 = I::dot4(s1, unsigned[k + 4], x(k + 4));
         }
         let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
         let scale = _mm256_mul_ps(dw, _mm256_set1_ps(xb.d));
