@@ -57,6 +57,36 @@ fn greedy_is_first_argmax() {
 }
 
 #[test]
+fn argmax_matches_a_scalar_scan_over_ties_nans_and_tails() {
+    // The first index of the largest non-NaN value, as a plain scan finds it.
+    let scan = |l: &[f32]| {
+        let mut best = (0, f32::NEG_INFINITY);
+        for (i, &x) in l.iter().enumerate() {
+            if x > best.1 {
+                best = (i, x);
+            }
+        }
+        best.0 as u32
+    };
+    let mut rng = Rng::seed_from_u64(7);
+    for len in [1, 15, 16, 17, 33, 100, 1000] {
+        for _ in 0..50 {
+            // Few distinct values, so ties within and across runs of 16 are common.
+            let mut l: Vec<f32> = (0..len)
+                .map(|_| (rng.next_f64() * 8.0).floor() as f32)
+                .collect();
+            for _ in 0..len / 10 {
+                let at = rng.next_u64() as usize % len;
+                l[at] = [f32::NAN, f32::NEG_INFINITY, f32::INFINITY][at % 3];
+            }
+            assert_eq!(argmax(&l), scan(&l), "{l:?}");
+        }
+    }
+    assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0);
+    assert_eq!(argmax(&[]), 0);
+}
+
+#[test]
 fn same_seed_same_sequence() {
     let logits: Vec<f32> = (0..1000).map(|i| ((i * 37 % 101) as f32) / 20.0).collect();
     let run = |seed| {
