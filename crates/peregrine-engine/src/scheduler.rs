@@ -19,6 +19,7 @@ use std::time::Instant;
 
 use peregrine_models::{BatchSeq, Logits, ModelError};
 use peregrine_tensor::device::in_compute_pool;
+use peregrine_tensor::ops::rows_into;
 
 use crate::api::{Event, FinishReason};
 use crate::engine::{Job, Shared};
@@ -255,7 +256,11 @@ fn forward(
         .step_rows
         .fetch_add(batch.len() as u64, Ordering::Relaxed);
     let logits = in_compute_pool(|| model.forward_batch(&mut batch))?;
-    Ok(logits.to_vec2::<f32>().map_err(ModelError::from)?)
+    drop(batch);
+    // Into the decoding choices' last rows: their allocations are reused.
+    let mut rows: Vec<Vec<f32>> = decoding.iter_mut().flat_map(|d| d.rows.drain(..)).collect();
+    rows_into(&logits, &mut rows).map_err(ModelError::from)?;
+    Ok(rows)
 }
 
 /// Samples `d`'s next token (or verifies its drafts) after a pass of `secs`; keeps it in

@@ -188,3 +188,25 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
         .max(0)?
         .to_scalar()
 }
+
+/// The rows of `t` (`[n, len]`) as f32, copied into `rows`, which becomes `n` long: vectors
+/// already there keep their allocations (a decode step's logits reuse the last step's, instead
+/// of a fresh megabyte per row of a large vocabulary).
+pub fn rows_into(t: &Tensor, rows: &mut Vec<Vec<f32>>) -> Result<()> {
+    let (n, len) = t.dims2()?;
+    let t = t
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        candle_core::bail!("rows_into: a tensor moved to the CPU is not on the CPU")
+    };
+    let data = &cpu.as_slice::<f32>()?[layout.start_offset()..][..n * len];
+    rows.resize_with(n, Vec::new);
+    for (i, row) in rows.iter_mut().enumerate() {
+        row.clear();
+        row.extend_from_slice(&data[i * len..][..len]);
+    }
+    Ok(())
+}

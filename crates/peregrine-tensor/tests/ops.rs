@@ -517,3 +517,26 @@ fn a_rows_attention_does_not_depend_on_its_batch_or_threads() {
         }
     }
 }
+
+#[test]
+fn rows_into_copies_each_row_and_keeps_the_vectors_it_has() {
+    use peregrine_tensor::ops::rows_into;
+    let t = Tensor::arange(0f32, 12.0, &Device::Cpu)
+        .unwrap()
+        .reshape((3, 4))
+        .unwrap();
+    let mut rows = vec![Vec::with_capacity(64), vec![9.0; 7]];
+    let kept = rows[0].as_ptr();
+    rows_into(&t, &mut rows).unwrap();
+    assert_eq!(rows, t.to_vec2::<f32>().unwrap());
+    assert_eq!(
+        rows[0].as_ptr(),
+        kept,
+        "the first row's allocation was reused"
+    );
+    // A transposed view: its rows are strided in memory.
+    let tt = t.t().unwrap();
+    rows_into(&tt, &mut rows).unwrap();
+    assert_eq!(rows, tt.to_vec2::<f32>().unwrap());
+    assert_eq!(rows.len(), 4);
+}
