@@ -4,6 +4,7 @@
 
 use std::ops::Range;
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use peregrine_tensor::attention::{
     AttnScratch, CpuKv, CpuRows, MaskSpec, QuantPlane, attention, attention_kv, attention_row_into,
@@ -492,7 +493,13 @@ impl Plane {
         let first = |h: usize| (h * capacity + at) * head_dim;
         match self {
             Self::F32(d) => put(d, src, run, first, |x| x),
-            Self::F16(d) => put(d, src, run, first, f16::from_f32),
+            // Whole runs at once: half's slice conversion rounds as one by one does, with
+            // F16C eight values at a time (per value it was 2.3 % of an 8-sequence step).
+            Self::F16(d) => {
+                for (h, src) in src.chunks_exact(run).enumerate() {
+                    d[first(h)..][..run].convert_from_f32_slice(src);
+                }
+            }
             Self::BF16(d) => put(d, src, run, first, bf16::from_f32),
             Self::Quant {
                 codes,
