@@ -10,7 +10,9 @@ batching on, f16 KV as ours, the same threads and context per slot), sends N str
 end-of-sequence ignored, --gen-tokens each) and reads the token arrival times. Per stream:
 decode tok/s = (tokens - 1) / (last - first arrival); aggregate = all streams' tokens after
 their first over the span from the earliest first token to the latest last (and, apart, the
-sum of the per-stream rates, which overstates it where streams do not overlap). Prints one JSON
+sum of the per-stream rates, which overstates it where streams do not overlap); concurrent =
+the tokens that arrive while all N streams decode (from the last first token to the first last
+one) over that window, the rate without the ramps at either end. Prints one JSON
 line per server and N, with times to first token (p50, max). Standard library only; loopback.
 """
 import argparse
@@ -60,8 +62,8 @@ def model_id(port):
     return json.loads(c.getresponse().read())["data"][0]["id"]
 
 
-def stream(port, text, gen_tokens, out):
-    body = json.dumps({"model": model_id(port), "prompt": text, "max_tokens": gen_tokens, "temperature": 0,
+def stream(port, model, text, gen_tokens, out):
+    body = json.dumps({"model": model, "prompt": text, "max_tokens": gen_tokens, "temperature": 0,
                        "stream": True, "ignore_eos": True})
     start = time.time()
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
@@ -79,9 +81,9 @@ def stream(port, text, gen_tokens, out):
 
 
 def measure(port, n, words, gen_tokens):
-    results, threads = [], []
+    results, threads, model = [], [], model_id(port)
     for i in range(n):
-        t = threading.Thread(target=stream, args=(port, prompt(i, words), gen_tokens, results))
+        t = threading.Thread(target=stream, args=(port, model, prompt(i, words), gen_tokens, results))
         threads.append(t)
     for t in threads:
         t.start()
@@ -94,12 +96,19 @@ def measure(port, n, words, gen_tokens):
     spans = [a for _, a in results if len(a) >= 2]
     wall = (sum(len(a) - 1 for a in spans) / (max(a[-1] for a in spans) - min(a[0] for a in spans))
             if spans else 0)
+    # Concurrent decode throughput: the tokens that arrive while every stream decodes (from the
+    # last stream's first token to the first stream's last), over that window.
+    lo = max((a[0] for a in spans), default=0)
+    hi = min((a[-1] for a in spans), default=0)
+    inside = sum(1 for a in spans for t in a if lo < t <= hi)
+    concurrent = inside / (hi - lo) if len(spans) == n and hi > lo else None
     for start, arrivals in results:
         if len(arrivals) >= 2:
             decode.append((len(arrivals) - 1) / (arrivals[-1] - arrivals[0]))
         if arrivals:
             ttft.append((arrivals[0] - start) * 1e3)
     return {"streams": n, "aggregate_decode_tps": round(wall, 1),
+            "concurrent_decode_tps": round(concurrent, 1) if concurrent else None,
             "sum_of_stream_tps": round(sum(decode), 1),
             "per_stream_decode_tps": round(statistics.median(decode), 1) if decode else 0,
             "ttft_ms_p50": round(statistics.median(ttft), 1) if ttft else None,
@@ -116,8 +125,8 @@ def decode_streams(port, streams, words, gen_tokens, long_words=None):
     """`streams` decode; after a second a prompt of `long_words` arrives (if given). Returns
     each stream's token arrival times (by stream), the arrival and the first token time of
     the long prompt."""
-    slots = [[] for _ in range(streams)]
-    threads = [threading.Thread(target=stream, args=(port, prompt(i, words), gen_tokens, slots[i]))
+    slots, model = [[] for _ in range(streams)], model_id(port)
+    threads = [threading.Thread(target=stream, args=(port, model, prompt(i, words), gen_tokens, slots[i]))
                for i in range(streams)]
     for t in threads:
         t.start()
@@ -125,7 +134,7 @@ def decode_streams(port, streams, words, gen_tokens, long_words=None):
     arrived, long_result = time.time(), []
     if long_words:
         threads.append(threading.Thread(target=stream,
-                                        args=(port, prompt(99, long_words), 2, long_result)))
+                                        args=(port, model, prompt(99, long_words), 2, long_result)))
         threads[-1].start()
     for t in threads:
         t.join()
