@@ -187,7 +187,7 @@ impl SelfAttention for Attention {
         let hd = self.head_dim;
         // A gated q_proj's rows hold each head's query then its gate.
         let q_width = hd * (1 + usize::from(self.output_gate));
-        let y = per_segment(segments, |rows, s| {
+        let y = per_segment(segments, x.device(), |rows, s| {
             let n = rows.len();
             // This sequence's rows, [1, n, heads * hd] → [1, heads, n, hd].
             let split = |i: usize, heads: usize, norm: &Option<Tensor>| -> Result<Tensor> {

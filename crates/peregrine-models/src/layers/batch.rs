@@ -218,11 +218,14 @@ pub fn run_layers(
 
 /// `f(rows, segment)` for each sequence, `rows` its part of the stacked rows (a range along
 /// dimension 1), the outputs (`[1, len, d]` each) joined again in order: the per-sequence part
-/// of a layer (attention over each one's own cache). Sequences run in parallel (each its own
-/// cache; one parallel region instead of one per sequence's attention, whose few heads leave
-/// threads idle), each computing exactly what it would alone.
+/// of a layer (attention over each one's own cache). On the CPU (`device`) sequences run in
+/// parallel (each its own cache; one parallel region instead of one per sequence's attention,
+/// whose few heads leave threads idle), each computing exactly what it would alone; on a GPU
+/// one after another (its stream runs their kernels in order anyway, and host threads issuing
+/// them at once only contend for it).
 pub fn per_segment(
     segments: &mut [Segment],
+    device: &candle::Device,
     f: impl Fn(std::ops::Range<usize>, &mut Segment) -> Result<Tensor> + Sync,
 ) -> Result<Tensor> {
     let mut at = 0;
@@ -234,6 +237,9 @@ pub fn per_segment(
         .collect();
     let mut parts: Vec<Tensor> = match segments.len() {
         1 => vec![f(ranges[0].clone(), &mut segments[0])?],
+        _ if !device.is_cpu() => (segments.iter_mut().zip(ranges))
+            .map(|(s, rows)| f(rows, s))
+            .collect::<Result<_>>()?,
         _ => (segments.par_iter_mut().zip(ranges))
             .map(|(s, rows)| f(rows, s))
             .collect::<Result<_>>()?,

@@ -190,7 +190,7 @@ impl SelfAttention for Mla {
         rope: &RotaryEmbedding,
         segments: &mut [Segment],
     ) -> Result<Tensor> {
-        per_segment(segments, |rows, s| {
+        per_segment(segments, x.device(), |rows, s| {
             self.forward_one(
                 &x.narrow(1, rows.start, rows.len())?,
                 rope,
