@@ -198,15 +198,13 @@ pub fn rows_into(t: &Tensor, rows: &mut Vec<Vec<f32>>) -> Result<()> {
         .to_device(&Device::Cpu)?
         .to_dtype(DType::F32)?
         .contiguous()?;
-    let (storage, layout) = t.storage_and_layout();
-    let Storage::Cpu(cpu) = &*storage else {
-        candle_core::bail!("rows_into: a tensor moved to the CPU is not on the CPU")
-    };
-    let data = &cpu.as_slice::<f32>()?[layout.start_offset()..][..n * len];
-    rows.resize_with(n, Vec::new);
-    for (i, row) in rows.iter_mut().enumerate() {
-        row.clear();
-        row.extend_from_slice(&data[i * len..][..len]);
-    }
-    Ok(())
+    let copied = with_f32(&t, |data| {
+        rows.resize_with(n, Vec::new);
+        for (i, row) in rows.iter_mut().enumerate() {
+            row.clear();
+            row.extend_from_slice(&data[i * len..][..len]);
+        }
+    })?;
+    copied
+        .ok_or_else(|| candle_core::Error::Msg("rows_into: not a contiguous f32 CPU tensor".into()))
 }
