@@ -9,8 +9,18 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use peregrine::tensor::candle::quantized::{GgmlDType, QTensor};
-use peregrine::tensor::quant::Kernel;
+use peregrine::tensor::quant::{Format, Kernel, SharedBytes};
 use peregrine::tensor::{Device, GgufMatrix, Tensor};
+
+/// Row-layout bytes multiplied where they lie.
+#[derive(Debug)]
+struct InPlace(Vec<u8>);
+
+impl SharedBytes for InPlace {
+    fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
 
 fn main() {
     // Inside the pool, as the engine runs every forward pass: no hand-off per call.
@@ -55,26 +65,28 @@ fn run() {
             (&w, k)
         };
         let qt = Arc::new(QTensor::quantize(w, dtype).unwrap());
-        // The file's row layout too where the x86 kernels interleave rows (Q4_0, Q4_1).
+        // The file's row layout too where the x86 kernels interleave rows, and those rows
+        // multiplied in place 8 at a time (a streamed expert's mapped bytes) where they can be.
         let q = GgufMatrix::new(qt.clone()).unwrap();
-        let mut layouts = vec![q];
-        if layouts[0].is_interleaved() {
-            layouts.push(GgufMatrix::new_rows(qt).unwrap());
+        let mut layouts = vec![("interleaved", q)];
+        if layouts[0].1.is_interleaved() {
+            layouts.push(("rows", GgufMatrix::new_rows(qt.clone()).unwrap()));
+        }
+        let format = Format::of(dtype).unwrap();
+        if GgufMatrix::multiplies_in_place(format, n, k) {
+            let bytes = Arc::new(InPlace(qt.data().unwrap().to_vec()));
+            let m = GgufMatrix::from_shared(format, bytes, (n, k)).unwrap();
+            layouts.push(("in_place", m));
         }
         let only = std::env::var("GGUF_BENCH_KERNEL").ok();
         let kernels: Vec<Kernel> = Kernel::available()
             .into_iter()
             .filter(|k| (only.as_ref()).is_none_or(|o| format!("{k:?}").eq_ignore_ascii_case(o)))
             .collect();
-        for (q, kernel) in layouts
+        for ((layout, q), kernel) in layouts
             .iter()
             .flat_map(|q| kernels.iter().map(move |k| (q, *k)))
         {
-            let layout = if q.is_interleaved() {
-                "interleaved"
-            } else {
-                "rows"
-            };
             for &m in &batches {
                 let x: Vec<f32> = (0..m * k)
                     .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)

@@ -14,16 +14,17 @@ use std::arch::x86_64::*;
 
 use super::act::{Q8Block, Refinement};
 use super::avx2::{Avx2, Isa, Vnni};
+use super::avx2_groups::{Packed, RowGroup, Source};
 use super::avx2_interleaved_k;
 use super::format::Format;
 use super::interleaved::ROWS;
 
 /// A run of groups of one interleaved matrix against `T` inputs.
 pub struct Run<'a, const T: usize> {
-    /// The matrix's groups, one after another, `group_bytes` each.
+    /// The matrix's groups, one after another.
     pub w: &'a [u8],
-    /// Bytes per group.
-    pub group_bytes: usize,
+    /// How the groups lie in `w`.
+    pub layout: GroupLayout,
     /// The groups to multiply.
     pub groups: std::ops::Range<usize>,
     /// The inputs' blocks (the matrix's width each), tiled.
@@ -33,6 +34,15 @@ pub struct Run<'a, const T: usize> {
     pub refined: [&'a [Refinement]; T],
     /// Each input's output row: group `g`'s 8 outputs are written at `out[t] + 8g`.
     pub out: [*mut f32; T],
+}
+
+/// How a run's groups lie in its bytes.
+#[derive(Clone, Copy)]
+pub enum GroupLayout {
+    /// Interleaved ([`Interleaved`](super::interleaved::Interleaved)), this many bytes a group.
+    Interleaved(usize),
+    /// GGUF's rows, this many bytes each ([`RowGroup`]; Q4_0, Q4_1 and Q8_0).
+    Rows(usize),
 }
 
 /// A run's inputs, tiled ([`Q8Input::tile`](super::act::Q8Input::tile)): input `t`'s block `b`
@@ -71,14 +81,39 @@ pub unsafe fn groups<const T: usize>(format: Format, shared: usize, run: &Run<T>
     unsafe { dispatch::<Avx2, T>(format, shared, run) }
 }
 
-/// For each group of `$run`, `$kernel` (with `$gw` the group's bytes) gives each input's 8
-/// outputs, stored at their place. A macro, not a closure: its body stays inside the
+/// For each group of `$run`, `$kernel` (with `$src` the group's [`Source`]) gives each input's
+/// 8 outputs, stored at their place. A macro, not a closure: its body stays inside the
 /// `target_feature` function.
 macro_rules! each_group {
-    ($run:expr, $gw:ident => $kernel:expr) => {{
+    ($run:expr, $format:expr, $src:ident => $kernel:expr) => {{
         let run = $run;
         for g in run.groups.clone() {
-            let $gw = &run.w[g * run.group_bytes..][..run.group_bytes];
+            let y = match run.layout {
+                GroupLayout::Interleaved(bytes) => {
+                    let $src = Packed::new(&run.w[g * bytes..][..bytes]);
+                    $kernel
+                }
+                GroupLayout::Rows(row_bytes) => {
+                    let $src = RowGroup::new(run.w, g, row_bytes, $format);
+                    $kernel
+                }
+            };
+            for (t, y) in y.iter().enumerate() {
+                _mm256_storeu_ps(run.out[t].add(ROWS * g), *y);
+            }
+        }
+    }};
+}
+
+/// [`each_group!`] for the interleaved layout alone (the K-quants), `$gw` the group's bytes.
+macro_rules! each_packed_group {
+    ($run:expr, $gw:ident => $kernel:expr) => {{
+        let run = $run;
+        let GroupLayout::Interleaved(bytes) = run.layout else {
+            unreachable!("only Q4_0, Q4_1 and Q8_0 multiply from rows")
+        };
+        for g in run.groups.clone() {
+            let $gw = &run.w[g * bytes..][..bytes];
             let y = $kernel;
             for (t, y) in y.iter().enumerate() {
                 _mm256_storeu_ps(run.out[t].add(ROWS * g), *y);
@@ -137,35 +172,35 @@ unsafe fn dispatch<I: Isa, const T: usize>(format: Format, shared: usize, run: &
     // SAFETY: per this function's contract.
     unsafe {
         match format {
-            Format::Q4K => each_group!(run, gw => avx2_interleaved_k::rows_q4k::<I, T>(gw, x)),
-            Format::Q6K => each_group!(run, gw => avx2_interleaved_k::rows_q6k::<I, T>(gw, x)),
-            Format::Q8_0 => each_group!(run, gw => rows_q8_0::<I, T>(gw, x, refined)),
+            Format::Q4K => {
+                each_packed_group!(run, gw => avx2_interleaved_k::rows_q4k::<I, T>(gw, x))
+            }
+            Format::Q6K => {
+                each_packed_group!(run, gw => avx2_interleaved_k::rows_q6k::<I, T>(gw, x))
+            }
+            Format::Q8_0 => each_group!(run, format, g => rows_q8_0::<I, T>(g, x, refined)),
             Format::Q4_1 if shared == 2 => {
-                each_group!(run, gw => rows::<I, true, false, 2, T>(gw, x, refined))
+                each_group!(run, format, g => rows::<I, true, false, 2, T>(g, x, refined))
             }
             _ => with_fields!(format, MIN, FIFTH => each_group!(
-                run, gw => rows::<I, MIN, FIFTH, 1, T>(gw, x, refined)
+                run, format, g => rows::<I, MIN, FIFTH, 1, T>(g, x, refined)
             )),
         }
     }
 }
 
 /// # Safety
-/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
+/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines; `w`
+/// is a group of the format `MIN`, `FIFTH` and `SHARED` describe, each input holds its blocks.
 #[inline(always)]
 unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, const T: usize>(
-    w: &[u8],
+    w: impl Source,
     x: Inputs,
     refined: [&[Refinement]; T],
 ) -> [__m256; T] {
-    // Scales, minimums (Q4_1, Q5_1), fifth-bit masks (Q5_0, Q5_1), then 128 bytes of codes for
-    // each of the `SHARED` blocks that use those scales (Q4_1 from MLX groups of 64: two).
-    let masks_at = if MIN { 32 } else { 16 };
-    let head = masks_at + if FIFTH { 32 } else { 0 };
-    let unit_bytes = head + 128 * SHARED;
     // Codes without a minimum are offset by half their range.
     let offset = if FIFTH { 16.0 } else { 8.0 };
-    // SAFETY: per this function's contract; every load below stays inside block `b`.
+    // SAFETY: per this function's contract; every unit asked for is the group's.
     unsafe {
         // One accumulator chain per input (and one for its minimum terms): the inputs of a
         // tile are independent chains already, and a second chain per input spilled
@@ -173,10 +208,16 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, 
         // 4 inputs, 133 with one).
         let mut acc = [_mm256_setzero_ps(); T];
         let mut mins = [_mm256_setzero_ps(); T];
-        let units = w.len() / unit_bytes;
-        for u in 0..units {
-            let p = w.as_ptr().add(u * unit_bytes);
-            unit_terms::<I, MIN, FIFTH, SHARED, T>(p, u * SHARED, x, &mut acc, &mut mins);
+        for u in 0..w.units::<MIN, FIFTH, SHARED>() {
+            let (dw, mw) = w.heads::<MIN, FIFTH, SHARED>(u);
+            for s in 0..SHARED {
+                let codes = w.codes::<I, MIN, FIFTH, SHARED>(u, s);
+                for t in 0..T {
+                    let (c, m) = (&mut acc[t], &mut mins[t]);
+                    let xb = x.get(t, u * SHARED + s);
+                    terms::<I, MIN, FIFTH>(&codes, xb, dw, mw, offset, c, m);
+                }
+            }
         }
         // Each input's refined blocks after all its blocks, in ascending order, whatever the
         // other inputs refine: its bits do not depend on its batch. (This loop picks an
@@ -185,9 +226,9 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, 
         let (mut acc, mut mins) = (std::hint::black_box(acc), std::hint::black_box(mins));
         for ((c, m), refined) in acc.iter_mut().zip(&mut mins).zip(refined) {
             for r in refined {
-                let p = w.as_ptr().add(r.at / SHARED * unit_bytes);
-                let (dw, mw) = heads::<MIN>(p);
-                let codes = unpack::<I, FIFTH>(p, masks_at, head + 128 * (r.at % SHARED));
+                let (u, s) = (r.at / SHARED, r.at % SHARED);
+                let (dw, mw) = w.heads::<MIN, FIFTH, SHARED>(u);
+                let codes = w.codes::<I, MIN, FIFTH, SHARED>(u, s);
                 terms::<I, MIN, FIFTH>(&codes, &r.residual, dw, mw, offset, c, m);
             }
         }
@@ -196,94 +237,6 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, 
             *y = _mm256_add_ps(acc[t], mins[t]);
         }
         y
-    }
-}
-
-/// One unit's terms (its `SHARED` blocks from block `first` on) for every input.
-///
-/// # Safety
-/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines; `p`
-/// is a unit (scales, minimums and masks as `MIN` and `FIFTH` say, then `SHARED` code blocks),
-/// and each input holds blocks `first..`.
-#[inline(always)]
-unsafe fn unit_terms<
-    I: Isa,
-    const MIN: bool,
-    const FIFTH: bool,
-    const SHARED: usize,
-    const T: usize,
->(
-    p: *const u8,
-    first: usize,
-    x: Inputs,
-    acc: &mut [__m256; T],
-    mins: &mut [__m256; T],
-) {
-    let masks_at = if MIN { 32 } else { 16 };
-    let head = masks_at + if FIFTH { 32 } else { 0 };
-    // Codes without a minimum are offset by half their range.
-    let offset = if FIFTH { 16.0 } else { 8.0 };
-    // SAFETY: per this function's contract.
-    unsafe {
-        let (dw, mw) = heads::<MIN>(p);
-        for s in 0..SHARED {
-            let codes = unpack::<I, FIFTH>(p, masks_at, head + 128 * s);
-            for t in 0..T {
-                let (c, m) = (&mut acc[t], &mut mins[t]);
-                let xb = x.get(t, first + s);
-                terms::<I, MIN, FIFTH>(&codes, xb, dw, mw, offset, c, m);
-            }
-        }
-    }
-}
-
-/// The 8 code vectors of a 4/5-bit unit at `p` whose block's codes start at `codes_at`
-/// (fifth-bit masks at `masks_at`).
-///
-/// # Safety
-/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
-#[inline(always)]
-unsafe fn unpack<I: Isa, const FIFTH: bool>(
-    p: *const u8,
-    masks_at: usize,
-    codes_at: usize,
-) -> [__m256i; 8] {
-    // SAFETY: per this function's contract; the unit holds the codes and masks.
-    unsafe {
-        let mask = _mm256_set1_epi8(0xF);
-        // Loops, not `array::from_fn`, here and below: a closure's body may stay out of line,
-        // outside the `target_feature` function (Q6_K's did: 10× slower).
-        let mut codes = [_mm256_setzero_si256(); 8];
-        for (k, code) in codes.iter_mut().enumerate() {
-            let q = _mm256_loadu_si256(p.add(codes_at + 32 * (k % 4)).cast());
-            let q = if k < 4 { q } else { _mm256_srli_epi16(q, 4) };
-            let q = _mm256_and_si256(q, mask);
-            *code = if FIFTH {
-                let bits = p.add(masks_at + 4 * k).cast::<u32>().read_unaligned();
-                _mm256_or_si256(q, I::sixteens(bits))
-            } else {
-                q
-            };
-        }
-        codes
-    }
-}
-
-/// A unit's 8 scales, and what multiplies each input's sum: the minimums, or the scales (times
-/// the offset).
-///
-/// # Safety
-/// The CPU must support AVX2 and F16C; the caller is compiled with them.
-#[inline(always)]
-unsafe fn heads<const MIN: bool>(p: *const u8) -> (__m256, __m256) {
-    // SAFETY: per this function's contract; the unit starts with its scales and minimums.
-    unsafe {
-        let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
-        let mw = match MIN {
-            true => _mm256_cvtph_ps(_mm_loadu_si128(p.add(16).cast())),
-            false => dw,
-        };
-        (dw, mw)
     }
 }
 
@@ -328,19 +281,17 @@ unsafe fn terms<I: Isa, const MIN: bool, const FIFTH: bool>(
 /// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
 #[inline(always)]
 unsafe fn rows_q8_0<I: Isa, const T: usize>(
-    w: &[u8],
+    w: impl Source,
     x: Inputs,
     refined: [&[Refinement]; T],
 ) -> [__m256; T] {
-    let block_bytes = super::interleaved::group_block_bytes(Format::Q8_0);
-    // SAFETY: per this function's contract; every load below stays inside block `b`.
+    // SAFETY: per this function's contract; every block asked for is the group's.
     unsafe {
         // One chain per input, as in `rows`.
         let mut acc = [_mm256_setzero_ps(); T];
-        for (b, gb) in w.chunks_exact(block_bytes).enumerate() {
-            let p = gb.as_ptr();
-            let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
-            let (codes, unsigned) = unpack_q8_0::<I>(p);
+        for b in 0..w.q8_0_blocks() {
+            let (dw, codes) = w.q8_0(b);
+            let unsigned = unsigned_q8_0::<I>(&codes);
             for (t, acc) in acc.iter_mut().enumerate() {
                 *acc = term_q8_0::<I>(&codes, &unsigned, x.get(t, b), dw, *acc);
             }
@@ -349,9 +300,8 @@ unsafe fn rows_q8_0<I: Isa, const T: usize>(
         let mut acc = std::hint::black_box(acc);
         for (acc, refined) in acc.iter_mut().zip(refined) {
             for r in refined {
-                let p = w.as_ptr().add(r.at * block_bytes);
-                let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
-                let (codes, unsigned) = unpack_q8_0::<I>(p);
+                let (dw, codes) = w.q8_0(r.at);
+                let unsigned = unsigned_q8_0::<I>(&codes);
                 *acc = term_q8_0::<I>(&codes, &unsigned, &r.residual, dw, *acc);
             }
         }
@@ -359,32 +309,28 @@ unsafe fn rows_q8_0<I: Isa, const T: usize>(
     }
 }
 
-/// A Q8_0 group block's 8 code vectors at `p` and what `dot4` takes of them: their magnitudes,
-/// or with VNNI the codes plus 128 (then the first array is unused).
+/// What `dot4` takes of a Q8_0 block's code vectors: their magnitudes, or with VNNI the codes
+/// plus 128 (then the codes themselves are unused).
 ///
 /// # Safety
 /// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
 #[inline(always)]
-unsafe fn unpack_q8_0<I: Isa>(p: *const u8) -> ([__m256i; 8], [__m256i; 8]) {
-    // SAFETY: per this function's contract; the block holds 16 bytes of scales and 256 of codes.
+unsafe fn unsigned_q8_0<I: Isa>(codes: &[__m256i; 8]) -> [__m256i; 8] {
+    // SAFETY: per this function's contract.
     unsafe {
-        let mut codes = [_mm256_setzero_si256(); 8];
-        for (k, code) in codes.iter_mut().enumerate() {
-            *code = _mm256_loadu_si256(p.add(16 + 32 * k).cast());
-        }
         let mut unsigned = [_mm256_setzero_si256(); 8];
-        for (u, code) in unsigned.iter_mut().zip(&codes) {
+        for (u, code) in unsigned.iter_mut().zip(codes) {
             *u = match I::WIDE {
                 true => _mm256_xor_si256(*code, _mm256_set1_epi8(-128)),
                 false => _mm256_abs_epi8(*code),
             };
         }
-        (codes, unsigned)
+        unsigned
     }
 }
 
 /// `chain` plus one Q8_0 block's sums against `xb`, times the rows' scales `dw` and `xb.d`;
-/// `codes` and `unsigned` as [`unpack_q8_0`] gives them.
+/// `unsigned` as [`unsigned_q8_0`] gives it.
 ///
 /// # Safety
 /// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.

@@ -10,6 +10,8 @@ mod act;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
+mod avx2_groups;
+#[cfg(target_arch = "x86_64")]
 mod avx2_interleaved;
 #[cfg(target_arch = "x86_64")]
 mod avx2_interleaved_k;
@@ -36,7 +38,12 @@ pub use format::Format;
 use interleaved::Interleaved;
 use tasks::{Columns, Part, PartBytes, interleaved_task, refine_task, rows_task};
 #[cfg(target_arch = "x86_64")]
-use tasks::{PANEL_MIN_ROWS, panel_gemm, panels};
+use tasks::{PANEL_MIN_ROWS, panel_gemm, panels, row_groups_task};
+
+/// Whether a row-layout matrix of `format` and `(rows, cols)` multiplies in groups of 8 rows.
+fn in_groups(format: Format, (rows, cols): (usize, usize)) -> bool {
+    GgufMatrix::multiplies_in_place(format, rows, cols)
+}
 
 /// Most matrices one [`GgufMatrix::matmul_group_into`] call takes (q/k/v is three).
 pub const MAX_GROUP: usize = 4;
@@ -63,6 +70,16 @@ enum Layout {
     /// Row-layout blocks of a format candle cannot hold ([`Format::MLX8`], [`Format::MLX8G64`]):
     /// CPU kernels only.
     Blocks(Arc<Vec<u8>>),
+    /// Row-layout blocks read where they lie, owned elsewhere (a mapped file's range): CPU
+    /// kernels only, Q4_0/Q4_1/Q8_0 8 rows at a time through the interleaved kernels.
+    Shared(Arc<dyn SharedBytes>),
+}
+
+/// Bytes a [`GgufMatrix`] multiplies where they lie, owned by someone else: a range of a
+/// mapped file, which need not be copied or repacked first.
+pub trait SharedBytes: Send + Sync + std::fmt::Debug {
+    /// The blocks, in GGUF's row layout.
+    fn bytes(&self) -> &[u8];
 }
 
 impl GgufMatrix {
@@ -104,6 +121,39 @@ impl GgufMatrix {
         };
         let q = qtensor_from_ggml(dtype, &bytes, vec![rows, cols], &Device::Cpu)?;
         Self::new(Arc::new(q))
+    }
+
+    /// A matrix of `dims` whose `format` blocks, in GGUF's row layout, stay where `bytes` holds
+    /// them. Multiplies as fast as the interleaved layout (with the same bits) where
+    /// [`multiplies_in_place`](Self::multiplies_in_place) says so, else with the row kernels.
+    pub fn from_shared(
+        format: Format,
+        bytes: Arc<dyn SharedBytes>,
+        dims: (usize, usize),
+    ) -> Result<Self> {
+        let (rows, cols) = dims;
+        let len = bytes.bytes().len();
+        if cols % format.block_len() != 0
+            || len != rows * cols / format.block_len() * format.block_bytes()
+        {
+            bail!("gguf matrix: {len} bytes of {format:?} for {dims:?}");
+        }
+        Ok(Self {
+            storage: Layout::Shared(bytes),
+            format: Some(format),
+            dims,
+        })
+    }
+
+    /// Whether a CPU matrix of `format` and `(rows, cols)` left in GGUF's row layout
+    /// ([`from_shared`](Self::from_shared)) multiplies as fast as an interleaved one: groups
+    /// of 8 rows of Q4_0, Q4_1 or Q8_0 with the x86 kernels.
+    pub fn multiplies_in_place(format: Format, rows: usize, cols: usize) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        let fits = avx2_groups::RowGroup::fits(format);
+        #[cfg(not(target_arch = "x86_64"))]
+        let fits = false;
+        fits && Self::interleaves(format, rows, cols)
     }
 
     /// Whether a CPU matrix of `format` and `(rows, cols)` moves into the interleaved layout
@@ -172,6 +222,7 @@ impl GgufMatrix {
         match &self.storage {
             Layout::Interleaved(w) => w.bytes.len(),
             Layout::Blocks(b) => b.len(),
+            Layout::Shared(b) => b.bytes().len(),
             Layout::Rows { fallback, .. } => match fallback {
                 QMatMul::QTensor(q) => q.storage_size_in_bytes(),
                 QMatMul::Tensor(t) | QMatMul::TensorF16(t) => crate::linear::tensor_bytes(t),
@@ -211,6 +262,9 @@ impl GgufMatrix {
             (Layout::Blocks(b), Some(f)) => {
                 scalar::dequantize_row(f, &b[r * row_bytes(f)..][..row_bytes(f)], out)?
             }
+            (Layout::Shared(b), Some(f)) => {
+                scalar::dequantize_row(f, &b.bytes()[r * row_bytes(f)..][..row_bytes(f)], out)?
+            }
             (Layout::Rows { qtensor, .. }, Some(f)) => {
                 let data = qtensor.data()?;
                 scalar::dequantize_row(f, &data[r * row_bytes(f)..][..row_bytes(f)], out)?
@@ -223,7 +277,7 @@ impl GgufMatrix {
                     .to_dtype(DType::F32)?;
                 out.copy_from_slice(&row.to_vec1::<f32>()?);
             }
-            (Layout::Blocks(_), None) => {
+            (Layout::Blocks(_) | Layout::Shared(_), None) => {
                 bail!("gguf row: blocks of {:?} without a format", self.dims)
             }
         }
@@ -247,7 +301,7 @@ impl GgufMatrix {
             return (mats.iter())
                 .map(|w| match &w.storage {
                     Layout::Rows { fallback, .. } => fallback.forward(x),
-                    Layout::Interleaved(_) | Layout::Blocks(_) => {
+                    Layout::Interleaved(_) | Layout::Blocks(_) | Layout::Shared(_) => {
                         bail!("gguf matmul: CPU weights, input on {:?}", x.device())
                     }
                 })
@@ -344,6 +398,10 @@ impl GgufMatrix {
                 Layout::Rows { qtensor, .. } => PartBytes::Rows(format, qtensor.data()?),
                 Layout::Interleaved(iw) => PartBytes::Interleaved(iw),
                 Layout::Blocks(b) => PartBytes::Rows(format, b.as_slice().into()),
+                Layout::Shared(b) if kernel.has_avx2() && in_groups(format, w.dims) => {
+                    PartBytes::RowGroups(format, b.bytes())
+                }
+                Layout::Shared(b) => PartBytes::Rows(format, b.bytes().into()),
             };
             parts[i] = Some(Part {
                 rows: w.dims().0,
@@ -355,8 +413,7 @@ impl GgufMatrix {
         let blocks = k / QK;
         let refine = mats.iter().any(|w| w.format.is_some_and(Format::refines));
         xq.quantize(x, m, refine);
-        let interleaved =
-            |p: &Option<Part>| matches!(p, Some(p) if matches!(p.bytes, PartBytes::Interleaved(_)));
+        let interleaved = |p: &Option<Part>| matches!(p, Some(p) if matches!(p.bytes, PartBytes::Interleaved(_) | PartBytes::RowGroups(..)));
         if parts.iter().any(interleaved) {
             xq.tile(m);
         }
@@ -395,6 +452,15 @@ impl GgufMatrix {
                 PartBytes::Interleaved(iw) => unsafe {
                     interleaved_task(kernel, iw, input, m, out, r0, r1)
                 },
+                #[cfg(target_arch = "x86_64")]
+                PartBytes::RowGroups(format, data) => {
+                    let row_bytes = k / format.block_len() * format.block_bytes();
+                    unsafe {
+                        row_groups_task(kernel, *format, data, row_bytes, input, m, out, r0, r1)
+                    }
+                }
+                #[cfg(not(target_arch = "x86_64"))]
+                PartBytes::RowGroups(..) => unreachable!("row groups are x86 only"),
                 PartBytes::Rows(format, data) => {
                     let format = *format;
                     let row_bytes = k / format.block_len() * format.block_bytes();

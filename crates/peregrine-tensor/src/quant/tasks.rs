@@ -4,7 +4,7 @@
 
 use super::act::{Q8Block, Q8Input, QK, TILE};
 #[cfg(target_arch = "x86_64")]
-use super::avx2_interleaved::{Inputs, Run};
+use super::avx2_interleaved::{GroupLayout, Inputs, Run};
 use super::format::Format;
 use super::interleaved::{self, Interleaved};
 use super::{Kernel, scalar};
@@ -59,6 +59,9 @@ pub(super) enum PartBytes<'a> {
     Rows(Format, std::borrow::Cow<'a, [u8]>),
     /// Rows interleaved 8 at a time (which knows its format).
     Interleaved(&'a Interleaved),
+    /// GGUF's row layout, multiplied 8 rows at a time by the interleaved kernels (x86 with
+    /// AVX2, formats [`RowGroup::fits`](super::avx2_groups::RowGroup::fits) takes).
+    RowGroups(Format, &'a [u8]),
 }
 
 /// Weight rows `r0..r1` of `data` (`format` rows of `row_bytes`) against every input, one or
@@ -132,30 +135,98 @@ pub(super) unsafe fn interleaved_task(
     }
     #[cfg(target_arch = "x86_64")]
     {
-        let (g0, g1) = (r0 / interleaved::ROWS, r1.div_ceil(interleaved::ROWS));
-        let tiles = Tiles {
-            kernel,
-            w,
-            xq,
-            m,
-            out,
+        let w = Grouped {
+            bytes: &w.bytes,
+            format,
+            shared: w.shared,
+            layout: GroupLayout::Interleaved(w.group_bytes()),
         };
-        for i0 in (0..m).step_by(INPUT_TILE) {
-            let i1 = (i0 + INPUT_TILE).min(m);
-            // SAFETY (each call below): the kernel runs here (contract); inputs < m, and the
-            // groups' output columns are this task's.
-            match i1 - i0 {
-                // Up to 8 inputs (a decode step's one, a batch's few): one call over all the
-                // task's groups, each group's weights unpacked once for all of them.
-                n if n <= tiles.widest() => unsafe { tiles.run_inputs(i0, n, g0..g1) },
-                // More: as many as a call takes at a time, group by group, so that each
-                // group's weights come from memory once and stay in L1 for all the tile's inputs.
-                _ => {
-                    let wide = tiles.widest();
-                    for g in g0..g1 {
-                        for i in (i0..i1).step_by(wide) {
-                            unsafe { tiles.run_inputs(i, (i1 - i).min(wide), g..g + 1) };
-                        }
+        // SAFETY: per this function's contract; the kernel has AVX2 (checked above).
+        unsafe { group_task(kernel, w, xq, m, out, r0, r1) };
+    }
+}
+
+/// Rows `r0..r1` (whole groups of 8) of `data`, `format` rows of `row_bytes` in GGUF's layout,
+/// against every input, through the interleaved kernels ([`RowGroup`]: the same bits as
+/// [`interleaved_task`] on the same rows), with the inputs' refinements.
+///
+/// # Safety
+/// No other thread writes `out`'s columns `r0..r1`; `kernel` runs on this CPU and has AVX2;
+/// `format` [`RowGroup::fits`].
+///
+/// [`RowGroup`]: super::avx2_groups::RowGroup
+/// [`RowGroup::fits`]: super::avx2_groups::RowGroup::fits
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn row_groups_task(
+    kernel: Kernel,
+    format: Format,
+    data: &[u8],
+    row_bytes: usize,
+    xq: &Q8Input,
+    m: usize,
+    out: &Columns,
+    r0: usize,
+    r1: usize,
+) {
+    let w = Grouped {
+        bytes: data,
+        format,
+        shared: 1,
+        layout: GroupLayout::Rows(row_bytes),
+    };
+    // SAFETY: per this function's contract.
+    unsafe { group_task(kernel, w, xq, m, out, r0, r1) };
+}
+
+/// A matrix as the group kernels take it.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Grouped<'a> {
+    bytes: &'a [u8],
+    format: Format,
+    /// Blocks that share one set of scales ([`Interleaved::shared`]).
+    shared: usize,
+    layout: GroupLayout,
+}
+
+/// Rows `r0..r1` (whole groups of 8) of `w` against every input, a tile of inputs per pass.
+///
+/// # Safety
+/// No other thread writes `out`'s columns `r0..r1`; `kernel` runs on this CPU and has AVX2.
+#[cfg(target_arch = "x86_64")]
+unsafe fn group_task(
+    kernel: Kernel,
+    w: Grouped,
+    xq: &Q8Input,
+    m: usize,
+    out: &Columns,
+    r0: usize,
+    r1: usize,
+) {
+    let (g0, g1) = (r0 / interleaved::ROWS, r1.div_ceil(interleaved::ROWS));
+    let tiles = Tiles {
+        kernel,
+        w,
+        xq,
+        m,
+        out,
+    };
+    for i0 in (0..m).step_by(INPUT_TILE) {
+        let i1 = (i0 + INPUT_TILE).min(m);
+        // SAFETY (each call below): the kernel runs here (contract); inputs < m, and the
+        // groups' output columns are this task's.
+        match i1 - i0 {
+            // Up to 8 inputs (a decode step's one, a batch's few): one call over all the
+            // task's groups, each group's weights unpacked once for all of them.
+            n if n <= tiles.widest() => unsafe { tiles.run_inputs(i0, n, g0..g1) },
+            // More: as many as a call takes at a time, group by group, so that each
+            // group's weights come from memory once and stay in L1 for all the tile's inputs.
+            _ => {
+                let wide = tiles.widest();
+                for g in g0..g1 {
+                    for i in (i0..i1).step_by(wide) {
+                        unsafe { tiles.run_inputs(i, (i1 - i).min(wide), g..g + 1) };
                     }
                 }
             }
@@ -167,7 +238,7 @@ pub(super) unsafe fn interleaved_task(
 #[cfg(target_arch = "x86_64")]
 struct Tiles<'a> {
     kernel: Kernel,
-    w: &'a Interleaved,
+    w: Grouped<'a>,
     xq: &'a Q8Input,
     /// Input rows.
     m: usize,
@@ -215,8 +286,8 @@ impl Tiles<'_> {
     unsafe fn run<const T: usize>(&self, i: usize, groups: std::ops::Range<usize>) {
         let xq = self.xq;
         let run: Run<T> = Run {
-            w: &self.w.bytes,
-            group_bytes: self.w.group_bytes(),
+            w: self.w.bytes,
+            layout: self.w.layout,
             groups,
             x: {
                 let (blocks, stride) = xq.tiled(i, self.m);
@@ -252,11 +323,15 @@ pub(super) unsafe fn refine_task(
     r1: usize,
 ) {
     let format = match bytes {
-        PartBytes::Rows(format, _) => *format,
+        PartBytes::Rows(format, _) | PartBytes::RowGroups(format, _) => *format,
         PartBytes::Interleaved(w) => w.format,
     };
     // The interleaved x86 kernels add them within their own call ([`interleaved_task`]).
-    let added = matches!(bytes, PartBytes::Interleaved(_)) && kernel.has_avx2();
+    let added = match bytes {
+        PartBytes::Interleaved(_) => kernel.has_avx2(),
+        PartBytes::RowGroups(..) => true,
+        PartBytes::Rows(..) => false,
+    };
     if !format.refines() || added || !xq.any_refined() {
         return;
     }
@@ -265,6 +340,7 @@ pub(super) unsafe fn refine_task(
         for r in xq.refined(i) {
             let x: &[Q8Block] = std::slice::from_ref(&r.residual);
             match bytes {
+                PartBytes::RowGroups(..) => unreachable!("added by the kernels"),
                 PartBytes::Rows(_, data) => {
                     let row_bytes = k / QK * bb;
                     for row in r0..r1 {
@@ -294,7 +370,7 @@ pub(super) unsafe fn refine_task(
 /// `kernel` runs on this CPU and has AVX2; as [`avx2_interleaved::groups`] for the run.
 #[cfg(target_arch = "x86_64")]
 #[inline]
-unsafe fn group_kernel<const T: usize>(kernel: Kernel, w: &Interleaved, run: &Run<T>) {
+unsafe fn group_kernel<const T: usize>(kernel: Kernel, w: Grouped, run: &Run<T>) {
     // SAFETY: per this function's contract.
     unsafe {
         match kernel {

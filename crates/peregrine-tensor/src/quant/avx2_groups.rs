@@ -1,0 +1,326 @@
+//! Where the group kernels ([`super::avx2_interleaved`]) find a group of 8 rows' blocks:
+//! [`Packed`], the interleaved layout ([`super::interleaved`]); or [`RowGroup`], 8 consecutive
+//! rows as GGUF lays them out (a mapped file's bytes, used where they lie), transposed into the
+//! same vectors as they load. The kernels do the same arithmetic on the same vectors from
+//! either, so their outputs are the same bits.
+
+use std::arch::x86_64::*;
+
+use super::avx2::Isa;
+use super::format::Format;
+use super::interleaved::{ROWS, group_block_bytes};
+
+/// A group of 8 rows' blocks, as the kernels take them. 4/5-bit formats come in units: the
+/// scales (and minimums, fifth bits) then `SHARED` blocks of codes that use them.
+pub(super) trait Source: Copy {
+    /// Units in the group.
+    fn units<const MIN: bool, const FIFTH: bool, const SHARED: usize>(self) -> usize;
+
+    /// Unit `u`'s 8 scales, and what multiplies each input's sum: the minimums, or the scales.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C; the caller is compiled with them; `u` is a unit.
+    unsafe fn heads<const MIN: bool, const FIFTH: bool, const SHARED: usize>(
+        self,
+        u: usize,
+    ) -> (__m256, __m256);
+
+    /// Block `s` of unit `u`: 8 code vectors, vector `k` values `4k..4k + 4` of every row.
+    ///
+    /// # Safety
+    /// The CPU must support `I`'s features; the caller is compiled with them; `u` is a unit.
+    unsafe fn codes<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize>(
+        self,
+        u: usize,
+        s: usize,
+    ) -> [__m256i; 8];
+
+    /// Q8_0 blocks in the group.
+    fn q8_0_blocks(self) -> usize;
+
+    /// Q8_0 block `b`: the rows' scales and their 8 code vectors as they stand (signed).
+    ///
+    /// # Safety
+    /// As [`heads`](Self::heads); `b` is a block of the group.
+    unsafe fn q8_0(self, b: usize) -> (__m256, [__m256i; 8]);
+}
+
+/// Where a unit's fields sit in the interleaved layout: `(masks, codes, unit bytes)`.
+const fn packed_fields(min: bool, fifth: bool, shared: usize) -> (usize, usize, usize) {
+    let masks_at = if min { 32 } else { 16 };
+    let head = masks_at + if fifth { 32 } else { 0 };
+    (masks_at, head, head + 128 * shared)
+}
+
+/// One group of an [`Interleaved`](super::interleaved::Interleaved) matrix.
+#[derive(Clone, Copy)]
+pub(super) struct Packed {
+    p: *const u8,
+    len: usize,
+}
+
+impl Packed {
+    /// The group whose bytes are `w`.
+    pub(super) fn new(w: &[u8]) -> Self {
+        Self {
+            p: w.as_ptr(),
+            len: w.len(),
+        }
+    }
+}
+
+impl Source for Packed {
+    #[inline(always)]
+    fn units<const MIN: bool, const FIFTH: bool, const SHARED: usize>(self) -> usize {
+        self.len / packed_fields(MIN, FIFTH, SHARED).2
+    }
+
+    #[inline(always)]
+    unsafe fn heads<const MIN: bool, const FIFTH: bool, const SHARED: usize>(
+        self,
+        u: usize,
+    ) -> (__m256, __m256) {
+        let unit = packed_fields(MIN, FIFTH, SHARED).2;
+        // SAFETY: per the trait's contract; a unit starts with its scales and minimums.
+        unsafe {
+            let p = self.p.add(u * unit);
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
+            let mw = match MIN {
+                true => _mm256_cvtph_ps(_mm_loadu_si128(p.add(16).cast())),
+                false => dw,
+            };
+            (dw, mw)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn codes<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize>(
+        self,
+        u: usize,
+        s: usize,
+    ) -> [__m256i; 8] {
+        let (masks_at, head, unit) = packed_fields(MIN, FIFTH, SHARED);
+        // SAFETY: per the trait's contract; the unit holds the codes and masks.
+        unsafe {
+            let p = self.p.add(u * unit);
+            let mut packed = [_mm256_setzero_si256(); 4];
+            for (c, v) in packed.iter_mut().enumerate() {
+                *v = _mm256_loadu_si256(p.add(head + 128 * s + 32 * c).cast());
+            }
+            let mut codes = nibbles(packed);
+            if FIFTH {
+                for (k, code) in codes.iter_mut().enumerate() {
+                    let bits = p.add(masks_at + 4 * k).cast::<u32>().read_unaligned();
+                    *code = _mm256_or_si256(*code, I::sixteens(bits));
+                }
+            }
+            codes
+        }
+    }
+
+    #[inline(always)]
+    fn q8_0_blocks(self) -> usize {
+        self.len / group_block_bytes(Format::Q8_0)
+    }
+
+    #[inline(always)]
+    unsafe fn q8_0(self, b: usize) -> (__m256, [__m256i; 8]) {
+        // SAFETY: per the trait's contract; a block holds 16 bytes of scales, 256 of codes.
+        unsafe {
+            let p = self.p.add(b * group_block_bytes(Format::Q8_0));
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
+            let mut codes = [_mm256_setzero_si256(); 8];
+            for (k, code) in codes.iter_mut().enumerate() {
+                *code = _mm256_loadu_si256(p.add(16 + 32 * k).cast());
+            }
+            (dw, codes)
+        }
+    }
+}
+
+/// The 8 vectors of 4-bit codes in 4 vectors of packed bytes: the low nibbles (values
+/// `4c..4c + 4` of each row), then the high ones (`16 + 4c..`).
+///
+/// # Safety
+/// The CPU must support AVX2; the caller is compiled with it.
+#[inline(always)]
+unsafe fn nibbles(packed: [__m256i; 4]) -> [__m256i; 8] {
+    // SAFETY: per this function's contract.
+    unsafe {
+        let mask = _mm256_set1_epi8(0xF);
+        // A loop, not `array::from_fn`: a closure's body may stay out of line, outside the
+        // `target_feature` function.
+        let mut codes = [_mm256_setzero_si256(); 8];
+        for (k, code) in codes.iter_mut().enumerate() {
+            let q = packed[k % 4];
+            let q = if k < 4 { q } else { _mm256_srli_epi16(q, 4) };
+            *code = _mm256_and_si256(q, mask);
+        }
+        codes
+    }
+}
+
+/// 8 consecutive rows in GGUF's row layout (Q4_0, Q4_1 or Q8_0, [`RowGroup::fits`]).
+#[derive(Clone, Copy)]
+pub(super) struct RowGroup {
+    /// The first row's first block.
+    p: *const u8,
+    row_bytes: usize,
+    block_bytes: usize,
+    /// Where a block's codes start.
+    codes_at: usize,
+    /// Row `l`'s offset from `p` in lane `l`.
+    rows: __m256i,
+}
+
+impl RowGroup {
+    /// Whether groups of `format` rows multiply from the row layout.
+    pub(super) fn fits(format: Format) -> bool {
+        matches!(format, Format::Q4_0 | Format::Q4_1 | Format::Q8_0)
+    }
+
+    /// Group `g` (rows `8g..8g + 8`) of the `format` rows in `w`, `row_bytes` each.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; the caller is compiled with it; `w` holds the group's rows;
+    /// `format` [`fits`](Self::fits).
+    #[inline(always)]
+    pub(super) unsafe fn new(w: &[u8], g: usize, row_bytes: usize, format: Format) -> Self {
+        let w = &w[g * ROWS * row_bytes..][..ROWS * row_bytes];
+        let rb = row_bytes as i32;
+        Self {
+            p: w.as_ptr(),
+            row_bytes,
+            block_bytes: format.block_bytes(),
+            codes_at: if format == Format::Q4_1 { 4 } else { 2 },
+            // SAFETY: per this function's contract.
+            rows: unsafe {
+                _mm256_setr_epi32(0, rb, 2 * rb, 3 * rb, 4 * rb, 5 * rb, 6 * rb, 7 * rb)
+            },
+        }
+    }
+
+    /// Each row's first 4 bytes of block `b` (its f16 scale, then its minimum or codes), row
+    /// `l` in lane `l`.
+    ///
+    /// # Safety
+    /// As [`Source::heads`].
+    #[inline(always)]
+    unsafe fn starts(self, b: usize) -> __m256i {
+        // SAFETY: per this function's contract; 4 bytes at each row's block start are its own.
+        unsafe {
+            let p = self.p.add(b * self.block_bytes);
+            let word = |l: usize| {
+                _mm_cvtsi32_si128(p.add(l * self.row_bytes).cast::<i32>().read_unaligned())
+            };
+            let quad = |l: usize| {
+                let lo = _mm_unpacklo_epi32(word(l), word(l + 1));
+                let hi = _mm_unpacklo_epi32(word(l + 2), word(l + 3));
+                _mm_unpacklo_epi64(lo, hi)
+            };
+            _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(quad(0)), quad(4))
+        }
+    }
+
+    /// 16 bytes at `at` of each row's block `b`, as 4 vectors of 8 lanes: vector `c` holds
+    /// bytes `4c..4c + 4` of row `l` in lane `l` (the interleaved layout's order).
+    ///
+    /// # Safety
+    /// As [`Source::codes`]; each row's block holds the 16 bytes.
+    #[inline(always)]
+    unsafe fn transposed(self, b: usize, at: usize) -> [__m256i; 4] {
+        // SAFETY: per this function's contract.
+        unsafe {
+            let p = self.p.add(b * self.block_bytes + at);
+            let load = |l: usize| _mm_loadu_si128(p.add(l * self.row_bytes).cast());
+            // Rows l and l + 4 side by side: the 4×4 transposes below run in both halves.
+            let mut v = [_mm256_setzero_si256(); 4];
+            for (l, v) in v.iter_mut().enumerate() {
+                *v = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(load(l)), load(l + 4));
+            }
+            let t0 = _mm256_unpacklo_epi32(v[0], v[1]);
+            let t1 = _mm256_unpacklo_epi32(v[2], v[3]);
+            let t2 = _mm256_unpackhi_epi32(v[0], v[1]);
+            let t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+            [
+                _mm256_unpacklo_epi64(t0, t1),
+                _mm256_unpackhi_epi64(t0, t1),
+                _mm256_unpacklo_epi64(t2, t3),
+                _mm256_unpackhi_epi64(t2, t3),
+            ]
+        }
+    }
+}
+
+/// The f16 in the low (`HIGH` false) or high half of each 32-bit lane, as 8 floats.
+///
+/// # Safety
+/// The CPU must support AVX2 and F16C; the caller is compiled with them.
+#[inline(always)]
+unsafe fn f16_lanes<const HIGH: bool>(v: __m256i) -> __m256 {
+    // SAFETY: per this function's contract.
+    unsafe {
+        // Bytes 0, 1, 4, 5, 8, 9, 12, 13 (or each plus 2) of each half, then nothing.
+        let pick: i64 = match HIGH {
+            true => 0x0F0E_0B0A_0706_0302,
+            false => 0x0D0C_0908_0504_0100,
+        };
+        let pick = _mm256_setr_epi64x(pick, -1, pick, -1);
+        // Each half's 4 halves in its low 8 bytes, then the two halves' 8 bytes together.
+        let packed = _mm256_permute4x64_epi64::<0b00_00_10_00>(_mm256_shuffle_epi8(v, pick));
+        _mm256_cvtph_ps(_mm256_castsi256_si128(packed))
+    }
+}
+
+impl Source for RowGroup {
+    #[inline(always)]
+    fn units<const MIN: bool, const FIFTH: bool, const SHARED: usize>(self) -> usize {
+        self.row_bytes / self.block_bytes
+    }
+
+    #[inline(always)]
+    unsafe fn heads<const MIN: bool, const FIFTH: bool, const SHARED: usize>(
+        self,
+        u: usize,
+    ) -> (__m256, __m256) {
+        // SAFETY: per the trait's contract.
+        unsafe {
+            let starts = self.starts(u);
+            let dw = f16_lanes::<false>(starts);
+            let mw = match MIN {
+                true => f16_lanes::<true>(starts),
+                false => dw,
+            };
+            (dw, mw)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn codes<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize>(
+        self,
+        u: usize,
+        _s: usize,
+    ) -> [__m256i; 8] {
+        debug_assert!(
+            !FIFTH && SHARED == 1,
+            "only Q4_0 and Q4_1 come as row groups"
+        );
+        // SAFETY: per the trait's contract.
+        unsafe { nibbles(self.transposed(u, self.codes_at)) }
+    }
+
+    #[inline(always)]
+    fn q8_0_blocks(self) -> usize {
+        self.row_bytes / self.block_bytes
+    }
+
+    #[inline(always)]
+    unsafe fn q8_0(self, b: usize) -> (__m256, [__m256i; 8]) {
+        // SAFETY: per the trait's contract; a Q8_0 block is a scale and 32 code bytes.
+        unsafe {
+            let dw = f16_lanes::<false>(self.starts(b));
+            let (lo, hi) = (self.transposed(b, 2), self.transposed(b, 18));
+            (dw, [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]])
+        }
+    }
+}
