@@ -169,8 +169,6 @@ pub(super) struct RowGroup {
     block_bytes: usize,
     /// Where a block's codes start.
     codes_at: usize,
-    /// Row `l`'s offset from `p` in lane `l`.
-    rows: __m256i,
 }
 
 impl RowGroup {
@@ -179,24 +177,16 @@ impl RowGroup {
         matches!(format, Format::Q4_0 | Format::Q4_1 | Format::Q8_0)
     }
 
-    /// Group `g` (rows `8g..8g + 8`) of the `format` rows in `w`, `row_bytes` each.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2; the caller is compiled with it; `w` holds the group's rows;
-    /// `format` [`fits`](Self::fits).
+    /// Group `g` (rows `8g..8g + 8`) of the `format` rows in `w`, `row_bytes` each (a format
+    /// that [`fits`](Self::fits)).
     #[inline(always)]
-    pub(super) unsafe fn new(w: &[u8], g: usize, row_bytes: usize, format: Format) -> Self {
+    pub(super) fn new(w: &[u8], g: usize, row_bytes: usize, format: Format) -> Self {
         let w = &w[g * ROWS * row_bytes..][..ROWS * row_bytes];
-        let rb = row_bytes as i32;
         Self {
             p: w.as_ptr(),
             row_bytes,
             block_bytes: format.block_bytes(),
             codes_at: if format == Format::Q4_1 { 4 } else { 2 },
-            // SAFETY: per this function's contract.
-            rows: unsafe {
-                _mm256_setr_epi32(0, rb, 2 * rb, 3 * rb, 4 * rb, 5 * rb, 6 * rb, 7 * rb)
-            },
         }
     }
 
