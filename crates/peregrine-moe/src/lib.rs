@@ -14,7 +14,7 @@ mod streamed;
 
 pub use router::{Router, Scoring};
 pub use store::{ExpertStore, ResidentExperts, tokens_by_expert};
-pub use streamed::{ExpertReader, ReadPool, StreamStats, StreamedExperts};
+pub use streamed::{ExpertCheck, ExpertReader, ReadPool, StreamStats, StreamedExperts};
 
 // The README's examples compile and run as doctests.
 #[cfg(doctest)]

@@ -148,11 +148,17 @@ impl Drop for ReadPool {
 /// Reads expert `id` from its files and builds it.
 pub type ExpertReader<E> = Arc<dyn Fn(usize) -> io::Result<E> + Send + Sync>;
 
+/// Whether experts read earlier may still be used: an error when their files changed under
+/// them (an expert that multiplies a mapped file's pages where they lie must not touch pages
+/// the file no longer has).
+pub type ExpertCheck = Arc<dyn Fn() -> io::Result<()> + Send + Sync>;
+
 /// One MoE layer's experts, none held: each is read by `read` when asked for (or when
 /// prefetched), used, and dropped.
 pub struct StreamedExperts<E> {
     len: usize,
     read: ExpertReader<E>,
+    check: Option<ExpertCheck>,
     pool: Arc<ReadPool>,
     window: Mutex<Window<E>>,
     hot: Mutex<HotSet<E>>,
@@ -206,6 +212,7 @@ impl<E> StreamedExperts<E> {
         Self {
             len,
             read,
+            check: None,
             pool,
             window: Mutex::new(Window {
                 started: HashMap::new(),
@@ -222,6 +229,12 @@ impl<E> StreamedExperts<E> {
     /// Keeps the `capacity` most recently used experts (served without a read).
     pub fn with_hot_set(self, capacity: usize) -> Self {
         self.hot.lock().unwrap_or_else(|e| e.into_inner()).capacity = capacity;
+        self
+    }
+
+    /// Runs `check` before each expert is handed out (prefetched and kept ones included).
+    pub fn with_check(mut self, check: ExpertCheck) -> Self {
+        self.check = Some(check);
         self
     }
 
@@ -275,6 +288,9 @@ impl<E: Send + Sync + 'static> ExpertStore<E> for StreamedExperts<E> {
     }
 
     fn expert(&self, id: usize) -> io::Result<Arc<E>> {
+        if let Some(check) = &self.check {
+            check()?;
+        }
         let stats = &self.pool.stats;
         stats.reads.fetch_add(1, Ordering::Relaxed);
         let kept = self.hot.lock().unwrap_or_else(|e| e.into_inner()).get(id);
@@ -467,6 +483,29 @@ mod tests {
                 .contains("file is gone")
         );
         assert_eq!(*s.expert(0).unwrap(), vec![0; 4], "the store still serves");
+    }
+
+    /// A failing check fails every use, prefetched and kept experts included, until it passes.
+    #[test]
+    fn a_failing_check_stops_every_use() {
+        let (reads, broken) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let check: ExpertCheck = {
+            let broken = broken.clone();
+            Arc::new(move || match broken.load(Ordering::SeqCst) {
+                0 => Ok(()),
+                _ => Err(io::Error::other("the file was cut short")),
+            })
+        };
+        let s = store(reads.clone()).with_hot_set(1).with_check(check);
+        s.expert(0).unwrap();
+        s.prefetch(&[1]);
+        broken.store(1, Ordering::SeqCst);
+        for id in [0, 1, 2] {
+            let err = s.expert(id).unwrap_err().to_string();
+            assert!(err.contains("cut short"), "{id}: {err}");
+        }
+        broken.store(0, Ordering::SeqCst);
+        assert_eq!(*s.expert(1).unwrap(), vec![1; 4]);
     }
 
     #[test]

@@ -363,9 +363,11 @@ fn disconnected_streams_free_their_kv_at_the_next_step() {
 }
 
 /// `--stream-experts` reads experts from the files while serving: a file cut short under the
-/// server ends the request that reads past its end with a 500 naming the file (no crash, no
-/// SIGBUS: streamed reads are positioned reads, never through a mapping), and the server keeps
-/// serving once the file is whole again. For a GGUF file and an HF safetensors folder.
+/// server ends the request that reads past its end with a 500 naming the file, and the server
+/// keeps serving once the file is whole again. No crash, no SIGBUS: safetensors experts are
+/// positioned reads; the GGUF file's Q8_0 experts are multiplied from its mapping, paged in
+/// when read, and every use of one read earlier (prefetched, guessed) first checks that the
+/// file still has its length. For a GGUF file and an HF safetensors folder.
 #[test]
 fn a_truncated_expert_file_fails_the_request_by_name_and_the_server_keeps_serving() {
     let fixtures = support::fixture().join("../..");

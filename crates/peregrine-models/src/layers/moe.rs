@@ -9,7 +9,8 @@
 use std::sync::Arc;
 
 use peregrine_moe::{
-    ExpertReader, ExpertStore, ResidentExperts, Router, Scoring, StreamedExperts, tokens_by_expert,
+    ExpertCheck, ExpertReader, ExpertStore, ResidentExperts, Router, Scoring, StreamedExperts,
+    tokens_by_expert,
 };
 use peregrine_tensor::ops::{rms_norm, sigmoid};
 use peregrine_tensor::{DType, QLinear, Tensor};
@@ -186,10 +187,16 @@ fn expert_store(
     // The hot set's budget, shared equally by the MoE layers.
     let layers = moe.sparse_layers.iter().filter(|&&s| s).count();
     let hot = (pool.hot_bytes() / layers.max(1) / bytes.max(1)).min(n);
+    let check: ExpertCheck = {
+        let w = w.clone();
+        Arc::new(move || (w.still_whole()).map_err(|err| std::io::Error::other(err.to_string())))
+    };
     let reader: ExpertReader<GatedMlp> =
         Arc::new(move |e| read(&w, e).map_err(|err| std::io::Error::other(err.to_string())));
     Ok(Box::new(
-        StreamedExperts::new(n, reader, pool.clone()).with_hot_set(hot),
+        StreamedExperts::new(n, reader, pool.clone())
+            .with_hot_set(hot)
+            .with_check(check),
     ))
 }
 

@@ -5,7 +5,9 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use memmap2::Mmap;
 
 use peregrine_tensor::candle::quantized::gguf_file::{Content, TensorInfo, Value};
 use peregrine_tensor::candle::quantized::{GgmlDType, GgmlType, QStorage, QTensor, k_quants};
@@ -13,6 +15,7 @@ use peregrine_tensor::quant::Format;
 use peregrine_tensor::{Device, GgufMatrix};
 
 use super::LoadProgress;
+use super::mapped::{MappedRange, check_length};
 use crate::{ModelError, Result};
 
 /// An open GGUF file: metadata and tensor directory in memory, tensor data read on demand.
@@ -23,8 +26,12 @@ pub struct GgufFile {
     file: Mutex<File>,
     /// For positioned reads, many at once (streamed experts).
     reader: File,
+    /// The file mapped read-only, when first asked for (streamed experts multiplied in place).
+    map: OnceLock<std::result::Result<Arc<Mmap>, String>>,
     /// Counts the bytes of every tensor read.
     progress: Arc<LoadProgress>,
+    /// The file's length when opened.
+    len: u64,
 }
 
 /// The GGUF name of an HF tensor name (llama.cpp's naming) in a file of architecture `arch`, or
@@ -225,6 +232,8 @@ impl GgufFile {
             content,
             reader: file.try_clone().map_err(io_err)?,
             file: Mutex::new(file),
+            map: OnceLock::new(),
+            len,
             progress: Default::default(),
         })
     }
@@ -304,6 +313,36 @@ impl GgufFile {
         super::read_exact_at(&self.reader, out, at).map_err(|e| ModelError::Checkpoint {
             file: self.path.clone(),
             message: format!("tensor `{name}`: {e}"),
+        })
+    }
+
+    /// `len` bytes of the file from `at` (within tensor `name`), mapped and paged in.
+    fn mapped_range(&self, name: &str, at: usize, len: usize) -> Result<Arc<MappedRange>> {
+        let err = |message: String| ModelError::Checkpoint {
+            file: self.path.clone(),
+            message: format!("tensor `{name}`: {message}"),
+        };
+        let map = self.map.get_or_init(|| {
+            // SAFETY: mapped read-only. A file cut short under the mapping faults when its
+            // lost pages are touched: every range is checked against the file's length when
+            // made and before each use (`still_whole`), and paged in when made.
+            let map = unsafe { Mmap::map(&self.reader) };
+            map.map(Arc::new)
+                .map_err(|e| format!("mapping the file: {e}"))
+        });
+        let map = map.as_ref().map_err(|e| err(e.clone()))?;
+        let range = MappedRange::new(map, &self.reader, &self.path, at, len);
+        self.progress.add(len);
+        Ok(Arc::new(range.map_err(|e| err(e.to_string()))?))
+    }
+
+    /// An error naming the file unless it is still as long as when it was opened (a range
+    /// mapped before it was cut short must not be touched).
+    pub fn still_whole(&self) -> Result<()> {
+        let end = self.len;
+        check_length(&self.reader, &self.path, end).map_err(|e| ModelError::Checkpoint {
+            file: self.path.clone(),
+            message: e.to_string(),
         })
     }
 
@@ -388,6 +427,7 @@ impl GgufFile {
         (n, e): (usize, usize),
         parts: &[usize],
         device: &Device,
+        in_place: bool,
     ) -> Result<Vec<GgufMatrix>> {
         let (name, info) = self.info(hf)?;
         let total: usize = parts.iter().sum();
@@ -411,7 +451,7 @@ impl GgufFile {
         let ranges: Vec<(usize, usize)> = (super::row_ranges(parts).iter())
             .map(|&(at, k)| (e * rows + at, k))
             .collect();
-        self.matrices_of_rows(&name, info, &ranges, cols, device)
+        self.matrices_of_rows(&name, info, &ranges, cols, device, in_place)
     }
 
     /// The matrix `hf` `[sum(parts), in]` split by output rows into consecutive matrices of
@@ -442,11 +482,13 @@ impl GgufFile {
                 got: vec![rows, cols],
             });
         }
-        self.matrices_of_rows(&name, info, &super::row_ranges(parts), cols, device)
+        self.matrices_of_rows(&name, info, &super::row_ranges(parts), cols, device, false)
     }
 
     /// Matrices of `cols` columns read from the rows `(first, count)` of tensor `name`, whose
-    /// data is rows of `cols` values one after another.
+    /// data is rows of `cols` values one after another. `in_place`: where the CPU kernels
+    /// multiply the format as the file lays it out, the rows are mapped instead of read
+    /// ([`MappedRange`]: no copy, no repacking; for streamed experts, used once).
     fn matrices_of_rows(
         &self,
         name: &str,
@@ -454,6 +496,7 @@ impl GgufFile {
         parts: &[(usize, usize)],
         cols: usize,
         device: &Device,
+        in_place: bool,
     ) -> Result<Vec<GgufMatrix>> {
         let dtype = info.ggml_dtype;
         let row_bytes = cols / dtype.block_size() * dtype.type_size();
@@ -463,6 +506,14 @@ impl GgufFile {
         };
         (parts.iter())
             .map(|&(first, rows)| {
+                if let (true, Device::Cpu, Some(f)) = (in_place, device, Format::of(dtype))
+                    && GgufMatrix::multiplies_in_place(f, rows, cols)
+                {
+                    let at = self.content.tensor_data_offset + info.offset;
+                    let at = at as usize + first * row_bytes;
+                    let range = self.mapped_range(name, at, rows * row_bytes)?;
+                    return Ok(GgufMatrix::from_shared(f, range, (rows, cols))?);
+                }
                 let mut data = vec![0u8; rows * row_bytes];
                 self.read_at(name, info, (first * row_bytes) as u64, &mut data)?;
                 let format = Format::of(dtype);

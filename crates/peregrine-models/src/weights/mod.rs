@@ -4,6 +4,7 @@
 mod gguf;
 mod gguf_clip;
 pub(crate) mod gguf_config;
+mod mapped;
 pub mod mlx;
 mod safetensors;
 
@@ -166,6 +167,15 @@ impl Weights {
         Self {
             positional: true,
             ..self.clone()
+        }
+    }
+
+    /// An error naming the file when a checkpoint file that experts are multiplied from in place
+    /// (mapped GGUF) is shorter than when it was opened; other files read into memory.
+    pub fn still_whole(&self) -> Result<()> {
+        match &*self.source {
+            Source::Gguf(g) => g.still_whole(),
+            Source::Safetensors(_) => Ok(()),
         }
     }
 
@@ -441,7 +451,8 @@ impl Weights {
         match &*self.source {
             Source::Gguf(g) => {
                 self.check_shape(name, &g.dims(name)?, &[n, total, inp])?;
-                let mats = g.expert_row_matrices(name, (n, e), parts, &self.device)?;
+                let in_place = self.positional;
+                let mats = g.expert_row_matrices(name, (n, e), parts, &self.device, in_place)?;
                 Ok(mats
                     .into_iter()
                     .map(|w| QLinear::Gguf { w, b: None })

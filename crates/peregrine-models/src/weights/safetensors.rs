@@ -12,6 +12,7 @@ use peregrine_tensor::{Device, Tensor};
 use safetensors::tensor::{Dtype, SafeTensors, TensorInfo, TensorView};
 
 use super::LoadProgress;
+use super::mapped::release;
 use crate::config::read_json_object;
 use crate::{ModelError, Result};
 
@@ -306,21 +307,6 @@ fn map_file(path: PathBuf) -> Result<Mapped> {
         data_start: 8 + header_len,
         tensors,
     })
-}
-
-/// Drops the mapped pages of `range` from this process's memory once a tensor has been copied
-/// out of them: the mapping is read-only and file-backed, so a later read maps them again from
-/// the file (a neighbour sharing an edge page included).
-fn release(mmap: &Mmap, range: std::ops::Range<usize>) {
-    #[cfg(unix)]
-    // SAFETY: `DontNeed` on a read-only shared file mapping keeps its contents (they are read
-    // back from the unchanged file on the next access); no memory is freed under a reference.
-    // A failure only means the pages stay resident.
-    let _ = unsafe {
-        mmap.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, range.start, range.len())
-    };
-    #[cfg(not(unix))]
-    let _ = (mmap, range);
 }
 
 #[cfg(test)]

@@ -209,6 +209,7 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, 
         let mut acc = [_mm256_setzero_ps(); T];
         let mut mins = [_mm256_setzero_ps(); T];
         for u in 0..w.units::<MIN, FIFTH, SHARED>() {
+            w.prefetch(u);
             let (dw, mw) = w.heads::<MIN, FIFTH, SHARED>(u);
             for s in 0..SHARED {
                 let codes = w.codes::<I, MIN, FIFTH, SHARED>(u, s);
@@ -290,6 +291,7 @@ unsafe fn rows_q8_0<I: Isa, const T: usize>(
         // One chain per input, as in `rows`.
         let mut acc = [_mm256_setzero_ps(); T];
         for b in 0..w.q8_0_blocks() {
+            w.prefetch(b);
             let (dw, codes) = w.q8_0(b);
             let unsigned = unsigned_q8_0::<I>(&codes);
             for (t, acc) in acc.iter_mut().enumerate() {
