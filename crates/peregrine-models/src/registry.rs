@@ -195,6 +195,10 @@ pub struct ExpertOptions {
     /// When streaming, bytes of recently used experts kept in memory (the resident hot set),
     /// shared equally by the MoE layers; 0 keeps none.
     pub cache_bytes: usize,
+    /// When streaming, bytes of recently used experts kept mapped where they multiply the
+    /// file's pages in place (GGUF Q4_0/Q4_1/Q8_0 on x86): no copy, the page cache's own pages,
+    /// counted in the process's resident set; 0 maps each in and out on every use.
+    pub mapped_bytes: usize,
     /// Experts each token is routed to, instead of the model's own `top_k` (fewer is faster
     /// and reads less when streaming, at a cost in quality); refused for a model without
     /// experts or above its expert count.
@@ -208,6 +212,7 @@ impl Default for ExpertOptions {
             queue_depth: 24,
             speculate: false,
             cache_bytes: 0,
+            mapped_bytes: 256 << 20,
             top_k: None,
         }
     }
@@ -245,7 +250,12 @@ impl ExpertOptions {
         if config.moe.is_none() {
             return Err(no_experts("streamed experts were asked for".into()));
         }
-        let pool = ReadPool::configured(self.queue_depth, self.speculate, self.cache_bytes);
+        let pool = ReadPool::configured(
+            self.queue_depth,
+            self.speculate,
+            self.cache_bytes,
+            self.mapped_bytes,
+        );
         let io = |source| ModelError::Io {
             path: path.to_path_buf(),
             source,

@@ -22,11 +22,13 @@ fn prompt(arch: &str) -> Vec<u32> {
     ids.to_vec1::<u32>().unwrap()
 }
 
+/// Streamed, each expert read (or mapped) on every use: none kept.
 fn options(stream: bool) -> LoadOptions {
     LoadOptions {
         experts: ExpertOptions {
             stream,
             queue_depth: 4,
+            mapped_bytes: 0,
             ..ExpertOptions::default()
         },
         ..LoadOptions::default()
@@ -34,13 +36,14 @@ fn options(stream: bool) -> LoadOptions {
 }
 
 /// Streamed, with each layer's experts also read on a guess a layer early, and a hot set of
-/// recently used experts (4 MiB over the model's MoE layers: most of a fixture's; the set's
-/// eviction is peregrine-moe's unit test).
+/// recently used experts (4 MiB over the model's MoE layers, copied or kept mapped: most of a
+/// fixture's; the set's eviction is peregrine-moe's unit test).
 fn guessing_and_keeping() -> LoadOptions {
     LoadOptions {
         experts: ExpertOptions {
             speculate: true,
             cache_bytes: 4 << 20,
+            mapped_bytes: 4 << 20,
             ..options(true).experts
         },
         ..LoadOptions::default()

@@ -24,6 +24,7 @@ pub struct ReadPool {
     depth: usize,
     guess: bool,
     hot_bytes: usize,
+    mapped_bytes: usize,
     stats: StreamStats,
 }
 
@@ -81,15 +82,23 @@ impl ReadPool {
     /// when it is asked for, on the computing thread. Stores on it take no guesses
     /// ([`ReadPool::configured`]).
     pub fn new(depth: usize) -> io::Result<Arc<Self>> {
-        Self::configured(depth, false, 0)
+        Self::configured(depth, false, 0, 0)
     }
 
     /// [`new`](Self::new), with `guess`: stores also start reading experts guessed ahead of
     /// their layer's routing ([`ExpertStore::speculate`]; a wrong guess costs a read: worth it
     /// where reads wait on the disk, not where they are bound by the CPU copying them); and
     /// `hot_bytes` of recently used experts kept, over all the stores on the pool
-    /// ([`StreamedExperts::with_hot_set`]).
-    pub fn configured(depth: usize, guess: bool, hot_bytes: usize) -> io::Result<Arc<Self>> {
+    /// ([`StreamedExperts::with_hot_set`]); and `mapped_bytes` of recently used experts kept
+    /// in the same way where an expert is the file's mapped pages, not a copy of them (keeping
+    /// one costs no memory the page cache does not already hold; it saves mapping its pages in
+    /// and out of the process on each use).
+    pub fn configured(
+        depth: usize,
+        guess: bool,
+        hot_bytes: usize,
+        mapped_bytes: usize,
+    ) -> io::Result<Arc<Self>> {
         let (tx, rx) = sync_channel::<Job>(depth);
         let rx = Arc::new(Mutex::new(rx));
         for i in 0..depth {
@@ -112,6 +121,7 @@ impl ReadPool {
             depth,
             guess,
             hot_bytes,
+            mapped_bytes,
             stats: StreamStats::default(),
         }))
     }
@@ -124,6 +134,12 @@ impl ReadPool {
     /// Bytes of recently used experts the stores on this pool may keep together.
     pub fn hot_bytes(&self) -> usize {
         self.hot_bytes
+    }
+
+    /// Bytes of recently used experts that multiply mapped pages in place the stores on this
+    /// pool keep mapped together.
+    pub fn mapped_bytes(&self) -> usize {
+        self.mapped_bytes
     }
 
     /// What has been read so far.
@@ -365,7 +381,7 @@ mod tests {
             reads.fetch_add(1, Ordering::SeqCst);
             result
         });
-        StreamedExperts::new(4, read, ReadPool::configured(2, true, 0).unwrap())
+        StreamedExperts::new(4, read, ReadPool::configured(2, true, 0, 0).unwrap())
     }
 
     fn store(reads: Arc<AtomicUsize>) -> StreamedExperts<Vec<u8>> {

@@ -147,6 +147,12 @@ pub struct ModelArgs {
     /// fits; meant for devices where each read is also a copy to the device).
     #[arg(long, default_value_t = 0, requires = "stream_experts")]
     pub expert_cache_mb: usize,
+    /// With `--stream-experts`, megabytes of recently used experts kept mapped where they are
+    /// multiplied from the file's own pages (GGUF Q4_0, Q4_1 and Q8_0 on x86): not a copy, the
+    /// page cache's pages, but counted in the resident set; keeping them saves mapping their
+    /// pages in and out on every use (0: map each expert only while it is used).
+    #[arg(long, default_value_t = 256, requires = "stream_experts")]
+    pub expert_map_mb: usize,
     /// Mixture-of-experts models: route each token to this many experts instead of the
     /// model's own number. Fewer is faster (and reads less with `--stream-experts`) but moves
     /// the output away from the model's: a quality trade, measured in docs/benchmarks.md.
@@ -216,6 +222,7 @@ impl ModelArgs {
                 queue_depth: self.stream_queue_depth,
                 speculate: self.stream_speculate,
                 cache_bytes: self.expert_cache_mb << 20,
+                mapped_bytes: self.expert_map_mb << 20,
                 top_k: self.moe_top_k,
             },
             require_vision: self.vision,

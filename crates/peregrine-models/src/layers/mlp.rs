@@ -108,6 +108,14 @@ impl GatedMlp {
         Ok(())
     }
 
+    /// Whether all three projections multiply a mapped file's pages where they lie (a
+    /// streamed GGUF expert of a format the kernels take in place).
+    pub fn is_mapped(&self) -> bool {
+        [&self.gate_proj, &self.up_proj, &self.down_proj]
+            .iter()
+            .all(|l| matches!(l, QLinear::Gguf { w, .. } if w.is_shared()))
+    }
+
     /// Bytes of weights.
     pub fn weight_bytes(&self) -> usize {
         [&self.gate_proj, &self.up_proj, &self.down_proj]

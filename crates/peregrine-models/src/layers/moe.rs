@@ -182,11 +182,17 @@ fn expert_store(
         return Ok(Box::new(ResidentExperts::new(experts, bytes)));
     };
     let w = w.positional();
-    let bytes = read(&w, 0)?.weight_bytes();
+    let first = read(&w, 0)?;
+    let bytes = first.weight_bytes();
     pool.stats().add_expert_bytes(n * bytes);
-    // The hot set's budget, shared equally by the MoE layers.
+    // The hot set's budget, shared equally by the MoE layers: for experts multiplied from the
+    // file's mapping, the bytes kept mapped (no copy: the page cache's own pages).
+    let budget = match first.is_mapped() {
+        true => pool.mapped_bytes(),
+        false => pool.hot_bytes(),
+    };
     let layers = moe.sparse_layers.iter().filter(|&&s| s).count();
-    let hot = (pool.hot_bytes() / layers.max(1) / bytes.max(1)).min(n);
+    let hot = (budget / layers.max(1) / bytes.max(1)).min(n);
     let check: ExpertCheck = {
         let w = w.clone();
         Arc::new(move || (w.still_whole()).map_err(|err| std::io::Error::other(err.to_string())))

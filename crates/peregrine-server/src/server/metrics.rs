@@ -326,7 +326,8 @@ impl Metrics {
                 (
                     "expert_cache_hits_total",
                     "counter",
-                    "Of those, experts served by the hot set (--expert-cache-mb).",
+                    "Of those, experts served by the hot set (--expert-cache-mb) or still mapped \
+                     (--expert-map-mb).",
                     hot as usize,
                 ),
                 (

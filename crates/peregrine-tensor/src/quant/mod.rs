@@ -212,6 +212,12 @@ impl GgufMatrix {
         self.format
     }
 
+    /// Whether the blocks are multiplied where someone else holds them
+    /// ([`from_shared`](Self::from_shared): a mapped file's pages).
+    pub fn is_shared(&self) -> bool {
+        matches!(self.storage, Layout::Shared(_))
+    }
+
     /// Whether the rows are interleaved 8 at a time for the x86 kernels.
     pub fn is_interleaved(&self) -> bool {
         matches!(self.storage, Layout::Interleaved(_))
