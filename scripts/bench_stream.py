@@ -10,7 +10,9 @@ file of it: no root needed, other files untouched); "warm" reads it whole first.
 child's maximum resident set (getrusage), which counts mapped file pages a process touched.
 Runs: resident (experts loaded; warm), cold, warm (streamed, default queue depth), cold-noprefetch,
 warm-noprefetch (--stream-queue-depth 0), cold-guess, warm-guess (--stream-speculate: each
-layer's experts also read on a guess a layer early), llama-cold, llama-warm.
+layer's experts also read on a guess a layer early), cold-nomap, warm-nomap (--expert-map-mb 0:
+experts multiplied from the file's mapping are mapped in and out on every use), llama-cold,
+llama-warm.
 
 --memory-limit-gb G runs every command in a memory cgroup (v1, /sys/fs/cgroup/memory; needs root)
 capped at G GiB, page cache included: a model larger than memory on a machine where it is not.
@@ -73,7 +75,7 @@ def run(cmd):
     return p.stdout, p.stderr, peak * 1024 if peak > before else None
 
 
-def peregrine(a, stream, depth=None, guess=False):
+def peregrine(a, stream, depth=None, guess=False, nomap=False):
     cmd = [a.peregrine, "--threads", str(a.threads), "bench", "--model", a.model,
            "--prompt-tokens", str(a.prompt_tokens), "--gen-tokens", str(a.gen_tokens),
            "--repeat", "1", "--json"]
@@ -83,6 +85,8 @@ def peregrine(a, stream, depth=None, guess=False):
         cmd += ["--stream-queue-depth", str(depth)]
     if guess:
         cmd.append("--stream-speculate")
+    if nomap:
+        cmd += ["--expert-map-mb", "0"]
     out, _, _ = run(cmd)
     r = json.loads(out.strip().splitlines()[-1])
     keep = {k: r.get(k) for k in ("prefill_tps", "decode_tps", "peak_rss_bytes", "weight_bytes")}
@@ -125,7 +129,7 @@ def main():
             r = llama(a)
         else:
             r = peregrine(a, stream=True, depth=0 if "noprefetch" in name else None,
-                          guess="guess" in name)
+                          guess="guess" in name, nomap="nomap" in name)
         r.update(run=name, model=a.model, seconds=round(time.time() - start, 1),
                  memory_limit_gb=a.memory_limit_gb)
         print(json.dumps(r), flush=True)

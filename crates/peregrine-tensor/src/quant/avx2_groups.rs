@@ -164,55 +164,60 @@ unsafe fn nibbles(packed: [__m256i; 4]) -> [__m256i; 8] {
     }
 }
 
-/// 8 consecutive rows in GGUF's row layout (Q4_0, Q4_1 or Q8_0, [`RowGroup::fits`]).
+/// 8 consecutive rows in GGUF's row layout of a format whose blocks are `BB` bytes (Q4_0:
+/// 18, Q4_1: 20, Q8_0: 34; [`fits`]), known when compiled so that the addressing is
+/// immediates, not multiplications.
 #[derive(Clone, Copy)]
-pub(super) struct RowGroup {
+pub(super) struct RowGroup<const BB: usize> {
     /// The first row's first block.
     p: *const u8,
     row_bytes: usize,
-    block_bytes: usize,
-    /// Where a block's codes start.
-    codes_at: usize,
 }
 
-impl RowGroup {
-    /// Whether groups of `format` rows multiply from the row layout.
-    pub(super) fn fits(format: Format) -> bool {
-        matches!(format, Format::Q4_0 | Format::Q4_1 | Format::Q8_0)
-    }
+/// Whether groups of `format` rows multiply from the row layout ([`RowGroup`]).
+pub(super) fn fits(format: Format) -> bool {
+    matches!(format, Format::Q4_0 | Format::Q4_1 | Format::Q8_0)
+}
 
-    /// Group `g` (rows `8g..8g + 8`) of the `format` rows in `w`, `row_bytes` each (a format
-    /// that [`fits`](Self::fits)).
+/// Block bytes of a format [`RowGroup`] takes.
+pub(super) const fn block_bytes(min: bool) -> usize {
+    if min { 20 } else { 18 }
+}
+
+/// Bytes of a Q8_0 block.
+pub(super) const Q8_0_BYTES: usize = 34;
+
+impl<const BB: usize> RowGroup<BB> {
+    /// Where a block's codes start: after the scale (and Q4_1's minimum).
+    const CODES_AT: usize = if BB == Q8_0_BYTES { 2 } else { BB - 16 };
+
+    /// Group `g` (rows `8g..8g + 8`) of the rows in `w`, `row_bytes` each.
     #[inline(always)]
-    pub(super) fn new(w: &[u8], g: usize, row_bytes: usize, format: Format) -> Self {
+    pub(super) fn new(w: &[u8], g: usize, row_bytes: usize) -> Self {
         let w = &w[g * ROWS * row_bytes..][..ROWS * row_bytes];
         Self {
             p: w.as_ptr(),
             row_bytes,
-            block_bytes: format.block_bytes(),
-            codes_at: if format == Format::Q4_1 { 4 } else { 2 },
         }
     }
 
-    /// Each row's first 4 bytes of block `b` (its f16 scale, then its minimum or codes), row
-    /// `l` in lane `l`.
+    /// The f16 at byte `at` of each row's block `b`, as 8 floats (row `l` in lane `l`). Packed
+    /// in general-purpose registers, two u64 of 4 halves each: the vector shuffle ports are
+    /// the row kernels' bottleneck, the integer ones are idle.
     ///
     /// # Safety
-    /// As [`Source::heads`].
+    /// As [`Source::heads`]; each row's block holds 2 bytes at `at`.
     #[inline(always)]
-    unsafe fn starts(self, b: usize) -> __m256i {
-        // SAFETY: per this function's contract; 4 bytes at each row's block start are its own.
+    unsafe fn halves(self, b: usize, at: usize) -> __m256 {
+        // SAFETY: per this function's contract.
         unsafe {
-            let p = self.p.add(b * self.block_bytes);
-            let word = |l: usize| {
-                _mm_cvtsi32_si128(p.add(l * self.row_bytes).cast::<i32>().read_unaligned())
-            };
-            let quad = |l: usize| {
-                let lo = _mm_unpacklo_epi32(word(l), word(l + 1));
-                let hi = _mm_unpacklo_epi32(word(l + 2), word(l + 3));
-                _mm_unpacklo_epi64(lo, hi)
-            };
-            _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(quad(0)), quad(4))
+            let p = self.p.add(b * BB + at);
+            let half =
+                |l: usize| u64::from(p.add(l * self.row_bytes).cast::<u16>().read_unaligned());
+            let four =
+                |l: usize| half(l) | half(l + 1) << 16 | half(l + 2) << 32 | half(l + 3) << 48;
+            let packed = _mm_set_epi64x(four(4) as i64, four(0) as i64);
+            _mm256_cvtph_ps(packed)
         }
     }
 
@@ -225,7 +230,7 @@ impl RowGroup {
     unsafe fn transposed(self, b: usize, at: usize) -> [__m256i; 4] {
         // SAFETY: per this function's contract.
         unsafe {
-            let p = self.p.add(b * self.block_bytes + at);
+            let p = self.p.add(b * BB + at);
             let load = |l: usize| _mm_loadu_si128(p.add(l * self.row_bytes).cast());
             // Rows l and l + 4 side by side: the 4×4 transposes below run in both halves.
             let mut v = [_mm256_setzero_si256(); 4];
@@ -246,42 +251,25 @@ impl RowGroup {
     }
 }
 
-/// The f16 in the low (`HIGH` false) or high half of each 32-bit lane, as 8 floats.
-///
-/// # Safety
-/// The CPU must support AVX2 and F16C; the caller is compiled with them.
-#[inline(always)]
-unsafe fn f16_lanes<const HIGH: bool>(v: __m256i) -> __m256 {
-    // SAFETY: per this function's contract.
-    unsafe {
-        // Bytes 0, 1, 4, 5, 8, 9, 12, 13 (or each plus 2) of each half, then nothing.
-        let pick: i64 = match HIGH {
-            true => 0x0F0E_0B0A_0706_0302,
-            false => 0x0D0C_0908_0504_0100,
-        };
-        let pick = _mm256_setr_epi64x(pick, -1, pick, -1);
-        // Each half's 4 halves in its low 8 bytes, then the two halves' 8 bytes together.
-        let packed = _mm256_permute4x64_epi64::<0b00_00_10_00>(_mm256_shuffle_epi8(v, pick));
-        _mm256_cvtph_ps(_mm256_castsi256_si128(packed))
-    }
-}
-
-impl Source for RowGroup {
+impl<const BB: usize> Source for RowGroup<BB> {
     /// The next group's bytes, an equal share before each unit: a row of a few hundred bytes
     /// is too short a stream for the hardware's prefetchers to pick up, and 8 run at once.
     #[inline(always)]
     fn prefetch(self, u: usize) {
-        let span = ROWS * self.block_bytes;
+        let span = ROWS * BB;
         let next = self.p.wrapping_add(ROWS * self.row_bytes + u * span);
-        for line in (0..span).step_by(64) {
-            // SAFETY: a prefetch never faults, wherever it points.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line).cast()) };
+        // A fixed count, each kept or not when compiled: no loop.
+        for line in 0..5 {
+            if line * 64 < span {
+                // SAFETY: a prefetch never faults, wherever it points.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line * 64).cast()) };
+            }
         }
     }
 
     #[inline(always)]
     fn units<const MIN: bool, const FIFTH: bool, const SHARED: usize>(self) -> usize {
-        self.row_bytes / self.block_bytes
+        self.row_bytes / BB
     }
 
     #[inline(always)]
@@ -289,12 +277,11 @@ impl Source for RowGroup {
         self,
         u: usize,
     ) -> (__m256, __m256) {
-        // SAFETY: per the trait's contract.
+        // SAFETY: per the trait's contract: a block starts with its scale (and minimum).
         unsafe {
-            let starts = self.starts(u);
-            let dw = f16_lanes::<false>(starts);
+            let dw = self.halves(u, 0);
             let mw = match MIN {
-                true => f16_lanes::<true>(starts),
+                true => self.halves(u, 2),
                 false => dw,
             };
             (dw, mw)
@@ -312,19 +299,19 @@ impl Source for RowGroup {
             "only Q4_0 and Q4_1 come as row groups"
         );
         // SAFETY: per the trait's contract.
-        unsafe { nibbles(self.transposed(u, self.codes_at)) }
+        unsafe { nibbles(self.transposed(u, Self::CODES_AT)) }
     }
 
     #[inline(always)]
     fn q8_0_blocks(self) -> usize {
-        self.row_bytes / self.block_bytes
+        self.row_bytes / BB
     }
 
     #[inline(always)]
     unsafe fn q8_0(self, b: usize) -> (__m256, [__m256i; 8]) {
         // SAFETY: per the trait's contract; a Q8_0 block is a scale and 32 code bytes.
         unsafe {
-            let dw = f16_lanes::<false>(self.starts(b));
+            let dw = self.halves(b, 0);
             let (lo, hi) = (self.transposed(b, 2), self.transposed(b, 18));
             (dw, [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]])
         }

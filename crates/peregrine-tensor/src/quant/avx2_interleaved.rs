@@ -14,7 +14,7 @@ use std::arch::x86_64::*;
 
 use super::act::{Q8Block, Refinement};
 use super::avx2::{Avx2, Isa, Vnni};
-use super::avx2_groups::{Packed, RowGroup, Source};
+use super::avx2_groups::{Packed, Q8_0_BYTES, RowGroup, Source, block_bytes};
 use super::avx2_interleaved_k;
 use super::format::Format;
 use super::interleaved::ROWS;
@@ -85,7 +85,7 @@ pub unsafe fn groups<const T: usize>(format: Format, shared: usize, run: &Run<T>
 /// 8 outputs, stored at their place. A macro, not a closure: its body stays inside the
 /// `target_feature` function.
 macro_rules! each_group {
-    ($run:expr, $format:expr, $src:ident => $kernel:expr) => {{
+    ($run:expr, $block_bytes:expr, $src:ident => $kernel:expr) => {{
         let run = $run;
         for g in run.groups.clone() {
             let y = match run.layout {
@@ -94,7 +94,7 @@ macro_rules! each_group {
                     $kernel
                 }
                 GroupLayout::Rows(row_bytes) => {
-                    let $src = RowGroup::new(run.w, g, row_bytes, $format);
+                    let $src = RowGroup::<{ $block_bytes }>::new(run.w, g, row_bytes);
                     $kernel
                 }
             };
@@ -178,12 +178,13 @@ unsafe fn dispatch<I: Isa, const T: usize>(format: Format, shared: usize, run: &
             Format::Q6K => {
                 each_packed_group!(run, gw => avx2_interleaved_k::rows_q6k::<I, T>(gw, x))
             }
-            Format::Q8_0 => each_group!(run, format, g => rows_q8_0::<I, T>(g, x, refined)),
+            Format::Q8_0 => each_group!(run, Q8_0_BYTES, g => rows_q8_0::<I, T>(g, x, refined)),
             Format::Q4_1 if shared == 2 => {
-                each_group!(run, format, g => rows::<I, true, false, 2, T>(g, x, refined))
+                each_group!(run, block_bytes(true), g => rows::<I, true, false, 2, T>(g, x, refined))
             }
+            // (Q5_0 and Q5_1 never come as rows: `avx2_groups::fits`.)
             _ => with_fields!(format, MIN, FIFTH => each_group!(
-                run, format, g => rows::<I, MIN, FIFTH, 1, T>(g, x, refined)
+                run, block_bytes(MIN), g => rows::<I, MIN, FIFTH, 1, T>(g, x, refined)
             )),
         }
     }

@@ -150,7 +150,7 @@ impl GgufMatrix {
     /// of 8 rows of Q4_0, Q4_1 or Q8_0 with the x86 kernels.
     pub fn multiplies_in_place(format: Format, rows: usize, cols: usize) -> bool {
         #[cfg(target_arch = "x86_64")]
-        let fits = avx2_groups::RowGroup::fits(format);
+        let fits = avx2_groups::fits(format);
         #[cfg(not(target_arch = "x86_64"))]
         let fits = false;
         fits && Self::interleaves(format, rows, cols)

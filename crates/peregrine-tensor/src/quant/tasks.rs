@@ -60,7 +60,7 @@ pub(super) enum PartBytes<'a> {
     /// Rows interleaved 8 at a time (which knows its format).
     Interleaved(&'a Interleaved),
     /// GGUF's row layout, multiplied 8 rows at a time by the interleaved kernels (x86 with
-    /// AVX2, formats [`RowGroup::fits`](super::avx2_groups::RowGroup::fits) takes).
+    /// AVX2, formats [`fits`](super::avx2_groups::fits) takes).
     RowGroups(Format, &'a [u8]),
 }
 
@@ -152,10 +152,10 @@ pub(super) unsafe fn interleaved_task(
 ///
 /// # Safety
 /// No other thread writes `out`'s columns `r0..r1`; `kernel` runs on this CPU and has AVX2;
-/// `format` [`RowGroup::fits`].
+/// `format` [`fits`].
 ///
 /// [`RowGroup`]: super::avx2_groups::RowGroup
-/// [`RowGroup::fits`]: super::avx2_groups::RowGroup::fits
+/// [`fits`]: super::avx2_groups::fits
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn row_groups_task(
