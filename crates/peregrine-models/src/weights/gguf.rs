@@ -26,7 +26,8 @@ pub struct GgufFile {
     file: Mutex<File>,
     /// For positioned reads, many at once (streamed experts).
     reader: File,
-    /// The file mapped read-only, when first asked for (streamed experts multiplied in place).
+    /// The file mapped read-only, when first asked for (streamed experts multiplied in place),
+    /// or why it could not be.
     map: OnceLock<std::result::Result<Arc<Mmap>, String>>,
     /// Counts the bytes of every tensor read.
     progress: Arc<LoadProgress>,
@@ -316,21 +317,31 @@ impl GgufFile {
         })
     }
 
-    /// `len` bytes of the file from `at` (within tensor `name`), mapped and paged in.
-    fn mapped_range(&self, name: &str, at: usize, len: usize) -> Result<Arc<MappedRange>> {
-        let err = |message: String| ModelError::Checkpoint {
-            file: self.path.clone(),
-            message: format!("tensor `{name}`: {message}"),
-        };
+    /// The file mapped read-only, made on first use; `None` where it cannot be mapped (then
+    /// its experts are read instead).
+    fn mapping(&self) -> Option<&Arc<Mmap>> {
         let map = self.map.get_or_init(|| {
             // SAFETY: mapped read-only. A file cut short under the mapping faults when its
             // lost pages are touched: every range is checked against the file's length when
             // made and before each use (`still_whole`), and paged in when made.
             let map = unsafe { Mmap::map(&self.reader) };
-            map.map(Arc::new)
-                .map_err(|e| format!("mapping the file: {e}"))
+            map.map(Arc::new).map_err(|e| e.to_string())
         });
-        let map = map.as_ref().map_err(|e| err(e.clone()))?;
+        map.as_ref().ok()
+    }
+
+    /// `len` bytes of `map` from `at` (within tensor `name`), paged in.
+    fn mapped_range(
+        &self,
+        map: &Arc<Mmap>,
+        name: &str,
+        at: usize,
+        len: usize,
+    ) -> Result<Arc<MappedRange>> {
+        let err = |message: String| ModelError::Checkpoint {
+            file: self.path.clone(),
+            message: format!("tensor `{name}`: {message}"),
+        };
         let range = MappedRange::new(map, &self.reader, &self.path, at, len);
         self.progress.add(len);
         Ok(Arc::new(range.map_err(|e| err(e.to_string()))?))
@@ -508,10 +519,11 @@ impl GgufFile {
             .map(|&(first, rows)| {
                 if let (true, Device::Cpu, Some(f)) = (in_place, device, Format::of(dtype))
                     && GgufMatrix::multiplies_in_place(f, rows, cols)
+                    && let Some(map) = self.mapping()
                 {
                     let at = self.content.tensor_data_offset + info.offset;
                     let at = at as usize + first * row_bytes;
-                    let range = self.mapped_range(name, at, rows * row_bytes)?;
+                    let range = self.mapped_range(map, name, at, rows * row_bytes)?;
                     return Ok(GgufMatrix::from_shared(f, range, (rows, cols))?);
                 }
                 let mut data = vec![0u8; rows * row_bytes];
