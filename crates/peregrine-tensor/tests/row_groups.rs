@@ -30,8 +30,13 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
 
 #[test]
 fn rows_in_place_give_the_interleaved_bits() {
-    let (n, k) = (40, 320);
-    for dtype in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q8_0] {
+    for dtype in [
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q8_0,
+        GgmlDType::Q4K,
+    ] {
+        let (n, k) = (40, if dtype.block_size() == 256 { 512 } else { 320 });
         let format = Format::of(dtype).unwrap();
         let w = Tensor::from_vec(values(n * k, 3), (n, k), &Device::Cpu).unwrap();
         let q = Arc::new(QTensor::quantize(&w, dtype).unwrap());
@@ -46,7 +51,8 @@ fn rows_in_place_give_the_interleaved_bits() {
             "{dtype:?}: in place wherever the interleaved kernels run"
         );
         // Decode, tiles of 1-8 inputs and their tails, and a prefill-sized batch; every
-        // second input row has an outlier block, which the 32-value formats refine.
+        // second input row has an outlier block, which the 32-value formats refine (Q4_K takes
+        // no refinements).
         for m in [1, 2, 5, 8, 13, 40] {
             let mut x = values(m * k, m as u64);
             for (i, row) in x.chunks_mut(k).enumerate().step_by(2) {

@@ -38,6 +38,32 @@ pub(super) trait Source: Copy {
     /// Q8_0 blocks in the group.
     fn q8_0_blocks(self) -> usize;
 
+    /// What a Q4_K super-block's sub-block scales and minimums come from.
+    type K4: Copy;
+
+    /// Q4_K super-blocks in the group.
+    fn q4k_blocks(self) -> usize;
+
+    /// Q4_K super-block `b`: the rows' scales and minimum scales, and what
+    /// [`q4k_sub`](Self::q4k_sub) takes.
+    ///
+    /// # Safety
+    /// As [`heads`](Self::heads); `b` is a super-block of the group.
+    unsafe fn q4k(self, b: usize) -> (__m256, __m256, Self::K4);
+
+    /// Sub-block `j`'s 6-bit scales and minimums of the 8 rows, as floats.
+    ///
+    /// # Safety
+    /// As [`heads`](Self::heads).
+    unsafe fn q4k_sub(self, k: Self::K4, j: usize) -> (__m256, __m256);
+
+    /// Q4_K super-block `b`'s codes of sub-blocks `2p` (low nibbles) and `2p + 1` (high), as
+    /// 8 vectors of packed bytes: vector `c` holds bytes `4c..4c + 4` of each row's 32.
+    ///
+    /// # Safety
+    /// As [`heads`](Self::heads).
+    unsafe fn q4k_codes(self, b: usize, p: usize) -> [__m256i; 8];
+
     /// A hint, before unit (or Q8_0 block) `u`, to start loading what the next group needs.
     #[inline(always)]
     fn prefetch(self, _u: usize) {}
@@ -74,6 +100,52 @@ impl Packed {
 }
 
 impl Source for Packed {
+    type K4 = *const u8;
+
+    #[inline(always)]
+    fn q4k_blocks(self) -> usize {
+        self.len / group_block_bytes(Format::Q4K)
+    }
+
+    #[inline(always)]
+    unsafe fn q4k(self, b: usize) -> (__m256, __m256, *const u8) {
+        use super::interleaved::q4k::DMIN;
+        // SAFETY: per the trait's contract; a group block starts with the rows' d and dmin.
+        unsafe {
+            let p = self.p.add(b * group_block_bytes(Format::Q4K));
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
+            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(p.add(DMIN).cast()));
+            (d, dmin, p)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn q4k_sub(self, p: *const u8, j: usize) -> (__m256, __m256) {
+        use super::interleaved::q4k::{MINS, SCALES};
+        // SAFETY: per the trait's contract; the group block holds 8 bytes per sub-block.
+        unsafe {
+            let widen =
+                |p: *const u8| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast())));
+            (widen(p.add(SCALES + 8 * j)), widen(p.add(MINS + 8 * j)))
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn q4k_codes(self, b: usize, p: usize) -> [__m256i; 8] {
+        use super::interleaved::q4k::CODES;
+        // SAFETY: per the trait's contract; a group block holds 4 pairs of 256 code bytes.
+        unsafe {
+            let at = self
+                .p
+                .add(b * group_block_bytes(Format::Q4K) + CODES + 256 * p);
+            let mut codes = [_mm256_setzero_si256(); 8];
+            for (c, code) in codes.iter_mut().enumerate() {
+                *code = _mm256_loadu_si256(at.add(32 * c).cast());
+            }
+            codes
+        }
+    }
+
     #[inline(always)]
     fn units<const MIN: bool, const FIFTH: bool, const SHARED: usize>(self) -> usize {
         self.len / packed_fields(MIN, FIFTH, SHARED).2
@@ -176,8 +248,14 @@ pub(super) struct RowGroup<const BB: usize> {
 
 /// Whether groups of `format` rows multiply from the row layout ([`RowGroup`]).
 pub(super) fn fits(format: Format) -> bool {
-    matches!(format, Format::Q4_0 | Format::Q4_1 | Format::Q8_0)
+    matches!(
+        format,
+        Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q4K
+    )
 }
+
+/// Bytes of a Q4_K super-block.
+pub(super) const Q4K_BYTES: usize = 144;
 
 /// Block bytes of a format [`RowGroup`] takes.
 pub(super) const fn block_bytes(min: bool) -> usize {
@@ -252,6 +330,64 @@ impl<const BB: usize> RowGroup<BB> {
 }
 
 impl<const BB: usize> Source for RowGroup<BB> {
+    /// The rows' 12 packed bytes of 6-bit scales and minimums, as three vectors of 4 bytes a
+    /// row: each sub-block's come out of them with shifts, already one row a lane.
+    type K4 = [__m256i; 3];
+
+    #[inline(always)]
+    fn q4k_blocks(self) -> usize {
+        self.row_bytes / BB
+    }
+
+    #[inline(always)]
+    unsafe fn q4k(self, b: usize) -> (__m256, __m256, [__m256i; 3]) {
+        // SAFETY: per the trait's contract: d, dmin, then 12 bytes of scales and minimums.
+        unsafe {
+            let words = |at: usize| {
+                let p = self.p.add(b * BB + at);
+                let w = |l: usize| p.add(l * self.row_bytes).cast::<i32>().read_unaligned();
+                _mm256_setr_epi32(w(0), w(1), w(2), w(3), w(4), w(5), w(6), w(7))
+            };
+            let k = [words(4), words(8), words(12)];
+            (self.halves(b, 0), self.halves(b, 2), k)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn q4k_sub(self, [q0, q1, q2]: [__m256i; 3], j: usize) -> (__m256, __m256) {
+        // ggml's `get_scale_min_k4`, 8 rows at a time: sub-blocks 0-3 take 6 bits of bytes
+        // 0-3 (scales) and 4-7 (minimums); 4-7 take 4 bits of bytes 8-11 and their top 2 from
+        // the first two rows of bytes.
+        // SAFETY: per the trait's contract.
+        unsafe {
+            let at = |v: __m256i, bits: usize| _mm256_srl_epi32(v, _mm_cvtsi64_si128(bits as i64));
+            let low = |v: __m256i, mask: i32| _mm256_and_si256(v, _mm256_set1_epi32(mask));
+            let (scale, min) = if j < 4 {
+                (low(at(q0, 8 * j), 63), low(at(q1, 8 * j), 63))
+            } else {
+                let k = 8 * (j - 4);
+                let top = |v: __m256i| _mm256_slli_epi32(low(at(v, k + 6), 3), 4);
+                (
+                    _mm256_or_si256(low(at(q2, k), 0xF), top(q0)),
+                    _mm256_or_si256(low(at(q2, k + 4), 0xF), top(q1)),
+                )
+            };
+            (_mm256_cvtepi32_ps(scale), _mm256_cvtepi32_ps(min))
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn q4k_codes(self, b: usize, p: usize) -> [__m256i; 8] {
+        // SAFETY: per the trait's contract; a Q4_K block's codes are bytes 16..144.
+        unsafe {
+            let (lo, hi) = (
+                self.transposed(b, 16 + 32 * p),
+                self.transposed(b, 32 + 32 * p),
+            );
+            [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]]
+        }
+    }
+
     /// The next group's bytes, an equal share before each unit: a row of a few hundred bytes
     /// is too short a stream for the hardware's prefetchers to pick up, and 8 run at once.
     #[inline(always)]

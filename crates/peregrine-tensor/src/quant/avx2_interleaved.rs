@@ -14,7 +14,7 @@ use std::arch::x86_64::*;
 
 use super::act::{Q8Block, Refinement};
 use super::avx2::{Avx2, Isa, Vnni};
-use super::avx2_groups::{Packed, Q8_0_BYTES, RowGroup, Source, block_bytes};
+use super::avx2_groups::{Packed, Q4K_BYTES, Q8_0_BYTES, RowGroup, Source, block_bytes};
 use super::avx2_interleaved_k;
 use super::format::Format;
 use super::interleaved::ROWS;
@@ -173,7 +173,7 @@ unsafe fn dispatch<I: Isa, const T: usize>(format: Format, shared: usize, run: &
     unsafe {
         match format {
             Format::Q4K => {
-                each_packed_group!(run, gw => avx2_interleaved_k::rows_q4k::<I, T>(gw, x))
+                each_group!(run, Q4K_BYTES, g => avx2_interleaved_k::rows_q4k::<I, T>(g, x))
             }
             Format::Q6K => {
                 each_packed_group!(run, gw => avx2_interleaved_k::rows_q6k::<I, T>(gw, x))

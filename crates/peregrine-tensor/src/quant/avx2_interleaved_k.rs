@@ -5,50 +5,45 @@
 use std::arch::x86_64::*;
 
 use super::avx2::Isa;
+use super::avx2_groups::Source;
 use super::avx2_interleaved::{Inputs, halves, sum};
 use super::format::Format;
 
-/// Q4_K: per sub-block the 8 rows' scales and minimums (bytes) widen to one vector each, so
-/// each input pays one multiply and two FMAs per 32 values for 8 rows, as the row kernel pays
-/// per row.
+/// Q4_K: per sub-block the 8 rows' scales and minimums widen to one vector each, so each input
+/// pays one multiply and two FMAs per 32 values for 8 rows, as the row kernel pays per row.
+/// From either layout ([`Source`]): the same integer sums and float operations.
 ///
 /// # Safety
-/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
+/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines; `w`
+/// is a Q4_K group and each input holds its blocks.
 #[inline(always)]
-pub(super) unsafe fn rows_q4k<I: Isa, const T: usize>(w: &[u8], x: Inputs) -> [__m256; T] {
-    use super::interleaved::q4k::{CODES, DMIN, MINS, SCALES};
-    let block_bytes = super::interleaved::group_block_bytes(Format::Q4K);
-    // SAFETY: per this function's contract; every load below stays inside super-block `b`.
+pub(super) unsafe fn rows_q4k<I: Isa, const T: usize>(w: impl Source, x: Inputs) -> [__m256; T] {
+    // SAFETY: per this function's contract; every super-block asked for is the group's.
     unsafe {
         let mask = _mm256_set1_epi8(0xF);
-        let widen =
-            |p: *const u8| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast())));
         let mut acc = [_mm256_setzero_ps(); T];
         let mut mins = [_mm256_setzero_ps(); T];
-        for (i, b) in w.chunks_exact(block_bytes).enumerate() {
-            let p = b.as_ptr();
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
-            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(p.add(DMIN).cast()));
-            for j in 0..8 {
-                // d·scale and dmin·minimum of sub-block j, for the 8 rows.
-                let scale = _mm256_mul_ps(d, widen(p.add(SCALES + 8 * j)));
-                let min = _mm256_mul_ps(dmin, widen(p.add(MINS + 8 * j)));
-                let mut codes = [_mm256_setzero_si256(); 8];
-                for (c, code) in codes.iter_mut().enumerate() {
-                    let q = _mm256_loadu_si256(p.add(CODES + 256 * (j / 2) + 32 * c).cast());
-                    let q = if j % 2 == 0 {
-                        q
-                    } else {
-                        _mm256_srli_epi16(q, 4)
-                    };
-                    *code = _mm256_and_si256(q, mask);
-                }
-                for t in 0..T {
-                    let xb = x.get(t, 8 * i + j);
-                    let sum = _mm256_cvtepi32_ps(sum::<I, 4>(&codes, xb));
-                    let scaled = _mm256_mul_ps(scale, _mm256_set1_ps(xb.d));
-                    acc[t] = _mm256_fmadd_ps(scaled, sum, acc[t]);
-                    mins[t] = _mm256_fmadd_ps(min, _mm256_set1_ps(xb.dsum), mins[t]);
+        for i in 0..w.q4k_blocks() {
+            let (d, dmin, k) = w.q4k(i);
+            for p in 0..4 {
+                let packed = w.q4k_codes(i, p);
+                for h in 0..2 {
+                    let j = 2 * p + h;
+                    // d·scale and dmin·minimum of sub-block j, for the 8 rows.
+                    let (scale, min) = w.q4k_sub(k, j);
+                    let (scale, min) = (_mm256_mul_ps(d, scale), _mm256_mul_ps(dmin, min));
+                    let mut codes = [_mm256_setzero_si256(); 8];
+                    for (code, &q) in codes.iter_mut().zip(&packed) {
+                        let q = if h == 0 { q } else { _mm256_srli_epi16(q, 4) };
+                        *code = _mm256_and_si256(q, mask);
+                    }
+                    for t in 0..T {
+                        let xb = x.get(t, 8 * i + j);
+                        let sum = _mm256_cvtepi32_ps(sum::<I, 4>(&codes, xb));
+                        let scaled = _mm256_mul_ps(scale, _mm256_set1_ps(xb.d));
+                        acc[t] = _mm256_fmadd_ps(scaled, sum, acc[t]);
+                        mins[t] = _mm256_fmadd_ps(min, _mm256_set1_ps(xb.dsum), mins[t]);
+                    }
                 }
             }
         }
