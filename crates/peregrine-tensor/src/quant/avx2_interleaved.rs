@@ -41,7 +41,7 @@ pub struct Run<'a, const T: usize> {
 pub enum GroupLayout {
     /// Interleaved ([`Interleaved`](super::interleaved::Interleaved)), this many bytes a group.
     Interleaved(usize),
-    /// GGUF's rows, this many bytes each ([`RowGroup`]; Q4_0, Q4_1 and Q8_0).
+    /// GGUF's rows, this many bytes each ([`RowGroup`]; Q4_0, Q4_1, Q8_0 and Q4_K).
     Rows(usize),
 }
 
@@ -110,7 +110,7 @@ macro_rules! each_packed_group {
     ($run:expr, $gw:ident => $kernel:expr) => {{
         let run = $run;
         let GroupLayout::Interleaved(bytes) = run.layout else {
-            unreachable!("only Q4_0, Q4_1 and Q8_0 multiply from rows")
+            unreachable!("only Q4_0, Q4_1, Q8_0 and Q4_K multiply from rows")
         };
         for g in run.groups.clone() {
             let $gw = &run.w[g * bytes..][..bytes];
