@@ -237,7 +237,7 @@ unsafe fn nibbles(packed: [__m256i; 4]) -> [__m256i; 8] {
 }
 
 /// 8 consecutive rows in GGUF's row layout of a format whose blocks are `BB` bytes (Q4_0:
-/// 18, Q4_1: 20, Q8_0: 34; [`fits`]), known when compiled so that the addressing is
+/// 18, Q4_1: 20, Q8_0: 34, Q4_K: 144; [`fits`]), known when compiled so that the addressing is
 /// immediates, not multiplications.
 #[derive(Clone, Copy)]
 pub(super) struct RowGroup<const BB: usize> {
