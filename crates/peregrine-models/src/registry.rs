@@ -196,8 +196,8 @@ pub struct ExpertOptions {
     /// shared equally by the MoE layers; 0 keeps none.
     pub cache_bytes: usize,
     /// When streaming, bytes of recently used experts kept mapped where they multiply the
-    /// file's pages in place (GGUF Q4_0/Q4_1/Q8_0/Q4_K on x86): no copy, the page cache's own pages,
-    /// counted in the process's resident set; 0 maps each in and out on every use.
+    /// file's pages in place (GGUF Q4_0/Q4_1/Q8_0/Q4_K on x86): no copy, the page cache's own
+    /// pages, counted in the process's resident set; 0 maps each in and out on every use.
     pub mapped_bytes: usize,
     /// Experts each token is routed to, instead of the model's own `top_k` (fewer is faster
     /// and reads less when streaming, at a cost in quality); refused for a model without

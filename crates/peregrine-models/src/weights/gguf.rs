@@ -26,9 +26,9 @@ pub struct GgufFile {
     file: Mutex<File>,
     /// For positioned reads, many at once (streamed experts).
     reader: File,
-    /// The file mapped read-only, when first asked for (streamed experts multiplied in place),
-    /// or why it could not be.
-    map: OnceLock<std::result::Result<Arc<Mmap>, String>>,
+    /// The file mapped read-only, when first asked for (streamed experts multiplied in place);
+    /// `None` if it could not be.
+    map: OnceLock<Option<Arc<Mmap>>>,
     /// Counts the bytes of every tensor read.
     progress: Arc<LoadProgress>,
     /// The file's length when opened.
@@ -324,10 +324,9 @@ impl GgufFile {
             // SAFETY: mapped read-only. A file cut short under the mapping faults when its
             // lost pages are touched: every range is checked against the file's length when
             // made and before each use (`still_whole`), and paged in when made.
-            let map = unsafe { Mmap::map(&self.reader) };
-            map.map(Arc::new).map_err(|e| e.to_string())
+            unsafe { Mmap::map(&self.reader) }.ok().map(Arc::new)
         });
-        map.as_ref().ok()
+        map.as_ref()
     }
 
     /// `len` bytes of `map` from `at` (within tensor `name`), paged in.
@@ -350,8 +349,7 @@ impl GgufFile {
     /// An error naming the file unless it is still as long as when it was opened (a range
     /// mapped before it was cut short must not be touched).
     pub fn still_whole(&self) -> Result<()> {
-        let end = self.len;
-        check_length(&self.reader, &self.path, end).map_err(|e| ModelError::Checkpoint {
+        check_length(&self.reader, &self.path, self.len).map_err(|e| ModelError::Checkpoint {
             file: self.path.clone(),
             message: e.to_string(),
         })

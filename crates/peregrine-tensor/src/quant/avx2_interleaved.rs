@@ -180,7 +180,8 @@ unsafe fn dispatch<I: Isa, const T: usize>(format: Format, shared: usize, run: &
             }
             Format::Q8_0 => each_group!(run, Q8_0_BYTES, g => rows_q8_0::<I, T>(g, x, refined)),
             Format::Q4_1 if shared == 2 => {
-                each_group!(run, block_bytes(true), g => rows::<I, true, false, 2, T>(g, x, refined))
+                const BYTES: usize = block_bytes(true);
+                each_group!(run, BYTES, g => rows::<I, true, false, 2, T>(g, x, refined))
             }
             // (Q5_0 and Q5_1 never come as rows: `avx2_groups::fits`.)
             _ => with_fields!(format, MIN, FIFTH => each_group!(

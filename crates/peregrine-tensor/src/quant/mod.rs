@@ -419,7 +419,9 @@ impl GgufMatrix {
         let blocks = k / QK;
         let refine = mats.iter().any(|w| w.format.is_some_and(Format::refines));
         xq.quantize(x, m, refine);
-        let interleaved = |p: &Option<Part>| matches!(p, Some(p) if matches!(p.bytes, PartBytes::Interleaved(_) | PartBytes::RowGroups(..)));
+        let grouped =
+            |b: &PartBytes| matches!(b, PartBytes::Interleaved(_) | PartBytes::RowGroups(..));
+        let interleaved = |p: &Option<Part>| p.as_ref().is_some_and(|p| grouped(&p.bytes));
         if parts.iter().any(interleaved) {
             xq.tile(m);
         }
