@@ -148,7 +148,7 @@ pub struct ModelArgs {
     #[arg(long, default_value_t = 0, requires = "stream_experts")]
     pub expert_cache_mb: usize,
     /// With `--stream-experts`, megabytes of recently used experts kept mapped where they are
-    /// multiplied from the file's own pages (GGUF Q4_0, Q4_1, Q8_0 and Q4_K on x86): not a
+    /// multiplied from the file's own pages (GGUF Q4_0, Q4_1, Q8_0, Q4_K and Q6_K on x86): not a
     /// copy, the page cache's pages, but counted in the resident set; keeping them saves
     /// mapping their pages in and out on every use (0: map each expert only while it is used).
     #[arg(long, default_value_t = 256, requires = "stream_experts")]

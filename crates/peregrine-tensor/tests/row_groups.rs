@@ -35,6 +35,7 @@ fn rows_in_place_give_the_interleaved_bits() {
         GgmlDType::Q4_1,
         GgmlDType::Q8_0,
         GgmlDType::Q4K,
+        GgmlDType::Q6K,
     ] {
         let (n, k) = (40, if dtype.block_size() == 256 { 512 } else { 320 });
         let format = Format::of(dtype).unwrap();
@@ -51,7 +52,7 @@ fn rows_in_place_give_the_interleaved_bits() {
             "{dtype:?}: in place wherever the interleaved kernels run"
         );
         // Decode, tiles of 1-8 inputs and their tails, and a prefill-sized batch; every
-        // second input row has an outlier block, which the 32-value formats refine (Q4_K takes
+        // second input row has an outlier block, which the 32-value formats refine (the K-quants take
         // no refinements).
         for m in [1, 2, 5, 8, 13, 40] {
             let mut x = values(m * k, m as u64);

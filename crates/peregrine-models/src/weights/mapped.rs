@@ -1,7 +1,7 @@
 //! Byte ranges of a mapped checkpoint that a streamed expert multiplies where they lie
 //! ([`MappedRange`]), and dropping a mapping's pages from the process once used ([`release`]).
 //!
-//! A streamed GGUF expert in a format the kernels take in place (Q4_0, Q4_1, Q8_0, Q4_K) is
+//! A streamed GGUF expert in a format the kernels take in place (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) is
 //! neither copied out of the page cache nor repacked: its pages are mapped in by the reader
 //! thread that prefetches it, multiplied, and dropped from the process with the expert (the OS
 //! page cache keeps them for as long as it has room, the process's resident set does not).

@@ -64,6 +64,40 @@ pub(super) trait Source: Copy {
     /// As [`heads`](Self::heads).
     unsafe fn q4k_codes(self, b: usize, p: usize) -> [__m256i; 8];
 
+    /// What a Q6_K super-block's i8 scales come from.
+    type K6: Copy;
+
+    /// What a half (4 sub-blocks) of a Q6_K super-block's codes come from.
+    type K6Half: Copy;
+
+    /// Q6_K super-blocks in the group.
+    fn q6k_blocks(self) -> usize;
+
+    /// Q6_K super-block `b`: the rows' scales, and what [`q6k_scale`](Self::q6k_scale) takes.
+    ///
+    /// # Safety
+    /// As [`heads`](Self::heads); `b` is a super-block of the group.
+    unsafe fn q6k(self, b: usize) -> (__m256, Self::K6);
+
+    /// The i8 scale of 16-value group `g` (0..16) of the 8 rows, one row a lane.
+    ///
+    /// # Safety
+    /// As [`heads`](Self::heads).
+    unsafe fn q6k_scale(self, k: Self::K6, g: usize) -> __m256i;
+
+    /// What half `n` of Q6_K super-block `b` takes its codes from.
+    ///
+    /// # Safety
+    /// As [`heads`](Self::heads); `b` is a super-block of the group, `n < 2`.
+    unsafe fn q6k_half(self, b: usize, n: usize) -> Self::K6Half;
+
+    /// Vector `c` of a half's low nibbles of sub-block pair `pair` (`ql`) and of its high bit
+    /// pairs (`qh`): bytes `4c..4c + 4` of each row's 32.
+    ///
+    /// # Safety
+    /// As [`heads`](Self::heads); `pair < 2`, `c < 8`.
+    unsafe fn q6k_bits(self, h: &Self::K6Half, pair: usize, c: usize) -> (__m256i, __m256i);
+
     /// A hint, before unit (or Q8_0 block) `u`, to start loading what the next group needs.
     #[inline(always)]
     fn prefetch(self, _u: usize) {}
@@ -143,6 +177,54 @@ impl Source for Packed {
                 *code = _mm256_loadu_si256(at.add(32 * c).cast());
             }
             codes
+        }
+    }
+
+    type K6 = *const u8;
+    type K6Half = (*const u8, usize);
+
+    #[inline(always)]
+    fn q6k_blocks(self) -> usize {
+        self.len / group_block_bytes(Format::Q6K)
+    }
+
+    #[inline(always)]
+    unsafe fn q6k(self, b: usize) -> (__m256, *const u8) {
+        // SAFETY: per the trait's contract; a group block starts with the rows' d.
+        unsafe {
+            let p = self.p.add(b * group_block_bytes(Format::Q6K));
+            (_mm256_cvtph_ps(_mm_loadu_si128(p.cast())), p)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn q6k_scale(self, p: *const u8, g: usize) -> __m256i {
+        use super::interleaved::q6k::SCALES;
+        // SAFETY: per the trait's contract; the group block holds 8 bytes per scale group.
+        unsafe { _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(SCALES + 8 * g).cast())) }
+    }
+
+    #[inline(always)]
+    unsafe fn q6k_half(self, b: usize, n: usize) -> (*const u8, usize) {
+        // SAFETY: per the trait's contract.
+        (unsafe { self.p.add(b * group_block_bytes(Format::Q6K)) }, n)
+    }
+
+    #[inline(always)]
+    unsafe fn q6k_bits(
+        self,
+        &(p, n): &(*const u8, usize),
+        pair: usize,
+        c: usize,
+    ) -> (__m256i, __m256i) {
+        use super::interleaved::q6k::{QH, QL};
+        // SAFETY: per the trait's contract; the group block holds 4 pairs of `ql` and 2 halves
+        // of `qh`, 8 vectors each.
+        unsafe {
+            (
+                _mm256_loadu_si256(p.add(QL + 256 * (2 * n + pair) + 32 * c).cast()),
+                _mm256_loadu_si256(p.add(QH + 256 * n + 32 * c).cast()),
+            )
         }
     }
 
@@ -237,7 +319,7 @@ unsafe fn nibbles(packed: [__m256i; 4]) -> [__m256i; 8] {
 }
 
 /// 8 consecutive rows in GGUF's row layout of a format whose blocks are `BB` bytes (Q4_0:
-/// 18, Q4_1: 20, Q8_0: 34, Q4_K: 144; [`fits`]), known when compiled so that the addressing is
+/// 18, Q4_1: 20, Q8_0: 34, Q4_K: 144, Q6_K: 210; [`fits`]), known when compiled so that the addressing is
 /// immediates, not multiplications.
 #[derive(Clone, Copy)]
 pub(super) struct RowGroup<const BB: usize> {
@@ -250,12 +332,15 @@ pub(super) struct RowGroup<const BB: usize> {
 pub(super) fn fits(format: Format) -> bool {
     matches!(
         format,
-        Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q4K
+        Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q4K | Format::Q6K
     )
 }
 
 /// Bytes of a Q4_K super-block.
 pub(super) const Q4K_BYTES: usize = 144;
+
+/// Bytes of a Q6_K super-block.
+pub(super) const Q6K_BYTES: usize = 210;
 
 /// Block bytes of a format [`RowGroup`] takes.
 pub(super) const fn block_bytes(min: bool) -> usize {
@@ -386,6 +471,50 @@ impl<const BB: usize> Source for RowGroup<BB> {
             );
             [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]]
         }
+    }
+
+    /// The rows' 16 scale bytes, transposed: vector `c` holds bytes `4c..4c + 4` of a row a lane.
+    type K6 = [__m256i; 4];
+    /// A half's two pairs of `ql` and its `qh`, transposed as [`q6k_bits`](Self::q6k_bits)
+    /// gives them: once per half, not once per sub-block.
+    type K6Half = [[__m256i; 8]; 3];
+
+    #[inline(always)]
+    fn q6k_blocks(self) -> usize {
+        self.row_bytes / BB
+    }
+
+    #[inline(always)]
+    unsafe fn q6k(self, b: usize) -> (__m256, [__m256i; 4]) {
+        // SAFETY: per the trait's contract: a Q6_K block's scales are bytes 192..208, d 208.
+        unsafe { (self.halves(b, 208), self.transposed(b, 192)) }
+    }
+
+    #[inline(always)]
+    unsafe fn q6k_scale(self, k: [__m256i; 4], g: usize) -> __m256i {
+        // Byte `g % 4` of each lane, sign-extended: to the top, then back down.
+        // SAFETY: per the trait's contract.
+        unsafe {
+            let top = _mm256_sll_epi32(k[g / 4], _mm_cvtsi64_si128(24 - 8 * (g % 4) as i64));
+            _mm256_srai_epi32::<24>(top)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn q6k_half(self, b: usize, n: usize) -> [[__m256i; 8]; 3] {
+        // SAFETY: per the trait's contract: `ql` is bytes 0..128, `qh` 128..192.
+        unsafe {
+            let eight = |at: usize| {
+                let (lo, hi) = (self.transposed(b, at), self.transposed(b, at + 16));
+                [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]]
+            };
+            [eight(64 * n), eight(64 * n + 32), eight(128 + 32 * n)]
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn q6k_bits(self, h: &[[__m256i; 8]; 3], pair: usize, c: usize) -> (__m256i, __m256i) {
+        (h[pair][c], h[2][c])
     }
 
     /// The next group's bytes, an equal share before each unit: a row of a few hundred bytes

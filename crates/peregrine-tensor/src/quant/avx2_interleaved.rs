@@ -14,7 +14,7 @@ use std::arch::x86_64::*;
 
 use super::act::{Q8Block, Refinement};
 use super::avx2::{Avx2, Isa, Vnni};
-use super::avx2_groups::{Packed, Q4K_BYTES, Q8_0_BYTES, RowGroup, Source, block_bytes};
+use super::avx2_groups::{Packed, Q4K_BYTES, Q6K_BYTES, Q8_0_BYTES, RowGroup, Source, block_bytes};
 use super::avx2_interleaved_k;
 use super::format::Format;
 use super::interleaved::ROWS;
@@ -41,7 +41,7 @@ pub struct Run<'a, const T: usize> {
 pub enum GroupLayout {
     /// Interleaved ([`Interleaved`](super::interleaved::Interleaved)), this many bytes a group.
     Interleaved(usize),
-    /// GGUF's rows, this many bytes each ([`RowGroup`]; Q4_0, Q4_1, Q8_0 and Q4_K).
+    /// GGUF's rows, this many bytes each ([`RowGroup`]; Q4_0, Q4_1, Q8_0, Q4_K and Q6_K).
     Rows(usize),
 }
 
@@ -105,23 +105,6 @@ macro_rules! each_group {
     }};
 }
 
-/// [`each_group!`] for the interleaved layout alone (the K-quants), `$gw` the group's bytes.
-macro_rules! each_packed_group {
-    ($run:expr, $gw:ident => $kernel:expr) => {{
-        let run = $run;
-        let GroupLayout::Interleaved(bytes) = run.layout else {
-            unreachable!("only Q4_0, Q4_1, Q8_0 and Q4_K multiply from rows")
-        };
-        for g in run.groups.clone() {
-            let $gw = &run.w[g * bytes..][..bytes];
-            let y = $kernel;
-            for (t, y) in y.iter().enumerate() {
-                _mm256_storeu_ps(run.out[t].add(ROWS * g), *y);
-            }
-        }
-    }};
-}
-
 /// Runs `$body` with the consts `$min` and `$fifth` set for `$format` (so each format compiles
 /// to its own loop).
 macro_rules! with_fields {
@@ -176,7 +159,7 @@ unsafe fn dispatch<I: Isa, const T: usize>(format: Format, shared: usize, run: &
                 each_group!(run, Q4K_BYTES, g => avx2_interleaved_k::rows_q4k::<I, T>(g, x))
             }
             Format::Q6K => {
-                each_packed_group!(run, gw => avx2_interleaved_k::rows_q6k::<I, T>(gw, x))
+                each_group!(run, Q6K_BYTES, g => avx2_interleaved_k::rows_q6k::<I, T>(g, x))
             }
             Format::Q8_0 => each_group!(run, Q8_0_BYTES, g => rows_q8_0::<I, T>(g, x, refined)),
             Format::Q4_1 if shared == 2 => {

@@ -7,7 +7,6 @@ use std::arch::x86_64::*;
 use super::avx2::Isa;
 use super::avx2_groups::Source;
 use super::avx2_interleaved::{Inputs, halves, sum};
-use super::format::Format;
 
 /// Q4_K: per sub-block the 8 rows' scales and minimums widen to one vector each, so each input
 /// pays one multiply and two FMAs per 32 values for 8 rows, as the row kernel pays per row.
@@ -58,60 +57,60 @@ pub(super) unsafe fn rows_q4k<I: Isa, const T: usize>(w: impl Source, x: Inputs)
 /// Q6_K: low nibbles and high bit pairs unpack once per sub-block for 8 rows; the i8 scale of
 /// each 16 values multiplies that half's integer sum exactly (as the row kernel's `madd` does),
 /// and the codes' offset of 32 goes through the inputs' half sums in its own accumulator.
+/// From either layout ([`Source`]): the same integer sums and float operations.
 ///
 /// # Safety
-/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
+/// The CPU must support `I`'s features; the caller is compiled with them, so all inlines; `w`
+/// is a Q6_K group and each input holds its blocks.
 #[inline(always)]
-pub(super) unsafe fn rows_q6k<I: Isa, const T: usize>(w: &[u8], x: Inputs) -> [__m256; T] {
-    use super::interleaved::q6k::{QH, QL, SCALES};
-    let block_bytes = super::interleaved::group_block_bytes(Format::Q6K);
-    // SAFETY: per this function's contract; every load below stays inside super-block `b`.
+pub(super) unsafe fn rows_q6k<I: Isa, const T: usize>(w: impl Source, x: Inputs) -> [__m256; T] {
+    // SAFETY: per this function's contract; every super-block asked for is the group's.
     unsafe {
         let (low_mask, high_mask) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(0x30));
         let mut acc = [_mm256_setzero_ps(); T];
         let mut offsets = [_mm256_setzero_ps(); T];
-        for (i, b) in w.chunks_exact(block_bytes).enumerate() {
-            let p = b.as_ptr();
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(p.cast()));
-            for j in 0..8 {
-                let (n, t) = (j / 4, j % 4);
-                // The i8 scales of the sub-block's two halves, and −32·d·scale for the offsets.
-                let g = SCALES + 8 * (8 * n + 2 * t);
-                let sc_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(g).cast()));
-                let sc_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(g + 8).cast()));
-                let minus_32d = _mm256_mul_ps(_mm256_set1_ps(-32.0), d);
-                let off_lo = _mm256_mul_ps(minus_32d, _mm256_cvtepi32_ps(sc_lo));
-                let off_hi = _mm256_mul_ps(minus_32d, _mm256_cvtepi32_ps(sc_hi));
-                let mut codes = [_mm256_setzero_si256(); 8];
-                for (c, code) in codes.iter_mut().enumerate() {
-                    let ql = _mm256_loadu_si256(p.add(QL + 256 * (2 * n + t % 2) + 32 * c).cast());
-                    let low = if t < 2 { ql } else { _mm256_srli_epi16(ql, 4) };
-                    let qh = _mm256_loadu_si256(p.add(QH + 256 * n + 32 * c).cast());
-                    // Bits 2t, 2t + 1 to bits 4, 5.
-                    let high = match t {
-                        0 => _mm256_slli_epi16(qh, 4),
-                        1 => _mm256_slli_epi16(qh, 2),
-                        2 => qh,
-                        _ => _mm256_srli_epi16(qh, 2),
-                    };
-                    let low = _mm256_and_si256(low, low_mask);
-                    *code = _mm256_or_si256(low, _mm256_and_si256(high, high_mask));
-                }
-                for tt in 0..T {
-                    let xb = x.get(tt, 8 * i + j);
-                    let (s0, s1) = halves::<I, 6>(&codes, xb);
-                    let sum = _mm256_add_epi32(
-                        _mm256_mullo_epi32(s0, sc_lo),
-                        _mm256_mullo_epi32(s1, sc_hi),
-                    );
-                    let scaled = _mm256_mul_ps(d, _mm256_set1_ps(xb.d));
-                    acc[tt] = _mm256_fmadd_ps(scaled, _mm256_cvtepi32_ps(sum), acc[tt]);
-                    // Both halves' offsets, then the running sum (the row kernel's order).
-                    let o = _mm256_add_ps(
-                        _mm256_mul_ps(off_lo, _mm256_set1_ps(xb.dsum16[0])),
-                        _mm256_mul_ps(off_hi, _mm256_set1_ps(xb.dsum16[1])),
-                    );
-                    offsets[tt] = _mm256_add_ps(offsets[tt], o);
+        for i in 0..w.q6k_blocks() {
+            let (d, k) = w.q6k(i);
+            let minus_32d = _mm256_mul_ps(_mm256_set1_ps(-32.0), d);
+            for n in 0..2 {
+                let half = w.q6k_half(i, n);
+                for t in 0..4 {
+                    let j = 4 * n + t;
+                    // The i8 scales of the sub-block's two halves, and −32·d·scale for the offsets.
+                    let sc_lo = w.q6k_scale(k, 8 * n + 2 * t);
+                    let sc_hi = w.q6k_scale(k, 8 * n + 2 * t + 1);
+                    let off_lo = _mm256_mul_ps(minus_32d, _mm256_cvtepi32_ps(sc_lo));
+                    let off_hi = _mm256_mul_ps(minus_32d, _mm256_cvtepi32_ps(sc_hi));
+                    let mut codes = [_mm256_setzero_si256(); 8];
+                    for (c, code) in codes.iter_mut().enumerate() {
+                        let (ql, qh) = w.q6k_bits(&half, t % 2, c);
+                        let low = if t < 2 { ql } else { _mm256_srli_epi16(ql, 4) };
+                        // Bits 2t, 2t + 1 to bits 4, 5.
+                        let high = match t {
+                            0 => _mm256_slli_epi16(qh, 4),
+                            1 => _mm256_slli_epi16(qh, 2),
+                            2 => qh,
+                            _ => _mm256_srli_epi16(qh, 2),
+                        };
+                        let low = _mm256_and_si256(low, low_mask);
+                        *code = _mm256_or_si256(low, _mm256_and_si256(high, high_mask));
+                    }
+                    for tt in 0..T {
+                        let xb = x.get(tt, 8 * i + j);
+                        let (s0, s1) = halves::<I, 6>(&codes, xb);
+                        let sum = _mm256_add_epi32(
+                            _mm256_mullo_epi32(s0, sc_lo),
+                            _mm256_mullo_epi32(s1, sc_hi),
+                        );
+                        let scaled = _mm256_mul_ps(d, _mm256_set1_ps(xb.d));
+                        acc[tt] = _mm256_fmadd_ps(scaled, _mm256_cvtepi32_ps(sum), acc[tt]);
+                        // Both halves' offsets, then the running sum (the row kernel's order).
+                        let o = _mm256_add_ps(
+                            _mm256_mul_ps(off_lo, _mm256_set1_ps(xb.dsum16[0])),
+                            _mm256_mul_ps(off_hi, _mm256_set1_ps(xb.dsum16[1])),
+                        );
+                        offsets[tt] = _mm256_add_ps(offsets[tt], o);
+                    }
                 }
             }
         }

@@ -71,7 +71,7 @@ enum Layout {
     /// CPU kernels only.
     Blocks(Arc<Vec<u8>>),
     /// Row-layout blocks read where they lie, owned elsewhere (a mapped file's range): CPU
-    /// kernels only, Q4_0/Q4_1/Q8_0/Q4_K 8 rows at a time through the interleaved kernels.
+    /// kernels only, Q4_0/Q4_1/Q8_0/Q4_K/Q6_K 8 rows at a time through the interleaved kernels.
     Shared(Arc<dyn SharedBytes>),
 }
 
@@ -147,7 +147,7 @@ impl GgufMatrix {
 
     /// Whether a CPU matrix of `format` and `(rows, cols)` left in GGUF's row layout
     /// ([`from_shared`](Self::from_shared)) multiplies as fast as an interleaved one: groups
-    /// of 8 rows of Q4_0, Q4_1, Q8_0 or Q4_K with the x86 kernels.
+    /// of 8 rows of Q4_0, Q4_1, Q8_0, Q4_K or Q6_K with the x86 kernels.
     pub fn multiplies_in_place(format: Format, rows: usize, cols: usize) -> bool {
         #[cfg(target_arch = "x86_64")]
         let fits = avx2_groups::fits(format);
