@@ -21,6 +21,8 @@ pub struct InfoArgs {
 
 /// The report as JSON: `weight_bytes` (held in memory), `streamed_expert_bytes` (left on disk
 /// by `--stream-experts`, as they would be held) and `weight_bytes_without_streaming`,
+/// `expert_map_bytes` and `expert_cache_bytes` (the most a streamed model keeps of its experts:
+/// `--expert-map-mb`, where they are multiplied from the mapped file, `--expert-cache-mb`),
 /// `context_length`, `cache_bytes` (KV + recurrent state of one sequence at that context) and
 /// `layers` (`kind`, `layers`, `bytes` per kind).
 pub fn report(engine: &Engine, model_id: &str, args: &ModelArgs) -> Value {
@@ -41,15 +43,16 @@ pub fn report(engine: &Engine, model_id: &str, args: &ModelArgs) -> Value {
              }| { json!({"kind": kind, "layers": layers, "bytes": bytes}) },
         )
         .collect();
-    let streamed = engine
-        .expert_reads()
-        .map_or(0, |p| p.stats().expert_bytes()) as usize;
+    let pool = engine.expert_reads();
+    let streamed = pool.map_or(0, |p| p.stats().expert_bytes()) as usize;
     json!({
         "model": model_id,
         "architecture": model.config().model_type,
         "weight_bytes": model.weight_bytes(),
         "streamed_expert_bytes": streamed,
         "weight_bytes_without_streaming": model.weight_bytes() + streamed,
+        "expert_map_bytes": pool.map_or(0, |p| p.mapped_bytes()),
+        "expert_cache_bytes": pool.map_or(0, |p| p.hot_bytes()),
         "context_length": engine.max_context(),
         "vocab_size": engine.tokenizer().vocab_size(),
         "kv_cache": kv_label(args),
@@ -117,6 +120,11 @@ pub fn run(args: InfoArgs) -> Result<()> {
             "  experts     {} streamed from disk (--stream-experts); {} without streaming",
             mib(&r["streamed_expert_bytes"]),
             mib(&r["weight_bytes_without_streaming"])
+        );
+        println!(
+            "  kept        up to {} mapped (--expert-map-mb), {} copied (--expert-cache-mb)",
+            mib(&r["expert_map_bytes"]),
+            mib(&r["expert_cache_bytes"])
         );
     }
     println!(

@@ -158,7 +158,8 @@ fn a_dense_model_is_the_full_attention_formula() {
 
 /// `--stream-experts` leaves the experts on disk: `weight_bytes` drops by exactly the experts'
 /// bytes, which `streamed_expert_bytes` reports, so that with and without streaming add up to
-/// what a resident load holds; a dense model with the flag is refused by name.
+/// what a resident load holds; the budgets of kept experts are the flags'; a dense model with
+/// the flag is refused by name.
 #[test]
 fn streamed_experts_are_counted_apart() {
     for arch in ["qwen3_moe", "mixtral", "deepseek_v3"] {
@@ -173,6 +174,19 @@ fn streamed_experts_are_counted_apart() {
             held(&resident, "weight_bytes"),
             "{arch}"
         );
+        let kept = info(
+            &model,
+            &[
+                "--stream-experts",
+                "--expert-map-mb",
+                "3",
+                "--expert-cache-mb",
+                "2",
+            ],
+        );
+        assert_eq!(held(&kept, "expert_map_bytes"), 3 << 20, "{arch}");
+        assert_eq!(held(&kept, "expert_cache_bytes"), 2 << 20, "{arch}");
+        assert_eq!(held(&resident, "expert_map_bytes"), 0, "{arch}");
     }
     let out = peregrine(&[
         "info",
