@@ -98,7 +98,8 @@ pub(super) trait Source: Copy {
     /// As [`heads`](Self::heads); `pair < 2`, `c < 8`.
     unsafe fn q6k_bits(self, h: &Self::K6Half, pair: usize, c: usize) -> (__m256i, __m256i);
 
-    /// A hint, before unit (or Q8_0 block) `u`, to start loading what the next group needs.
+    /// A hint, before unit (Q8_0 block, K-quant super-block) `u`, to start loading what the next
+    /// group needs.
     #[inline(always)]
     fn prefetch(self, _u: usize) {}
 
@@ -523,12 +524,10 @@ impl<const BB: usize> Source for RowGroup<BB> {
     fn prefetch(self, u: usize) {
         let span = ROWS * BB;
         let next = self.p.wrapping_add(ROWS * self.row_bytes + u * span);
-        // A fixed count, each kept or not when compiled: no loop.
-        for line in 0..5 {
-            if line * 64 < span {
-                // SAFETY: a prefetch never faults, wherever it points.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line * 64).cast()) };
-            }
+        // A count known when compiled: unrolled.
+        for line in 0..span.div_ceil(64) {
+            // SAFETY: a prefetch never faults, wherever it points.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line * 64).cast()) };
         }
     }
 

@@ -23,6 +23,7 @@ pub(super) unsafe fn rows_q4k<I: Isa, const T: usize>(w: impl Source, x: Inputs)
         let mut acc = [_mm256_setzero_ps(); T];
         let mut mins = [_mm256_setzero_ps(); T];
         for i in 0..w.q4k_blocks() {
+            w.prefetch(i);
             let (d, dmin, k) = w.q4k(i);
             for p in 0..4 {
                 let packed = w.q4k_codes(i, p);
@@ -70,6 +71,7 @@ pub(super) unsafe fn rows_q6k<I: Isa, const T: usize>(w: impl Source, x: Inputs)
         let mut acc = [_mm256_setzero_ps(); T];
         let mut offsets = [_mm256_setzero_ps(); T];
         for i in 0..w.q6k_blocks() {
+            w.prefetch(i);
             let (d, k) = w.q6k(i);
             let minus_32d = _mm256_mul_ps(_mm256_set1_ps(-32.0), d);
             for n in 0..2 {
