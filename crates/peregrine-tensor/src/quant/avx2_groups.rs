@@ -91,12 +91,21 @@ pub(super) trait Source: Copy {
     /// As [`heads`](Self::heads); `b` is a super-block of the group, `n < 2`.
     unsafe fn q6k_half(self, b: usize, n: usize) -> Self::K6Half;
 
-    /// Vector `c` of a half's low nibbles of sub-block pair `pair` (`ql`) and of its high bit
+    /// What a half's low nibbles of sub-block pair `pair` (`ql`) come from.
+    type K6Low: Copy;
+
+    /// A half's `ql` of sub-block pair `pair` (`< 2`), for [`q6k_bits`](Self::q6k_bits).
+    ///
+    /// # Safety
+    /// As [`heads`](Self::heads).
+    unsafe fn q6k_low(self, h: &Self::K6Half, pair: usize) -> Self::K6Low;
+
+    /// Vector `c` of a half's low nibbles of one sub-block pair (`ql`) and of its high bit
     /// pairs (`qh`): bytes `4c..4c + 4` of each row's 32.
     ///
     /// # Safety
-    /// As [`heads`](Self::heads); `pair < 2`, `c < 8`.
-    unsafe fn q6k_bits(self, h: &Self::K6Half, pair: usize, c: usize) -> (__m256i, __m256i);
+    /// As [`heads`](Self::heads); `c < 8`.
+    unsafe fn q6k_bits(self, h: &Self::K6Half, low: &Self::K6Low, c: usize) -> (__m256i, __m256i);
 
     /// A hint, before unit (Q8_0 block, K-quant super-block) `u`, to start loading what the next
     /// group needs.
@@ -183,6 +192,7 @@ impl Source for Packed {
 
     type K6 = *const u8;
     type K6Half = (*const u8, usize);
+    type K6Low = *const u8;
 
     #[inline(always)]
     fn q6k_blocks(self) -> usize {
@@ -212,18 +222,24 @@ impl Source for Packed {
     }
 
     #[inline(always)]
+    unsafe fn q6k_low(self, &(p, n): &(*const u8, usize), pair: usize) -> *const u8 {
+        use super::interleaved::q6k::QL;
+        // SAFETY: per the trait's contract; the group block holds 4 pairs of `ql`.
+        unsafe { p.add(QL + 256 * (2 * n + pair)) }
+    }
+
+    #[inline(always)]
     unsafe fn q6k_bits(
         self,
         &(p, n): &(*const u8, usize),
-        pair: usize,
+        &low: &*const u8,
         c: usize,
     ) -> (__m256i, __m256i) {
-        use super::interleaved::q6k::{QH, QL};
-        // SAFETY: per the trait's contract; the group block holds 4 pairs of `ql` and 2 halves
-        // of `qh`, 8 vectors each.
+        use super::interleaved::q6k::QH;
+        // SAFETY: per the trait's contract; `ql` and each half's `qh` are 8 vectors each.
         unsafe {
             (
-                _mm256_loadu_si256(p.add(QL + 256 * (2 * n + pair) + 32 * c).cast()),
+                _mm256_loadu_si256(low.add(32 * c).cast()),
                 _mm256_loadu_si256(p.add(QH + 256 * n + 32 * c).cast()),
             )
         }
@@ -415,6 +431,22 @@ impl<const BB: usize> RowGroup<BB> {
     }
 }
 
+impl<const BB: usize> RowGroup<BB> {
+    /// 32 bytes at `at` of each row's block `b`, as 8 vectors ([`transposed`](Self::transposed)
+    /// twice).
+    ///
+    /// # Safety
+    /// As [`transposed`](Self::transposed), for 32 bytes.
+    #[inline(always)]
+    unsafe fn eight(self, b: usize, at: usize) -> [__m256i; 8] {
+        // SAFETY: per this function's contract.
+        unsafe {
+            let (lo, hi) = (self.transposed(b, at), self.transposed(b, at + 16));
+            [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]]
+        }
+    }
+}
+
 impl<const BB: usize> Source for RowGroup<BB> {
     /// The rows' 12 packed bytes of 6-bit scales and minimums, as three vectors of 4 bytes a
     /// row: each sub-block's come out of them with shifts, already one row a lane.
@@ -465,20 +497,16 @@ impl<const BB: usize> Source for RowGroup<BB> {
     #[inline(always)]
     unsafe fn q4k_codes(self, b: usize, p: usize) -> [__m256i; 8] {
         // SAFETY: per the trait's contract; a Q4_K block's codes are bytes 16..144.
-        unsafe {
-            let (lo, hi) = (
-                self.transposed(b, 16 + 32 * p),
-                self.transposed(b, 32 + 32 * p),
-            );
-            [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]]
-        }
+        unsafe { self.eight(b, 16 + 32 * p) }
     }
 
     /// The rows' 16 scale bytes, transposed: vector `c` holds bytes `4c..4c + 4` of a row a lane.
     type K6 = [__m256i; 4];
-    /// A half's two pairs of `ql` and its `qh`, transposed as [`q6k_bits`](Self::q6k_bits)
-    /// gives them: once per half, not once per sub-block.
-    type K6Half = [[__m256i; 8]; 3];
+    /// A half's `qh`, transposed once for its 4 sub-blocks, and where its block is.
+    type K6Half = ([__m256i; 8], usize, usize);
+    /// A sub-block pair's `ql`, transposed (each sub-block transposes its own: holding both
+    /// pairs for a half spilled registers).
+    type K6Low = [__m256i; 8];
 
     #[inline(always)]
     fn q6k_blocks(self) -> usize {
@@ -502,20 +530,29 @@ impl<const BB: usize> Source for RowGroup<BB> {
     }
 
     #[inline(always)]
-    unsafe fn q6k_half(self, b: usize, n: usize) -> [[__m256i; 8]; 3] {
-        // SAFETY: per the trait's contract: `ql` is bytes 0..128, `qh` 128..192.
-        unsafe {
-            let eight = |at: usize| {
-                let (lo, hi) = (self.transposed(b, at), self.transposed(b, at + 16));
-                [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]]
-            };
-            [eight(64 * n), eight(64 * n + 32), eight(128 + 32 * n)]
-        }
+    unsafe fn q6k_half(self, b: usize, n: usize) -> ([__m256i; 8], usize, usize) {
+        // SAFETY: per the trait's contract: `qh` is bytes 128..192.
+        unsafe { (self.eight(b, 128 + 32 * n), b, n) }
     }
 
     #[inline(always)]
-    unsafe fn q6k_bits(self, h: &[[__m256i; 8]; 3], pair: usize, c: usize) -> (__m256i, __m256i) {
-        (h[pair][c], h[2][c])
+    unsafe fn q6k_low(
+        self,
+        &(_, b, n): &([__m256i; 8], usize, usize),
+        pair: usize,
+    ) -> [__m256i; 8] {
+        // SAFETY: per the trait's contract: `ql` is bytes 0..128.
+        unsafe { self.eight(b, 64 * n + 32 * pair) }
+    }
+
+    #[inline(always)]
+    unsafe fn q6k_bits(
+        self,
+        (qh, _, _): &([__m256i; 8], usize, usize),
+        low: &[__m256i; 8],
+        c: usize,
+    ) -> (__m256i, __m256i) {
+        (low[c], qh[c])
     }
 
     /// The next group's bytes, an equal share before each unit: a row of a few hundred bytes
@@ -574,10 +611,6 @@ impl<const BB: usize> Source for RowGroup<BB> {
     #[inline(always)]
     unsafe fn q8_0(self, b: usize) -> (__m256, [__m256i; 8]) {
         // SAFETY: per the trait's contract; a Q8_0 block is a scale and 32 code bytes.
-        unsafe {
-            let dw = self.halves(b, 0);
-            let (lo, hi) = (self.transposed(b, 2), self.transposed(b, 18));
-            (dw, [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]])
-        }
+        unsafe { (self.halves(b, 0), self.eight(b, 2)) }
     }
 }

@@ -83,9 +83,10 @@ pub(super) unsafe fn rows_q6k<I: Isa, const T: usize>(w: impl Source, x: Inputs)
                     let sc_hi = w.q6k_scale(k, 8 * n + 2 * t + 1);
                     let off_lo = _mm256_mul_ps(minus_32d, _mm256_cvtepi32_ps(sc_lo));
                     let off_hi = _mm256_mul_ps(minus_32d, _mm256_cvtepi32_ps(sc_hi));
+                    let low = w.q6k_low(&half, t % 2);
                     let mut codes = [_mm256_setzero_si256(); 8];
                     for (c, code) in codes.iter_mut().enumerate() {
-                        let (ql, qh) = w.q6k_bits(&half, t % 2, c);
+                        let (ql, qh) = w.q6k_bits(&half, &low, c);
                         let low = if t < 2 { ql } else { _mm256_srli_epi16(ql, 4) };
                         // Bits 2t, 2t + 1 to bits 4, 5.
                         let high = match t {
