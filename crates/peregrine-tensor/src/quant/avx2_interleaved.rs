@@ -14,8 +14,9 @@ use std::arch::x86_64::*;
 
 use super::act::{Q8Block, Refinement};
 use super::avx2::{Avx2, Isa, Vnni};
-use super::avx2_groups::{Packed, Q4K_BYTES, Q6K_BYTES, Q8_0_BYTES, RowGroup, Source, block_bytes};
+use super::avx2_groups::{Packed, Source};
 use super::avx2_interleaved_k;
+use super::avx2_row_group::{Q4K_BYTES, Q6K_BYTES, Q8_0_BYTES, RowGroup, block_bytes};
 use super::format::Format;
 use super::interleaved::ROWS;
 
@@ -166,7 +167,7 @@ unsafe fn dispatch<I: Isa, const T: usize>(format: Format, shared: usize, run: &
                 const BYTES: usize = block_bytes(true);
                 each_group!(run, BYTES, g => rows::<I, true, false, 2, T>(g, x, refined))
             }
-            // (Q5_0 and Q5_1 never come as rows: `avx2_groups::fits`.)
+            // (Q5_0 and Q5_1 never come as rows: `avx2_row_group::fits`.)
             _ => with_fields!(format, MIN, FIFTH => each_group!(
                 run, block_bytes(MIN), g => rows::<I, MIN, FIFTH, 1, T>(g, x, refined)
             )),

@@ -78,7 +78,7 @@ pub(super) unsafe fn rows_q6k<I: Isa, const T: usize>(w: impl Source, x: Inputs)
                 let half = w.q6k_half(i, n);
                 for t in 0..4 {
                     let j = 4 * n + t;
-                    // The i8 scales of the sub-block's two halves, and −32·d·scale for the offsets.
+                    // The i8 scales of the sub-block's halves, and −32·d·scale for the offsets.
                     let sc_lo = w.q6k_scale(k, 8 * n + 2 * t);
                     let sc_hi = w.q6k_scale(k, 8 * n + 2 * t + 1);
                     let off_lo = _mm256_mul_ps(minus_32d, _mm256_cvtepi32_ps(sc_lo));

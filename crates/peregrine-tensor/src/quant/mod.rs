@@ -17,6 +17,8 @@ mod avx2_interleaved;
 mod avx2_interleaved_k;
 #[cfg(target_arch = "x86_64")]
 mod avx2_panel;
+#[cfg(target_arch = "x86_64")]
+mod avx2_row_group;
 mod format;
 mod interleaved;
 mod interleaved_k;
@@ -150,7 +152,7 @@ impl GgufMatrix {
     /// of 8 rows of Q4_0, Q4_1, Q8_0, Q4_K or Q6_K with the x86 kernels.
     pub fn multiplies_in_place(format: Format, rows: usize, cols: usize) -> bool {
         #[cfg(target_arch = "x86_64")]
-        let fits = avx2_groups::fits(format);
+        let fits = avx2_row_group::fits(format);
         #[cfg(not(target_arch = "x86_64"))]
         let fits = false;
         fits && Self::interleaves(format, rows, cols)

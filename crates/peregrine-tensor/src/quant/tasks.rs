@@ -60,7 +60,7 @@ pub(super) enum PartBytes<'a> {
     /// Rows interleaved 8 at a time (which knows its format).
     Interleaved(&'a Interleaved),
     /// GGUF's row layout, multiplied 8 rows at a time by the interleaved kernels (x86 with
-    /// AVX2, formats [`fits`](super::avx2_groups::fits) takes).
+    /// AVX2, formats [`fits`](super::avx2_row_group::fits) takes).
     RowGroups(Format, &'a [u8]),
 }
 
@@ -154,8 +154,8 @@ pub(super) unsafe fn interleaved_task(
 /// No other thread writes `out`'s columns `r0..r1`; `kernel` runs on this CPU and has AVX2;
 /// `format` [`fits`].
 ///
-/// [`RowGroup`]: super::avx2_groups::RowGroup
-/// [`fits`]: super::avx2_groups::fits
+/// [`RowGroup`]: super::avx2_row_group::RowGroup
+/// [`fits`]: super::avx2_row_group::fits
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn row_groups_task(
