@@ -1,8 +1,9 @@
 //! Where the group kernels ([`super::avx2_interleaved`]) find a group of 8 rows' blocks
 //! ([`Source`]): [`Packed`], the interleaved layout ([`super::interleaved`]); or
 //! [`RowGroup`](super::avx2_row_group::RowGroup), 8 consecutive rows as GGUF lays them out (a
-//! mapped file's bytes, used where they lie), transposed into the same vectors as they load. The kernels do the same arithmetic on the same vectors from
-//! either, so their outputs are the same bits.
+//! mapped file's bytes, used where they lie), transposed into the same vectors as they load.
+//! The kernels do the same arithmetic on the same vectors from either, so their outputs are
+//! the same bits.
 
 use std::arch::x86_64::*;
 
