@@ -52,8 +52,8 @@ fn rows_in_place_give_the_interleaved_bits() {
             "{dtype:?}: in place wherever the interleaved kernels run"
         );
         // Decode, tiles of 1-8 inputs and their tails, and a prefill-sized batch; every
-        // second input row has an outlier block, which the 32-value formats refine (the K-quants take
-        // no refinements).
+        // second input row has an outlier block, which the 32-value formats refine (the
+        // K-quants take no refinements).
         for m in [1, 2, 5, 8, 13, 40] {
             let mut x = values(m * k, m as u64);
             for (i, row) in x.chunks_mut(k).enumerate().step_by(2) {
