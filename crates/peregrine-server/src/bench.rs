@@ -209,6 +209,8 @@ pub fn run(args: BenchArgs, threads: Option<usize>) -> Result<()> {
             "speculated_reads": guessed,
             "speculation_hit_rate": hits as f64 / guessed.max(1) as f64,
             "expert_cache_bytes": pool.hot_bytes(),
+            "expert_map_bytes": pool.mapped_bytes(),
+            // Uses served by either kept set: copied (`--expert-cache-mb`) or still mapped.
             "expert_cache_hit_rate": pool.stats().hot_hits() as f64 / reads.max(1) as f64,
             "expert_bytes_on_disk": pool.stats().expert_bytes(),
         });

@@ -342,3 +342,53 @@ fn a_moe_larger_than_memory_suggests_streaming_its_experts() {
     );
     std::fs::remove_file(&file).unwrap();
 }
+
+/// `bench --json` with `--stream-experts` reports the streaming: every use of an expert counted,
+/// the budgets of kept experts as the flags set them, and uses served by the kept set only
+/// when there is one (the fixture's Q8_0 experts are multiplied where they lie in the file's
+/// mapping: `--expert-map-mb` keeps them mapped).
+#[test]
+fn bench_reports_expert_streaming() {
+    let model = repo().join("tests/fixtures/qwen3_moe/gguf/model-q8_0.gguf");
+    let streaming = |map_mb: &str| -> serde_json::Value {
+        let mut args = vec![
+            "bench",
+            "--model",
+            model.to_str().unwrap(),
+            "--stream-experts",
+        ];
+        args.extend([
+            "--prompt-tokens",
+            "8",
+            "--gen-tokens",
+            "8",
+            "--repeat",
+            "1",
+            "--json",
+        ]);
+        args.extend(["--expert-map-mb", map_mb]);
+        let run = peregrine(&args);
+        assert!(
+            run.status.success(),
+            "{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let out: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
+        out["expert_streaming"].clone()
+    };
+    let (none, kept) = (streaming("0"), streaming("3"));
+    for r in [&none, &kept] {
+        let reads = r["expert_reads"].as_u64().unwrap();
+        assert!(reads > 0, "{r}");
+        assert!(r["prefetched_reads"].as_u64().unwrap() <= reads, "{r}");
+        assert!(r["expert_bytes_on_disk"].as_u64().unwrap() > 0, "{r}");
+        assert_eq!(r["expert_cache_bytes"].as_u64(), Some(0), "{r}");
+    }
+    assert_eq!(none["expert_map_bytes"].as_u64(), Some(0), "{none}");
+    assert_eq!(none["expert_cache_hit_rate"].as_f64(), Some(0.0), "{none}");
+    assert_eq!(kept["expert_map_bytes"].as_u64(), Some(3 << 20), "{kept}");
+    assert!(
+        kept["expert_cache_hit_rate"].as_f64().unwrap() > 0.5,
+        "{kept}"
+    );
+}
