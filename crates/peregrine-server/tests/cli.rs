@@ -183,25 +183,10 @@ fn truncated_gguf_names_the_file_and_tensor() {
 #[test]
 fn the_kv_cache_is_f16_by_default() {
     let kv_bytes = |extra: &[&str]| -> u64 {
-        let model = fixture("llama");
-        let mut args = vec!["bench", "--model", model.to_str().unwrap()];
-        args.extend([
-            "--prompt-tokens",
-            "16",
-            "--gen-tokens",
-            "4",
-            "--repeat",
-            "1",
-            "--json",
-        ]);
-        args.extend(extra);
-        let run = peregrine(&args);
-        assert!(
-            run.status.success(),
-            "{}",
-            String::from_utf8_lossy(&run.stderr)
+        let out = bench_json(
+            &fixture("llama"),
+            &[&["--prompt-tokens", "16", "--gen-tokens", "4"], extra].concat(),
         );
-        let out: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
         out["kv_bytes"].as_u64().expect("kv_bytes")
     };
     let (default, f16, f32) = (
@@ -351,30 +336,12 @@ fn a_moe_larger_than_memory_suggests_streaming_its_experts() {
 fn bench_reports_expert_streaming() {
     let model = repo().join("tests/fixtures/qwen3_moe/gguf/model-q8_0.gguf");
     let streaming = |map_mb: &str| -> serde_json::Value {
-        let mut args = vec![
-            "bench",
-            "--model",
-            model.to_str().unwrap(),
-            "--stream-experts",
-        ];
-        args.extend([
-            "--prompt-tokens",
-            "8",
-            "--gen-tokens",
-            "8",
-            "--repeat",
-            "1",
-            "--json",
-        ]);
-        args.extend(["--expert-map-mb", map_mb]);
-        let run = peregrine(&args);
-        assert!(
-            run.status.success(),
-            "{}",
-            String::from_utf8_lossy(&run.stderr)
-        );
-        let out: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
-        out["expert_streaming"].clone()
+        let args = ["--stream-experts", "--expert-map-mb", map_mb];
+        bench_json(
+            &model,
+            &[&["--prompt-tokens", "8", "--gen-tokens", "8"], &args[..]].concat(),
+        )["expert_streaming"]
+            .clone()
     };
     let (none, kept) = (streaming("0"), streaming("3"));
     for r in [&none, &kept] {
@@ -391,4 +358,24 @@ fn bench_reports_expert_streaming() {
         kept["expert_cache_hit_rate"].as_f64().unwrap() > 0.5,
         "{kept}"
     );
+}
+
+/// `peregrine bench --model MODEL ARGS --repeat 1 --json`'s report; the run must succeed.
+fn bench_json(model: &std::path::Path, args: &[&str]) -> serde_json::Value {
+    let mut all = vec![
+        "bench",
+        "--model",
+        model.to_str().unwrap(),
+        "--repeat",
+        "1",
+        "--json",
+    ];
+    all.extend(args);
+    let run = peregrine(&all);
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    serde_json::from_slice(&run.stdout).unwrap()
 }
