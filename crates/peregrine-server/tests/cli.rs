@@ -371,11 +371,5 @@ fn bench_json(model: &std::path::Path, args: &[&str]) -> serde_json::Value {
         "--json",
     ];
     all.extend(args);
-    let run = peregrine(&all);
-    assert!(
-        run.status.success(),
-        "{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
-    serde_json::from_slice(&run.stdout).unwrap()
+    peregrine_json(&all)
 }

@@ -99,13 +99,7 @@ fn qwen3_next_pattern(dir: &Path) {
 fn info(model: &Path, extra: &[&str]) -> serde_json::Value {
     let mut args = vec!["info", "--json", "--model", model.to_str().unwrap()];
     args.extend_from_slice(extra);
-    let out = peregrine(&args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    peregrine_json(&args)
 }
 
 fn bytes_of(report: &serde_json::Value, kind: &str) -> (u64, u64) {

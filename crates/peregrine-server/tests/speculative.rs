@@ -8,7 +8,7 @@ mod cli_support;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use cli_support::{peregrine, real_model, scratch};
+use cli_support::{peregrine, peregrine_ok, real_model, scratch};
 use peregrine_engine::sampling::{Sampler, SamplingParams};
 use peregrine_engine::speculative::{
     DraftContext, DraftModel, DraftSource, Drafter, PromptLookup, Proposal,
@@ -398,13 +398,7 @@ fn the_cli_takes_a_draft_model_and_refuses_a_foreign_vocabulary() {
         ];
         a.extend(["--temperature", "0", "--max-tokens", "24"]);
         a.extend(extra);
-        let out = peregrine(&a);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
+        String::from_utf8(peregrine_ok(&a).stdout).unwrap()
     };
     let plain = args(&[]);
     assert_eq!(args(&["--draft-model", draft.to_str().unwrap()]), plain);

@@ -22,6 +22,22 @@ pub fn peregrine(args: &[&str]) -> Output {
         .expect("the binary runs")
 }
 
+/// [`peregrine`] that must succeed (its stderr is the failure's message).
+pub fn peregrine_ok(args: &[&str]) -> Output {
+    let out = peregrine(args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// The JSON a successful [`peregrine`] run prints.
+pub fn peregrine_json(args: &[&str]) -> serde_json::Value {
+    serde_json::from_slice(&peregrine_ok(args).stdout).unwrap()
+}
+
 /// A fresh scratch folder for one test.
 pub fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("peregrine-cli-{}-{name}", std::process::id()));
