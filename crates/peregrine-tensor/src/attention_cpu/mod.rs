@@ -15,6 +15,8 @@ use crate::attention::{CpuKv, CpuRows, MaskSpec, QuantPlane};
 mod quant;
 mod rows;
 mod softmax;
+#[cfg(target_arch = "x86_64")]
+mod wide;
 
 use quant::QuantRows;
 pub use quant::{quantize_rows, row_sizes};
@@ -478,7 +480,7 @@ impl Shape {
     /// `p_gj = exp(s_gj - max_g)`, and `stats[g] = (max_g, Σ_j p_gj)`.
     fn attend<R: KvRows>(
         &self,
-        simd: bool,
+        simd: simd::Simd,
         task: &Task<R>,
         scores: &mut [f32],
         stats: &mut [(f32, f32)],

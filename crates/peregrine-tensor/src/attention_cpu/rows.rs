@@ -43,6 +43,25 @@ pub(crate) trait Elem: Copy + Send + Sync + 'static {
     /// `p` must point to eight readable elements, on a CPU with AVX2/FMA/F16C.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+    /// Sixteen elements at `p` widened into one 512-bit register.
+    ///
+    /// # Safety
+    /// `p` must point to sixteen readable elements, on a CPU with AVX-512 F and F16C.
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        unsafe { join(Self::load8(p), Self::load8(p.add(8))) }
+    }
+}
+
+/// `[low, high]` as one 512-bit register (AVX-512 F).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+unsafe fn join(low: __m256, high: __m256) -> __m512 {
+    unsafe {
+        let wide = _mm512_castpd256_pd512(_mm256_castps_pd(low));
+        _mm512_castpd_ps(_mm512_insertf64x4::<1>(wide, _mm256_castps_pd(high)))
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -67,6 +86,11 @@ impl Elem for f16 {
     #[inline]
     unsafe fn load8(p: *const Self) -> __m256 {
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
     }
 }
 
@@ -100,6 +124,18 @@ pub(crate) trait KvRows: Copy + Send + Sync {
     /// `j < count`, `c + 16 ≤ width`, on a CPU with AVX2/FMA/F16C.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load16(&self, j: usize, c: usize) -> [__m256; 2];
+    /// [`load16`](Self::load16) in one 512-bit register.
+    ///
+    /// # Safety
+    /// As for `load16`, on a CPU with AVX-512 F as well.
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    unsafe fn load16_wide(&self, j: usize, c: usize) -> __m512 {
+        unsafe {
+            let [low, high] = self.load16(j, c);
+            join(low, high)
+        }
+    }
     /// Asks for row `j` (if there is one) to be brought into the cache: a chunk's rows are too
     /// few for the hardware prefetcher to ramp up on (none by default).
     #[inline]
@@ -134,6 +170,13 @@ impl<E: Elem> KvRows for Rows<'_, E> {
         }
     }
 
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    unsafe fn load16_wide(&self, j: usize, c: usize) -> __m512 {
+        // SAFETY: as in `load16`.
+        unsafe { E::load16(self.data.as_ptr().add(j * self.stride + c)) }
+    }
+
     #[inline]
     fn prefetch(&self, j: usize) {
         #[cfg(target_arch = "x86_64")]
@@ -156,31 +199,49 @@ pub(super) mod simd {
     /// Query heads per kernel call: each key or value row is loaded once for all of them.
     pub const HEADS: usize = 4;
 
-    pub fn available() -> bool {
-        crate::cpu::Kernel::best().has_avx2()
+    /// Which form of the kernels runs.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Simd {
+        Portable,
+        Avx2,
+        /// The AVX2 forms' arithmetic in 512-bit registers (`attention_cpu::wide`).
+        Avx512,
+    }
+
+    pub fn available() -> Simd {
+        match crate::cpu::Kernel::best() {
+            crate::cpu::Kernel::Avx512Vnni => Simd::Avx512,
+            crate::cpu::Kernel::Avx2 => Simd::Avx2,
+            crate::cpu::Kernel::Scalar => Simd::Portable,
+        }
     }
 
     /// `out[g · n + j] = scale · q_g · k_j` for the `g` query rows and `n` key rows.
     /// `values` are the rows the weighted sum reads next (prefetched meanwhile).
     pub fn scores<K: KvRows>(
-        simd: bool,
+        simd: Simd,
         q: Rows<f32>,
         (k, values): (K, K),
         scale: f32,
         out: &mut [f32],
     ) {
         #[cfg(target_arch = "x86_64")]
-        if simd && q.len.is_multiple_of(16) {
+        if simd != Simd::Portable && q.len.is_multiple_of(16) {
+            use crate::attention_cpu::wide;
+            type Kernel<K> = unsafe fn(Rows<f32>, (K, K), f32, &mut [f32]);
+            let kernel: Kernel<K> = match (simd, q.count) {
+                (Simd::Avx512, 1) => wide::scores::<1, K>,
+                (Simd::Avx512, 2) => wide::scores::<2, K>,
+                (Simd::Avx512, 3) => wide::scores::<3, K>,
+                (Simd::Avx512, _) => wide::scores::<HEADS, K>,
+                (_, 1) => x86::scores::<1, K>,
+                (_, 2) => x86::scores::<2, K>,
+                (_, 3) => x86::scores::<3, K>,
+                _ => x86::scores::<HEADS, K>,
+            };
             // SAFETY: `simd` comes from `available()`; rows are `len` long, a multiple of 16,
             // and `out` holds one score per (query, key).
-            return unsafe {
-                match q.count {
-                    1 => x86::scores::<1, K>(q, (k, values), scale, out),
-                    2 => x86::scores::<2, K>(q, (k, values), scale, out),
-                    3 => x86::scores::<3, K>(q, (k, values), scale, out),
-                    _ => x86::scores::<HEADS, K>(q, (k, values), scale, out),
-                }
-            };
+            return unsafe { kernel(q, (k, values), scale, out) };
         }
         let _ = (simd, values);
         for (g, out) in out.chunks_exact_mut(k.count()).enumerate() {
@@ -196,20 +257,24 @@ pub(super) mod simd {
     }
 
     /// `out[g] = Σ_j p[g · n + j] · v_j` for the `g` heads' probabilities and `n` value rows.
-    pub fn weighted_sum<V: KvRows>(simd: bool, p: &[f32], v: V, out: &mut [f32]) {
+    pub fn weighted_sum<V: KvRows>(simd: Simd, p: &[f32], v: V, out: &mut [f32]) {
         let (n, d) = (v.count(), v.width());
         let heads = out.len() / d;
         #[cfg(target_arch = "x86_64")]
-        if simd && d.is_multiple_of(16) {
-            // SAFETY: as in `scores`; `p` holds `heads · n` values and `out` `heads` rows.
-            return unsafe {
-                match heads {
-                    1 => x86::weighted_sum::<1, V>(p, v, out),
-                    2 => x86::weighted_sum::<2, V>(p, v, out),
-                    3 => x86::weighted_sum::<3, V>(p, v, out),
-                    _ => x86::weighted_sum::<HEADS, V>(p, v, out),
-                }
+        if simd != Simd::Portable && d.is_multiple_of(16) {
+            use crate::attention_cpu::wide;
+            let kernel: unsafe fn(&[f32], V, &mut [f32]) = match (simd, heads) {
+                (Simd::Avx512, 1) => wide::weighted_sum::<1, V>,
+                (Simd::Avx512, 2) => wide::weighted_sum::<2, V>,
+                (Simd::Avx512, 3) => wide::weighted_sum::<3, V>,
+                (Simd::Avx512, _) => wide::weighted_sum::<HEADS, V>,
+                (_, 1) => x86::weighted_sum::<1, V>,
+                (_, 2) => x86::weighted_sum::<2, V>,
+                (_, 3) => x86::weighted_sum::<3, V>,
+                _ => x86::weighted_sum::<HEADS, V>,
             };
+            // SAFETY: as in `scores`; `p` holds `heads · n` values and `out` `heads` rows.
+            return unsafe { kernel(p, v, out) };
         }
         let _ = simd;
         for (out, p) in out.chunks_exact_mut(d).zip(p.chunks_exact(n)) {
@@ -223,7 +288,7 @@ pub(super) mod simd {
     }
 
     #[cfg(target_arch = "x86_64")]
-    mod x86 {
+    pub(in crate::attention_cpu) mod x86 {
         use super::super::{KvRows, Rows};
         use std::arch::x86_64::*;
 
