@@ -113,15 +113,16 @@ pub fn attention_kv(
     };
     let mut out = vec![0f32; b * q_len * heads * d];
     let pair = Pair::of_kv(kv);
-    shape.run_pair(
-        pair,
-        q_data,
-        &qv,
-        (&view, &view),
-        mask,
-        &mut out,
-        &mut AttnScratch::default(),
-    );
+    let mut run = |scratch: &mut AttnScratch| {
+        shape.run_pair(pair, q_data, &qv, (&view, &view), mask, &mut out, scratch)
+    };
+    // The thread's scratch, reused from call to call (a batched step calls this per sequence
+    // and layer); a fresh one if this thread is already inside a call (rayon may run another
+    // sequence's attention here while this one waits on its parallel part).
+    SCRATCH.with(|s| match s.try_borrow_mut() {
+        Ok(mut scratch) => run(&mut scratch),
+        Err(_) => run(&mut AttnScratch::default()),
+    });
     // Written as [b, q_len, heads, d]: the caller's transpose back to that order is free.
     Tensor::from_vec(out, (b, q_len, heads, d), &Device::Cpu)?.transpose(1, 2)
 }
@@ -204,6 +205,11 @@ fn kv_shape(
         softcap,
     };
     Ok((shape, view))
+}
+
+thread_local! {
+    /// [`attention_kv`]'s scratch on this thread.
+    static SCRATCH: std::cell::RefCell<AttnScratch> = std::cell::RefCell::default();
 }
 
 /// Buffers that [`attention_row_into`] reuses from one decode step to the next.
