@@ -285,3 +285,55 @@ fn sequences_of_different_top_k_share_a_batched_pass() {
     assert_eq!(rows[1], solo(Some(1), long), "top-k 1");
     assert_ne!(solo(None, long), rows[1]);
 }
+
+/// A GGUF file cut short while an expert's mapped rows are being multiplied (past the check
+/// before each use): the lost pages read as zeros instead of ending the process with SIGBUS,
+/// the file reports the damage by name so the pass is thrown away, and once the file is whole
+/// again its pages are mapped afresh and the expert multiplies as before.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_file_cut_short_mid_multiply_is_reported_by_name_and_mended_once_whole() {
+    use peregrine_models::weights::GgufFile;
+
+    let path = std::env::temp_dir().join(format!("peregrine-cut-{}.gguf", std::process::id()));
+    std::fs::copy(fixture("qwen3_moe/gguf/model-q8_0.gguf"), &path).unwrap();
+    let whole = std::fs::read(&path).unwrap();
+    let g = GgufFile::open(&path).unwrap();
+    // The last layer's last expert: its rows lie in the file's second half.
+    let layers = (0..).find(|l| g.dims(&stack(*l)).is_err()).unwrap();
+    let name = stack(layers - 1);
+    let &[n, rows, cols] = &g.dims(&name).unwrap()[..] else {
+        panic!("a stack of experts")
+    };
+    let mats = (g.expert_row_matrices(&name, (n, n - 1), &[rows], &Device::Cpu, true)).unwrap();
+    assert!(
+        mats[0].is_shared(),
+        "multiplied where it lies in the mapping"
+    );
+    let x = Tensor::ones((1, cols), DType::F32, &Device::Cpu).unwrap();
+    let y = |m: &peregrine_tensor::GgufMatrix| m.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+    let before = y(&mats[0]);
+    assert!(g.still_whole().is_ok() && g.unharmed().is_ok());
+
+    let cut = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    cut.set_len(whole.len() as u64 / 2).unwrap();
+    let damaged = y(&mats[0]); // without the guard: SIGBUS
+    assert_ne!(damaged, before);
+    for err in [g.unharmed().unwrap_err(), g.still_whole().unwrap_err()] {
+        assert!(
+            err.to_string().contains(&path.display().to_string()),
+            "{err}"
+        );
+    }
+
+    std::fs::write(&path, &whole).unwrap();
+    g.still_whole().unwrap();
+    g.unharmed().unwrap();
+    assert_eq!(y(&mats[0]), before, "the file's bytes again");
+    drop((mats, g));
+    std::fs::remove_file(&path).unwrap();
+}
+
+fn stack(layer: usize) -> String {
+    format!("model.layers.{layer}.mlp.switch_mlp.gate_proj.weight")
+}

@@ -28,6 +28,12 @@ pub trait ExpertStore<E>: Send + Sync {
     }
     /// Bytes of expert weights held in memory.
     fn weight_bytes(&self) -> usize;
+    /// After a pass computed with experts from [`expert`](Self::expert): an error if their
+    /// bytes were lost under them meanwhile (a mapped file cut short mid-read reads as zeros),
+    /// so that the pass's output is thrown away. The resident store has nothing to check.
+    fn verify(&self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// Every expert in memory, loaded once.

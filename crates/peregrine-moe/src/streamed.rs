@@ -175,6 +175,7 @@ pub struct StreamedExperts<E> {
     len: usize,
     read: ExpertReader<E>,
     check: Option<ExpertCheck>,
+    verify: Option<ExpertCheck>,
     pool: Arc<ReadPool>,
     window: Mutex<Window<E>>,
     hot: Mutex<HotSet<E>>,
@@ -229,6 +230,7 @@ impl<E> StreamedExperts<E> {
             len,
             read,
             check: None,
+            verify: None,
             pool,
             window: Mutex::new(Window {
                 started: HashMap::new(),
@@ -251,6 +253,13 @@ impl<E> StreamedExperts<E> {
     /// Runs `check` before each expert is handed out (prefetched and kept ones included).
     pub fn with_check(mut self, check: ExpertCheck) -> Self {
         self.check = Some(check);
+        self
+    }
+
+    /// Runs `verify` after each pass that used experts ([`ExpertStore::verify`]): an error
+    /// when their bytes were lost while they were read.
+    pub fn with_verify(mut self, verify: ExpertCheck) -> Self {
+        self.verify = Some(verify);
         self
     }
 
@@ -361,6 +370,10 @@ impl<E: Send + Sync + 'static> ExpertStore<E> for StreamedExperts<E> {
 
     fn weight_bytes(&self) -> usize {
         0
+    }
+
+    fn verify(&self) -> io::Result<()> {
+        self.verify.as_ref().map_or(Ok(()), |verify| verify())
     }
 }
 
@@ -522,6 +535,19 @@ mod tests {
         }
         broken.store(0, Ordering::SeqCst);
         assert_eq!(*s.expert(1).unwrap(), vec![1; 4]);
+    }
+
+    /// The check after a pass reports what its closure finds; without one there is nothing to
+    /// find.
+    #[test]
+    fn verify_runs_the_check_after_use() {
+        let s = store(Arc::new(AtomicUsize::new(0)));
+        s.verify().unwrap();
+        let s = s.with_verify(Arc::new(|| {
+            Err(io::Error::other("bytes were gone when read"))
+        }));
+        s.expert(0).unwrap();
+        assert!(s.verify().unwrap_err().to_string().contains("were gone"));
     }
 
     #[test]

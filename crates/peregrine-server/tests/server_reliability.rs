@@ -367,7 +367,8 @@ fn disconnected_streams_free_their_kv_at_the_next_step() {
 /// keeps serving once the file is whole again. No crash, no SIGBUS: safetensors experts are
 /// positioned reads; the GGUF file's Q8_0 experts are multiplied from its mapping, paged in
 /// when read, and every use of one read earlier (prefetched, guessed) first checks that the
-/// file still has its length. For a GGUF file and an HF safetensors folder.
+/// file still has its length (a cut between that check and the multiply: the guard tested in
+/// `peregrine-models`' `streamed_experts.rs`). For a GGUF file and an HF safetensors folder.
 #[test]
 fn a_truncated_expert_file_fails_the_request_by_name_and_the_server_keeps_serving() {
     let fixtures = support::fixture().join("../..");

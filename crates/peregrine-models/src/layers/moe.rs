@@ -197,12 +197,17 @@ fn expert_store(
         let w = w.clone();
         Arc::new(move || (w.still_whole()).map_err(|err| std::io::Error::other(err.to_string())))
     };
+    let verify: ExpertCheck = {
+        let w = w.clone();
+        Arc::new(move || (w.unharmed()).map_err(|err| std::io::Error::other(err.to_string())))
+    };
     let reader: ExpertReader<GatedMlp> =
         Arc::new(move |e| read(&w, e).map_err(|err| std::io::Error::other(err.to_string())));
     Ok(Box::new(
         StreamedExperts::new(n, reader, pool.clone())
             .with_hot_set(hot)
-            .with_check(check),
+            .with_check(check)
+            .with_verify(verify),
     ))
 }
 
@@ -363,6 +368,7 @@ impl MoeBlock {
                 .unsqueeze(1)?;
             out = out.index_add(&idx, &y.broadcast_mul(&w)?, 0)?;
         }
+        self.experts.verify().map_err(experts_err)?;
         if let Some(shared) = &self.shared {
             let mut y = shared.forward(&flat)?;
             if let Some(gate) = &self.shared_gate {
@@ -422,6 +428,7 @@ impl MoeBlock {
                 .zip(expert_out.iter())
                 .for_each(|(o, y)| *o += weight * y);
         }
+        self.experts.verify().map_err(experts_err)?;
         if let Some(shared) = &self.shared {
             shared.row_into(x, gate, up, expert_out, linear)?;
             if let Some(g) = &self.shared_gate {
@@ -441,6 +448,13 @@ impl MoeBlock {
             + self.shared_gate.as_ref().map_or(0, QLinear::weight_bytes);
         self.gate.weight_bytes() + self.experts.weight_bytes() + shared
     }
+}
+
+/// The routed experts' bytes were lost while they were used (see [`ExpertStore::verify`]).
+fn experts_err(source: std::io::Error) -> ModelError {
+    ModelError::Tensor(peregrine_tensor::candle::Error::Msg(format!(
+        "the routed experts: {source}"
+    )))
 }
 
 fn expert_err(e: usize) -> impl FnOnce(std::io::Error) -> ModelError {

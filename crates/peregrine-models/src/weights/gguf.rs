@@ -16,6 +16,7 @@ use peregrine_tensor::{Device, GgufMatrix};
 
 use super::LoadProgress;
 use super::mapped::{MappedRange, check_length};
+use super::sigbus::Guard;
 use crate::{ModelError, Result};
 
 /// An open GGUF file: metadata and tensor directory in memory, tensor data read on demand.
@@ -26,9 +27,9 @@ pub struct GgufFile {
     file: Mutex<File>,
     /// For positioned reads, many at once (streamed experts).
     reader: File,
-    /// The file mapped read-only, when first asked for (streamed experts multiplied in place);
-    /// `None` if it could not be.
-    map: OnceLock<Option<Arc<Mmap>>>,
+    /// The file mapped read-only, when first asked for (streamed experts multiplied in place),
+    /// and its SIGBUS guard (dropped first); `None` if it could not be mapped.
+    map: OnceLock<Option<(Option<Guard>, Arc<Mmap>)>>,
     /// Counts the bytes of every tensor read.
     progress: Arc<LoadProgress>,
     /// The file's length when opened.
@@ -323,10 +324,17 @@ impl GgufFile {
         let map = self.map.get_or_init(|| {
             // SAFETY: mapped read-only. A file cut short under the mapping faults when its
             // lost pages are touched: every range is checked against the file's length when
-            // made and before each use (`still_whole`), and paged in when made.
-            unsafe { Mmap::map(&self.reader) }.ok().map(Arc::new)
+            // made and before each use (`still_whole`), and paged in when made; a fault in
+            // between reads zeros and fails the use (the guard, `unharmed`).
+            let map = unsafe { Mmap::map(&self.reader) }.ok()?;
+            Some((Guard::new(map.as_ptr(), map.len()), Arc::new(map)))
         });
-        map.as_ref()
+        map.as_ref().map(|(_, map)| map)
+    }
+
+    /// The mapping's SIGBUS guard, if the file is mapped and guarded.
+    fn guard(&self) -> Option<&Guard> {
+        self.map.get()?.as_ref()?.0.as_ref()
     }
 
     /// `len` bytes of `map` from `at` (within tensor `name`), paged in.
@@ -348,11 +356,32 @@ impl GgufFile {
 
     /// An error naming the file unless it is still as long as when it was opened (a range
     /// mapped before it was cut short must not be touched).
+    /// Once whole again after a cut that damaged the mapping, its pages are mapped afresh.
     pub fn still_whole(&self) -> Result<()> {
-        check_length(&self.reader, &self.path, self.len).map_err(|e| ModelError::Checkpoint {
+        let err = |e: std::io::Error| ModelError::Checkpoint {
             file: self.path.clone(),
             message: e.to_string(),
-        })
+        };
+        check_length(&self.reader, &self.path, self.len).map_err(err)?;
+        match self.guard() {
+            Some(guard) if guard.damaged().is_some() => guard.repair(&self.reader).map_err(err),
+            _ => Ok(()),
+        }
+    }
+
+    /// An error naming the file if it was cut short while mapped bytes were being read (they
+    /// read as zeros): what was computed from them since the last check must not be used.
+    pub fn unharmed(&self) -> Result<()> {
+        match self.guard().and_then(Guard::damaged) {
+            Some(bytes) => Err(ModelError::Checkpoint {
+                file: self.path.clone(),
+                message: format!(
+                    "cut short while in use: bytes {}..{} were gone when read",
+                    bytes.start, bytes.end
+                ),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// Reads the tensor with HF name `hf` (GGUF shapes are reported as `[out, in]`). On the CPU

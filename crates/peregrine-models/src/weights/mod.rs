@@ -5,6 +5,26 @@ mod gguf;
 mod gguf_clip;
 pub(crate) mod gguf_config;
 mod mapped;
+#[cfg(target_os = "linux")]
+mod sigbus;
+#[cfg(not(target_os = "linux"))]
+mod sigbus {
+    //! Without a SIGBUS handler (other systems) nothing is guarded: a file cut short under a
+    //! read of its mapping ends the process.
+    #[derive(Debug)]
+    pub(crate) struct Guard;
+    impl Guard {
+        pub(crate) fn new(_start: *const u8, _len: usize) -> Option<Self> {
+            None
+        }
+        pub(crate) fn damaged(&self) -> Option<std::ops::Range<usize>> {
+            None
+        }
+        pub(crate) fn repair(&self, _file: &std::fs::File) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+}
 pub mod mlx;
 mod safetensors;
 
@@ -175,6 +195,15 @@ impl Weights {
     pub fn still_whole(&self) -> Result<()> {
         match &*self.source {
             Source::Gguf(g) => g.still_whole(),
+            Source::Safetensors(_) => Ok(()),
+        }
+    }
+
+    /// An error naming the file if it was cut short while its mapped bytes were read (GGUF
+    /// experts multiplied in place): what was computed from them must be thrown away.
+    pub fn unharmed(&self) -> Result<()> {
+        match &*self.source {
+            Source::Gguf(g) => g.unharmed(),
             Source::Safetensors(_) => Ok(()),
         }
     }
