@@ -144,7 +144,8 @@ pub struct ModelArgs {
     pub stream_speculate: bool,
     /// With `--stream-experts`, megabytes of recently used experts to keep in memory, shared
     /// by the MoE layers (0: none, the default: on the CPU the page cache already keeps what
-    /// fits; meant for devices where each read is also a copy to the device).
+    /// fits; meant for devices where each read is also a copy to the device). Experts that are
+    /// multiplied from the file's own pages keep theirs by `--expert-map-mb` instead.
     #[arg(long, default_value_t = 0, requires = "stream_experts")]
     pub expert_cache_mb: usize,
     /// With `--stream-experts`, megabytes of recently used experts kept mapped where they are
