@@ -10,6 +10,8 @@ pub mod attention;
 mod attention_cpu;
 pub mod cpu;
 pub mod dense;
+#[cfg(feature = "cuda")]
+mod dense_cuda;
 pub mod device;
 pub mod linear;
 pub mod mlx;

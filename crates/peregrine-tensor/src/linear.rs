@@ -251,6 +251,10 @@ pub struct LinearScratch {
 }
 
 pub(crate) fn dense_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Some(y) = crate::dense_cuda::matmul(x, w)? {
+        return Ok(y);
+    }
     match x.dims() {
         [b1, b2, _, _] => x.matmul(&w.broadcast_left((*b1, *b2))?.t()?),
         [b, _, _] => x.matmul(&w.broadcast_left(*b)?.t()?),

@@ -1,0 +1,1 @@
+../../../kernels/cuda/dense_gemv.cu

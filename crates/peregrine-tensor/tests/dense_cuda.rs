@@ -1,0 +1,97 @@
+//! The CUDA dense GEMV (`kernels/cuda/dense_gemv.cu`, the decode step's bf16/f16 projections)
+//! against the f32 product on the CPU of the same bf16/f16 values, at 1-8 input rows, with cuBLAS
+//! taking over at 9. Built only with the `cuda` feature and run on a GPU machine (`cargo test -p
+//! peregrine-tensor --features cuda --test dense_cuda`).
+//!
+//! Tolerance: both sides multiply the same rounded inputs; the GPU sums in f32 in another order
+//! and rounds its result to bf16/f16, so an output may differ by its own rounding step (2⁻⁸
+//! relative for bf16, 2⁻¹¹ for f16) plus 1e-5 of Σ|w·x|. A wrong row, column or lane moves an
+//! output by far more.
+#![cfg(feature = "cuda")]
+
+use peregrine_tensor::{DType, Device, QLinear, Tensor};
+
+#[test]
+fn the_gemv_matches_the_f32_product_at_every_row_count() {
+    let gpu = Device::new_cuda(0).expect("these tests need a CUDA GPU");
+    for dtype in [DType::BF16, DType::F16] {
+        for (out, inp) in [(64, 64), (8, 4096), (1000, 776), (14336, 4096)] {
+            for m in [1, 3, 8, 9] {
+                let seed = (out * 31 + inp * 7 + m) as f32;
+                let w = wave(&[out, inp], seed, dtype);
+                let x = wave(&[1, m, inp], seed + 1.0, dtype);
+                let want = x
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .matmul(
+                        &w.to_dtype(DType::F32)
+                            .unwrap()
+                            .t()
+                            .unwrap()
+                            .unsqueeze(0)
+                            .unwrap(),
+                    )
+                    .unwrap();
+                let scale = x
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .matmul(
+                        &w.to_dtype(DType::F32)
+                            .unwrap()
+                            .abs()
+                            .unwrap()
+                            .t()
+                            .unwrap()
+                            .unsqueeze(0)
+                            .unwrap(),
+                    )
+                    .unwrap();
+                let layer = QLinear::Dense {
+                    w: w.to_device(&gpu).unwrap(),
+                    b: None,
+                };
+                let got = layer.forward(&x.to_device(&gpu).unwrap()).unwrap();
+                assert_eq!(got.dims(), want.dims());
+                let got = got
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .to_device(&Device::Cpu)
+                    .unwrap();
+                let step = if dtype == DType::BF16 {
+                    1.0 / 256.0
+                } else {
+                    1.0 / 2048.0
+                };
+                let (got, want, scale) = (flat(&got), flat(&want), flat(&scale));
+                for (i, ((g, w), s)) in got.iter().zip(&want).zip(&scale).enumerate() {
+                    let tol = w.abs() * step + 1e-5 * s + 1e-6;
+                    assert!(
+                        (g - w).abs() <= tol,
+                        "{dtype:?} {out}x{inp}, {m} rows, output {i}: {g} against {w}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A deterministic tensor of `dims` with values in [-1, 1] of every magnitude.
+fn wave(dims: &[usize], seed: f32, dtype: DType) -> Tensor {
+    let n: usize = dims.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|i| {
+            ((i as f32 * 0.7548777 + seed * 0.5698403).fract() * 2.0 - 1.0) * ((i % 7) as f32 + 1.0)
+                / 7.0
+        })
+        .collect();
+    Tensor::from_vec(v, dims, &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+}
+
+fn flat(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+}
