@@ -1,6 +1,10 @@
 //! Dense bf16/f16 matrices times a few input rows on CUDA (`kernels/cuda/dense_gemv.cu`): the
 //! decode step's projections, where cuBLAS runs split-K GEMMs plus a reduce kernel each; a warp
 //! per output row streams the weights once instead. Larger batches keep cuBLAS.
+//!
+//! It takes inputs of up to `PEREGRINE_CUDA_GEMV_ROWS` rows (default 1, at most 8; 0: never):
+//! one row measured 1.29× cuBLAS's decode on an 8B model (docs/cuda.md); at 8 rows each lane
+//! reads 8 input vectors per weight vector and batched decode was not compared with cuBLAS yet.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
@@ -15,8 +19,20 @@ const MODULE: &str = "peregrine_dense_gemv";
 /// Input rows the kernel takes at once (its `MAX_ROWS`).
 const MAX_ROWS: usize = 8;
 
+/// The most input rows the kernel takes: `PEREGRINE_CUDA_GEMV_ROWS` (read once), default 1.
+fn max_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        let asked = std::env::var("PEREGRINE_CUDA_GEMV_ROWS").ok();
+        asked
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1)
+            .min(MAX_ROWS)
+    })
+}
+
 /// `x: [.., in] · w[out, in]ᵀ` by the GEMV kernel when it applies (both on a CUDA device in
-/// bf16 or f16, at most [`MAX_ROWS`] rows, contiguous, `in` a multiple of 8); else `None`.
+/// bf16 or f16, at most `max_rows()` rows, contiguous, `in` a multiple of 8); else `None`.
 pub(crate) fn matmul(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     let (Some(&in_dim), [out, w_in]) = (x.dims().last(), w.dims()) else {
         return Ok(None);
@@ -27,7 +43,7 @@ pub(crate) fn matmul(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
         && w.dtype() == x.dtype()
         && *w_in == in_dim
         && in_dim.is_multiple_of(8)
-        && (1..=MAX_ROWS).contains(&m)
+        && (1..=max_rows()).contains(&m)
         && x.is_contiguous()
         && w.is_contiguous();
     if !applies {

@@ -1,6 +1,6 @@
 //! The CUDA dense GEMV (`kernels/cuda/dense_gemv.cu`, the decode step's bf16/f16 projections)
 //! against the f32 product on the CPU of the same bf16/f16 values, at 1-8 input rows, with cuBLAS
-//! taking over at 9. Built only with the `cuda` feature and run on a GPU machine (`cargo test -p
+//! taking over at 9 (the kernel takes up to `PEREGRINE_CUDA_GEMV_ROWS` rows, which this test sets to 8). Built only with the `cuda` feature and run on a GPU machine (`cargo test -p
 //! peregrine-tensor --features cuda --test dense_cuda`).
 //!
 //! Tolerance: both sides multiply the same rounded inputs; the GPU sums in f32 in another order
@@ -13,6 +13,8 @@ use peregrine_tensor::{DType, Device, QLinear, Tensor};
 
 #[test]
 fn the_gemv_matches_the_f32_product_at_every_row_count() {
+    // SAFETY: set before any other thread of this test binary reads the environment.
+    unsafe { std::env::set_var("PEREGRINE_CUDA_GEMV_ROWS", "8") };
     let gpu = Device::new_cuda(0).expect("these tests need a CUDA GPU");
     for dtype in [DType::BF16, DType::F16] {
         for (out, inp) in [(64, 64), (8, 4096), (1000, 776), (14336, 4096)] {
