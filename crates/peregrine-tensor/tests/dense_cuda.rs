@@ -22,34 +22,9 @@ fn the_gemv_matches_the_f32_product_at_every_row_count() {
                 let seed = (out * 31 + inp * 7 + m) as f32;
                 let w = wave(&[out, inp], seed, dtype);
                 let x = wave(&[1, m, inp], seed + 1.0, dtype);
-                let want = x
-                    .to_dtype(DType::F32)
-                    .unwrap()
-                    .matmul(
-                        &w.to_dtype(DType::F32)
-                            .unwrap()
-                            .t()
-                            .unwrap()
-                            .unsqueeze(0)
-                            .unwrap(),
-                    )
-                    .unwrap();
-                let scale = x
-                    .to_dtype(DType::F32)
-                    .unwrap()
-                    .abs()
-                    .unwrap()
-                    .matmul(
-                        &w.to_dtype(DType::F32)
-                            .unwrap()
-                            .abs()
-                            .unwrap()
-                            .t()
-                            .unwrap()
-                            .unsqueeze(0)
-                            .unwrap(),
-                    )
-                    .unwrap();
+                let (x32, w32) = (f32s(&x), f32s(&w));
+                let want = product(&x32, &w32);
+                let scale = product(&x32.abs().unwrap(), &w32.abs().unwrap());
                 let layer = QLinear::Dense {
                     w: w.to_device(&gpu).unwrap(),
                     b: None,
@@ -92,6 +67,15 @@ fn wave(dims: &[usize], seed: f32, dtype: DType) -> Tensor {
         .unwrap()
         .to_dtype(dtype)
         .unwrap()
+}
+
+fn f32s(t: &Tensor) -> Tensor {
+    t.to_dtype(DType::F32).unwrap()
+}
+
+/// `x: [1, m, in] · w[out, in]ᵀ` in f32 on the CPU.
+fn product(x: &Tensor, w: &Tensor) -> Tensor {
+    x.matmul(&w.t().unwrap().unsqueeze(0).unwrap()).unwrap()
 }
 
 fn flat(t: &Tensor) -> Vec<f32> {
