@@ -93,6 +93,19 @@ impl QLinear {
         outs: &mut [&mut [f32]],
         scratch: &mut LinearScratch,
     ) -> Result<()> {
+        Self::forward_rows_into(layers, x, 1, outs, scratch)
+    }
+
+    /// [`forward_group_into`](Self::forward_group_into) for `rows` input rows (a batched
+    /// decode step's, one per sequence): `x` is `[rows, in]`, each `outs[i]` `[rows, out_i]`.
+    /// Each row's outputs are the bits [`forward_group`](Self::forward_group) gives it.
+    pub fn forward_rows_into(
+        layers: &[&Self],
+        x: &[f32],
+        rows: usize,
+        outs: &mut [&mut [f32]],
+        scratch: &mut LinearScratch,
+    ) -> Result<()> {
         if layers.len() != outs.len() {
             candle_core::bail!("linear: {} layers, {} outputs", layers.len(), outs.len());
         }
@@ -105,14 +118,15 @@ impl QLinear {
                     *m = l.cpu_kernel().expect("checked above");
                 }
                 let mats = &mats[..layers.len()];
-                GgufMatrix::matmul_group_into(mats, x, 1, Kernel::best(), &mut scratch.xq, outs)?;
+                let xq = &mut scratch.xq;
+                GgufMatrix::matmul_group_into(mats, x, rows, Kernel::best(), xq, outs)?;
             }
             _ => {
                 for (l, out) in layers.iter().zip(outs.iter_mut()) {
-                    if l.dense_row_into(x, out)? {
+                    if l.dense_rows_into(x, rows, out)? {
                         continue;
                     }
-                    let xt = Tensor::from_slice(x, (1, x.len()), &Device::Cpu)?;
+                    let xt = Tensor::from_slice(x, (rows, x.len() / rows.max(1)), &Device::Cpu)?;
                     let y = l
                         .forward_unbiased(&xt)?
                         .flatten_all()?
@@ -144,12 +158,17 @@ impl QLinear {
         (kernel_dtype && w.device().is_cpu()).then_some((w, small))
     }
 
-    /// `out = W x` for one f32 row, when [`dense_cpu`](Self::dense_cpu) applies.
-    fn dense_row_into(&self, x: &[f32], out: &mut [f32]) -> Result<bool> {
-        let Some((w, _)) = self.dense_cpu() else {
+    /// `out = W x` for `rows` f32 rows, when [`dense_cpu`](Self::dense_cpu) applies to that
+    /// many (as [`dense_rows_forward`](Self::dense_rows_forward) decides, so both give the
+    /// same bits).
+    fn dense_rows_into(&self, x: &[f32], rows: usize, out: &mut [f32]) -> Result<bool> {
+        let Some((w, small)) = self.dense_cpu() else {
             return Ok(false);
         };
-        dense_rows(w, x, x.len(), out)
+        if !small && rows > dense::MAX_ROWS {
+            return Ok(false);
+        }
+        dense_rows(w, x, x.len() / rows.max(1), out)
     }
 
     /// [`forward_unbiased`](Self::forward_unbiased) by [`dense::matmul_rows`], when
@@ -227,15 +246,22 @@ fn dense_rows(w: &Tensor, x: &[f32], k: usize, out: &mut [f32]) -> Result<bool> 
     Ok(crate::ops::with_bf16(w, |w| dense::matmul_rows(w, x, k, out))?.is_some())
 }
 
-/// `out += b`, reading an f32 CPU bias in place (others are converted first).
+/// `out += b` on each row of `out`, reading an f32 CPU bias in place (others are converted first).
 fn add_bias(b: &Tensor, out: &mut [f32]) -> Result<()> {
-    let add = |b: &[f32]| out.iter_mut().zip(b).for_each(|(o, b)| *o += b);
+    let n = b.elem_count().max(1);
+    let add = |b: &[f32]| {
+        for row in out.chunks_mut(n) {
+            row.iter_mut().zip(b).for_each(|(o, b)| *o += b);
+        }
+    };
     if crate::ops::with_f32(b, add)?.is_none() {
         let b = b
             .to_device(&Device::Cpu)?
             .to_dtype(DType::F32)?
             .to_vec1::<f32>()?;
-        out.iter_mut().zip(&b).for_each(|(o, b)| *o += b);
+        for row in out.chunks_mut(n) {
+            row.iter_mut().zip(&b).for_each(|(o, b)| *o += b);
+        }
     }
     Ok(())
 }

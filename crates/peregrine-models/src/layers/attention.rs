@@ -4,13 +4,15 @@
 //! (KV sharing: no k/v projections; the caller hands them that layer's cache).
 
 use peregrine_kv::{AttnParams, LayerCache};
+use peregrine_tensor::attention::AttnScratch;
 use peregrine_tensor::ops::{rms_norm, sigmoid};
 use peregrine_tensor::{QLinear, RotaryEmbedding, Tensor};
+use rayon::prelude::*;
 
 use crate::layers::batch::{RopeRows, Segment, per_segment};
 use crate::layers::decoder::SelfAttention;
 use crate::layers::norm_weight;
-use crate::layers::step::{StepBuffers, norm_rows_in_place};
+use crate::layers::step::{StepBuffers, StepRow, norm_rows_in_place};
 use crate::weights::Weights;
 use crate::{ModelConfig, Result};
 
@@ -155,6 +157,41 @@ impl Attention {
         (all, n)
     }
 
+    /// One sequence's part of a decode step: its projected `q`, `k`, `v` (one row each)
+    /// normed and turned at its position, the key and value appended to its cache, attention
+    /// over that cache into `attn`.
+    fn attend_row(
+        &self,
+        rope: &RotaryEmbedding,
+        (q, k, v): (&mut [f32], &mut [f32], &mut [f32]),
+        seq: &mut StepRow,
+        attn: &mut [f32],
+        scratch: &mut AttnScratch,
+    ) -> Result<()> {
+        let (cache, pos) = (&mut *seq.cache, seq.pos);
+        if let Some(w) = &self.q_norm {
+            norm_rows_in_place(q, w, self.eps)?;
+        }
+        rope.apply_rows_in_place(q, pos)?;
+        if self.k_proj.is_some() {
+            if self.v_proj.is_none() {
+                v.copy_from_slice(k);
+            }
+            if let Some(w) = &self.k_norm {
+                norm_rows_in_place(k, w, self.eps)?;
+            }
+            if let Some(w) = &self.v_norm {
+                norm_rows_in_place(v, w, self.eps)?;
+            }
+            rope.apply_rows_in_place(k, pos)?;
+            cache.note_query_row(q, self.head_dim, self.kv_heads)?;
+            cache.append_row(k, v, self.head_dim)?;
+        }
+        let params = self.params();
+        cache.attend_row(q, self.head_dim, &params, attn, scratch)?;
+        Ok(())
+    }
+
     fn params(&self) -> AttnParams {
         AttnParams {
             scale: self.scale,
@@ -244,6 +281,20 @@ impl SelfAttention for Attention {
         cache: &mut dyn LayerCache,
         pos: usize,
     ) -> Result<()> {
+        self.step_rows(b, rope, &mut [StepRow { cache, pos }])
+    }
+
+    fn steps_rows(&self) -> bool {
+        !self.output_gate && !self.no_rope
+    }
+
+    fn step_rows(
+        &self,
+        b: &mut StepBuffers,
+        rope: &RotaryEmbedding,
+        seqs: &mut [StepRow],
+    ) -> Result<()> {
+        let rows = seqs.len();
         let StepBuffers {
             normed,
             out,
@@ -253,41 +304,33 @@ impl SelfAttention for Attention {
             attn,
             linear,
             attention,
+            row_attention,
             ..
         } = b;
-        if self.output_gate || self.no_rope {
+        if !self.steps_rows() {
             let why = "this attention has no decode step: its model decodes through forward";
             return Err(peregrine_tensor::candle::Error::Msg(why.into()).into());
         }
         // Buffers are sized for the widest layer; this one uses their front.
         let (q_dim, kv_dim) = (self.heads * self.head_dim, self.kv_heads * self.head_dim);
-        let (q, attn) = (&mut q[..q_dim], &mut attn[..q_dim]);
-        let (k, v) = (&mut k[..kv_dim], &mut v[..kv_dim]);
+        let (q, attn) = (&mut q[..rows * q_dim], &mut attn[..rows * q_dim]);
+        let (k, v) = (&mut k[..rows * kv_dim], &mut v[..rows * kv_dim]);
         let (projections, n) = self.projections();
         let mut outs: [&mut [f32]; 3] = [q, k, v];
-        QLinear::forward_group_into(&projections[..n], normed, &mut outs[..n], linear)?;
+        QLinear::forward_rows_into(&projections[..n], normed, rows, &mut outs[..n], linear)?;
         let [q, k, v] = outs;
-        if let Some(w) = &self.q_norm {
-            norm_rows_in_place(q, w, self.eps)?;
+        match rows {
+            1 => self.attend_row(rope, (q, k, v), &mut seqs[0], attn, attention)?,
+            // Each sequence its own cache: in parallel, one region for all their attention.
+            _ => (q.par_chunks_mut(q_dim).zip(k.par_chunks_mut(kv_dim)))
+                .zip(v.par_chunks_mut(kv_dim))
+                .zip(attn.par_chunks_mut(q_dim))
+                .zip(seqs.par_iter_mut().zip(row_attention))
+                .try_for_each(|((((q, k), v), attn), (seq, scratch))| {
+                    self.attend_row(rope, (q, k, v), seq, attn, scratch)
+                })?,
         }
-        rope.apply_rows_in_place(q, pos)?;
-        if self.k_proj.is_some() {
-            if self.v_proj.is_none() {
-                v.copy_from_slice(k);
-            }
-            if let Some(w) = &self.k_norm {
-                norm_rows_in_place(k, w, self.eps)?;
-            }
-            if let Some(w) = &self.v_norm {
-                norm_rows_in_place(v, w, self.eps)?;
-            }
-            rope.apply_rows_in_place(k, pos)?;
-            cache.note_query_row(q, self.head_dim, self.kv_heads)?;
-            cache.append_row(k, v, self.head_dim)?;
-        }
-        let params = self.params();
-        cache.attend_row(q, self.head_dim, &params, attn, attention)?;
-        QLinear::forward_group_into(&[&self.o_proj], attn, &mut [out], linear)?;
+        QLinear::forward_rows_into(&[&self.o_proj], attn, rows, &mut [out], linear)?;
         Ok(())
     }
 

@@ -18,7 +18,9 @@ use crate::layers::batch::{
 use crate::layers::mlp::GatedMlp;
 use crate::layers::moe::Ffn;
 use crate::layers::norm_weight;
-use crate::layers::step::{StepBuffers, StepPool, add_into, norm_into, output_logits_into};
+use crate::layers::step::{
+    StepBuffers, StepPool, StepRow, add_into, norm_into, norm_rows_into, output_logits_into,
+};
 use crate::weights::Weights;
 use crate::{CausalLm, Logits, ModelConfig, Result};
 
@@ -53,6 +55,22 @@ pub trait SelfAttention: Sized + Send + Sync {
         cache: &mut dyn LayerCache,
         pos: usize,
     ) -> Result<()>;
+    /// Whether [`step_rows`](Self::step_rows) runs this layer (a batched decode step).
+    fn steps_rows(&self) -> bool {
+        false
+    }
+    /// [`step`](Self::step) for several sequences' one new token each: row `i` of `b.normed`
+    /// (`b.rows` rows) at `seqs[i]`'s cache and position, into row `i` of `b.out`; each row's
+    /// bits are those its sequence's own step gives.
+    fn step_rows(
+        &self,
+        _b: &mut StepBuffers,
+        _rope: &RotaryEmbedding,
+        _seqs: &mut [StepRow],
+    ) -> Result<()> {
+        let why = "this attention has no batched decode step";
+        Err(peregrine_tensor::candle::Error::Msg(why.into()).into())
+    }
     /// Bytes of weights.
     fn weight_bytes(&self) -> usize;
     /// Whether [`step`](Self::step) runs this model's layers (else decode runs `forward`).
@@ -135,6 +153,54 @@ impl<A: SelfAttention> DecoderLm<A> {
 }
 
 impl<A: SelfAttention> DecoderLm<A> {
+    /// Whether [`step_batch`](Self::step_batch) runs `batch`: one new token per sequence, no
+    /// image rows or MTP head, on the CPU, through dense layers whose attention has a batched
+    /// step.
+    fn steps_batch(&self, batch: &mut [BatchSeq]) -> bool {
+        let decodes = (batch.iter_mut())
+            .all(|s| s.tokens.len() == 1 && s.media.is_none() && s.cache.mtp().is_none());
+        let layers = (self.layers.iter())
+            .all(|l| matches!(l.mlp, Ffn::Dense(_)) && l.self_attn.steps_rows());
+        decodes && layers && self.device.is_cpu() && A::steps(&self.config)
+    }
+
+    /// [`forward_batch`](CausalLm::forward_batch) of one token per sequence over a batched
+    /// step's buffers: the decode step with a row per sequence (matmuls on all rows at once,
+    /// attention per sequence), allocating no tensors between the embeddings and the logits.
+    /// Each row's bits are its sequence's `forward`'s.
+    fn step_batch(&self, batch: &mut [BatchSeq]) -> Result<Tensor> {
+        let (rows, h, vocab) = (batch.len(), self.config.hidden_size, self.config.vocab_size);
+        let mut positions = Vec::with_capacity(rows);
+        for s in batch.iter() {
+            let pos = s.cache.len();
+            super::check_room(1, pos, self.rope.max_positions())?;
+            positions.push(s.cache.rope_position(pos));
+        }
+        let eps = self.config.rms_norm_eps as f32;
+        let mut logits = vec![0f32; rows * vocab];
+        self.steps.run_rows(&self.config, rows, |b| -> Result<()> {
+            for (x, s) in b.x.chunks_mut(h).zip(batch.iter()) {
+                self.embed_tokens.row_into(s.tokens[0], x)?;
+            }
+            for (i, layer) in self.layers.iter().enumerate() {
+                let mut seqs: Vec<StepRow> = (batch.iter_mut().zip(&positions))
+                    .map(|(s, &pos)| StepRow {
+                        cache: s.cache.layer(i),
+                        pos,
+                    })
+                    .collect();
+                layer.step_rows(b, eps, &self.rope, &mut seqs)?;
+            }
+            norm_rows_into(&b.x, &self.norm, eps, &mut b.normed)?;
+            let (head, out) = (&[&self.lm_head], &mut [&mut logits[..]]);
+            QLinear::forward_rows_into(head, &b.normed, rows, out, &mut b.linear)?;
+            Ok(())
+        })?;
+        Ok(Tensor::from_vec(logits, (rows, vocab), &self.device)?)
+    }
+}
+
+impl<A: SelfAttention> DecoderLm<A> {
     /// Runs the MTP head's rows of the pass just run for the sequences that keep one; `x` is
     /// the last layer's output.
     fn mtp_catch_up(&self, x: &Tensor, batch: &mut [BatchSeq]) -> Result<()> {
@@ -186,6 +252,28 @@ impl<A: SelfAttention> DecoderLayer<A> {
         Ok((&x + self.mlp.forward(&normed, limits)?)?)
     }
 
+    /// [`step`](Self::step) for a batched step's rows (`b.x`, one per sequence of `seqs`), on
+    /// a dense layer.
+    fn step_rows(
+        &self,
+        b: &mut StepBuffers,
+        eps: f32,
+        rope: &RotaryEmbedding,
+        seqs: &mut [StepRow],
+    ) -> Result<()> {
+        let Ffn::Dense(mlp) = &self.mlp else {
+            let why = "a batched decode step runs dense layers only";
+            return Err(peregrine_tensor::candle::Error::Msg(why.into()).into());
+        };
+        norm_rows_into(&b.x, &self.input_layernorm, eps, &mut b.normed)?;
+        self.self_attn.step_rows(b, rope, seqs)?;
+        add_into(&mut b.x, &b.out);
+        norm_rows_into(&b.x, &self.post_attention_layernorm, eps, &mut b.normed)?;
+        mlp.step(b)?;
+        add_into(&mut b.x, &b.out);
+        Ok(())
+    }
+
     /// [`forward`](Self::forward) for one token over a decode step's buffers (`b.x`).
     fn step(
         &self,
@@ -228,6 +316,9 @@ impl<A: SelfAttention + 'static> CausalLm for DecoderLm<A> {
     }
 
     fn forward_batch(&self, batch: &mut [BatchSeq]) -> Result<Tensor> {
+        if self.steps_batch(batch) {
+            return self.step_batch(batch);
+        }
         let eps = self.config.rms_norm_eps as f32;
         let x = self.hidden(batch)?;
         self.mtp_catch_up(&x, batch)?;

@@ -72,10 +72,11 @@ impl GatedMlp {
         Ok(self.down_proj.forward(&act)?)
     }
 
-    /// [`forward`](Self::forward) over a decode step's buffers: reads `b.normed`, leaves the
-    /// output in `b.out`.
+    /// [`forward`](Self::forward) over a decode step's buffers: reads `b.normed` (`b.rows`
+    /// rows), leaves the output in `b.out`.
     pub fn step(&self, b: &mut StepBuffers) -> Result<()> {
         let StepBuffers {
+            rows,
             normed,
             out,
             gate,
@@ -83,7 +84,7 @@ impl GatedMlp {
             linear,
             ..
         } = b;
-        self.row_into(normed, gate, up, out, linear)
+        self.rows_into(normed, *rows, (gate, up), out, linear)
     }
 
     /// One row `x` (`[hidden]`) into `out` (`[hidden]`), with `gate` and `up` (at least
@@ -96,15 +97,29 @@ impl GatedMlp {
         out: &mut [f32],
         linear: &mut LinearScratch,
     ) -> Result<()> {
-        let (gate, up) = (&mut gate[..self.intermediate], &mut up[..self.intermediate]);
+        self.rows_into(x, 1, (gate, up), out, linear)
+    }
+
+    /// [`row_into`](Self::row_into) for `rows` rows (`x` and `out` `[rows, hidden]`, the
+    /// scratch at least `rows · intermediate` long).
+    fn rows_into(
+        &self,
+        x: &[f32],
+        rows: usize,
+        (gate, up): (&mut [f32], &mut [f32]),
+        out: &mut [f32],
+        linear: &mut LinearScratch,
+    ) -> Result<()> {
+        let n = rows * self.intermediate;
+        let (gate, up) = (&mut gate[..n], &mut up[..n]);
         let gate_up = [&self.gate_proj, &self.up_proj];
-        QLinear::forward_group_into(&gate_up, x, &mut [&mut *gate, &mut *up], linear)?;
+        QLinear::forward_rows_into(&gate_up, x, rows, &mut [&mut *gate, &mut *up], linear)?;
         let act = match self.activation {
             Activation::Silu => Gate::Silu,
             Activation::GeluTanh => Gate::GeluTanh,
         };
         act.apply_in_place(gate, up);
-        QLinear::forward_group_into(&[&self.down_proj], gate, &mut [out], linear)?;
+        QLinear::forward_rows_into(&[&self.down_proj], gate, rows, &mut [out], linear)?;
         Ok(())
     }
 

@@ -5,6 +5,7 @@
 
 use std::sync::Mutex;
 
+use peregrine_kv::LayerCache;
 use peregrine_tensor::attention::AttnScratch;
 use peregrine_tensor::linear::LinearScratch;
 use peregrine_tensor::ops::{rms_norm_into, rms_norm_rows_in_place, with_f32};
@@ -12,8 +13,11 @@ use peregrine_tensor::{QLinear, Tensor};
 
 use crate::{ModelConfig, ModelError, Result};
 
-/// The activations of one decode step, each sized for its place in the layer.
+/// The activations of one decode step, each sized for its place in the layer: one token's,
+/// or a batched step's `rows` tokens' (one per sequence, row-major in each buffer).
 pub struct StepBuffers {
+    /// Rows each buffer holds (1 for a single sequence's step).
+    pub rows: usize,
     /// The residual stream, `[hidden]`.
     pub x: Vec<f32>,
     /// A normed copy of `x` (a block's input), `[hidden]`.
@@ -36,6 +40,8 @@ pub struct StepBuffers {
     pub linear: LinearScratch,
     /// Attention's partial sums.
     pub attention: AttnScratch,
+    /// Each row's attention partial sums in a batched step (rows attend in parallel).
+    pub row_attention: Vec<AttnScratch>,
     /// An MoE block's routing and expert output (empty for dense models).
     pub moe: MoeBuffers,
     /// Multi-head latent attention's intermediates (empty without MLA).
@@ -123,8 +129,8 @@ impl MoeBuffers {
 }
 
 impl StepBuffers {
-    fn new(c: &ModelConfig) -> Self {
-        let zeros = |n: usize| vec![0f32; n];
+    fn new(c: &ModelConfig, rows: usize) -> Self {
+        let zeros = |n: usize| vec![0f32; n * rows];
         // Sized for the widest layer; each layer uses the front of a buffer.
         let layers = (0..c.num_hidden_layers.max(1)).map(|i| c.for_layer(i));
         let (mut q_dim, mut kv_dim, mut intermediate) = (0, 0, 0);
@@ -138,7 +144,7 @@ impl StepBuffers {
             m.intermediate_size
                 .max(m.shared_intermediate_size.unwrap_or(0))
         }));
-        let per_layer = match c.per_layer_input {
+        let per_layer = match c.per_layer_input.filter(|_| rows == 1) {
             Some(p) => PerLayerBuffers {
                 inputs: zeros(c.num_hidden_layers * p.hidden),
                 token: zeros(c.num_hidden_layers * p.hidden),
@@ -147,6 +153,7 @@ impl StepBuffers {
             None => PerLayerBuffers::default(),
         };
         Self {
+            rows,
             x: zeros(c.hidden_size),
             normed: zeros(c.hidden_size),
             out: zeros(c.hidden_size),
@@ -158,12 +165,31 @@ impl StepBuffers {
             up: zeros(intermediate),
             linear: LinearScratch::default(),
             attention: AttnScratch::default(),
-            moe: MoeBuffers::new(c),
-            mla: MlaBuffers::new(c),
+            row_attention: (0..rows).map(|_| AttnScratch::default()).collect(),
+            // Batched steps run dense attention and MLPs only.
+            moe: if rows == 1 {
+                MoeBuffers::new(c)
+            } else {
+                MoeBuffers::default()
+            },
+            mla: if rows == 1 {
+                MlaBuffers::new(c)
+            } else {
+                MlaBuffers::default()
+            },
             side: zeros(c.hidden_size),
             per_layer,
         }
     }
+}
+
+/// One sequence's part of a layer in a batched decode step: that layer's cache and the rotary
+/// position of the sequence's new token.
+pub struct StepRow<'a> {
+    /// The layer's cache of this sequence.
+    pub cache: &'a mut dyn LayerCache,
+    /// The new token's rotary position.
+    pub pos: usize,
 }
 
 /// Step buffers for the sequences decoding at once: a step takes a set (allocated the first
@@ -174,8 +200,23 @@ pub struct StepPool(Mutex<Vec<StepBuffers>>);
 impl StepPool {
     /// Runs `f` with a set of buffers sized for `c`.
     pub fn run<R>(&self, c: &ModelConfig, f: impl FnOnce(&mut StepBuffers) -> R) -> R {
-        let taken = self.0.lock().unwrap_or_else(|e| e.into_inner()).pop();
-        let mut buffers = taken.unwrap_or_else(|| StepBuffers::new(c));
+        self.run_rows(c, 1, f)
+    }
+
+    /// Runs `f` with a set of buffers sized for `c` and `rows` sequences (a set of that many
+    /// rows is kept for the next step of as many).
+    pub fn run_rows<R>(
+        &self,
+        c: &ModelConfig,
+        rows: usize,
+        f: impl FnOnce(&mut StepBuffers) -> R,
+    ) -> R {
+        let taken = {
+            let mut held = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            let at = held.iter().rposition(|b| b.rows == rows);
+            at.map(|i| held.swap_remove(i))
+        };
+        let mut buffers = taken.unwrap_or_else(|| StepBuffers::new(c, rows));
         let result = f(&mut buffers);
         self.0
             .lock()
@@ -188,6 +229,15 @@ impl StepPool {
 /// `out = rms_norm(x) · w` for one row, `w` an f32 CPU tensor (every CPU model's norms).
 pub fn norm_into(x: &[f32], w: &Tensor, eps: f32, out: &mut [f32]) -> Result<()> {
     with_f32(w, |w| rms_norm_into(x, w, eps, out))?.ok_or_else(not_f32)
+}
+
+/// [`norm_into`] on each `w.len()`-wide row of `x` (a batched step's residual rows).
+pub fn norm_rows_into(x: &[f32], w: &Tensor, eps: f32, out: &mut [f32]) -> Result<()> {
+    let width = w.elem_count().max(1);
+    for (x, out) in x.chunks(width).zip(out.chunks_mut(width)) {
+        norm_into(x, w, eps, out)?;
+    }
+    Ok(())
 }
 
 /// Each `w.len()`-wide row of `x` normed in place (per-head q/k norms).
