@@ -92,7 +92,8 @@ fn argmax(v: &[f32]) -> usize {
 /// `forward_batch` over sequences of different lengths, prefill chunks and single decode
 /// tokens mixed in each pass, gives each sequence the logits of its own `forward` calls: bit
 /// for bit on the two real GGUF models (f16 KV), within [`DENSE_TOLERANCE`] and with the same
-/// top token on a MoE, a sliding-window and a recurrent fixture (f32 weights).
+/// top token on MoE, sliding-window, recurrent and dense fixtures (f32 weights). Passes of one
+/// token per sequence take the batched decode step where the model has one.
 #[test]
 fn a_batched_pass_equals_each_sequences_own() {
     let f16 = KvOptions {
@@ -104,6 +105,13 @@ fn a_batched_pass_equals_each_sequences_own() {
         (real_model("gemma-3-270m-q4_k_m.gguf"), true),
         (common::fixture("qwen3_moe/hf"), false),
         (common::fixture("mistral/hf"), false),
+        // Passes of single tokens run the batched decode step: q/k/v biases, q/k norms,
+        // soft caps, Gemma's four norms and KV-shared layers.
+        (common::fixture("qwen2/hf"), false),
+        (common::fixture("qwen3/hf"), false),
+        (common::fixture("gemma2/hf"), false),
+        (common::fixture("gemma3/hf"), false),
+        (common::fixture("gemma4_text/hf"), false),
         // Recurrent layers: each sequence's rows run on its own state.
         (common::fixture("mamba2/hf"), false),
         (common::fixture("qwen3_next/hf"), false),

@@ -270,6 +270,22 @@ pub fn add_normed_into(
     Ok(())
 }
 
+/// [`add_normed_into`] on each `w.len()`-wide row of `x` and `y` (a batched step's rows).
+pub fn add_normed_rows_into(
+    x: &mut [f32],
+    y: &[f32],
+    w: &Tensor,
+    eps: f32,
+    scratch: &mut [f32],
+) -> Result<()> {
+    let width = w.elem_count().max(1);
+    let rows = x.chunks_mut(width).zip(y.chunks(width));
+    for ((x, y), scratch) in rows.zip(scratch.chunks_mut(width)) {
+        add_normed_into(x, y, w, eps, scratch)?;
+    }
+    Ok(())
+}
+
 /// [`softcap`](peregrine_tensor::attention::softcap) on a row of f32 logits, in the same
 /// operations (candle divides by multiplying with the reciprocal), so that decode and
 /// `forward` agree bit for bit.

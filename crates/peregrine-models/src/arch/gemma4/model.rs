@@ -6,6 +6,8 @@
 //! scalar on each layer's output (see the [module above](super)), each `None` or 1 when the
 //! config or checkpoint has none.
 
+mod rows;
+
 use peregrine_kv::{LayerCache, LayerKind, SequenceCache, SharedView};
 use peregrine_tensor::ops::{Gate, gelu_mul, rms_norm};
 use peregrine_tensor::{DType, Device, Embedding, QLinear, RopeScaling, RotaryEmbedding, Tensor};
@@ -471,6 +473,9 @@ impl CausalLm for GemmaLm {
     }
 
     fn forward_batch(&self, batch: &mut [BatchSeq]) -> Result<Tensor> {
+        if self.steps_batch(batch) {
+            return self.step_batch(batch);
+        }
         let eps = self.config.rms_norm_eps as f32;
         let x = self.hidden(batch)?;
         self.keep_hidden(&x, batch)?;
