@@ -13,6 +13,8 @@ pub mod dense;
 #[cfg(feature = "cuda")]
 mod dense_cuda;
 pub mod device;
+#[cfg(feature = "cuda")]
+mod fused_cuda;
 pub mod linear;
 pub mod mlx;
 pub mod ops;

@@ -19,6 +19,18 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
     }
 }
 
+/// `(x + y, rms_norm(x + y, w))`: a residual add and the norm after it (one launch on CUDA,
+/// the two ops elsewhere).
+pub fn add_rms_norm(x: &Tensor, y: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if let Some(both) = crate::fused_cuda::add_rms_norm(x, y, w, eps)? {
+        return Ok(both);
+    }
+    let sum = (x + y)?;
+    let normed = rms_norm(&sum, w, eps)?;
+    Ok((sum, normed))
+}
+
 fn rms_norm_rows(xs: &[f32], ws: &[f32], dim: usize, eps: f32) -> Vec<f32> {
     let mut out = vec![0f32; xs.len()];
     out.par_chunks_mut(dim)
@@ -69,6 +81,10 @@ pub fn rms_norm_ref(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
 
 /// `silu(gate) * up`, the gated-MLP activation.
 pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Some(y) = crate::fused_cuda::silu_mul(gate, up)? {
+        return Ok(y);
+    }
     if gate.shape() == up.shape() {
         let fused = with_f32(gate, |g| with_f32(up, |u| silu_mul_chunks(g, u)))?;
         if let Some(out) = fused.transpose()?.flatten() {

@@ -7,7 +7,7 @@
 mod mtp;
 
 use peregrine_kv::{LayerCache, LayerKind, SequenceCache};
-use peregrine_tensor::ops::rms_norm;
+use peregrine_tensor::ops::{add_rms_norm, rms_norm};
 use peregrine_tensor::{DType, Device, Embedding, QLinear, RotaryEmbedding, Tensor};
 
 use crate::layers::attention::Attention;
@@ -244,8 +244,7 @@ impl<A: SelfAttention> DecoderLayer<A> {
     ) -> Result<Tensor> {
         let normed = rms_norm(x, &self.input_layernorm, eps)?;
         let attn = self.self_attn.forward(&normed, rope, segments)?;
-        let x = (x + attn)?;
-        let normed = rms_norm(&x, &self.post_attention_layernorm, eps)?;
+        let (x, normed) = add_rms_norm(x, &attn, &self.post_attention_layernorm, eps)?;
         if let Some(next) = next {
             next.speculate(&normed)?;
         }

@@ -1,0 +1,1 @@
+../../../kernels/cuda/fused.cu
