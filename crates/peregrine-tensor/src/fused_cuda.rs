@@ -1,6 +1,8 @@
 //! A decode step's element-wise chains fused on CUDA (`kernels/cuda/fused.cu`): the residual add
 //! with the RMSNorm after it, and SiLU with the multiply by the up projection, one launch each
-//! instead of two. `PEREGRINE_CUDA_FUSED=0` keeps candle's separate kernels (to compare).
+//! instead of two, for inputs of up to [`MAX_ROWS`] rows (decode; a 512-token prefill through
+//! them measured slower, docs/cuda.md). `PEREGRINE_CUDA_FUSED=0` keeps candle's separate kernels
+//! (to compare).
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
@@ -20,10 +22,16 @@ fn enabled() -> bool {
     *ON.get_or_init(|| std::env::var("PEREGRINE_CUDA_FUSED").map_or(true, |v| v != "0"))
 }
 
-/// Whether `ts` are contiguous CUDA tensors of one float type the kernels take.
+/// The most rows (all dimensions but the last) an input of the fused kernels has.
+const MAX_ROWS: usize = 8;
+
+/// Whether `ts` are contiguous CUDA tensors of one float type the kernels take, of at most
+/// [`MAX_ROWS`] rows.
 fn takes(ts: &[&Tensor]) -> bool {
     let dtype = ts[0].dtype();
+    let rows = ts[0].elem_count() / ts[0].dims().last().copied().unwrap_or(1).max(1);
     enabled()
+        && rows <= MAX_ROWS
         && matches!(dtype, DType::BF16 | DType::F16 | DType::F32)
         && ts.iter().all(|t| {
             t.device().is_cuda()
