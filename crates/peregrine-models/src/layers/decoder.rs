@@ -19,7 +19,8 @@ use crate::layers::mlp::GatedMlp;
 use crate::layers::moe::Ffn;
 use crate::layers::norm_weight;
 use crate::layers::step::{
-    StepBuffers, StepPool, StepRow, add_into, norm_into, norm_rows_into, output_logits_into,
+    StepBuffers, StepPool, StepRow, add_into, batch_positions, head_rows_into, norm_into,
+    norm_rows_into, output_logits_into, step_rows,
 };
 use crate::weights::Weights;
 use crate::{CausalLm, Logits, ModelConfig, Result};
@@ -170,12 +171,10 @@ impl<A: SelfAttention> DecoderLm<A> {
     /// Each row's bits are its sequence's `forward`'s.
     fn step_batch(&self, batch: &mut [BatchSeq]) -> Result<Tensor> {
         let (rows, h, vocab) = (batch.len(), self.config.hidden_size, self.config.vocab_size);
-        let mut positions = Vec::with_capacity(rows);
-        for s in batch.iter() {
-            let pos = s.cache.len();
-            super::check_room(1, pos, self.rope.max_positions())?;
-            positions.push(s.cache.rope_position(pos));
-        }
+        let positions = batch_positions(batch, self.rope.max_positions())?;
+        let positions: Vec<usize> = (batch.iter().zip(positions))
+            .map(|(s, pos)| s.cache.rope_position(pos)) // past an M-RoPE image, its rotary position
+            .collect();
         let eps = self.config.rms_norm_eps as f32;
         let mut logits = vec![0f32; rows * vocab];
         self.steps.run_rows(&self.config, rows, |b| -> Result<()> {
@@ -183,18 +182,9 @@ impl<A: SelfAttention> DecoderLm<A> {
                 self.embed_tokens.row_into(s.tokens[0], x)?;
             }
             for (i, layer) in self.layers.iter().enumerate() {
-                let mut seqs: Vec<StepRow> = (batch.iter_mut().zip(&positions))
-                    .map(|(s, &pos)| StepRow {
-                        cache: s.cache.layer(i),
-                        pos,
-                    })
-                    .collect();
-                layer.step_rows(b, eps, &self.rope, &mut seqs)?;
+                layer.step_rows(b, eps, &self.rope, &mut step_rows(batch, &positions, i))?;
             }
-            norm_rows_into(&b.x, &self.norm, eps, &mut b.normed)?;
-            let (head, out) = (&[&self.lm_head], &mut [&mut logits[..]]);
-            QLinear::forward_rows_into(head, &b.normed, rows, out, &mut b.linear)?;
-            Ok(())
+            head_rows_into(b, &self.norm, eps, &self.lm_head, &mut logits)
         })?;
         Ok(Tensor::from_vec(logits, (rows, vocab), &self.device)?)
     }

@@ -11,6 +11,7 @@ use peregrine_tensor::linear::LinearScratch;
 use peregrine_tensor::ops::{rms_norm_into, rms_norm_rows_in_place, with_f32};
 use peregrine_tensor::{QLinear, Tensor};
 
+use crate::layers::batch::BatchSeq;
 use crate::{ModelConfig, ModelError, Result};
 
 /// The activations of one decode step, each sized for its place in the layer: one token's,
@@ -303,8 +304,43 @@ pub fn output_logits_into(
     vocab: usize,
     logits: &mut Vec<f32>,
 ) -> Result<()> {
-    norm_into(&b.x, norm, eps, &mut b.normed)?;
     logits.resize(vocab, 0.0);
-    QLinear::forward_group_into(&[lm_head], &b.normed, &mut [&mut logits[..]], &mut b.linear)?;
+    head_rows_into(b, norm, eps, lm_head, logits)
+}
+
+/// The output head on every row of a step's buffers: the final norm of `b.x`, then `lm_head`
+/// into `logits` (`[b.rows, vocab]`).
+pub fn head_rows_into(
+    b: &mut StepBuffers,
+    norm: &Tensor,
+    eps: f32,
+    lm_head: &QLinear,
+    logits: &mut [f32],
+) -> Result<()> {
+    norm_rows_into(&b.x, norm, eps, &mut b.normed)?;
+    let (head, out) = (&[lm_head], &mut [logits]);
+    QLinear::forward_rows_into(head, &b.normed, b.rows, out, &mut b.linear)?;
     Ok(())
+}
+
+/// Each sequence's position in a batched decode step (what its cache holds), checked against
+/// a context of `max_positions`.
+pub fn batch_positions(batch: &[BatchSeq], max_positions: usize) -> Result<Vec<usize>> {
+    let positions = batch.iter().map(|s| s.cache.len());
+    (positions.map(|pos| super::check_room(1, pos, max_positions).map(|()| pos))).collect()
+}
+
+/// A layer's part of a batched decode step for each sequence: its cache slot `slot` and the
+/// rotary position `positions` gives it.
+pub fn step_rows<'a>(
+    batch: &'a mut [BatchSeq],
+    positions: &[usize],
+    slot: usize,
+) -> Vec<StepRow<'a>> {
+    (batch.iter_mut().zip(positions))
+        .map(|(s, &pos)| StepRow {
+            cache: s.cache.layer(slot),
+            pos,
+        })
+        .collect()
 }

@@ -2,14 +2,15 @@
 //! a row per sequence, as [`DecoderLm`](crate::layers::decoder::DecoderLm)'s is for the llama
 //! family (Gemma 2 and 3, and Gemma 4 checkpoints without experts or per-layer inputs).
 
-use peregrine_tensor::{QLinear, RotaryEmbedding, Tensor};
+use peregrine_tensor::{RotaryEmbedding, Tensor};
 
 use super::{GemmaLm, Layer};
 use crate::Result;
 use crate::layers::batch::BatchSeq;
 use crate::layers::decoder::SelfAttention;
 use crate::layers::step::{
-    StepBuffers, StepRow, add_normed_rows_into, norm_rows_into, softcap_in_place,
+    StepBuffers, StepRow, add_normed_rows_into, batch_positions, head_rows_into, norm_rows_into,
+    softcap_in_place, step_rows,
 };
 
 impl GemmaLm {
@@ -28,12 +29,7 @@ impl GemmaLm {
     /// batched step's buffers; each row's bits are its sequence's `forward`'s.
     pub(super) fn step_batch(&self, batch: &mut [BatchSeq]) -> Result<Tensor> {
         let (rows, h, vocab) = (batch.len(), self.config.hidden_size, self.config.vocab_size);
-        let mut positions = Vec::with_capacity(rows);
-        for s in batch.iter() {
-            let pos = s.cache.len();
-            crate::layers::check_room(1, pos, self.rope_global.max_positions())?;
-            positions.push(pos);
-        }
+        let positions = batch_positions(batch, self.rope_global.max_positions())?;
         let eps = self.config.rms_norm_eps as f32;
         let scale = (h as f32).sqrt();
         let mut logits = vec![0f32; rows * vocab];
@@ -43,17 +39,10 @@ impl GemmaLm {
             }
             b.x.iter_mut().for_each(|x| *x *= scale);
             for layer in &self.layers {
-                let mut seqs: Vec<StepRow> = (batch.iter_mut().zip(&positions))
-                    .map(|(s, &pos)| StepRow {
-                        cache: s.cache.layer(layer.slot),
-                        pos,
-                    })
-                    .collect();
+                let mut seqs = step_rows(batch, &positions, layer.slot);
                 layer.step_rows(b, eps, self.rope(layer), &mut seqs)?;
             }
-            norm_rows_into(&b.x, &self.norm, eps, &mut b.normed)?;
-            let (head, out) = (&[&self.lm_head], &mut [&mut logits[..]]);
-            QLinear::forward_rows_into(head, &b.normed, rows, out, &mut b.linear)?;
+            head_rows_into(b, &self.norm, eps, &self.lm_head, &mut logits)?;
             if let Some(cap) = self.config.final_logit_softcapping {
                 softcap_in_place(&mut logits, cap as f32);
             }
