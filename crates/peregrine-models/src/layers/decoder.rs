@@ -19,8 +19,8 @@ use crate::layers::mlp::GatedMlp;
 use crate::layers::moe::Ffn;
 use crate::layers::norm_weight;
 use crate::layers::step::{
-    StepBuffers, StepPool, StepRow, add_into, batch_positions, head_rows_into, norm_into,
-    norm_rows_into, output_logits_into, step_rows,
+    StepBuffers, StepPool, StepRow, add_into, batch_positions, decodes_only, head_rows_into,
+    norm_into, norm_rows_into, output_logits_into, step_rows,
 };
 use crate::weights::Weights;
 use crate::{CausalLm, Logits, ModelConfig, Result};
@@ -158,11 +158,9 @@ impl<A: SelfAttention> DecoderLm<A> {
     /// image rows or MTP head, on the CPU, through dense layers whose attention has a batched
     /// step.
     fn steps_batch(&self, batch: &mut [BatchSeq]) -> bool {
-        let decodes = (batch.iter_mut())
-            .all(|s| s.tokens.len() == 1 && s.media.is_none() && s.cache.mtp().is_none());
         let layers = (self.layers.iter())
             .all(|l| matches!(l.mlp, Ffn::Dense(_)) && l.self_attn.steps_rows());
-        decodes && layers && self.device.is_cpu() && A::steps(&self.config)
+        decodes_only(batch) && layers && self.device.is_cpu() && A::steps(&self.config)
     }
 
     /// [`forward_batch`](CausalLm::forward_batch) of one token per sequence over a batched

@@ -257,8 +257,8 @@ pub fn add_into(x: &mut [f32], y: &[f32]) {
     x.iter_mut().zip(y).for_each(|(x, y)| *x += y);
 }
 
-/// `x += rms_norm(y) · w` for one row, `scratch` (`[hidden]`) holding the normed `y`:
-/// [`add_normed`](super::add_normed) in the step.
+/// `x += rms_norm(y) · w` on each `w.len()`-wide row, `scratch` (as long as `y`) holding the
+/// normed `y`: [`add_normed`](super::add_normed) in the step.
 pub fn add_normed_into(
     x: &mut [f32],
     y: &[f32],
@@ -266,24 +266,8 @@ pub fn add_normed_into(
     eps: f32,
     scratch: &mut [f32],
 ) -> Result<()> {
-    norm_into(y, w, eps, scratch)?;
+    norm_rows_into(y, w, eps, scratch)?;
     add_into(x, scratch);
-    Ok(())
-}
-
-/// [`add_normed_into`] on each `w.len()`-wide row of `x` and `y` (a batched step's rows).
-pub fn add_normed_rows_into(
-    x: &mut [f32],
-    y: &[f32],
-    w: &Tensor,
-    eps: f32,
-    scratch: &mut [f32],
-) -> Result<()> {
-    let width = w.elem_count().max(1);
-    let rows = x.chunks_mut(width).zip(y.chunks(width));
-    for ((x, y), scratch) in rows.zip(scratch.chunks_mut(width)) {
-        add_normed_into(x, y, w, eps, scratch)?;
-    }
     Ok(())
 }
 
@@ -321,6 +305,12 @@ pub fn head_rows_into(
     let (head, out) = (&[lm_head], &mut [logits]);
     QLinear::forward_rows_into(head, &b.normed, b.rows, out, &mut b.linear)?;
     Ok(())
+}
+
+/// Whether every sequence of `batch` runs one new token, with no image rows or drafter state:
+/// a pass the batched decode step can take.
+pub fn decodes_only(batch: &mut [BatchSeq]) -> bool {
+    (batch.iter_mut()).all(|s| s.tokens.len() == 1 && s.media.is_none() && s.cache.mtp().is_none())
 }
 
 /// Each sequence's position in a batched decode step (what its cache holds), checked against

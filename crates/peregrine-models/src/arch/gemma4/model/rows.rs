@@ -9,8 +9,8 @@ use crate::Result;
 use crate::layers::batch::BatchSeq;
 use crate::layers::decoder::SelfAttention;
 use crate::layers::step::{
-    StepBuffers, StepRow, add_normed_rows_into, batch_positions, head_rows_into, norm_rows_into,
-    softcap_in_place, step_rows,
+    StepBuffers, StepRow, add_normed_into, batch_positions, decodes_only, head_rows_into,
+    norm_rows_into, softcap_in_place, step_rows,
 };
 
 impl GemmaLm {
@@ -18,11 +18,9 @@ impl GemmaLm {
     /// image rows or drafter state, on the CPU, through layers without experts or per-layer
     /// inputs.
     pub(super) fn steps_batch(&self, batch: &mut [BatchSeq]) -> bool {
-        let decodes = (batch.iter_mut())
-            .all(|s| s.tokens.len() == 1 && s.media.is_none() && s.cache.mtp().is_none());
         let layers = (self.layers.iter())
             .all(|l| l.moe.is_none() && l.per_layer.is_none() && l.self_attn.steps_rows());
-        decodes && layers && self.per_layer_inputs.is_none() && self.device.is_cpu()
+        decodes_only(batch) && layers && self.per_layer_inputs.is_none() && self.device.is_cpu()
     }
 
     /// [`forward_batch`](crate::CausalLm::forward_batch) of one token per sequence over a
@@ -65,11 +63,11 @@ impl Layer {
         norm_rows_into(&b.x, &self.input_layernorm, eps, &mut b.normed)?;
         self.self_attn.step_rows(b, rope, seqs)?;
         let (x, out, normed) = (&mut b.x, &b.out, &mut b.normed);
-        add_normed_rows_into(x, out, &self.post_attention_layernorm, eps, normed)?;
+        add_normed_into(x, out, &self.post_attention_layernorm, eps, normed)?;
         norm_rows_into(&b.x, &self.pre_feedforward_layernorm, eps, &mut b.normed)?;
         self.mlp.step(b)?;
         let (x, out, normed) = (&mut b.x, &b.out, &mut b.normed);
-        add_normed_rows_into(x, out, &self.post_feedforward_layernorm, eps, normed)?;
+        add_normed_into(x, out, &self.post_feedforward_layernorm, eps, normed)?;
         if self.scalar != 1.0 {
             b.x.iter_mut().for_each(|x| *x *= self.scalar);
         }
