@@ -4,6 +4,9 @@
 use candle_core::{D, DType, Device, Result, Tensor};
 use half::{bf16, f16};
 
+#[cfg(feature = "cuda")]
+pub use crate::attention_cuda::decode_attention;
+
 /// Which keys a query may see, in absolute positions.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MaskSpec {
@@ -77,9 +80,18 @@ pub fn attention(
     if let Some(y) = crate::attention_cpu::attention(q, k, v, scale, softcap, mask)? {
         return Ok(y);
     }
+    let out_dtype = q.dtype();
+    // One new token (decode): the split-keys kernel where it takes these tensors.
+    #[cfg(feature = "cuda")]
+    if q.dim(2)? == 1
+        && crate::attention_cuda::enabled()
+        && mask.is_trivial(1, k.dim(2)?)
+        && let Some(y) = decode_attention(q, k, v, scale, softcap)?
+    {
+        return y.to_dtype(out_dtype);
+    }
     // Off the CPU the queries take the cache's dtype (a copy of a few rows), not the cache the
     // queries' (a copy of the whole cache every step); the output goes back to the queries'.
-    let out_dtype = q.dtype();
     let work = match k.dtype() {
         DType::F16 | DType::BF16 if !q.device().is_cpu() && v.dtype() == k.dtype() => k.dtype(),
         _ => out_dtype,

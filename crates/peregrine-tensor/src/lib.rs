@@ -8,6 +8,8 @@ pub use candle_nn as nn;
 
 pub mod attention;
 mod attention_cpu;
+#[cfg(feature = "cuda")]
+mod attention_cuda;
 pub mod cpu;
 pub mod dense;
 #[cfg(feature = "cuda")]

@@ -1,0 +1,1 @@
+../../../kernels/cuda/attn_decode.cu

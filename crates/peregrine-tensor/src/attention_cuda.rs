@@ -1,0 +1,202 @@
+//! One new token's attention over its cache on CUDA (`kernels/cuda/attn_decode.cu`): the keys
+//! split into chunks attended in parallel, then joined (flash-decoding), in place of candle's
+//! GEMM, softmax and GEMM, whose value product runs one block per kv head over the whole
+//! context. Opt-in while it waits for its first run on a GPU: `PEREGRINE_CUDA_ATTN=1`.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{CpuStorage, CudaStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use half::{bf16, f16};
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_decode.ptx"));
+/// The name the PTX module is loaded under (once per device).
+const MODULE: &str = "peregrine_attn_decode";
+
+/// Query heads per kv head the kernel holds in registers (`MAX_GROUPS` in the kernel).
+const MAX_GROUPS: usize = 8;
+/// Head sizes the kernel is built for.
+const HEAD_DIMS: [usize; 5] = [16, 32, 64, 128, 256];
+/// Threads of a partial block (`WARPS · 32` in the kernel).
+const THREADS: u32 = 128;
+/// About how many blocks a call spreads over (enough to keep an H100's 132 SMs reading).
+const TARGET_BLOCKS: usize = 1024;
+/// Fewest keys a chunk holds (below that the join costs more than the split saves).
+const MIN_CHUNK: usize = 32;
+
+/// Whether [`attention`](crate::attention::attention) takes the kernel (`PEREGRINE_CUDA_ATTN`,
+/// read once; off unless `1`).
+pub(crate) fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("PEREGRINE_CUDA_ATTN").is_ok_and(|v| v == "1"))
+}
+
+/// Attention of one query position `q: [1, heads, 1, d]` over every key of `k, v: [1, kv_heads,
+/// n, d]` (no mask: the caller has cut the cache to the visible keys), scores scaled by `scale`
+/// and capped by `softcap`; `[1, heads, 1, d]` in the cache's dtype. `None` when the kernel does
+/// not take these tensors (not CUDA, another dtype or head size, more than 8 query heads per kv
+/// head, a cache whose rows are not contiguous): the caller's path runs.
+pub fn decode_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    softcap: Option<f32>,
+) -> Result<Option<Tensor>> {
+    let (Ok((1, heads, 1, d)), Ok((1, kv_heads, n, kd))) = (q.dims4(), k.dims4()) else {
+        return Ok(None);
+    };
+    let rows_ok = |t: &Tensor| {
+        let s = t.stride();
+        t.device().is_cuda() && s[3] == 1 && s[2] == d && t.dims() == k.dims()
+    };
+    let takes = kd == d
+        && n > 0
+        && HEAD_DIMS.contains(&d)
+        && kv_heads > 0
+        && heads.is_multiple_of(kv_heads)
+        && heads / kv_heads <= MAX_GROUPS
+        && matches!(k.dtype(), DType::F32 | DType::F16 | DType::BF16)
+        && v.dtype() == k.dtype()
+        && rows_ok(k)
+        && rows_ok(v)
+        && k.stride()[1] == v.stride()[1];
+    if !takes {
+        return Ok(None);
+    }
+    let q = q.to_dtype(DType::F32)?.contiguous()?;
+    let op = DecodeAttention {
+        scale: scale as f32,
+        softcap: softcap.unwrap_or(0.0),
+    };
+    Ok(Some(q.apply_op3_no_bwd(k, v, &op)?))
+}
+
+struct DecodeAttention {
+    scale: f32,
+    /// 0 for none.
+    softcap: f32,
+}
+
+fn int(n: usize) -> Result<i32> {
+    i32::try_from(n).map_err(|_| candle_core::Error::Msg(format!("decode attention: {n}")))
+}
+
+impl DecodeAttention {
+    fn run<T: CudaDType + DeviceRepr>(
+        &self,
+        (q, ql): (&CudaStorage, &Layout),
+        (k, kl): (&CudaStorage, &Layout),
+        (v, vl): (&CudaStorage, &Layout),
+        name: &str,
+    ) -> Result<CudaStorage> {
+        let [_, kv_heads, n, d] = kl.dims() else {
+            candle_core::bail!("decode attention: keys of shape {:?}", kl.dims())
+        };
+        let (kv_heads, n, d) = (*kv_heads, *n, *d);
+        let heads = ql.dims()[1];
+        let groups = heads / kv_heads;
+        // Chunks enough for about TARGET_BLOCKS blocks, of at least MIN_CHUNK keys.
+        let chunks = TARGET_BLOCKS
+            .div_ceil(kv_heads)
+            .min(n.div_ceil(MIN_CHUNK))
+            .max(1);
+        let chunk_keys = n.div_ceil(chunks);
+        let chunks = n.div_ceil(chunk_keys);
+        let dev = &q.device;
+        let qs = q.as_cuda_slice::<f32>()?.slice(ql.start_offset()..);
+        let ks = k.as_cuda_slice::<T>()?.slice(kl.start_offset()..);
+        let vs = v.as_cuda_slice::<T>()?.slice(vl.start_offset()..);
+        // SAFETY: every element of the three is written by the kernels below before it is read.
+        let (part_o, part_ml, out) = unsafe {
+            (
+                dev.alloc::<f32>(heads * chunks * d)?,
+                dev.alloc::<f32>(2 * heads * chunks)?,
+                dev.alloc::<T>(heads * d)?,
+            )
+        };
+        let head_stride = kl.stride()[1] as i64;
+        let (n32, groups32, chunk32, chunks32, d32) = (
+            int(n)?,
+            int(groups)?,
+            int(chunk_keys)?,
+            int(chunks)?,
+            int(d)?,
+        );
+        let partial =
+            dev.get_or_load_custom_func(&format!("attn_partial_{name}_d{d}"), MODULE, PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (kv_heads as u32, chunks as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = partial.builder();
+        launch
+            .arg(&qs)
+            .arg(&ks)
+            .arg(&vs)
+            .arg(&head_stride)
+            .arg(&n32)
+            .arg(&groups32)
+            .arg(&chunk32)
+            .arg(&self.scale)
+            .arg(&self.softcap)
+            .arg(&part_o)
+            .arg(&part_ml);
+        // SAFETY: the kernel's arguments, in its order and types; `decode_attention` checked
+        // the shapes and that every key row is `d` contiguous values `head_stride` apart per head.
+        unsafe { launch.launch(cfg) }.w()?;
+        let join = dev.get_or_load_custom_func(&format!("attn_join_{name}"), MODULE, PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (heads as u32, 1, 1),
+            block_dim: (d as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = join.builder();
+        launch
+            .arg(&part_o)
+            .arg(&part_ml)
+            .arg(&chunks32)
+            .arg(&d32)
+            .arg(&out);
+        // SAFETY: as above; the partial kernel wrote `chunks` chunks of every head.
+        unsafe { launch.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+}
+
+impl CustomOp3 for DecodeAttention {
+    fn name(&self) -> &'static str {
+        "decode-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("decode-attention runs on CUDA only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        q: &CudaStorage,
+        ql: &Layout,
+        k: &CudaStorage,
+        kl: &Layout,
+        v: &CudaStorage,
+        vl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let out = match k.dtype() {
+            DType::BF16 => self.run::<bf16>((q, ql), (k, kl), (v, vl), "bf16")?,
+            DType::F16 => self.run::<f16>((q, ql), (k, kl), (v, vl), "f16")?,
+            DType::F32 => self.run::<f32>((q, ql), (k, kl), (v, vl), "f32")?,
+            other => candle_core::bail!("decode-attention: {other:?} is not supported"),
+        };
+        Ok((out, ql.shape().clone()))
+    }
+}

@@ -1,0 +1,137 @@
+//! The CUDA decode-attention kernel (`kernels/cuda/attn_decode.cu`) against the f32 reference
+//! (`attention_ref` on the CPU, over the same rounded values): one query position over a cache
+//! view that starts past slot 0 of a larger buffer, as the KV cache hands it over, for every
+//! head size the kernel is built for, 1-8 query heads per kv head, 1 to 8,200 keys (one chunk
+//! to hundreds), with and without a soft cap, in bf16, f16 and f32. Built only with the `cuda`
+//! feature and run on a GPU machine (`PEREGRINE_CUDA_ATTN=1 cargo test -p peregrine-tensor
+//! --features cuda --test attention_cuda`: `attention` takes the kernel only when asked).
+//!
+//! Tolerance: the kernel computes in f32 (its exponentials `__expf`, within a few f32 units)
+//! and rounds once to the cache's type, as the reference's f32 result is rounded here: the two
+//! may land one unit apart in the last place (2⁻⁷ relative for bf16, 2⁻¹⁰ for f16), plus 1e-4
+//! for values near zero. A wrong head, chunk join or key offset moves values by far more.
+#![cfg(feature = "cuda")]
+
+use peregrine_tensor::attention::{MaskSpec, attention, attention_ref, decode_attention};
+use peregrine_tensor::{DType, Device, Tensor};
+
+#[test]
+fn decode_attention_matches_the_f32_reference() {
+    let gpu = Device::new_cuda(0).expect("these tests need a CUDA GPU");
+    let mut cases = 0;
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        let step = match dtype {
+            DType::BF16 => 1.0 / 128.0,
+            DType::F16 => 1.0 / 1024.0,
+            _ => 1e-5,
+        };
+        for d in [16, 32, 64, 128, 256] {
+            for (heads, kv_heads) in [(4, 4), (9, 3), (32, 8), (16, 2)] {
+                for n in [1, 37, 1000, 8200] {
+                    let softcap = (n == 37).then_some(20.0);
+                    let case = format!("{dtype:?} d {d}, {heads}/{kv_heads} heads, {n} keys");
+                    let seed = (d * 7 + heads * 3 + n) as f32;
+                    let q = wave(&[1, heads, 1, d], seed, dtype, &gpu);
+                    // A cache of n + 11 slots whose visible keys start at slot 5.
+                    let cache = |s: f32| {
+                        let full = wave(&[1, kv_heads, n + 11, d], s, dtype, &gpu);
+                        full.narrow(2, 5, n).unwrap()
+                    };
+                    let (k, v) = (cache(seed + 1.0), cache(seed + 2.0));
+                    let scale = 1.0 / (d as f64).sqrt();
+                    let got = decode_attention(&q, &k, &v, scale, softcap)
+                        .unwrap()
+                        .unwrap_or_else(|| panic!("{case}: the kernel should take these"));
+                    let cpu = |t: &Tensor| {
+                        let t = t.to_device(&Device::Cpu).unwrap();
+                        t.to_dtype(DType::F32).unwrap().contiguous().unwrap()
+                    };
+                    let mask = MaskSpec {
+                        q_start: n - 1,
+                        k_start: 0,
+                        window: None,
+                        both_ways: None,
+                    };
+                    let want = attention_ref(&cpu(&q), &cpu(&k), &cpu(&v), scale, softcap, &mask)
+                        .unwrap()
+                        .to_dtype(dtype)
+                        .unwrap();
+                    close(&flat(&got), &flat(&want), step, &case);
+                    cases += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(cases, 240);
+}
+
+#[test]
+fn attention_takes_the_kernel_for_one_query_and_leaves_the_rest() {
+    let gpu = Device::new_cuda(0).expect("these tests need a CUDA GPU");
+    let (d, n) = (128, 300);
+    let q = wave(&[1, 32, 1, d], 1.0, DType::BF16, &gpu);
+    let k = wave(&[1, 8, n, d], 2.0, DType::BF16, &gpu);
+    let v = wave(&[1, 8, n, d], 3.0, DType::BF16, &gpu);
+    let mask = MaskSpec {
+        q_start: n - 1,
+        k_start: 0,
+        window: None,
+        both_ways: None,
+    };
+    let direct = decode_attention(&q, &k, &v, 0.088, None).unwrap().unwrap();
+    let through = attention(&q, &k, &v, 0.088, None, &mask).unwrap();
+    assert_eq!(
+        flat(&through),
+        flat(&direct),
+        "attention dispatches to the kernel"
+    );
+    // Shapes it does not take: 9 query heads per kv head, a head size it is not built for,
+    // two query positions.
+    let many = wave(&[1, 72, 1, d], 4.0, DType::BF16, &gpu);
+    assert!(
+        decode_attention(&many, &k, &v, 0.088, None)
+            .unwrap()
+            .is_none()
+    );
+    let odd = |s| wave(&[1, 8, n, 80], s, DType::BF16, &gpu);
+    let q80 = wave(&[1, 32, 1, 80], 5.0, DType::BF16, &gpu);
+    assert!(
+        decode_attention(&q80, &odd(6.0), &odd(7.0), 0.1, None)
+            .unwrap()
+            .is_none()
+    );
+    let two = wave(&[1, 32, 2, d], 8.0, DType::BF16, &gpu);
+    assert!(
+        decode_attention(&two, &k, &v, 0.088, None)
+            .unwrap()
+            .is_none()
+    );
+}
+
+/// `got` within one rounding step (`step` relative, plus 1e-4) of `want`.
+fn close(got: &[f32], want: &[f32], step: f32, case: &str) {
+    assert_eq!(got.len(), want.len(), "{case}");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let tol = w.abs() * step + 1e-4;
+        assert!((g - w).abs() <= tol, "{case}, value {i}: {g} against {w}");
+    }
+}
+
+/// A deterministic tensor of `dims` with values in [-2, 2] of every magnitude, on `device`.
+fn wave(dims: &[usize], seed: f32, dtype: DType, device: &Device) -> Tensor {
+    let n: usize = dims.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|i| 2.0 * ((i as f32 * 0.618 + seed).sin() * (i as f32 * 0.0137 + seed).cos()))
+        .collect();
+    let t = Tensor::from_vec(v, dims, &Device::Cpu).unwrap();
+    t.to_dtype(dtype).unwrap().to_device(device).unwrap()
+}
+
+fn flat(t: &Tensor) -> Vec<f32> {
+    let t = t
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_device(&Device::Cpu)
+        .unwrap();
+    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+}
