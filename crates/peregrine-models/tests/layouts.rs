@@ -12,14 +12,31 @@ fn fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/llama/hf")
 }
 
-fn scratch(name: &str) -> PathBuf {
+/// A scratch checkpoint folder holding the fixture's config and tokenizer, removed when dropped.
+fn scratch(name: &str) -> Scratch {
     let dir = std::env::temp_dir().join(format!("peregrine-layouts-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     for file in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(fixture().join(file), dir.join(file)).unwrap();
     }
-    dir
+    Scratch(dir)
+}
+
+/// A test's scratch folder, gone with its files once dropped.
+struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 fn logits(dir: &Path) -> Tensor {

@@ -30,7 +30,8 @@ fn logits_command_matches_transformers() {
 
 #[test]
 fn logits_command_selects_positions() {
-    let out_file = scratch("positions").join("l.safetensors");
+    let dir = scratch("positions");
+    let out_file = dir.join("l.safetensors");
     let out = peregrine(&[
         "logits",
         "--model",
@@ -175,8 +176,6 @@ fn truncated_gguf_names_the_file_and_tensor() {
             );
         }
     }
-    // Two thirds of SmolLM2: not left behind in the temp folder by every run.
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// `bench`, `generate` and `serve` keep the KV cache in f16 unless `--cache-type` says
@@ -293,7 +292,8 @@ fn a_moe_larger_than_memory_suggests_streaming_its_experts() {
         eprintln!("no /proc/meminfo: skipped");
         return;
     };
-    let file = scratch("moe-larger-than-memory").join("model.gguf");
+    let dir = scratch("moe-larger-than-memory");
+    let file = dir.join("model.gguf");
     std::fs::copy(
         repo().join("tests/fixtures/qwen3_moe/gguf/model-q8_0.gguf"),
         &file,

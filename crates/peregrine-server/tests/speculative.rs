@@ -228,7 +228,8 @@ fn smollm2_f32() -> PathBuf {
         .unwrap()
         .join("SmolLM2-135M-Instruct.f32.gguf");
     if !out.exists() {
-        let tmp = scratch("f32-copy").join("f32.gguf");
+        let dir = scratch("f32-copy");
+        let tmp = dir.join("f32.gguf");
         let source = real_model("SmolLM2-135M-Instruct.Q4_1.gguf");
         let run = peregrine(&[
             "quantize",

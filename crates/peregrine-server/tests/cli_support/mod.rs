@@ -38,12 +38,41 @@ pub fn peregrine_json(args: &[&str]) -> serde_json::Value {
     serde_json::from_slice(&peregrine_ok(args).stdout).unwrap()
 }
 
-/// A fresh scratch folder for one test.
-pub fn scratch(name: &str) -> PathBuf {
+/// A fresh scratch folder for one test, removed when dropped.
+pub fn scratch(name: &str) -> Scratch {
     let dir = std::env::temp_dir().join(format!("peregrine-cli-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    Scratch(dir)
+}
+
+/// A test's scratch folder: a path while it lives, gone (with its files) once dropped, so that
+/// test runs do not pile folders up in the temp folder.
+pub struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for Scratch {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.as_os_str()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 pub fn copy_fixture(arch: &str, to: &Path) {
@@ -91,7 +120,8 @@ pub fn reference(arch: &str) -> (Vec<u32>, Tensor) {
 
 /// Runs `peregrine logits` on `model` for `ids` and reads back the logits.
 pub fn cli_logits(model: &Path, ids: &[u32], extra: &[&str], scratch_name: &str) -> Tensor {
-    let out_file = scratch(scratch_name).join("logits.safetensors");
+    let dir = scratch(scratch_name);
+    let out_file = dir.join("logits.safetensors");
     let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
     let ids = ids.join(",");
     let mut args = vec![
