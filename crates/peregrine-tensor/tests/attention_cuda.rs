@@ -12,6 +12,9 @@
 //! for values near zero. A wrong head, chunk join or key offset moves values by far more.
 #![cfg(feature = "cuda")]
 
+mod common;
+
+use common::{close, flat, wave};
 use peregrine_tensor::attention::{MaskSpec, attention, attention_ref, decode_attention};
 use peregrine_tensor::{DType, Device, Tensor};
 
@@ -56,7 +59,7 @@ fn decode_attention_matches_the_f32_reference() {
                         .unwrap()
                         .to_dtype(dtype)
                         .unwrap();
-                    close(&flat(&got), &flat(&want), step, &case);
+                    close(&flat(&got), &flat(&want), (step, 1e-4), &case);
                     cases += 1;
                 }
             }
@@ -106,32 +109,4 @@ fn attention_takes_the_kernel_for_one_query_and_leaves_the_rest() {
             .unwrap()
             .is_none()
     );
-}
-
-/// `got` within one rounding step (`step` relative, plus 1e-4) of `want`.
-fn close(got: &[f32], want: &[f32], step: f32, case: &str) {
-    assert_eq!(got.len(), want.len(), "{case}");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let tol = w.abs() * step + 1e-4;
-        assert!((g - w).abs() <= tol, "{case}, value {i}: {g} against {w}");
-    }
-}
-
-/// A deterministic tensor of `dims` with values in [-2, 2] of every magnitude, on `device`.
-fn wave(dims: &[usize], seed: f32, dtype: DType, device: &Device) -> Tensor {
-    let n: usize = dims.iter().product();
-    let v: Vec<f32> = (0..n)
-        .map(|i| 2.0 * ((i as f32 * 0.618 + seed).sin() * (i as f32 * 0.0137 + seed).cos()))
-        .collect();
-    let t = Tensor::from_vec(v, dims, &Device::Cpu).unwrap();
-    t.to_dtype(dtype).unwrap().to_device(device).unwrap()
-}
-
-fn flat(t: &Tensor) -> Vec<f32> {
-    let t = t
-        .to_dtype(DType::F32)
-        .unwrap()
-        .to_device(&Device::Cpu)
-        .unwrap();
-    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
 }

@@ -12,8 +12,11 @@
 //! column or weight moves values by far more.
 #![cfg(feature = "cuda")]
 
+mod common;
+
+use common::{close, flat, wave};
 use peregrine_tensor::ops::{add_rms_norm, silu_mul};
-use peregrine_tensor::{DType, Device, Tensor};
+use peregrine_tensor::{DType, Device};
 
 #[test]
 fn the_fused_kernels_match_candles_separate_ops() {
@@ -39,7 +42,7 @@ fn the_fused_kernels_match_candles_separate_ops() {
             close(
                 &flat(&normed),
                 &flat(&want_normed),
-                step,
+                (step, 1e-6),
                 &format!("{case}: the norm"),
             );
 
@@ -50,37 +53,9 @@ fn the_fused_kernels_match_candles_separate_ops() {
             close(
                 &flat(&got),
                 &flat(&want),
-                step,
+                (step, 1e-6),
                 &format!("{case}: silu · up"),
             );
         }
     }
-}
-
-/// `got` within one rounding step (`step` relative, plus 1e-6) of `want`.
-fn close(got: &[f32], want: &[f32], step: f32, case: &str) {
-    assert_eq!(got.len(), want.len(), "{case}");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let tol = w.abs() * step + 1e-6;
-        assert!((g - w).abs() <= tol, "{case}, value {i}: {g} against {w}");
-    }
-}
-
-/// A deterministic tensor of `dims` with values in [-2, 2] of every magnitude, on `device`.
-fn wave(dims: &[usize], seed: f32, dtype: DType, device: &Device) -> Tensor {
-    let n: usize = dims.iter().product();
-    let v: Vec<f32> = (0..n)
-        .map(|i| 2.0 * ((i as f32 * 0.618 + seed).sin() * (i as f32 * 0.0137 + seed).cos()))
-        .collect();
-    let t = Tensor::from_vec(v, dims, &Device::Cpu).unwrap();
-    t.to_dtype(dtype).unwrap().to_device(device).unwrap()
-}
-
-fn flat(t: &Tensor) -> Vec<f32> {
-    let t = t
-        .to_dtype(DType::F32)
-        .unwrap()
-        .to_device(&Device::Cpu)
-        .unwrap();
-    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
 }

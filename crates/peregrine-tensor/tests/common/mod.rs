@@ -71,3 +71,32 @@ pub fn random_codes(
     let packed = Tensor::from_vec(packed, (out, words), &Device::Cpu).unwrap();
     MlxQuantized::new(packed, t(scales), t(biases), bits, group).unwrap()
 }
+
+/// `got` within `step` relative, plus `floor`, of `want`, value by value.
+pub fn close(got: &[f32], want: &[f32], (step, floor): (f32, f32), case: &str) {
+    assert_eq!(got.len(), want.len(), "{case}");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let tol = w.abs() * step + floor;
+        assert!((g - w).abs() <= tol, "{case}, value {i}: {g} against {w}");
+    }
+}
+
+/// A deterministic tensor of `dims` with values in [-2, 2] of every magnitude, on `device`.
+pub fn wave(dims: &[usize], seed: f32, dtype: DType, device: &Device) -> Tensor {
+    let n: usize = dims.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|i| 2.0 * ((i as f32 * 0.618 + seed).sin() * (i as f32 * 0.0137 + seed).cos()))
+        .collect();
+    let t = Tensor::from_vec(v, dims, &Device::Cpu).unwrap();
+    t.to_dtype(dtype).unwrap().to_device(device).unwrap()
+}
+
+/// `t`'s values in f32 on the CPU, flattened.
+pub fn flat(t: &Tensor) -> Vec<f32> {
+    let t = t
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_device(&Device::Cpu)
+        .unwrap();
+    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+}
