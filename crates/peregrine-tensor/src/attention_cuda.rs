@@ -19,8 +19,8 @@ const MAX_GROUPS: usize = 8;
 const HEAD_DIMS: [usize; 5] = [16, 32, 64, 128, 256];
 /// Threads of a partial block (`WARPS · 32` in the kernel).
 const THREADS: u32 = 128;
-/// About how many blocks a call spreads over (enough to keep an H100's 132 SMs reading).
-const TARGET_BLOCKS: usize = 1024;
+/// About how many blocks a call spreads over: one wave of four per SM on an H100 (132 SMs).
+const TARGET_BLOCKS: usize = 512;
 /// Fewest keys a chunk holds (below that the join costs more than the split saves).
 const MIN_CHUNK: usize = 32;
 
