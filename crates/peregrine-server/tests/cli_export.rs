@@ -6,6 +6,7 @@ use std::path::Path;
 use std::process::Output;
 
 use cli_support::*;
+use peregrine_engine::tensor::RopeScaling;
 use peregrine_engine::tensor::ops::max_abs_diff;
 
 /// `peregrine quantize` writes an MLX checkpoint that loads back; at 8 bits its logits stay as near
@@ -110,15 +111,7 @@ fn check_gguf_export_of_edited_fixture_in(
     arch: &str,
     edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
 ) {
-    let hf = dir.join("hf");
-    std::fs::create_dir_all(&hf).unwrap();
-    copy_fixture(arch, &hf);
-    let config_path = hf.join("config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
-    edit(config.as_object_mut().unwrap());
-    std::fs::write(&config_path, config.to_string()).unwrap();
-
+    let hf = edited_fixture(&dir.join("hf"), arch, edit);
     let out = dir.join(format!("{arch}.gguf"));
     let run = quantize_gguf(&hf, &out, "q8_0");
     assert!(
@@ -134,6 +127,22 @@ fn check_gguf_export_of_edited_fixture_in(
         max < 0.3,
         "{arch} q8_0 vs the same HF folder: max abs diff {max}"
     );
+}
+
+/// A copy of `arch`'s fixture in `hf` with `edit` applied to its config.
+fn edited_fixture(
+    hf: &Path,
+    arch: &str,
+    edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
+) -> std::path::PathBuf {
+    std::fs::create_dir_all(hf).unwrap();
+    copy_fixture(arch, hf);
+    let config_path = hf.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    edit(config.as_object_mut().unwrap());
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    hf.to_path_buf()
 }
 
 /// MoE checkpoints export with their experts stacked per layer and projection (`ffn_*_exps`)
@@ -176,18 +185,55 @@ fn gguf_export_writes_moe_experts_stacked() {
 }
 
 /// `llama` GGUF files hold q/k permuted for interleaved RoPE (llama.cpp's converter; the loader
-/// rotates them interleaved). The llama fixture's llama3 RoPE scaling cannot be expressed in the
-/// metadata the loader reads, so the export refuses it; without the scaling, a missing
-/// permutation would move the logits by more than 1.
+/// rotates them interleaved): a missing permutation would move the logits by more than 1.
 #[test]
 fn gguf_export_permutes_llama_attention() {
-    check_gguf_export_of_edited_fixture("llama", "llama3 rope scaling", |config| {
+    check_gguf_export_of_edited_fixture_in(&scratch("gguf-llama"), "llama", |_| {});
+}
+
+/// Llama 3.1's RoPE scaling exports as llama.cpp's converter writes it, a `rope_freqs` tensor
+/// of one divisor per rotated pair, and reads back as those divisors (real Llama 3.1/3.2 GGUF
+/// files carry it so). The llama fixture (factor 8 over an original context of 64) exported in
+/// f32 gives transformers' logits within 1e-4 (measured 2.7e-6, as the HF folder does); the
+/// same weights exported without the scaling miss them by 1.85, so a file whose factors were
+/// dropped or inverted fails.
+#[test]
+fn gguf_export_writes_llama3_rope_scaling_as_rope_freqs() {
+    use peregrine_models::weights::{GgufFile, config_from_gguf};
+    let dir = scratch("gguf-llama3");
+    let (ids, want) = reference("llama");
+    let plain = edited_fixture(&dir.join("plain"), "llama", |config| {
         config.remove("rope_scaling");
         config.insert(
             "rope_parameters".into(),
             serde_json::json!({"rope_theta": 500000.0, "rope_type": "default"}),
         );
     });
+    let mut diffs = vec![];
+    for (name, model) in [("scaled", fixture("llama")), ("plain", plain)] {
+        let out = dir.join(format!("{name}.gguf"));
+        let run = quantize_gguf(&model, &out, "f32");
+        assert!(
+            run.status.success(),
+            "{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let config = config_from_gguf(&GgufFile::open(&out).unwrap()).unwrap();
+        let factors = matches!(config.rope_scaling, RopeScaling::Factors(ref f) if f.len() == 8);
+        assert_eq!(
+            factors,
+            name == "scaled",
+            "{name}: {:?}",
+            config.rope_scaling
+        );
+        let got = cli_logits(&out, &ids, &[], &format!("gguf-llama3-{name}"));
+        diffs.push(max_abs_diff(&got, &want).unwrap());
+    }
+    eprintln!(
+        "max abs diff from transformers: with rope_freqs {}, without {}",
+        diffs[0], diffs[1]
+    );
+    assert!(diffs[0] < 1e-4 && diffs[1] > 0.5, "{diffs:?}");
 }
 
 /// Gemma 3 GGUF files store norm weights as `1 + w` and leave the layer pattern (every sixth

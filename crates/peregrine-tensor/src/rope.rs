@@ -64,6 +64,11 @@ pub enum RopeScaling {
         /// Round the correction range outward to whole dimensions (transformers' default).
         truncate: bool,
     },
+    /// Every rotated pair's frequency divided by its own factor: how llama.cpp's files carry
+    /// Llama 3.1's scaling (the `rope_freqs` tensor, `rotary_dim / 2` values; the converter
+    /// computes them from the `llama3` parameters, so [`inv_freqs`] gives what `Llama3` gives,
+    /// up to the factors' f32 rounding).
+    Factors(Vec<f64>),
     /// Gemma 4's `proportional` RoPE (its global layers): the whole head is the rotary width,
     /// but only the first `floor(partial_rotary_factor · head_dim / 2)` pairs turn, at
     /// `theta^(-2i/head_dim) / factor`; the other pairs get frequency 0 and pass through.
@@ -146,6 +151,7 @@ pub fn inv_freqs(rotary_dim: usize, theta: f64, scaling: &RopeScaling) -> Vec<f6
         RopeScaling::LongRope {
             ref short_factor, ..
         } => divided(&base, short_factor),
+        RopeScaling::Factors(ref factors) => divided(&base, factors),
         RopeScaling::Yarn {
             factor,
             original_max_position_embeddings: orig,

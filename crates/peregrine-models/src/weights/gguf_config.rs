@@ -265,12 +265,6 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         }
         _ => RopeScaling::None,
     };
-    if file.has_tensor("rope_freqs.weight") && arch != "gemma4" {
-        return Err(ModelError::config(
-            file.path(),
-            "per-frequency RoPE factors (`rope_freqs.weight`) are not supported yet",
-        ));
-    }
     let mut config = ModelConfig {
         model_type: arch.clone(),
         vocab_size,
@@ -370,6 +364,24 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig> {
         crate::arch::deepseek_v3::configure_gguf(&meta, &mut config)?;
     } else if let Some(rotary) = meta.opt_usize("rope.dimension_count")? {
         config.partial_rotary_factor = partial_rotary_factor(rotary, config.head_dim);
+    }
+    // Llama 3.1's scaling as llama.cpp's converter writes it: a divisor per rotated pair.
+    if arch != "gemma4"
+        && let Some(factors) = file.f32_values("rope_freqs.weight")?
+    {
+        let pairs = config.rotary_dim() / 2;
+        if factors.len() != pairs || config.rope_scaling != RopeScaling::None {
+            let message = format!(
+                "tensor `rope_freqs.weight`: {} factors for {pairs} rotated pairs{}",
+                factors.len(),
+                match config.rope_scaling {
+                    RopeScaling::None => "",
+                    _ => ", beside a `rope.scaling.type` (both at once are not supported)",
+                }
+            );
+            return Err(ModelError::config(file.path(), &message));
+        }
+        config.rope_scaling = RopeScaling::Factors(factors.into_iter().map(f64::from).collect());
     }
     if arch == "phi3" {
         let factors = (

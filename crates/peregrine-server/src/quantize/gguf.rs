@@ -266,10 +266,9 @@ fn model_metadata(c: &ModelConfig, file_type: u32) -> Result<Vec<(String, Value)
         RopeScaling::Proportional { .. } => {
             bail!("proportional rope (Gemma 4) is not written to GGUF yet")
         }
-        RopeScaling::Llama3 { .. } => bail!(
-            "llama3 rope scaling cannot be written as GGUF metadata that Peregrine's GGUF loader \
-             reads (llama.cpp stores it as a `rope_freqs` tensor, which the loader refuses)"
-        ),
+        // A divisor per rotated pair in the `rope_freqs` tensor ([`rope_freqs`]), as llama.cpp's
+        // converter writes it; no metadata key.
+        RopeScaling::Llama3 { .. } | RopeScaling::Factors(_) => {}
     }
     common_metadata(c, &mut md);
     Ok(md)
@@ -394,6 +393,29 @@ fn gemma4_full_head_dim(c: &ModelConfig) -> usize {
     full.map_or(c.head_dim, |i| c.layer_specs[i].head_dim)
 }
 
+/// The `rope_freqs` tensor the model needs, if any: Gemma 4's ([`gemma4_rope_freqs`]), or each
+/// rotated pair's divisor of its frequency for Llama 3.1's scaling (llama.cpp's
+/// `LlamaModel.generate_extra_tensors`: the plain frequency over the scaled one).
+fn rope_freqs(c: &ModelConfig) -> Result<Option<Tensor>> {
+    use peregrine_engine::tensor::rope::inv_freqs;
+    if c.model_type == "gemma4" {
+        return gemma4_rope_freqs(c).map(Some);
+    }
+    if !matches!(
+        c.rope_scaling,
+        RopeScaling::Llama3 { .. } | RopeScaling::Factors(_)
+    ) {
+        return Ok(None);
+    }
+    let (rotary, theta) = (c.rotary_dim(), c.rope_theta);
+    let plain = inv_freqs(rotary, theta, &RopeScaling::None);
+    let scaled = inv_freqs(rotary, theta, &c.rope_scaling);
+    let factors: Vec<f32> = (plain.iter().zip(&scaled))
+        .map(|(p, s)| (p / s) as f32)
+        .collect();
+    Ok(Some(Tensor::new(factors, &Device::Cpu)?))
+}
+
 /// The `rope_freqs` tensor that stands for Gemma 4's proportional RoPE over the full layers'
 /// heads (llama.cpp's converter's `generate_extra_tensors`): 1 for the pairs that turn, 1e30
 /// (frequency 0) for the rest.
@@ -499,8 +521,8 @@ pub fn run(model: &Path, out: &Path, type_name: &str) -> Result<()> {
         };
         tensors.insert(gname, q.with_context(|| format!("tensor `{name}`"))?);
     }
-    if config.model_type == "gemma4" {
-        let freqs = QTensor::quantize(&gemma4_rope_freqs(&config)?, GgmlDType::F32)?;
+    if let Some(freqs) = rope_freqs(&config)? {
+        let freqs = QTensor::quantize(&freqs, GgmlDType::F32)?;
         tensors.insert("rope_freqs.weight".into(), freqs);
         kept += 1;
     }
