@@ -15,7 +15,7 @@ use peregrine_models::{
     CausalLm, KvOptions, LoadOptions, Logits, SequenceCache, load_model, supported_architectures,
 };
 use peregrine_tensor::candle::safetensors::load;
-use peregrine_tensor::{DType, Device, Tensor};
+use peregrine_tensor::{DType, Device, RopeScaling, Tensor};
 
 const TOLERANCE: f32 = 1e-3;
 
@@ -507,6 +507,42 @@ fn recurrent_gguf_from_llama_cpp_converter_matches_transformers() {
         let greedy = common::greedy_ids(gguf.as_ref(), &r.ids, r.greedy.len());
         assert_eq!(greedy, r.greedy, "{gguf_arch} gguf: greedy continuation");
     }
+}
+
+/// Llama 3.1's RoPE scaling as llama.cpp's converter writes it (`scripts/fixtures/convert_gguf.py
+/// llama`): q/k permuted for interleaved RoPE and the `rope_freqs` tensor of per-pair divisors
+/// instead of metadata. Read back, the divisors give the frequencies of the HF config's `llama3`
+/// rule (within the factors' f32 rounding) and the file transformers' logits, whole and in
+/// chunks, with the same greedy ids; with plain RoPE instead of the divisors the logits move by
+/// 1.85 (cli_export.rs measures it).
+#[test]
+fn llama3_gguf_from_llama_cpp_converter_reads_rope_freqs() {
+    use peregrine_tensor::rope::inv_freqs;
+    let path = fixture("llama").join("../gguf/model-f32.gguf");
+    let gguf = load_model(&path, &LoadOptions::default()).unwrap().model;
+    let hf = load_model(&fixture("llama"), &LoadOptions::default())
+        .unwrap()
+        .model;
+    let (got, want) = (gguf.config(), hf.config());
+    assert!(
+        matches!(got.rope_scaling, RopeScaling::Factors(_)),
+        "{:?}",
+        got.rope_scaling
+    );
+    let freqs = |c: &peregrine_models::ModelConfig| {
+        inv_freqs(c.rotary_dim(), c.rope_theta, &c.rope_scaling)
+    };
+    for (g, w) in freqs(got).iter().zip(freqs(want)) {
+        assert!((g / w - 1.0).abs() < 1e-6, "frequency {g} against {w}");
+    }
+    let r = reference("llama");
+    for chunk in [1024, 5, 1] {
+        let diff = max_abs_diff(&run_in_chunks(gguf.as_ref(), &r.ids, chunk), &r.logits);
+        eprintln!("llama3 gguf (chunk {chunk}): max abs diff {diff:.2e}");
+        assert!(diff < TOLERANCE, "llama3 gguf (chunk {chunk}): {diff}");
+    }
+    let greedy = common::greedy_ids(gguf.as_ref(), &r.ids, r.greedy.len());
+    assert_eq!(greedy, r.greedy, "llama3 gguf: greedy continuation");
 }
 
 /// Multimodal checkpoints (`Gemma4ForConditionalGeneration`, `Qwen3_5ForConditionalGeneration`
