@@ -6,8 +6,10 @@
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{CpuStorage, CudaStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CudaStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
+
+use crate::cuda_op::cuda_only_op;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn_decode.ptx"));
 /// The name the PTX module is loaded under (once per device).
@@ -166,21 +168,7 @@ impl DecodeAttention {
 }
 
 impl CustomOp3 for DecodeAttention {
-    fn name(&self) -> &'static str {
-        "decode-attention"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("decode-attention runs on CUDA only")
-    }
+    cuda_only_op!("decode-attention", a, b, c);
 
     fn cuda_fwd(
         &self,

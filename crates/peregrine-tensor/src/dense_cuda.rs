@@ -9,8 +9,10 @@
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{CpuStorage, CudaStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, bail};
+use candle_core::{CudaStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, bail};
 use half::{bf16, f16};
+
+use crate::cuda_op::cuda_only_op;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/dense_gemv.ptx"));
 /// The name the PTX module is loaded under (once per device).
@@ -99,19 +101,7 @@ impl Gemv {
 }
 
 impl CustomOp2 for Gemv {
-    fn name(&self) -> &'static str {
-        "dense-gemv"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        bail!("dense-gemv runs on CUDA only")
-    }
+    cuda_only_op!("dense-gemv", a, b);
 
     fn cuda_fwd(
         &self,

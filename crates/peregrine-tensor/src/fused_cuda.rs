@@ -7,10 +7,10 @@
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{
-    CpuStorage, CudaStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, bail,
-};
+use candle_core::{CudaStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, bail};
 use half::{bf16, f16};
+
+use crate::cuda_op::cuda_only_op;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
 /// The name the PTX module is loaded under (once per device).
@@ -133,21 +133,7 @@ impl AddRmsNorm {
 }
 
 impl CustomOp3 for AddRmsNorm {
-    fn name(&self) -> &'static str {
-        "add-rms-norm"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        bail!("add-rms-norm runs on CUDA only")
-    }
+    cuda_only_op!("add-rms-norm", a, b, c);
 
     fn cuda_fwd(
         &self,
@@ -197,19 +183,7 @@ impl SiluMul {
 }
 
 impl CustomOp2 for SiluMul {
-    fn name(&self) -> &'static str {
-        "silu-mul"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        bail!("silu-mul runs on CUDA only")
-    }
+    cuda_only_op!("silu-mul", a, b);
 
     fn cuda_fwd(
         &self,

@@ -11,6 +11,8 @@ mod attention_cpu;
 #[cfg(feature = "cuda")]
 mod attention_cuda;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda_op;
 pub mod dense;
 #[cfg(feature = "cuda")]
 mod dense_cuda;

@@ -9,12 +9,12 @@ use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{
-    CpuStorage, CudaDevice, CudaStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor,
-    bail,
+    CudaDevice, CudaStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor, bail,
 };
 use half::{bf16, f16};
 
 use super::MlxQuantized;
+use crate::cuda_op::cuda_only_op;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/mlx_affine.ptx"));
 /// The name the PTX module is loaded under (once per device).
@@ -154,13 +154,7 @@ impl Gemv<'_> {
 }
 
 impl CustomOp1 for Gemv<'_> {
-    fn name(&self) -> &'static str {
-        "mlx-gemv"
-    }
-
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        bail!("mlx-gemv runs on CUDA only")
-    }
+    cuda_only_op!("mlx-gemv", a);
 
     fn cuda_fwd(&self, x: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
         if !l.is_contiguous() {
@@ -221,13 +215,7 @@ impl Dequantize<'_> {
 }
 
 impl CustomOp1 for Dequantize<'_> {
-    fn name(&self) -> &'static str {
-        "mlx-dequantize"
-    }
-
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        bail!("mlx-dequantize runs on CUDA only")
-    }
+    cuda_only_op!("mlx-dequantize", a);
 
     fn cuda_fwd(&self, packed: &CudaStorage, _: &Layout) -> Result<(CudaStorage, Shape)> {
         let dev = &packed.device;
