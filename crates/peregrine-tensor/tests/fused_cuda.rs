@@ -8,8 +8,10 @@
 //! bit for bit. The norm sums its squares in another order than candle's kernel, which can move
 //! a normed value by one unit in its last place (at most 2⁻⁷ relative for bf16, 2⁻¹⁰ for f16;
 //! 1e-6 for f32); SiLU·up rounds like the two ops it replaces, but takes SiLU in f32 where
-//! candle's f16 kernel computes it in half precision (measured: one unit apart). A wrong row,
-//! column or weight moves values by far more.
+//! candle's f16 kernel computes it in half precision, rounding its exponential, sum and
+//! quotient, each by up to half a unit: two units apart on an H100 (0.47851563 against candle's
+//! 0.4790039), so f16's SiLU·up is allowed four. A wrong row, column or weight moves values by
+//! far more.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -27,6 +29,12 @@ fn the_fused_kernels_match_candles_separate_ops() {
             DType::BF16 => 1.0 / 128.0,
             DType::F16 => 1.0 / 1024.0,
             _ => 1e-6,
+        };
+        // candle's half-precision SiLU (see above).
+        let silu_step = if dtype == DType::F16 {
+            4.0 * step
+        } else {
+            step
         };
         // Up to 8 rows take the fused kernels; 77 (a prefill chunk) the separate ops.
         for (rows, cols) in [(1, 4096), (3, 576), (8, 896), (2, 100), (77, 896)] {
@@ -53,7 +61,7 @@ fn the_fused_kernels_match_candles_separate_ops() {
             close(
                 &flat(&got),
                 &flat(&want),
-                (step, 1e-6),
+                (silu_step, 1e-6),
                 &format!("{case}: silu · up"),
             );
         }
