@@ -7,67 +7,23 @@
 
 mod common;
 
-use std::path::PathBuf;
-
 use peregrine_models::layers::delta_net::DeltaNetConfig;
 use peregrine_models::layers::ssm::SsmConfig;
 use peregrine_models::{
-    CausalLm, KvOptions, LoadOptions, Logits, SequenceCache, load_model, supported_architectures,
+    KvOptions, LoadOptions, Logits, SequenceCache, load_model, supported_architectures,
 };
 use peregrine_tensor::candle::safetensors::load;
 use peregrine_tensor::{DType, Device, RopeScaling, Tensor};
 
+use common::{Reference, hf_fixture as fixture, max_abs_diff, reference, run_in_chunks};
+
 const TOLERANCE: f32 = 1e-3;
-
-fn fixture(arch: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(arch)
-        .join("hf")
-}
-
-struct Reference {
-    ids: Vec<u32>,
-    logits: Tensor,
-    greedy: Vec<u32>,
-}
-
-fn reference(arch: &str) -> Reference {
-    let r = load(fixture(arch).join("reference.safetensors"), &Device::Cpu)
-        .expect("reference.safetensors");
-    let ids = |name: &str| -> Vec<u32> {
-        r[name]
-            .to_dtype(DType::U32)
-            .unwrap()
-            .to_vec1::<u32>()
-            .unwrap()
-    };
-    Reference {
-        ids: ids("input_ids"),
-        logits: r["logits"].clone(),
-        greedy: ids("greedy_ids"),
-    }
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    peregrine_tensor::ops::max_abs_diff(a, b).unwrap()
-}
 
 /// Runs the prompt in chunks of `chunk` tokens (exercising the cache across chunks).
 fn logits_in_chunks(arch: &str, chunk: usize) -> (Tensor, Reference) {
     let loaded = load_model(&fixture(arch), &LoadOptions::default()).expect("fixture loads");
     let r = reference(arch);
     (run_in_chunks(loaded.model.as_ref(), &r.ids, chunk), r)
-}
-
-/// Every position's logits of `ids` run through `forward` `chunk` tokens at a time.
-fn run_in_chunks(model: &dyn CausalLm, ids: &[u32], chunk: usize) -> Tensor {
-    let mut cache = SequenceCache::new(&model.cache_spec(), &KvOptions::default());
-    let parts: Vec<Tensor> = ids
-        .chunks(chunk)
-        .map(|c| model.forward(c, &mut cache, Logits::All).expect("forward"))
-        .collect();
-    Tensor::cat(&parts, 0).unwrap()
 }
 
 fn check_logits(arch: &str) {

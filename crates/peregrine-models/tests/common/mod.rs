@@ -4,6 +4,8 @@
 use std::path::PathBuf;
 
 use peregrine_models::{CausalLm, KvOptions, Logits, SequenceCache};
+use peregrine_tensor::candle::safetensors::load;
+use peregrine_tensor::{DType, Device, Tensor};
 
 /// The fixtures with recurrent layers: Mamba 2; Falcon-H1 (attention beside the mixer in every
 /// layer); Jamba (Mamba layers, attention and experts between); the Qwen3-Next and Qwen3.5
@@ -135,4 +137,49 @@ pub fn check_mmproj_against_hf(family: &str) {
     let diff = max_abs_diff(&rows, &hf.encode(&theirs).unwrap()).unwrap();
     eprintln!("{family}: mmproj rows vs the HF tower's: {diff:.2e}");
     assert!(diff < 1e-5, "{family}: {diff}");
+}
+
+/// The HF folder of `arch`'s fixture.
+pub fn hf_fixture(arch: &str) -> PathBuf {
+    fixture(arch).join("hf")
+}
+
+/// A fixture's `reference.safetensors`: the prompt, transformers' logits and greedy ids.
+pub struct Reference {
+    pub ids: Vec<u32>,
+    pub logits: Tensor,
+    pub greedy: Vec<u32>,
+}
+
+/// `arch`'s reference.
+pub fn reference(arch: &str) -> Reference {
+    let r = load(hf_fixture(arch).join("reference.safetensors"), &Device::Cpu)
+        .expect("reference.safetensors");
+    let ids = |name: &str| -> Vec<u32> {
+        r[name]
+            .to_dtype(DType::U32)
+            .unwrap()
+            .to_vec1::<u32>()
+            .unwrap()
+    };
+    Reference {
+        ids: ids("input_ids"),
+        logits: r["logits"].clone(),
+        greedy: ids("greedy_ids"),
+    }
+}
+
+/// The largest absolute difference of two tensors of one shape.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    peregrine_tensor::ops::max_abs_diff(a, b).unwrap()
+}
+
+/// Every position's logits of `ids` run through `forward` `chunk` tokens at a time.
+pub fn run_in_chunks(model: &dyn CausalLm, ids: &[u32], chunk: usize) -> Tensor {
+    let mut cache = SequenceCache::new(&model.cache_spec(), &KvOptions::default());
+    let parts: Vec<Tensor> = ids
+        .chunks(chunk)
+        .map(|c| model.forward(c, &mut cache, Logits::All).expect("forward"))
+        .collect();
+    Tensor::cat(&parts, 0).unwrap()
 }

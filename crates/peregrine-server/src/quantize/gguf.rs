@@ -401,15 +401,14 @@ fn rope_freqs(c: &ModelConfig) -> Result<Option<Tensor>> {
     if c.model_type == "gemma4" {
         return gemma4_rope_freqs(c).map(Some);
     }
-    if !matches!(
-        c.rope_scaling,
-        RopeScaling::Llama3 { .. } | RopeScaling::Factors(_)
-    ) {
-        return Ok(None);
-    }
     let (rotary, theta) = (c.rotary_dim(), c.rope_theta);
+    let scaled = match c.rope_scaling {
+        ref s @ (RopeScaling::Llama3 { .. } | RopeScaling::Factors(_)) => {
+            inv_freqs(rotary, theta, s)
+        }
+        _ => return Ok(None),
+    };
     let plain = inv_freqs(rotary, theta, &RopeScaling::None);
-    let scaled = inv_freqs(rotary, theta, &c.rope_scaling);
     let factors: Vec<f32> = (plain.iter().zip(&scaled))
         .map(|(p, s)| (p / s) as f32)
         .collect();
