@@ -51,12 +51,15 @@ def test_stream_matches_create(client, model):
 
 
 def test_function_call_and_its_output(client, model):
+    # Greedy: sampled, SmolLM2 sometimes writes an argument longer than the 64 tokens
+    # (1 run in 8 measured), and the call comes back incomplete as text.
     first = client.responses.create(
         model=model,
         input="What is the weather in Paris?",
         tools=[WEATHER],
         tool_choice="required",
         max_output_tokens=64,
+        temperature=0,
     )
     call = next(o for o in first.output if o.type == "function_call")
     assert call.name == "get_weather" and "city" in json.loads(call.arguments)
