@@ -25,9 +25,11 @@ mod common;
 use std::path::PathBuf;
 
 use peregrine_models::weights::{MlxActivations, MlxQuantization};
-use peregrine_models::{CausalLm, KvOptions, LoadOptions, Logits, SequenceCache, load_model};
+use peregrine_models::{CausalLm, LoadOptions, load_model};
 use peregrine_tensor::candle::safetensors::load;
 use peregrine_tensor::{DType, Device, Tensor};
+
+use common::max_abs_diff;
 
 const TOLERANCE: f32 = 1e-3;
 /// RMS logit difference allowed with 8-bit activations (module docs: 2× the measured 0.02).
@@ -62,37 +64,24 @@ struct Reference {
 }
 
 fn reference(arch: &str, variant: &str) -> Reference {
-    let r = load(
-        fixture(arch, variant).join("reference.safetensors"),
-        &Device::Cpu,
-    )
-    .expect("reference.safetensors");
-    let ids = |name: &str| -> Vec<u32> {
-        r[name]
-            .to_dtype(DType::U32)
-            .unwrap()
-            .to_vec1::<u32>()
-            .unwrap()
-    };
+    let dir = fixture(arch, variant);
+    let common::Reference {
+        ids,
+        logits,
+        greedy,
+    } = common::reference_in(&dir);
+    let r = load(dir.join("reference.safetensors"), &Device::Cpu).expect("reference.safetensors");
     Reference {
-        ids: ids("input_ids"),
-        logits: r["logits"].clone(),
+        ids,
+        logits,
         logits_mlx: r["logits_mlx"].clone(),
-        greedy: ids("greedy_ids"),
+        greedy,
     }
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    peregrine_tensor::ops::max_abs_diff(a, b).unwrap()
 }
 
 /// Logits for `r.ids` fed `chunk` tokens per forward pass.
 fn logits_in_chunks(model: &dyn CausalLm, r: &Reference, chunk: usize) -> Tensor {
-    let mut cache = SequenceCache::new(&model.cache_spec(), &KvOptions::default());
-    let parts: Vec<Tensor> = (r.ids.chunks(chunk))
-        .map(|c| model.forward(c, &mut cache, Logits::All).expect("forward"))
-        .collect();
-    Tensor::cat(&parts, 0).unwrap()
+    common::run_in_chunks(model, &r.ids, chunk)
 }
 
 fn check_logits(arch: &str, variant: &str) {

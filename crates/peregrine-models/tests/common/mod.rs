@@ -153,8 +153,12 @@ pub struct Reference {
 
 /// `arch`'s reference.
 pub fn reference(arch: &str) -> Reference {
-    let r = load(hf_fixture(arch).join("reference.safetensors"), &Device::Cpu)
-        .expect("reference.safetensors");
+    reference_in(&hf_fixture(arch))
+}
+
+/// The reference of the checkpoint folder `dir`.
+pub fn reference_in(dir: &std::path::Path) -> Reference {
+    let r = load(dir.join("reference.safetensors"), &Device::Cpu).expect("reference.safetensors");
     let ids = |name: &str| -> Vec<u32> {
         r[name]
             .to_dtype(DType::U32)
