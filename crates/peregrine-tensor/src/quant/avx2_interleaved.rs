@@ -191,7 +191,11 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, 
         // One accumulator chain per input (and one for its minimum terms): the inputs of a
         // tile are independent chains already, and a second chain per input spilled
         // registers at 4 inputs (the C equivalent of this loop: 116 GMAC/s with two chains at
-        // 4 inputs, 133 with one).
+        // 4 inputs, 133 with one). From 8 inputs on, the minimum terms take a pass of their
+        // own after the codes' (the same terms in the same order: the same bits): held
+        // beside the sums their chains spilled registers (Q4_1 at 8 inputs 88-97 -> 109-111
+        // GMAC/s), while with fewer inputs the second pass cost more than it saved.
+        let split = T >= 8;
         let mut acc = [_mm256_setzero_ps(); T];
         let mut mins = [_mm256_setzero_ps(); T];
         for u in 0..w.units::<MIN, FIFTH, SHARED>() {
@@ -200,9 +204,19 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, 
             for s in 0..SHARED {
                 let codes = w.codes::<I, MIN, FIFTH, SHARED>(u, s);
                 for t in 0..T {
-                    let (c, m) = (&mut acc[t], &mut mins[t]);
                     let xb = x.get(t, u * SHARED + s);
-                    terms::<I, MIN, FIFTH>(&codes, xb, dw, mw, offset, c, m);
+                    acc[t] = code_term::<I, FIFTH, T>(&codes, xb, dw, acc[t]);
+                    if !split {
+                        mins[t] = min_term::<MIN>(xb, mw, offset, mins[t]);
+                    }
+                }
+            }
+        }
+        for u in (0..w.units::<MIN, FIFTH, SHARED>()).filter(|_| split) {
+            let (_, mw) = w.heads::<MIN, FIFTH, SHARED>(u);
+            for s in 0..SHARED {
+                for (t, m) in mins.iter_mut().enumerate() {
+                    *m = min_term::<MIN>(x.get(t, u * SHARED + s), mw, offset, *m);
                 }
             }
         }
@@ -216,7 +230,8 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, 
                 let (u, s) = (r.at / SHARED, r.at % SHARED);
                 let (dw, mw) = w.heads::<MIN, FIFTH, SHARED>(u);
                 let codes = w.codes::<I, MIN, FIFTH, SHARED>(u, s);
-                terms::<I, MIN, FIFTH>(&codes, &r.residual, dw, mw, offset, c, m);
+                *c = code_term::<I, FIFTH, T>(&codes, &r.residual, dw, *c);
+                *m = min_term::<MIN>(&r.residual, mw, offset, *m);
             }
         }
         let mut y = [_mm256_setzero_ps(); T];
@@ -227,35 +242,46 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, 
     }
 }
 
-/// One block's terms for one input into its chains: the codes' sum times both scales, and the
-/// minimum or offset term (added up apart and joined at the end, as llama.cpp and the row
-/// kernels sum them).
+/// One block's codes term for one input: the codes' sum times both scales, added to `chain`.
+/// The minimum or offset term ([`min_term`]) is added up apart and joined at the end, as
+/// llama.cpp and the row kernels sum them.
 ///
 /// # Safety
 /// The CPU must support `I`'s features; the caller is compiled with them, so all inlines.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn terms<I: Isa, const MIN: bool, const FIFTH: bool>(
+unsafe fn code_term<I: Isa, const FIFTH: bool, const T: usize>(
     codes: &[__m256i; 8],
     xb: &Q8Block,
     dw: __m256,
-    mw: __m256,
-    offset: f32,
-    chain: &mut __m256,
-    min_chain: &mut __m256,
-) {
+    chain: __m256,
+) -> __m256 {
     // SAFETY: per this function's contract.
     unsafe {
         let sum = _mm256_cvtepi32_ps(if FIFTH {
-            sum::<I, 5>(codes, xb)
+            sum::<I, 5, T>(codes, xb)
         } else {
-            sum::<I, 4>(codes, xb)
+            sum::<I, 4, T>(codes, xb)
         });
-        let m = if MIN { xb.ds } else { -offset * xb.dsum };
-        *min_chain = _mm256_fmadd_ps(mw, _mm256_set1_ps(m), *min_chain);
         let scale = _mm256_mul_ps(dw, _mm256_set1_ps(xb.d));
-        *chain = _mm256_fmadd_ps(scale, sum, *chain);
+        _mm256_fmadd_ps(scale, sum, chain)
     }
+}
+
+/// One block's minimum term (`MIN`: the rows' minimums `mw` times the input's `d·Σqs`) or
+/// offset term (the rows' scales times `-offset · d·Σqs`) for one input, added to `chain`.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; the caller is compiled with them, so all inlines.
+#[inline(always)]
+unsafe fn min_term<const MIN: bool>(
+    xb: &Q8Block,
+    mw: __m256,
+    offset: f32,
+    chain: __m256,
+) -> __m256 {
+    let m = if MIN { xb.ds } else { -offset * xb.dsum };
+    // SAFETY: per this function's contract.
+    unsafe { _mm256_fmadd_ps(mw, _mm256_set1_ps(m), chain) }
 }
 
 /// Q8_0: the 8 vectors are the block's 256 code bytes as they stand (signed). `dot4` takes
@@ -401,12 +427,25 @@ pub(super) unsafe fn halves<I: Isa, const BITS: u32>(
 /// # Safety
 /// As [`halves`].
 #[inline(always)]
-pub(super) unsafe fn sum<I: Isa, const BITS: u32>(codes: &[__m256i; 8], xb: &Q8Block) -> __m256i {
+pub(super) unsafe fn sum<I: Isa, const BITS: u32, const T: usize>(
+    codes: &[__m256i; 8],
+    xb: &Q8Block,
+) -> __m256i {
     // SAFETY: per this function's contract.
     unsafe {
+        let xq = xb.qs.as_ptr().cast::<i32>();
+        let quad = |k: usize| _mm256_set1_epi32(xq.add(k).read_unaligned());
+        if I::WIDE && T >= 8 {
+            // One chain: the integer sum is exact in any order, and an 8-input tile's inputs
+            // are independent chains already (two halves cost a zeroing and an add per input
+            // and block; with fewer inputs the halves' shorter chains measured faster).
+            let mut sum = I::dot4(_mm256_setzero_si256(), codes[0], quad(0));
+            for (k, &code) in codes.iter().enumerate().skip(1) {
+                sum = I::dot4(sum, code, quad(k));
+            }
+            return sum;
+        }
         if !I::WIDE && BITS <= 4 {
-            let xq = xb.qs.as_ptr().cast::<i32>();
-            let quad = |k: usize| _mm256_set1_epi32(xq.add(k).read_unaligned());
             let mut pairs = _mm256_maddubs_epi16(codes[0], quad(0));
             for (k, &code) in codes.iter().enumerate().skip(1) {
                 pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(code, quad(k)));

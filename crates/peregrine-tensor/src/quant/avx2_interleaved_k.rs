@@ -39,7 +39,7 @@ pub(super) unsafe fn rows_q4k<I: Isa, const T: usize>(w: impl Source, x: Inputs)
                     }
                     for t in 0..T {
                         let xb = x.get(t, 8 * i + j);
-                        let sum = _mm256_cvtepi32_ps(sum::<I, 4>(&codes, xb));
+                        let sum = _mm256_cvtepi32_ps(sum::<I, 4, T>(&codes, xb));
                         let scaled = _mm256_mul_ps(scale, _mm256_set1_ps(xb.d));
                         acc[t] = _mm256_fmadd_ps(scaled, sum, acc[t]);
                         mins[t] = _mm256_fmadd_ps(min, _mm256_set1_ps(xb.dsum), mins[t]);
