@@ -113,6 +113,16 @@ pub(super) trait Source: Copy {
     #[inline(always)]
     fn prefetch(self, _u: usize) {}
 
+    /// A hint, before unit `u` of a 32-value format's group, to start loading the same unit
+    /// of the next group, for kernels with enough inputs per unit to cover the wait (the
+    /// interleaved layout; rows prefetch in [`prefetch`](Self::prefetch) always).
+    #[inline(always)]
+    fn prefetch_unit<const MIN: bool, const FIFTH: bool, const SHARED: usize>(self, _u: usize) {}
+
+    /// [`prefetch_unit`](Self::prefetch_unit) for Q8_0 block `b`.
+    #[inline(always)]
+    fn prefetch_q8_0(self, _b: usize) {}
+
     /// Q8_0 block `b`: the rows' scales and their 8 code vectors as they stand (signed).
     ///
     /// # Safety
@@ -144,8 +154,31 @@ impl Packed {
     }
 }
 
+impl Packed {
+    /// Unit `u` (`unit` bytes) of the next group: the groups of a run lie one after another,
+    /// the next starting where this one ends.
+    #[inline(always)]
+    fn prefetch_next(self, u: usize, unit: usize) {
+        let next = self.p.wrapping_add(self.len + u * unit);
+        for line in 0..unit.div_ceil(64) {
+            // SAFETY: a prefetch never faults, wherever it points.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line * 64).cast()) };
+        }
+    }
+}
+
 impl Source for Packed {
     type K4 = *const u8;
+
+    #[inline(always)]
+    fn prefetch_unit<const MIN: bool, const FIFTH: bool, const SHARED: usize>(self, u: usize) {
+        self.prefetch_next(u, packed_fields(MIN, FIFTH, SHARED).2);
+    }
+
+    #[inline(always)]
+    fn prefetch_q8_0(self, b: usize) {
+        self.prefetch_next(b, group_block_bytes(Format::Q8_0));
+    }
 
     #[inline(always)]
     fn q4k_blocks(self) -> usize {

@@ -200,6 +200,9 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, 
         let mut mins = [_mm256_setzero_ps(); T];
         for u in 0..w.units::<MIN, FIFTH, SHARED>() {
             w.prefetch(u);
+            if split {
+                w.prefetch_unit::<MIN, FIFTH, SHARED>(u);
+            }
             let (dw, mw) = w.heads::<MIN, FIFTH, SHARED>(u);
             for s in 0..SHARED {
                 let codes = w.codes::<I, MIN, FIFTH, SHARED>(u, s);
@@ -304,6 +307,9 @@ unsafe fn rows_q8_0<I: Isa, const T: usize>(
         let mut acc = [_mm256_setzero_ps(); T];
         for b in 0..w.q8_0_blocks() {
             w.prefetch(b);
+            if T >= 8 {
+                w.prefetch_q8_0(b);
+            }
             let (dw, codes) = w.q8_0(b);
             let unsigned = unsigned_q8_0::<I>(&codes);
             for (t, acc) in acc.iter_mut().enumerate() {
