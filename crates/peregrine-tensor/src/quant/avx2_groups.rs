@@ -152,9 +152,7 @@ impl Packed {
             len: w.len(),
         }
     }
-}
 
-impl Packed {
     /// Unit `u` (`unit` bytes) of the next group: the groups of a run lie one after another,
     /// the next starting where this one ends.
     #[inline(always)]
