@@ -215,11 +215,13 @@ unsafe fn rows<I: Isa, const MIN: bool, const FIFTH: bool, const SHARED: usize, 
                 }
             }
         }
-        for u in (0..w.units::<MIN, FIFTH, SHARED>()).filter(|_| split) {
-            let (_, mw) = w.heads::<MIN, FIFTH, SHARED>(u);
-            for s in 0..SHARED {
-                for (t, m) in mins.iter_mut().enumerate() {
-                    *m = min_term::<MIN>(x.get(t, u * SHARED + s), mw, offset, *m);
+        if split {
+            for u in 0..w.units::<MIN, FIFTH, SHARED>() {
+                let (_, mw) = w.heads::<MIN, FIFTH, SHARED>(u);
+                for s in 0..SHARED {
+                    for (t, m) in mins.iter_mut().enumerate() {
+                        *m = min_term::<MIN>(x.get(t, u * SHARED + s), mw, offset, *m);
+                    }
                 }
             }
         }
