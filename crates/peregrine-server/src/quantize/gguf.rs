@@ -17,6 +17,8 @@ use std::path::Path;
 use anyhow::{Context, Result, bail};
 use peregrine_engine::tensor::candle::D;
 use peregrine_engine::tensor::candle::quantized::gguf_file::{self, Value};
+
+use super::gguf_write::write;
 use peregrine_engine::tensor::candle::quantized::{GgmlDType, QTensor};
 use peregrine_engine::tensor::candle::safetensors::MmapedSafetensors;
 use peregrine_engine::tensor::{DType, Device, RopeScaling, Tensor};
@@ -577,24 +579,4 @@ fn convert(
         out.display()
     );
     Ok(())
-}
-
-/// Writes a GGUF file of `metadata` and `tensors`.
-fn write(
-    out: &Path,
-    metadata: &[(String, Value)],
-    tensors: &BTreeMap<String, QTensor>,
-) -> Result<()> {
-    let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("{}: cannot create", dir.display()))?;
-    }
-    let mut f = std::io::BufWriter::new(
-        std::fs::File::create(out).with_context(|| format!("{}: cannot create", out.display()))?,
-    );
-    gguf_file::write(&mut f, &md, &ts)
-        .and_then(|()| std::io::Write::flush(&mut f).map_err(Into::into))
-        .with_context(|| format!("{}: cannot write", out.display()))
 }

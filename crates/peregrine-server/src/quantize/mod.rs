@@ -5,6 +5,7 @@
 
 mod gguf;
 mod gguf_tokenizer;
+mod gguf_write;
 
 use std::collections::BTreeMap;
 use std::io::Write;
