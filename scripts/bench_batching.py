@@ -70,6 +70,8 @@ def stream(port, model, text, gen_tokens, out):
     c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     r = c.getresponse()
     arrivals = []
+    if r.status != 200:
+        print(f"HTTP {r.status}: {r.read()[:300]!r}", file=sys.stderr)
     for line in r:
         line = line.strip()
         if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -180,6 +182,9 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: Peregrine on the GPU, llama-server with every layer there "
+                         "(-ngl 99) and its flash attention (ours is a fused kernel there too)")
     ap.add_argument("--interfere", type=int, metavar="TOKENS",
                     help="instead: 4 streams decode and a prompt of TOKENS arrives (Peregrine)")
     ap.add_argument("--decode-stretch", type=float, default=1.5,
@@ -205,18 +210,22 @@ def main():
             print(json.dumps(row), flush=True)
         return
     words = max(1, a.prompt_tokens * 3 // 4)
-    per_slot = a.prompt_tokens + a.gen_tokens + 64
+    # A byte-level BPE takes at most a token per byte (the random checkpoints' tokenizer, without
+    # merges, takes exactly that), so a slot's context bounds the longest prompt in bytes.
+    longest = max(len(prompt(i, words).encode()) for i in range(max(int(x) for x in a.streams.split(","))))
+    per_slot = max(a.prompt_tokens, longest + 1) + a.gen_tokens + 64
     for n in [int(x) for x in a.streams.split(",")]:
         for name in ("peregrine", "llama.cpp") if a.llama_server else ("peregrine",):
             port = free_port()
             if name == "peregrine":
                 cmd = [a.peregrine, "--threads", str(a.threads), "serve", "--model", a.model,
-                       "--port", str(port), "--parallel", str(n), "--prompt-cache-entries", "0"]
+                       "--port", str(port), "--parallel", str(n), "--prompt-cache-entries", "0", "--device", a.device]
             else:
                 # llama-server splits --ctx-size over its slots.
                 cmd = [a.llama_server, "-m", a.model, "--port", str(port), "-np", str(n),
                        "-t", str(a.threads), "-c", str(per_slot * n), "-cb", "-ctk", "f16",
-                       "-ctv", "f16", "--cache-reuse", "0", "-fa", "off"]
+                       "-ctv", "f16", "--cache-reuse", "0"]
+                cmd += ["-ngl", "99", "-fa", "on"] if a.device == "cuda" else ["-fa", "off"]
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             try:
                 wait_ready(port, proc)
