@@ -140,18 +140,32 @@ fn tensor_bytes(file: &Path) -> u64 {
     bytes.len() as u64 - 8 - header
 }
 
+/// Bytes of tensor data in a GGUF file: each tensor's blocks (not the alignment between them).
+fn gguf_tensor_bytes(file: &Path) -> u64 {
+    let mut f = std::fs::File::open(file).unwrap();
+    let content = peregrine_tensor::candle::quantized::gguf_file::Content::read(&mut f).unwrap();
+    let size = |i: &peregrine_tensor::candle::quantized::gguf_file::TensorInfo| {
+        i.shape.elem_count() / i.ggml_dtype.block_size() * i.ggml_dtype.type_size()
+    };
+    content.tensor_infos.values().map(size).sum::<usize>() as u64
+}
+
 /// A load counts each tensor's stored bytes once (what the progress bar shows): every byte of
-/// the f32 fixture and of an MLX 4-bit one, no more.
+/// the f32 fixture, of an MLX 4-bit one and of the GGUF file, no more.
 #[test]
 fn a_load_counts_every_stored_byte_once() {
-    for dir in [fixture(), fixture().join("../mlx-q4-g64")] {
+    let gguf = fixture().join("../gguf/model-f32.gguf");
+    for path in [fixture(), fixture().join("../mlx-q4-g64"), gguf.clone()] {
         let progress = std::sync::Arc::new(peregrine_models::LoadProgress::default());
         let options = LoadOptions {
             progress: Some(progress.clone()),
             ..LoadOptions::default()
         };
-        load_model(&dir, &options).unwrap();
-        let stored = tensor_bytes(&dir.join("model.safetensors"));
-        assert_eq!(progress.bytes_read(), stored, "{}", dir.display());
+        load_model(&path, &options).unwrap();
+        let stored = match path == gguf {
+            true => gguf_tensor_bytes(&path),
+            false => tensor_bytes(&path.join("model.safetensors")),
+        };
+        assert_eq!(progress.bytes_read(), stored, "{}", path.display());
     }
 }

@@ -393,8 +393,7 @@ impl GgufFile {
             message: format!("tensor `{name}`: {}", peregrine_tensor::error_message(&e)),
         };
         if !matches!(device, Device::Cpu) {
-            let mut file = self.file.lock().unwrap_or_else(|e| e.into_inner());
-            return self.content.tensor(&mut *file, &name, device).map_err(err);
+            return self.candle_read(&name, info, device).map_err(err);
         }
         let dims = info.shape.dims().to_vec();
         let blocks = info.shape.elem_count() / info.ggml_dtype.block_size();
@@ -415,11 +414,23 @@ impl GgufFile {
             GgmlDType::Q6K => read_blocks::<k_quants::BlockQ6K>(blocks, read)?,
             _ => {
                 // Types Peregrine does not read itself: candle's reader (or its error).
-                let mut file = self.file.lock().unwrap_or_else(|e| e.into_inner());
-                return self.content.tensor(&mut *file, &name, device).map_err(err);
+                return self.candle_read(&name, info, device).map_err(err);
             }
         };
         QTensor::new(storage, dims).map_err(err)
+    }
+
+    /// Tensor `name` read by candle's reader onto `device`, its bytes counted as read.
+    fn candle_read(
+        &self,
+        name: &str,
+        info: &TensorInfo,
+        device: &Device,
+    ) -> peregrine_tensor::candle::Result<QTensor> {
+        let blocks = info.shape.elem_count() / info.ggml_dtype.block_size();
+        self.progress.add(blocks * info.ggml_dtype.type_size());
+        let mut file = self.file.lock().unwrap_or_else(|e| e.into_inner());
+        self.content.tensor(&mut *file, name, device)
     }
 
     /// The values of the tensor named `name` in the file (GGUF naming: tensors with no HF
@@ -432,8 +443,8 @@ impl GgufFile {
             file: self.path.clone(),
             message: format!("tensor `{name}`: {}", peregrine_tensor::error_message(&e)),
         };
-        let mut file = self.file.lock().unwrap_or_else(|e| e.into_inner());
-        let t = (self.content.tensor(&mut *file, name, &Device::Cpu))
+        let info = &self.content.tensor_infos[name];
+        let t = (self.candle_read(name, info, &Device::Cpu))
             .and_then(|q| q.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>());
         t.map(Some).map_err(err)
     }
