@@ -2,7 +2,7 @@
 """Continuous batching, Peregrine against llama.cpp's server, on one GGUF file in one run.
 
 Usage: scripts/bench_batching.py --model FILE [--llama-server PATH] [--streams 1,2,4,8,16]
-           [--prompt-tokens 64] [--gen-tokens 64] [--threads 2]
+           [--prompt-tokens 64] [--gen-tokens 64] [--threads 2] [--device cpu|cuda]
 
 For each N in --streams, starts `peregrine serve --parallel N` and `llama-server -np N` (continuous
 batching on, f16 KV as ours, the same threads and context per slot), sends N streamed
