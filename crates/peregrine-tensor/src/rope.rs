@@ -428,6 +428,23 @@ impl RotaryEmbedding {
         self.rotate(x, &cos, &sin)
     }
 
+    /// Rotates `x: [batch, heads, rows, head_dim]` whose row `j` sits at `positions[j]`, each
+    /// row exactly as [`apply`](Self::apply) turns a lone token there (a batched decode step's
+    /// rows, one per sequence, in one launch); `None` when the rows need different tables
+    /// (LongRoPE past its original context for some of them only).
+    pub fn apply_at(&self, x: &Tensor, positions: &[u32]) -> Result<Option<Tensor>> {
+        let (Some(&lo), Some(&hi)) = (positions.iter().min(), positions.iter().max()) else {
+            return Ok(Some(x.clone()));
+        };
+        if !std::ptr::eq(self.table(lo as usize + 1), self.table(hi as usize + 1)) {
+            return Ok(None);
+        }
+        let (cos, sin) = self.tables(0, hi as usize + 1)?;
+        let rows = Tensor::new(positions, cos.device())?;
+        let (cos, sin) = (cos.index_select(&rows, 0)?, sin.index_select(&rows, 0)?);
+        self.rotate(x, &cos, &sin).map(Some)
+    }
+
     /// `x` rotated by per-row `cos` / `sin` (`[seq, rotary_dim / 2]`).
     fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let (x, pass) = self.split(x)?;

@@ -540,3 +540,43 @@ fn rows_into_copies_each_row_and_keeps_the_vectors_it_has() {
     assert_eq!(rows, tt.to_vec2::<f32>().unwrap());
     assert_eq!(rows.len(), 4);
 }
+
+/// A batched decode step's rows turned at once (`apply_at`, each row its own position) equal,
+/// bit for bit, each row turned alone by `apply` at its position, for both styles and a partial
+/// head; rows on both sides of LongRoPE's original context (two tables) are refused, rows on
+/// one side are not.
+#[test]
+fn rows_turned_at_their_own_positions_equal_each_turned_alone() {
+    let (head_dim, rotary, original) = (16, 12, 40);
+    let scaling = long_rope(rotary / 2, original);
+    for style in [RopeStyle::Half, RopeStyle::Interleaved] {
+        let rope = RotaryEmbedding::new_partial(
+            (head_dim, rotary),
+            1e4,
+            &scaling,
+            style,
+            100,
+            DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
+        let x = randn(&[1, 3, 4, head_dim], 23);
+        for positions in [[0u32, 7, 3, 39], [40, 99, 41, 40]] {
+            let got = rope.apply_at(&x, &positions).unwrap().expect("one table");
+            for (j, &p) in positions.iter().enumerate() {
+                let row = |t: &Tensor| t.narrow(2, j, 1).unwrap().contiguous().unwrap();
+                let alone = rope.apply(&row(&x), p as usize).unwrap();
+                assert_eq!(
+                    max_diff(&row(&got), &alone),
+                    0.0,
+                    "{style:?} row {j} at {p}"
+                );
+            }
+        }
+        let mixed = rope.apply_at(&x, &[39, 40, 1, 2]).unwrap();
+        assert!(
+            mixed.is_none(),
+            "{style:?}: rows across the original context"
+        );
+    }
+}

@@ -16,6 +16,11 @@ use crate::layers::step::{StepBuffers, StepRow, norm_rows_in_place};
 use crate::weights::Weights;
 use crate::{ModelConfig, Result};
 
+/// A range of a batched pass's stacked rows.
+type Rows = std::ops::Range<usize>;
+/// A decode step's turned queries, and keys and values, of every sequence at once.
+type DecodeRows = (Tensor, Option<(Tensor, Tensor)>);
+
 /// Where a layer's keys and values come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvProjections {
@@ -192,6 +197,43 @@ impl Attention {
         Ok(())
     }
 
+    /// A decode step's queries, and keys and values when the layer has its own, for every
+    /// sequence at once (`[1, heads, sequences, hd]`, normed and turned at each one's position):
+    /// `None` unless every segment is one row at a plain position and RoPE takes them in one
+    /// table; then each sequence's part is only its cache and attention (on a GPU, a batched
+    /// step pays per launch and per sequence).
+    fn turn_decode_rows(
+        &self,
+        segments: &[Segment],
+        rope: &RotaryEmbedding,
+        split: &impl Fn(Rows, usize, usize, &Option<Tensor>) -> Result<Tensor>,
+        n_proj: usize,
+    ) -> Result<Option<DecodeRows>> {
+        let position = |s: &Segment| match (s.len, s.rope, s.both_ways) {
+            (1, RopeRows::From(p), None) => u32::try_from(p).ok(),
+            _ => None,
+        };
+        let positions: Option<Vec<u32>> = segments.iter().map(position).collect();
+        let Some(positions) = positions.filter(|p| p.len() > 1 && !self.no_rope) else {
+            return Ok(None);
+        };
+        let all = 0..positions.len();
+        let Some(q) = rope.apply_at(
+            &split(all.clone(), 0, self.heads, &self.q_norm)?,
+            &positions,
+        )?
+        else {
+            return Ok(None);
+        };
+        if n_proj == 1 {
+            return Ok(Some((q, None)));
+        }
+        let v = split(all.clone(), n_proj - 1, self.kv_heads, &self.v_norm)?;
+        let k = split(all, 1, self.kv_heads, &self.k_norm)?;
+        let k = rope.apply_at(&k, &positions)?.expect("the queries' table");
+        Ok(Some((q, Some((k, v)))))
+    }
+
     fn params(&self) -> AttnParams {
         AttnParams {
             scale: self.scale,
@@ -224,31 +266,48 @@ impl SelfAttention for Attention {
         let hd = self.head_dim;
         // A gated q_proj's rows hold each head's query then its gate.
         let q_width = hd * (1 + usize::from(self.output_gate));
+        // Rows `rows` of projection `i`, [1, n, heads * hd] → [1, heads, n, hd], normed.
+        let split = |rows: Rows, i: usize, heads: usize, norm: &Option<Tensor>| -> Result<Tensor> {
+            let (t, n) = (qkv[i].narrow(1, rows.start, rows.len())?, rows.len());
+            let t = match i {
+                0 => t.reshape((1, n, heads, q_width))?.narrow(3, 0, hd)?,
+                _ => t.reshape((1, n, heads, hd))?,
+            };
+            let t = match norm {
+                Some(w) => rms_norm(&t, w, self.eps)?,
+                None => t,
+            };
+            Ok(t.transpose(1, 2)?)
+        };
+        // Every sequence's queries and keys turned in one go in a decode step's rows.
+        let turned = self.turn_decode_rows(segments, rope, &split, n_proj)?;
         let y = per_segment(segments, x.device(), |rows, s| {
             let n = rows.len();
-            // This sequence's rows, [1, n, heads * hd] → [1, heads, n, hd].
-            let split = |i: usize, heads: usize, norm: &Option<Tensor>| -> Result<Tensor> {
-                let t = qkv[i].narrow(1, rows.start, n)?;
-                let t = match i {
-                    0 => t.reshape((1, n, heads, q_width))?.narrow(3, 0, hd)?,
-                    _ => t.reshape((1, n, heads, hd))?,
-                };
-                let t = match norm {
-                    Some(w) => rms_norm(&t, w, self.eps)?,
-                    None => t,
-                };
-                Ok(t.transpose(1, 2)?)
-            };
             let turn = |t: Tensor| match (self.no_rope, s.rope) {
                 (true, _) => Ok(t.contiguous()?),
                 (false, RopeRows::From(p)) => rope.apply(&t, p),
                 (false, RopeRows::Axes(axes)) => rope.apply_positions(&t, axes),
             };
-            let q = turn(split(0, self.heads, &self.q_norm)?)?;
+            let row = |t: &Tensor| t.narrow(2, rows.start, 1);
+            let (q, kv) = match &turned {
+                Some((q, kv)) => (row(q)?, kv.as_ref().map(|(k, v)| (row(k), row(v)))),
+                None => (
+                    turn(split(rows.clone(), 0, self.heads, &self.q_norm)?)?,
+                    None,
+                ),
+            };
             if n_proj > 1 {
                 // Values are the keys' projection when the layer has no v_proj.
-                let v = split(n_proj - 1, self.kv_heads, &self.v_norm)?;
-                let k = turn(split(1, self.kv_heads, &self.k_norm)?)?;
+                let (k, v) = match kv {
+                    Some((k, v)) => (k?, v?),
+                    None => {
+                        let v = split(rows.clone(), n_proj - 1, self.kv_heads, &self.v_norm)?;
+                        (
+                            turn(split(rows.clone(), 1, self.kv_heads, &self.k_norm)?)?,
+                            v,
+                        )
+                    }
+                };
                 s.cache.note_queries(&q, self.kv_heads)?;
                 s.cache.append(&k, &v)?;
             }
