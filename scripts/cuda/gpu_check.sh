@@ -30,19 +30,9 @@ fi
 [ -n "${maker:-}" ] && wait "$maker"
 tail -1 "$out/make.log"
 [ -d "$model-mlx4" ] || peregrine quantize -m "$model" --out "$model-mlx4" > "$out/quantize.log" 2>&1
-# GGUF cannot hold llama3 RoPE scaling the way our loader reads it (llama.cpp writes a
-# `rope_freqs` tensor): the GGUF copy is made from the same weights with plain RoPE, which
-# costs the same per token.
-if [ ! -f "$model-q4_0.gguf" ]; then
-  mkdir -p "$model-plain"
-  for f in "$model"/*; do
-    [ "$(basename "$f")" = config.json ] || ln -sf "$f" "$model-plain/"
-  done
-  python3 -c 'import json,sys; c=json.load(open(sys.argv[1])); c.pop("rope_scaling",None); print(json.dumps(c))' \
-    "$model/config.json" > "$model-plain/config.json"
-  peregrine quantize -m "$model-plain" --format gguf --type q4_0 \
-    --out "$model-q4_0.gguf" >> "$out/quantize.log" 2>&1
-fi
+# The GGUF copy keeps Llama 3.1's RoPE scaling (a `rope_freqs` tensor, as llama.cpp writes it).
+[ -f "$model-q4_0.gguf" ] || peregrine quantize -m "$model" --format gguf --type q4_0 \
+  --out "$model-q4_0.gguf" >> "$out/quantize.log" 2>&1
 for m in "$model" "$model-mlx4" "$model-q4_0.gguf"; do
   for p in 512 8000; do
     timeout 240 peregrine bench -m "$m" --device cuda --prompt-tokens "$p" --gen-tokens 64 \
