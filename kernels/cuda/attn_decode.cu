@@ -185,9 +185,37 @@ __device__ void join(const float* part_o, const float2* part_ml, int chunks, int
         join<T>(part_o, part_ml, chunks, d, out);                                              \
     }
 
+// A decode step's sequences in one launch (blockIdx.z a sequence): each attends its own cache,
+// found through the tables (its keys' and values' first row, its head stride and key count);
+// q: [sequences][heads][D]; its chunks are its keys split over gridDim.y, and the parts are
+// laid out per sequence as the one-sequence kernel lays them out.
+#define DECODE_MANY(NAME, T, D)                                                                \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) attn_partial_many_##NAME##_d##D( \
+        const float* q, const T* const* ks, const T* const* vs, const long* head_strides,      \
+        const int* ns, int groups, float scale, float softcap, float* part_o,                  \
+        float2* part_ml) {                                                                     \
+        const int s = blockIdx.z, heads = gridDim.x * groups, chunks = gridDim.y;              \
+        const int n = ns[s], chunk_keys = max(1, (n + chunks - 1) / chunks);                   \
+        partial<T, D>(q + (long)s * heads * D, ks[s], vs[s], head_strides[s], n, groups,       \
+                      chunk_keys, scale, softcap, part_o + (long)s * heads * chunks * D,       \
+                      part_ml + (long)s * heads * chunks);                                     \
+    }
+
+// Block (query head blockIdx.x, sequence blockIdx.y): as `attn_join`, out: [sequences][heads][d].
+#define JOIN_MANY(NAME, T)                                                                     \
+    extern "C" __global__ void attn_join_many_##NAME(const float* part_o,                      \
+                                                     const float2* part_ml, int chunks, int d, \
+                                                     T* out) {                                 \
+        const long s = blockIdx.y, heads = gridDim.x;                                          \
+        join<T>(part_o + s * heads * chunks * d, part_ml + s * heads * chunks, chunks, d,      \
+                out + s * heads * d);                                                          \
+    }
+
 #define ALL_DIMS(NAME, T) \
     DECODE(NAME, T, 16) DECODE(NAME, T, 32) DECODE(NAME, T, 64) DECODE(NAME, T, 128) \
-    DECODE(NAME, T, 256) JOIN(NAME, T)
+    DECODE(NAME, T, 256) JOIN(NAME, T) \
+    DECODE_MANY(NAME, T, 16) DECODE_MANY(NAME, T, 32) DECODE_MANY(NAME, T, 64) \
+    DECODE_MANY(NAME, T, 128) DECODE_MANY(NAME, T, 256) JOIN_MANY(NAME, T)
 
 ALL_DIMS(f32, float)
 ALL_DIMS(f16, __half)

@@ -330,6 +330,21 @@ impl KvBuffer {
         }
     }
 
+    /// The stored keys and values the last position sees (`window`: as [`attend`](Self::attend)
+    /// takes it), where they are plain tensors; see `LayerCache::decode_kv`.
+    pub(crate) fn decode_kv(&self, window: Option<usize>) -> Option<(Tensor, Tensor)> {
+        let (slots, _) = self.visible(1, window, None);
+        let Some(Store::Tensors(k, v)) = &self.store else {
+            return None;
+        };
+        let k = k.narrow(2, slots.start, slots.len()).ok()?;
+        let v = match v {
+            Some(v) => v.narrow(2, slots.start, slots.len()).ok()?,
+            None => k.clone(),
+        };
+        Some((k, v))
+    }
+
     /// [`attend`](Self::attend) for the last position's query heads `q` into `out`; on the
     /// CPU without allocating once `scratch` has grown.
     pub(crate) fn attend_row(

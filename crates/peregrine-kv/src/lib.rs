@@ -72,6 +72,13 @@ pub trait LayerCache: Send + Sync {
             ),
         }
     }
+    /// The keys and values the newest position attends (`[1, kv_heads, n, head_dim]` views of
+    /// the cache's own storage, all of them seen by that position), for a decode step that
+    /// attends many sequences' caches in one launch; `None` for caches that keep anything
+    /// else (the CPU's planes, quantized or compressed entries, none yet): attend alone.
+    fn decode_kv(&self) -> Option<(Tensor, Tensor)> {
+        None
+    }
     /// [`append`](Self::append) of one position from f32 rows `k, v` (`kv_heads · head_dim`
     /// each), the decode step's form: caches that can write in place allocate nothing (but
     /// when they grow). The default wraps the rows in tensors.

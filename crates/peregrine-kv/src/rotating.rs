@@ -51,6 +51,10 @@ impl LayerCache for RotatingCache {
         self.buf.append(k, v, Some(keep))
     }
 
+    fn decode_kv(&self) -> Option<(Tensor, Tensor)> {
+        self.buf.decode_kv(Some(self.window))
+    }
+
     fn attend(&self, q: &Tensor, params: &AttnParams) -> Result<Tensor> {
         self.buf.attend(q, params, Some(self.window))
     }

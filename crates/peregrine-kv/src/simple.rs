@@ -45,6 +45,10 @@ impl LayerCache for SimpleCache {
         self.buf.append(k, v, None)
     }
 
+    fn decode_kv(&self) -> Option<(Tensor, Tensor)> {
+        self.buf.decode_kv(None)
+    }
+
     fn attend(&self, q: &Tensor, params: &AttnParams) -> Result<Tensor> {
         self.buf.attend(q, params, None)
     }

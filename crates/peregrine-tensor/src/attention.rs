@@ -5,7 +5,36 @@ use candle_core::{D, DType, Device, Result, Tensor};
 use half::{bf16, f16};
 
 #[cfg(feature = "cuda")]
-pub use crate::attention_cuda::decode_attention;
+pub use crate::attention_cuda::{decode_attention, decode_attention_many};
+
+/// Whether [`attention_many`] may take a batch (a CUDA build with `PEREGRINE_CUDA_BATCH_ATTN=1`).
+pub fn many_enabled() -> bool {
+    #[cfg(feature = "cuda")]
+    return crate::attention_cuda::batch_enabled();
+    #[cfg(not(feature = "cuda"))]
+    false
+}
+
+/// A decode step's attention for many sequences at once, each over its own cache: `q:
+/// [sequences, heads, d]`, `kvs[s]` sequence `s`'s visible keys and values (`[1, kv_heads, n,
+/// d]`, all of them seen: one new position each). `[sequences, heads, d]` in `q`'s dtype; `None`
+/// where no batched kernel takes them (the CPU, other layouts; on CUDA unless
+/// `PEREGRINE_CUDA_BATCH_ATTN=1`, until it has been measured on a GPU): attend each alone.
+pub fn attention_many(
+    q: &Tensor,
+    kvs: &[(Tensor, Tensor)],
+    scale: f64,
+    softcap: Option<f32>,
+) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if crate::attention_cuda::batch_enabled()
+        && let Some(y) = crate::attention_cuda::decode_attention_many(q, kvs, scale, softcap)?
+    {
+        return Ok(Some(y.to_dtype(q.dtype())?));
+    }
+    let _ = (q, kvs, scale, softcap);
+    Ok(None)
+}
 
 /// Which keys a query may see, in absolute positions.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -5,9 +5,11 @@
 //! `PEREGRINE_CUDA_ATTN=0` keeps candle's path (to compare).
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{CudaStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CudaStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 
 use crate::cuda_op::cuda_only_op;
@@ -32,6 +34,13 @@ const MIN_CHUNK: usize = 32;
 pub(crate) fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("PEREGRINE_CUDA_ATTN").map_or(true, |v| v != "0"))
+}
+
+/// Whether [`attention_many`](crate::attention::attention_many) takes the batched kernel
+/// (`PEREGRINE_CUDA_BATCH_ATTN=1`, read once; off until measured on a GPU).
+pub(crate) fn batch_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("PEREGRINE_CUDA_BATCH_ATTN").is_ok_and(|v| v == "1"))
 }
 
 /// Attention of one query position `q: [1, heads, 1, d]` over every key of `k, v: [1, kv_heads,
@@ -185,6 +194,184 @@ impl CustomOp3 for DecodeAttention {
             DType::F16 => self.run::<f16>((q, ql), (k, kl), (v, vl), "f16")?,
             DType::F32 => self.run::<f32>((q, ql), (k, kl), (v, vl), "f32")?,
             other => candle_core::bail!("decode-attention: {other:?} is not supported"),
+        };
+        Ok((out, ql.shape().clone()))
+    }
+}
+
+/// [`decode_attention`] for a decode step's sequences at once: `q: [sequences, heads, d]`, row
+/// `s` attending every key of `kvs[s]` (each `[1, kv_heads, n_s, d]`, as `decode_attention`
+/// takes them; the same dtype, heads and size throughout). `[sequences, heads, d]` in the
+/// caches' dtype; `None` where the kernel does not take them (the caller attends each alone).
+pub fn decode_attention_many(
+    q: &Tensor,
+    kvs: &[(Tensor, Tensor)],
+    scale: f64,
+    softcap: Option<f32>,
+) -> Result<Option<Tensor>> {
+    let (Ok((seqs, heads, d)), Some((k0, _))) = (q.dims3(), kvs.first()) else {
+        return Ok(None);
+    };
+    let Ok((1, kv_heads, _, kd)) = k0.dims4() else {
+        return Ok(None);
+    };
+    let dtype = k0.dtype();
+    let takes_one = |(k, v): &(Tensor, Tensor)| {
+        let rows_ok = |t: &Tensor| {
+            let s = t.stride();
+            t.device().is_cuda() && s[3] == 1 && s[2] == d && t.dims() == k.dims()
+        };
+        matches!(k.dims4(), Ok((1, h, n, _)) if h == kv_heads && n > 0)
+            && k.dtype() == dtype
+            && v.dtype() == dtype
+            && rows_ok(k)
+            && rows_ok(v)
+            && k.stride()[1] == v.stride()[1]
+    };
+    let takes = seqs == kvs.len()
+        && kd == d
+        && HEAD_DIMS.contains(&d)
+        && kv_heads > 0
+        && heads.is_multiple_of(kv_heads)
+        && heads / kv_heads <= MAX_GROUPS
+        && matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+        && kvs.iter().all(takes_one);
+    if !takes {
+        return Ok(None);
+    }
+    let q = q.to_dtype(DType::F32)?.contiguous()?;
+    let op = DecodeAttentionMany {
+        kvs: kvs.to_vec(),
+        scale: scale as f32,
+        softcap: softcap.unwrap_or(0.0),
+    };
+    Ok(Some(q.apply_op1_no_bwd(&op)?))
+}
+
+struct DecodeAttentionMany {
+    /// Each sequence's keys and values (held for their device pointers).
+    kvs: Vec<(Tensor, Tensor)>,
+    scale: f32,
+    /// 0 for none.
+    softcap: f32,
+}
+
+impl DecodeAttentionMany {
+    fn run<T: CudaDType + DeviceRepr>(
+        &self,
+        (q, ql): (&CudaStorage, &Layout),
+        name: &str,
+    ) -> Result<CudaStorage> {
+        let [seqs, heads, d] = ql.dims() else {
+            candle_core::bail!("decode attention: queries of shape {:?}", ql.dims())
+        };
+        let (seqs, heads, d) = (*seqs, *heads, *d);
+        let kv_heads = self.kvs[0].0.dims()[1];
+        let groups = heads / kv_heads;
+        let longest = (self.kvs.iter())
+            .map(|(k, _)| k.dims()[2])
+            .max()
+            .unwrap_or(1);
+        // Chunks enough for about TARGET_BLOCKS blocks over all sequences, of at least
+        // MIN_CHUNK keys in the longest.
+        let chunks = TARGET_BLOCKS
+            .div_ceil(kv_heads * seqs)
+            .min(longest.div_ceil(MIN_CHUNK))
+            .max(1);
+        let dev = &q.device;
+        let stream = dev.cuda_stream();
+        // Each sequence's first key and value row, head stride and key count, for the tables.
+        let storages: Vec<_> = (self.kvs.iter())
+            .map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout()))
+            .collect();
+        let mut views = Vec::with_capacity(seqs);
+        let (mut strides, mut ns) = (Vec::with_capacity(seqs), Vec::with_capacity(seqs));
+        for ((k, kl), (v, vl)) in &storages {
+            let (candle_core::Storage::Cuda(k), candle_core::Storage::Cuda(v)) = (&**k, &**v)
+            else {
+                candle_core::bail!("decode attention: a cache off the GPU")
+            };
+            views.push((
+                k.as_cuda_slice::<T>()?.slice(kl.start_offset()..),
+                v.as_cuda_slice::<T>()?.slice(vl.start_offset()..),
+            ));
+            strides.push(kl.stride()[1] as i64);
+            ns.push(int(kl.dims()[2])?);
+        }
+        let mut ptrs = (Vec::with_capacity(seqs), Vec::with_capacity(seqs));
+        let mut guards = Vec::with_capacity(2 * seqs);
+        for (ks, vs) in &views {
+            let ((kp, kg), (vp, vg)) = (ks.device_ptr(&stream), vs.device_ptr(&stream));
+            ptrs.0.push(kp);
+            ptrs.1.push(vp);
+            guards.push(kg);
+            guards.push(vg);
+        }
+        let (k_table, v_table) = (dev.clone_htod(&ptrs.0)?, dev.clone_htod(&ptrs.1)?);
+        let (strides, ns) = (dev.clone_htod(&strides)?, dev.clone_htod(&ns)?);
+        let qs = q.as_cuda_slice::<f32>()?.slice(ql.start_offset()..);
+        // SAFETY: every element of the three is written by the kernels below before it is read.
+        let (part_o, part_ml, out) = unsafe {
+            (
+                dev.alloc::<f32>(seqs * heads * chunks * d)?,
+                dev.alloc::<f32>(2 * seqs * heads * chunks)?,
+                dev.alloc::<T>(seqs * heads * d)?,
+            )
+        };
+        let (groups32, chunks32, d32) = (int(groups)?, int(chunks)?, int(d)?);
+        let partial =
+            dev.get_or_load_custom_func(&format!("attn_partial_many_{name}_d{d}"), MODULE, PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (kv_heads as u32, chunks as u32, seqs as u32),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = partial.builder();
+        launch
+            .arg(&qs)
+            .arg(&k_table)
+            .arg(&v_table)
+            .arg(&strides)
+            .arg(&ns)
+            .arg(&groups32)
+            .arg(&self.scale)
+            .arg(&self.softcap)
+            .arg(&part_o)
+            .arg(&part_ml);
+        // SAFETY: the kernel's arguments, in its order and types (the tables hold device
+        // addresses of `T` rows); `decode_attention_many` checked every cache as
+        // `decode_attention` checks one, and the guards keep their storage until the launch.
+        unsafe { launch.launch(cfg) }.w()?;
+        drop(guards);
+        let join = dev.get_or_load_custom_func(&format!("attn_join_many_{name}"), MODULE, PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (heads as u32, seqs as u32, 1),
+            block_dim: (d as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = join.builder();
+        launch
+            .arg(&part_o)
+            .arg(&part_ml)
+            .arg(&chunks32)
+            .arg(&d32)
+            .arg(&out);
+        // SAFETY: as above; the partial kernel wrote `chunks` chunks of every head of every
+        // sequence.
+        unsafe { launch.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+}
+
+impl CustomOp1 for DecodeAttentionMany {
+    cuda_only_op!("decode-attention-many", a);
+
+    fn cuda_fwd(&self, q: &CudaStorage, ql: &Layout) -> Result<(CudaStorage, Shape)> {
+        let out = match self.kvs[0].0.dtype() {
+            DType::BF16 => self.run::<bf16>((q, ql), "bf16")?,
+            DType::F16 => self.run::<f16>((q, ql), "f16")?,
+            DType::F32 => self.run::<f32>((q, ql), "f32")?,
+            other => candle_core::bail!("decode-attention-many: {other:?} is not supported"),
         };
         Ok((out, ql.shape().clone()))
     }

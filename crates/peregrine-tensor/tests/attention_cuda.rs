@@ -110,3 +110,63 @@ fn attention_takes_the_kernel_for_one_query_and_leaves_the_rest() {
             .is_none()
     );
 }
+
+/// The batched kernel (`decode_attention_many`): sequences of 1 to 5,000 keys in caches of
+/// different capacities (so different head strides), each row of its output against the f32
+/// reference over that sequence's cache, with the tolerance above; written 2026-12-07 and not
+/// yet run on a GPU.
+#[test]
+fn decode_attention_many_matches_each_sequence_alone() {
+    let gpu = Device::new_cuda(0).expect("these tests need a CUDA GPU");
+    let (heads, kv_heads) = (32, 8);
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        let step = match dtype {
+            DType::BF16 => 1.0 / 128.0,
+            DType::F16 => 1.0 / 1024.0,
+            _ => 1e-5,
+        };
+        for d in [64, 128] {
+            let lengths = [1, 37, 300, 5000, 64, 2];
+            let kvs: Vec<(Tensor, Tensor)> = (lengths.iter().enumerate())
+                .map(|(s, &n)| {
+                    // A cache of n + 3s + 7 slots whose visible keys start at slot s.
+                    let cache = |seed: f32| {
+                        let full = wave(&[1, kv_heads, n + 3 * s + 7, d], seed, dtype, &gpu);
+                        full.narrow(2, s, n).unwrap()
+                    };
+                    (cache(s as f32 + 1.0), cache(s as f32 + 50.0))
+                })
+                .collect();
+            let q = wave(&[lengths.len(), heads, d], 9.0, dtype, &gpu);
+            let scale = 1.0 / (d as f64).sqrt();
+            let got = peregrine_tensor::attention::decode_attention_many(&q, &kvs, scale, None)
+                .unwrap()
+                .expect("the kernel takes these");
+            for (s, (k, v)) in kvs.iter().enumerate() {
+                let case = format!("{dtype:?} d {d}, sequence {s} of {} keys", lengths[s]);
+                let cpu = |t: &Tensor| {
+                    let t = t.to_device(&Device::Cpu).unwrap();
+                    t.to_dtype(DType::F32).unwrap().contiguous().unwrap()
+                };
+                let q_s = q
+                    .narrow(0, s, 1)
+                    .unwrap()
+                    .reshape((1, heads, 1, d))
+                    .unwrap();
+                let n = lengths[s];
+                let mask = MaskSpec {
+                    q_start: n - 1,
+                    k_start: 0,
+                    window: None,
+                    both_ways: None,
+                };
+                let want = attention_ref(&cpu(&q_s), &cpu(k), &cpu(v), scale, None, &mask)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap();
+                let row = got.narrow(0, s, 1).unwrap();
+                close(&flat(&row), &flat(&want), (step, 1e-4), &case);
+            }
+        }
+    }
+}

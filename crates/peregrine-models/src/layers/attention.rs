@@ -4,7 +4,7 @@
 //! (KV sharing: no k/v projections; the caller hands them that layer's cache).
 
 use peregrine_kv::{AttnParams, LayerCache};
-use peregrine_tensor::attention::AttnScratch;
+use peregrine_tensor::attention::{AttnScratch, attention_many};
 use peregrine_tensor::ops::{rms_norm, sigmoid};
 use peregrine_tensor::{QLinear, RotaryEmbedding, Tensor};
 use rayon::prelude::*;
@@ -234,6 +234,56 @@ impl Attention {
         Ok(Some((q, Some((k, v)))))
     }
 
+    /// A decode step's appends and attention for every sequence, the attention in one launch
+    /// (`attention_many`, where it is on and every cache hands out its keys and values):
+    /// `[1, sequences, heads · hd]`, or `None`, having appended nothing, where it cannot.
+    fn attend_decode_rows(
+        &self,
+        (q, kv): &DecodeRows,
+        segments: &mut [Segment],
+    ) -> Result<Option<Tensor>> {
+        let off = q.device().is_cpu() || !peregrine_tensor::attention::many_enabled();
+        let cached: Option<Vec<(Tensor, Tensor)>> = match off {
+            true => None,
+            false => segments.iter().map(|s| s.cache.decode_kv()).collect(),
+        };
+        let Some(dtype) = cached.and_then(|c| c.first().map(|(k, _)| k.dtype())) else {
+            return Ok(None);
+        };
+        let (seqs, hd) = (segments.len(), self.head_dim);
+        let row = |t: &Tensor, j: usize| t.narrow(2, j, 1);
+        if let Some((k, v)) = kv {
+            // Every row in the caches' dtype, sequence-major once, so each append is one copy.
+            let by_sequence = |t: &Tensor| t.to_dtype(dtype)?.transpose(1, 2)?.contiguous();
+            let (k, v) = (by_sequence(k)?, by_sequence(v)?);
+            let one = |t: &Tensor, j: usize| t.narrow(1, j, 1)?.reshape((1, self.kv_heads, 1, hd));
+            for (j, s) in segments.iter_mut().enumerate() {
+                s.cache.note_queries(&row(q, j)?, self.kv_heads)?;
+                s.cache.append(&one(&k, j)?, &one(&v, j)?)?;
+            }
+        }
+        let kvs: Option<Vec<(Tensor, Tensor)>> =
+            segments.iter().map(|s| s.cache.decode_kv()).collect();
+        let q_rows = q.transpose(1, 2)?.reshape((seqs, self.heads, hd))?;
+        let many = match kvs {
+            Some(kvs) => attention_many(&q_rows, &kvs, self.scale, self.softcap)?,
+            None => None,
+        };
+        let y = match many {
+            Some(y) => y,
+            // Appended already: each sequence attends alone.
+            None => {
+                let rows = (segments.iter().enumerate())
+                    .map(|(j, s)| Ok(s.cache.attend(&row(q, j)?, &self.params())?))
+                    .collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&rows, 2)?
+                    .transpose(1, 2)?
+                    .reshape((seqs, self.heads, hd))?
+            }
+        };
+        Ok(Some(y.reshape((1, seqs, self.heads * hd))?))
+    }
+
     fn params(&self) -> AttnParams {
         AttnParams {
             scale: self.scale,
@@ -281,44 +331,51 @@ impl SelfAttention for Attention {
         };
         // Every sequence's queries and keys turned in one go in a decode step's rows.
         let turned = self.turn_decode_rows(segments, rope, &split, n_proj)?;
-        let y = per_segment(segments, x.device(), |rows, s| {
-            let n = rows.len();
-            let turn = |t: Tensor| match (self.no_rope, s.rope) {
-                (true, _) => Ok(t.contiguous()?),
-                (false, RopeRows::From(p)) => rope.apply(&t, p),
-                (false, RopeRows::Axes(axes)) => rope.apply_positions(&t, axes),
-            };
-            let row = |t: &Tensor| t.narrow(2, rows.start, 1);
-            let (q, kv) = match &turned {
-                Some((q, kv)) => (row(q)?, kv.as_ref().map(|(k, v)| (row(k), row(v)))),
-                None => (
-                    turn(split(rows.clone(), 0, self.heads, &self.q_norm)?)?,
-                    None,
-                ),
-            };
-            if n_proj > 1 {
-                // Values are the keys' projection when the layer has no v_proj.
-                let (k, v) = match kv {
-                    Some((k, v)) => (k?, v?),
-                    None => {
-                        let v = split(rows.clone(), n_proj - 1, self.kv_heads, &self.v_norm)?;
-                        (
-                            turn(split(rows.clone(), 1, self.kv_heads, &self.k_norm)?)?,
-                            v,
-                        )
-                    }
+        let batched = match &turned {
+            Some(rows) => self.attend_decode_rows(rows, segments)?,
+            None => None,
+        };
+        let y = match batched {
+            Some(y) => y,
+            None => per_segment(segments, x.device(), |rows, s| {
+                let n = rows.len();
+                let turn = |t: Tensor| match (self.no_rope, s.rope) {
+                    (true, _) => Ok(t.contiguous()?),
+                    (false, RopeRows::From(p)) => rope.apply(&t, p),
+                    (false, RopeRows::Axes(axes)) => rope.apply_positions(&t, axes),
                 };
-                s.cache.note_queries(&q, self.kv_heads)?;
-                s.cache.append(&k, &v)?;
-            }
-            let params = AttnParams {
-                both_ways: s.both_ways,
-                ..self.params()
-            };
-            let y = s.cache.attend(&q, &params)?; // [1, heads, n, hd]
-            Ok(y.transpose(1, 2)?
-                .reshape((1, n, self.heads * self.head_dim))?)
-        })?;
+                let row = |t: &Tensor| t.narrow(2, rows.start, 1);
+                let (q, kv) = match &turned {
+                    Some((q, kv)) => (row(q)?, kv.as_ref().map(|(k, v)| (row(k), row(v)))),
+                    None => (
+                        turn(split(rows.clone(), 0, self.heads, &self.q_norm)?)?,
+                        None,
+                    ),
+                };
+                if n_proj > 1 {
+                    // Values are the keys' projection when the layer has no v_proj.
+                    let (k, v) = match kv {
+                        Some((k, v)) => (k?, v?),
+                        None => {
+                            let v = split(rows.clone(), n_proj - 1, self.kv_heads, &self.v_norm)?;
+                            (
+                                turn(split(rows.clone(), 1, self.kv_heads, &self.k_norm)?)?,
+                                v,
+                            )
+                        }
+                    };
+                    s.cache.note_queries(&q, self.kv_heads)?;
+                    s.cache.append(&k, &v)?;
+                }
+                let params = AttnParams {
+                    both_ways: s.both_ways,
+                    ..self.params()
+                };
+                let y = s.cache.attend(&q, &params)?; // [1, heads, n, hd]
+                Ok(y.transpose(1, 2)?
+                    .reshape((1, n, self.heads * self.head_dim))?)
+            })?,
+        };
         let y = match self.output_gate {
             true => {
                 let rows = y.dim(1)?;
