@@ -6,7 +6,7 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
@@ -55,25 +55,10 @@ pub fn decode_attention(
     scale: f64,
     softcap: Option<f32>,
 ) -> Result<Option<Tensor>> {
-    let (Ok((1, heads, 1, d)), Ok((1, kv_heads, n, kd))) = (q.dims4(), k.dims4()) else {
+    let (Ok((1, heads, 1, d)), Ok((1, kv_heads, _, _))) = (q.dims4(), k.dims4()) else {
         return Ok(None);
     };
-    let rows_ok = |t: &Tensor| {
-        let s = t.stride();
-        t.device().is_cuda() && s[3] == 1 && s[2] == d && t.dims() == k.dims()
-    };
-    let takes = kd == d
-        && n > 0
-        && HEAD_DIMS.contains(&d)
-        && kv_heads > 0
-        && heads.is_multiple_of(kv_heads)
-        && heads / kv_heads <= MAX_GROUPS
-        && matches!(k.dtype(), DType::F32 | DType::F16 | DType::BF16)
-        && v.dtype() == k.dtype()
-        && rows_ok(k)
-        && rows_ok(v)
-        && k.stride()[1] == v.stride()[1];
-    if !takes {
+    if !takes((heads, kv_heads, d), k.dtype(), (k, v)) {
         return Ok(None);
     }
     let q = q.to_dtype(DType::F32)?.contiguous()?;
@@ -82,6 +67,64 @@ pub fn decode_attention(
         softcap: softcap.unwrap_or(0.0),
     };
     Ok(Some(q.apply_op3_no_bwd(k, v, &op)?))
+}
+
+/// Whether the kernels take a cache's keys and values `k, v: [1, kv_heads, n ≥ 1, d]` of
+/// `dtype` for `heads` query heads: on CUDA, a head size and dtype they are built for, at most
+/// [`MAX_GROUPS`] query heads per kv head, each row `d` contiguous values and both tensors' heads
+/// equally far apart.
+fn takes(
+    (heads, kv_heads, d): (usize, usize, usize),
+    dtype: DType,
+    (k, v): (&Tensor, &Tensor),
+) -> bool {
+    let rows_ok = |t: &Tensor| {
+        let s = t.stride();
+        t.device().is_cuda() && s[3] == 1 && s[2] == d && t.dims() == k.dims()
+    };
+    matches!(k.dims4(), Ok((1, h, n, kd)) if h == kv_heads && n > 0 && kd == d)
+        && HEAD_DIMS.contains(&d)
+        && kv_heads > 0
+        && heads.is_multiple_of(kv_heads)
+        && heads / kv_heads <= MAX_GROUPS
+        && matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+        && k.dtype() == dtype
+        && v.dtype() == dtype
+        && rows_ok(k)
+        && rows_ok(v)
+        && k.stride()[1] == v.stride()[1]
+}
+
+/// Launches `kernel` (`attn_join_*`): block (query head, sequence) of `grid` joins its
+/// `chunks` parts into `out`, `d` values a head.
+#[allow(clippy::too_many_arguments)]
+fn join<T: DeviceRepr>(
+    dev: &candle_core::CudaDevice,
+    kernel: &str,
+    grid: (usize, usize),
+    (part_o, part_ml): (&CudaSlice<f32>, &CudaSlice<f32>),
+    chunks: usize,
+    d: usize,
+    out: &CudaSlice<T>,
+) -> Result<()> {
+    let join = dev.get_or_load_custom_func(kernel, MODULE, PTX)?;
+    let cfg = LaunchConfig {
+        grid_dim: (grid.0 as u32, grid.1 as u32, 1),
+        block_dim: (d as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (chunks, d) = (int(chunks)?, int(d)?);
+    let mut launch = join.builder();
+    launch
+        .arg(part_o)
+        .arg(part_ml)
+        .arg(&chunks)
+        .arg(&d)
+        .arg(out);
+    // SAFETY: the join kernels' arguments, in their order and types; the partial kernel before
+    // it wrote `chunks` parts of every head (of every sequence).
+    unsafe { launch.launch(cfg) }.w()?;
+    Ok(())
 }
 
 struct DecodeAttention {
@@ -128,13 +171,7 @@ impl DecodeAttention {
             )
         };
         let head_stride = kl.stride()[1] as i64;
-        let (n32, groups32, chunk32, chunks32, d32) = (
-            int(n)?,
-            int(groups)?,
-            int(chunk_keys)?,
-            int(chunks)?,
-            int(d)?,
-        );
+        let (n32, groups32, chunk32) = (int(n)?, int(groups)?, int(chunk_keys)?);
         let partial =
             dev.get_or_load_custom_func(&format!("attn_partial_{name}_d{d}"), MODULE, PTX)?;
         let cfg = LaunchConfig {
@@ -158,21 +195,15 @@ impl DecodeAttention {
         // SAFETY: the kernel's arguments, in its order and types; `decode_attention` checked
         // the shapes and that every key row is `d` contiguous values `head_stride` apart per head.
         unsafe { launch.launch(cfg) }.w()?;
-        let join = dev.get_or_load_custom_func(&format!("attn_join_{name}"), MODULE, PTX)?;
-        let cfg = LaunchConfig {
-            grid_dim: (heads as u32, 1, 1),
-            block_dim: (d as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut launch = join.builder();
-        launch
-            .arg(&part_o)
-            .arg(&part_ml)
-            .arg(&chunks32)
-            .arg(&d32)
-            .arg(&out);
-        // SAFETY: as above; the partial kernel wrote `chunks` chunks of every head.
-        unsafe { launch.launch(cfg) }.w()?;
+        join(
+            dev,
+            &format!("attn_join_{name}"),
+            (heads, 1),
+            (&part_o, &part_ml),
+            chunks,
+            d,
+            &out,
+        )?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
 }
@@ -215,28 +246,8 @@ pub fn decode_attention_many(
     let Ok((1, kv_heads, _, kd)) = k0.dims4() else {
         return Ok(None);
     };
-    let dtype = k0.dtype();
-    let takes_one = |(k, v): &(Tensor, Tensor)| {
-        let rows_ok = |t: &Tensor| {
-            let s = t.stride();
-            t.device().is_cuda() && s[3] == 1 && s[2] == d && t.dims() == k.dims()
-        };
-        matches!(k.dims4(), Ok((1, h, n, _)) if h == kv_heads && n > 0)
-            && k.dtype() == dtype
-            && v.dtype() == dtype
-            && rows_ok(k)
-            && rows_ok(v)
-            && k.stride()[1] == v.stride()[1]
-    };
-    let takes = seqs == kvs.len()
-        && kd == d
-        && HEAD_DIMS.contains(&d)
-        && kv_heads > 0
-        && heads.is_multiple_of(kv_heads)
-        && heads / kv_heads <= MAX_GROUPS
-        && matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
-        && kvs.iter().all(takes_one);
-    if !takes {
+    let shape = (heads, kv_heads, kd);
+    if seqs != kvs.len() || kd != d || !kvs.iter().all(|(k, v)| takes(shape, k0.dtype(), (k, v))) {
         return Ok(None);
     }
     let q = q.to_dtype(DType::F32)?.contiguous()?;
@@ -318,7 +329,7 @@ impl DecodeAttentionMany {
                 dev.alloc::<T>(seqs * heads * d)?,
             )
         };
-        let (groups32, chunks32, d32) = (int(groups)?, int(chunks)?, int(d)?);
+        let groups32 = int(groups)?;
         let partial =
             dev.get_or_load_custom_func(&format!("attn_partial_many_{name}_d{d}"), MODULE, PTX)?;
         let cfg = LaunchConfig {
@@ -343,22 +354,16 @@ impl DecodeAttentionMany {
         // `decode_attention` checks one, and the guards keep their storage until the launch.
         unsafe { launch.launch(cfg) }.w()?;
         drop(guards);
-        let join = dev.get_or_load_custom_func(&format!("attn_join_many_{name}"), MODULE, PTX)?;
-        let cfg = LaunchConfig {
-            grid_dim: (heads as u32, seqs as u32, 1),
-            block_dim: (d as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut launch = join.builder();
-        launch
-            .arg(&part_o)
-            .arg(&part_ml)
-            .arg(&chunks32)
-            .arg(&d32)
-            .arg(&out);
-        // SAFETY: as above; the partial kernel wrote `chunks` chunks of every head of every
-        // sequence.
-        unsafe { launch.launch(cfg) }.w()?;
+        let kernel = format!("attn_join_many_{name}");
+        join(
+            dev,
+            &kernel,
+            (heads, seqs),
+            (&part_o, &part_ml),
+            chunks,
+            d,
+            &out,
+        )?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
 }
