@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use memmap2::Mmap;
 
+use peregrine_tensor::candle::Result as CandleResult;
 use peregrine_tensor::candle::quantized::gguf_file::{Content, TensorInfo, Value};
 use peregrine_tensor::candle::quantized::{GgmlDType, GgmlType, QStorage, QTensor, k_quants};
 use peregrine_tensor::quant::Format;
@@ -421,16 +422,11 @@ impl GgufFile {
     }
 
     /// Tensor `name` read by candle's reader onto `device`, its bytes counted as read.
-    fn candle_read(
-        &self,
-        name: &str,
-        info: &TensorInfo,
-        device: &Device,
-    ) -> peregrine_tensor::candle::Result<QTensor> {
+    fn candle_read(&self, name: &str, info: &TensorInfo, dev: &Device) -> CandleResult<QTensor> {
         let blocks = info.shape.elem_count() / info.ggml_dtype.block_size();
         self.progress.add(blocks * info.ggml_dtype.type_size());
         let mut file = self.file.lock().unwrap_or_else(|e| e.into_inner());
-        self.content.tensor(&mut *file, name, device)
+        self.content.tensor(&mut *file, name, dev)
     }
 
     /// The values of the tensor named `name` in the file (GGUF naming: tensors with no HF
