@@ -428,13 +428,14 @@ impl RotaryEmbedding {
         self.rotate(x, &cos, &sin)
     }
 
-    /// Rotates `x: [batch, heads, rows, head_dim]` whose row `j` sits at `positions[j]`, each
-    /// row exactly as [`apply`](Self::apply) turns a lone token there (a batched decode step's
-    /// rows, one per sequence, in one launch); `None` when the rows need different tables
-    /// (LongRoPE past its original context for some of them only).
-    pub fn apply_at(&self, x: &Tensor, positions: &[u32]) -> Result<Option<Tensor>> {
+    /// Rotates each of `xs: [batch, heads, rows, head_dim]`, whose row `j` sits at
+    /// `positions[j]`, each row exactly as [`apply`](Self::apply) turns a lone token there (a
+    /// batched decode step's queries and keys, one row per sequence, the tables gathered once);
+    /// `None` when the rows need different tables (LongRoPE past its original context for some
+    /// of them only).
+    pub fn apply_at(&self, xs: &[&Tensor], positions: &[u32]) -> Result<Option<Vec<Tensor>>> {
         let (Some(&lo), Some(&hi)) = (positions.iter().min(), positions.iter().max()) else {
-            return Ok(Some(x.clone()));
+            return Ok(Some(xs.iter().map(|&x| x.clone()).collect()));
         };
         if !std::ptr::eq(self.table(lo as usize + 1), self.table(hi as usize + 1)) {
             return Ok(None);
@@ -442,7 +443,8 @@ impl RotaryEmbedding {
         let (cos, sin) = self.tables(0, hi as usize + 1)?;
         let rows = Tensor::new(positions, cos.device())?;
         let (cos, sin) = (cos.index_select(&rows, 0)?, sin.index_select(&rows, 0)?);
-        self.rotate(x, &cos, &sin).map(Some)
+        let turned = xs.iter().map(|x| self.rotate(x, &cos, &sin));
+        Ok(Some(turned.collect::<Result<_>>()?))
     }
 
     /// `x` rotated by per-row `cos` / `sin` (`[seq, rotary_dim / 2]`).

@@ -562,7 +562,11 @@ fn rows_turned_at_their_own_positions_equal_each_turned_alone() {
         .unwrap();
         let x = randn(&[1, 3, 4, head_dim], 23);
         for positions in [[0u32, 7, 3, 39], [40, 99, 41, 40]] {
-            let got = rope.apply_at(&x, &positions).unwrap().expect("one table");
+            let got = rope
+                .apply_at(&[&x], &positions)
+                .unwrap()
+                .expect("one table")
+                .remove(0);
             for (j, &p) in positions.iter().enumerate() {
                 let row = |t: &Tensor| t.narrow(2, j, 1).unwrap().contiguous().unwrap();
                 let alone = rope.apply(&row(&x), p as usize).unwrap();
@@ -573,7 +577,7 @@ fn rows_turned_at_their_own_positions_equal_each_turned_alone() {
                 );
             }
         }
-        let mixed = rope.apply_at(&x, &[39, 40, 1, 2]).unwrap();
+        let mixed = rope.apply_at(&[&x], &[39, 40, 1, 2]).unwrap();
         assert!(
             mixed.is_none(),
             "{style:?}: rows across the original context"

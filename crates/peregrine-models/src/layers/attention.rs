@@ -218,19 +218,17 @@ impl Attention {
             return Ok(None);
         };
         let all = 0..positions.len();
-        let Some(q) = rope.apply_at(
-            &split(all.clone(), 0, self.heads, &self.q_norm)?,
-            &positions,
-        )?
-        else {
-            return Ok(None);
-        };
+        let q = split(all.clone(), 0, self.heads, &self.q_norm)?;
         if n_proj == 1 {
-            return Ok(Some((q, None)));
+            let q = rope.apply_at(&[&q], &positions)?;
+            return Ok(q.map(|mut q| (q.remove(0), None)));
         }
         let v = split(all.clone(), n_proj - 1, self.kv_heads, &self.v_norm)?;
         let k = split(all, 1, self.kv_heads, &self.k_norm)?;
-        let k = rope.apply_at(&k, &positions)?.expect("the queries' table");
+        let Some(mut qk) = rope.apply_at(&[&q, &k], &positions)? else {
+            return Ok(None);
+        };
+        let (k, q) = (qk.remove(1), qk.remove(0));
         Ok(Some((q, Some((k, v)))))
     }
 
