@@ -22,7 +22,13 @@ fn main() {
                 .filter(|p| p.exists())
                 .unwrap_or_else(|| "nvcc".into())
         });
-    let kernels = ["mlx_affine", "dense_gemv", "fused", "attn_decode"];
+    let kernels = [
+        "mlx_affine",
+        "dense_gemv",
+        "fused",
+        "attn_decode",
+        "kv_append",
+    ];
     for name in kernels {
         let src = Path::new("cuda").join(format!("{name}.cu"));
         println!("cargo::rerun-if-changed={}", src.display());

@@ -195,3 +195,59 @@ fn cpu_and_tensor_stores_attend_alike() {
         }
     }
 }
+
+/// A slot handed out by `decode_slot` and written in place (as the GPU's batched append does)
+/// leaves the buffer as `append` of the same row does, across growth and window drops; buffers
+/// that keep anything but plain tensors hand out none and stay as they were.
+#[test]
+fn decode_slots_written_in_place_match_appends() {
+    let (keep, window) = (Some(300), Some(280));
+    let params = AttnParams::scaled(0.3);
+    for dtype in [None, Some(DType::F16)] {
+        let (mut appended, mut slotted) = (
+            KvBuffer::new_on_tensors(dtype),
+            KvBuffer::new_on_tensors(dtype),
+        );
+        let t = |x: Vec<f32>, n| Tensor::from_vec(x, (1, 2, n, 8), &Device::Cpu).unwrap();
+        let (k, v) = (t(rows(0, 5, 0.0), 5), t(rows(0, 5, 1.0), 5));
+        appended.append(&k, &v, keep).unwrap();
+        slotted.append(&k, &v, keep).unwrap();
+        for end in 5..700 {
+            let (k, v) = (t(rows(end, 1, 0.0), 1), t(rows(end, 1, 1.0), 1));
+            appended.append(&k, &v, keep).unwrap();
+            let slot = slotted.decode_slot((2, 8), DType::F32, &Device::Cpu, keep);
+            let (bk, bv, at) = slot.unwrap().expect("a tensor store hands out slots");
+            bk.slice_set(&k.to_dtype(bk.dtype()).unwrap(), 2, at)
+                .unwrap();
+            bv.slice_set(&v.to_dtype(bv.dtype()).unwrap(), 2, at)
+                .unwrap();
+            assert_eq!(
+                (appended.start, appended.used),
+                (slotted.start, slotted.used)
+            );
+            let q = Tensor::from_vec(rows(end, 2, 2.0), (1, 4, 1, 8), &Device::Cpu).unwrap();
+            let a = appended.attend(&q, &params, window).unwrap();
+            let b = slotted.attend(&q, &params, window).unwrap();
+            let diff = peregrine_tensor::ops::max_abs_diff(&a, &b).unwrap();
+            assert_eq!(diff, 0.0, "{dtype:?} after {end}");
+        }
+    }
+    let mut quant = KvBuffer::new_on_tensors(None);
+    quant.quant = Some(KvQuant {
+        bits: 8,
+        group_size: 32,
+    });
+    for mut b in [
+        KvBuffer::new(None),
+        quant,
+        KvBuffer {
+            tensors_on_cpu: true,
+            ..KvBuffer::keys_as_values(None)
+        },
+    ] {
+        let slot = b
+            .decode_slot((2, 8), DType::F32, &Device::Cpu, None)
+            .unwrap();
+        assert!(slot.is_none() && b.used == 0 && b.store.is_none());
+    }
+}

@@ -23,7 +23,7 @@ pub use simple::SimpleCache;
 pub use turbo::{TurboCache, TurboKeys, TurboOptions};
 
 use peregrine_tensor::attention::AttnScratch;
-use peregrine_tensor::{Device, Result, Tensor};
+use peregrine_tensor::{DType, Device, Result, Tensor};
 
 /// Per-call attention parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -78,6 +78,18 @@ pub trait LayerCache: Send + Sync {
     /// else (the CPU's planes, quantized or compressed entries, none yet): attend alone.
     fn decode_kv(&self) -> Option<(Tensor, Tensor)> {
         None
+    }
+    /// Room for one more position that the caller writes in place (a batched decode step
+    /// appending every sequence's row in one launch): the key and value buffers `[1,
+    /// kv_heads, capacity, head_dim]` and the slot; the position counts as appended from here
+    /// on. `None`, changing nothing, for caches that keep anything else (the default): append.
+    fn decode_slot(
+        &mut self,
+        _shape: (usize, usize),
+        _dtype: DType,
+        _device: &Device,
+    ) -> Result<Option<(Tensor, Tensor, usize)>> {
+        Ok(None)
     }
     /// [`append`](Self::append) of one position from f32 rows `k, v` (`kv_heads · head_dim`
     /// each), the decode step's form: caches that can write in place allocate nothing (but

@@ -1,6 +1,6 @@
 //! The sliding-window cache: keeps the last `window` positions plus a rollback margin.
 
-use peregrine_tensor::{DType, Result, Tensor};
+use peregrine_tensor::{DType, Device, Result, Tensor};
 
 use crate::buffer::KvBuffer;
 use crate::{AttnParams, KvQuant, LayerCache};
@@ -53,6 +53,16 @@ impl LayerCache for RotatingCache {
 
     fn decode_kv(&self) -> Option<(Tensor, Tensor)> {
         self.buf.decode_kv(Some(self.window))
+    }
+
+    fn decode_slot(
+        &mut self,
+        shape: (usize, usize),
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Option<(Tensor, Tensor, usize)>> {
+        self.buf
+            .decode_slot(shape, dtype, device, Some(self.keep()))
     }
 
     fn attend(&self, q: &Tensor, params: &AttnParams) -> Result<Tensor> {

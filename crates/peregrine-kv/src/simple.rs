@@ -1,6 +1,6 @@
 //! The full-attention cache: every position is kept.
 
-use peregrine_tensor::{DType, Result, Tensor};
+use peregrine_tensor::{DType, Device, Result, Tensor};
 
 use crate::buffer::KvBuffer;
 use crate::{AttnParams, KvQuant, LayerCache};
@@ -47,6 +47,15 @@ impl LayerCache for SimpleCache {
 
     fn decode_kv(&self) -> Option<(Tensor, Tensor)> {
         self.buf.decode_kv(None)
+    }
+
+    fn decode_slot(
+        &mut self,
+        shape: (usize, usize),
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Option<(Tensor, Tensor, usize)>> {
+        self.buf.decode_slot(shape, dtype, device, None)
     }
 
     fn attend(&self, q: &Tensor, params: &AttnParams) -> Result<Tensor> {

@@ -36,6 +36,46 @@ pub fn attention_many(
     Ok(None)
 }
 
+/// One row of a decode step's keys and values going into a sequence's cache, for
+/// [`append_rows`]: row `row` (axis 2) of the step's keys and values to slot `slot` of the
+/// cache's buffers `k, v` (`[1, kv_heads, capacity, d]`).
+#[derive(Debug, Clone)]
+pub struct AppendSlot {
+    /// The row of the step's keys and values.
+    pub row: usize,
+    /// The cache's key buffer.
+    pub k: Tensor,
+    /// The cache's value buffer.
+    pub v: Tensor,
+    /// The slot the row goes to.
+    pub slot: usize,
+}
+
+/// Whether [`append_rows`] takes a step's keys and values `k, v: [1, kv_heads, rows, d]` into
+/// caches of `cache_dtype`: a CUDA build, float tensors on the GPU, each head's row contiguous.
+pub fn append_rows_takes(k: &Tensor, v: &Tensor, cache_dtype: DType) -> bool {
+    #[cfg(feature = "cuda")]
+    return crate::kv_append_cuda::takes(k, v, cache_dtype);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (k, v, cache_dtype);
+        false
+    }
+}
+
+/// Writes each slot's row of `k, v` into its cache's buffers in place, converted to their
+/// dtype, in one launch (where [`append_rows_takes`] holds; an error elsewhere). The caller
+/// owns the buffers and has made room in them.
+pub fn append_rows(k: &Tensor, v: &Tensor, slots: &[AppendSlot]) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    return crate::kv_append_cuda::append_rows(k, v, slots);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (k, v, slots);
+        candle_core::bail!("kv append: rows of many caches at once need a CUDA build")
+    }
+}
+
 /// Which keys a query may see, in absolute positions.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MaskSpec {

@@ -19,6 +19,8 @@ mod dense_cuda;
 pub mod device;
 #[cfg(feature = "cuda")]
 mod fused_cuda;
+#[cfg(feature = "cuda")]
+mod kv_append_cuda;
 pub mod linear;
 pub mod mlx;
 pub mod ops;

@@ -170,3 +170,60 @@ fn decode_attention_many_matches_each_sequence_alone() {
         }
     }
 }
+
+/// The batched append (`append_rows`): a step's bf16 keys (contiguous) and values (a transposed
+/// view, as the projections hand them over) written into caches of different capacities and
+/// dtypes at different slots, each cache then equal, bit for bit, to the same rows written by
+/// candle's cast and `slice_set`; the slots not written stay as they were.
+#[test]
+fn append_rows_matches_slice_set() {
+    use peregrine_tensor::attention::{AppendSlot, append_rows, append_rows_takes};
+    let gpu = Device::new_cuda(0).expect("these tests need a CUDA GPU");
+    let (kv_heads, d, rows) = (8, 128, 5);
+    let k = wave(&[1, kv_heads, rows, d], 3.0, DType::BF16, &gpu);
+    let v = wave(&[1, rows, kv_heads, d], 4.0, DType::BF16, &gpu)
+        .transpose(1, 2)
+        .unwrap();
+    for cache_dtype in [DType::F16, DType::BF16, DType::F32] {
+        assert!(append_rows_takes(&k, &v, cache_dtype));
+        // (source row, capacity, slot): rows out of order, one skipped, capacities apart.
+        let plan = [(2, 256, 0), (0, 512, 300), (4, 256, 255), (1, 768, 17)];
+        let caches: Vec<(Tensor, Tensor)> = (plan.iter().enumerate())
+            .map(|(i, &(_, cap, _))| {
+                let c = |s: f32| wave(&[1, kv_heads, cap, d], s + i as f32, cache_dtype, &gpu);
+                (c(10.0), c(20.0))
+            })
+            .collect();
+        let want: Vec<(Tensor, Tensor)> = (caches.iter().zip(&plan))
+            .map(|((ck, cv), &(row, _, slot))| {
+                let (ck, cv) = (ck.copy().unwrap(), cv.copy().unwrap());
+                let put = |dst: &Tensor, src: &Tensor| {
+                    let src = src
+                        .narrow(2, row, 1)
+                        .unwrap()
+                        .to_dtype(cache_dtype)
+                        .unwrap();
+                    dst.slice_set(&src.contiguous().unwrap(), 2, slot).unwrap();
+                };
+                put(&ck, &k);
+                put(&cv, &v);
+                (ck, cv)
+            })
+            .collect();
+        let slots: Vec<AppendSlot> = (caches.iter().zip(&plan))
+            .map(|((ck, cv), &(row, _, slot))| AppendSlot {
+                row,
+                k: ck.clone(),
+                v: cv.clone(),
+                slot,
+            })
+            .collect();
+        append_rows(&k, &v, &slots).unwrap();
+        for (i, ((gk, gv), (wk, wv))) in caches.iter().zip(&want).enumerate() {
+            for (got, want, what) in [(gk, wk, "keys"), (gv, wv, "values")] {
+                let (got, want) = (flat(got), flat(want));
+                assert_eq!(got, want, "{cache_dtype:?} cache {i}: {what} differ");
+            }
+        }
+    }
+}

@@ -1,0 +1,1 @@
+../../../kernels/cuda/kv_append.cu
