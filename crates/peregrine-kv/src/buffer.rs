@@ -137,6 +137,12 @@ impl KvBuffer {
         Ok(())
     }
 
+    /// Whether [`decode_slot`](Self::decode_slot) hands out slots for rows on `device`.
+    pub(crate) fn has_decode_slots(&self, device: &Device) -> bool {
+        let on_tensors = !device.is_cpu() || self.tensors_on_cpu;
+        on_tensors && self.quant.is_none() && !self.values_are_keys
+    }
+
     /// Room for one more position written by the caller in place (a batched decode step's
     /// one launch for every sequence): the key and value buffers (`[1, heads, capacity,
     /// head_dim]`) and the slot, which counts as stored from here on. `None`, changing
@@ -149,8 +155,7 @@ impl KvBuffer {
         device: &Device,
         keep: Option<usize>,
     ) -> Result<Option<(Tensor, Tensor, usize)>> {
-        let on_tensors = !device.is_cpu() || self.tensors_on_cpu;
-        if !on_tensors || self.quant.is_some() || self.values_are_keys {
+        if !self.has_decode_slots(device) {
             return Ok(None);
         }
         let dtype = self.dtype.unwrap_or(dtype);

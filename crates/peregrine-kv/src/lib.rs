@@ -79,6 +79,11 @@ pub trait LayerCache: Send + Sync {
     fn decode_kv(&self) -> Option<(Tensor, Tensor)> {
         None
     }
+    /// Whether [`decode_slot`](Self::decode_slot) hands out slots on `device` (then it does for
+    /// every position, and the cache takes no [`note_queries`](Self::note_queries)).
+    fn has_decode_slots(&self, _device: &Device) -> bool {
+        false
+    }
     /// Room for one more position that the caller writes in place (a batched decode step
     /// appending every sequence's row in one launch): the key and value buffers `[1,
     /// kv_heads, capacity, head_dim]` and the slot; the position counts as appended from here

@@ -55,6 +55,10 @@ impl LayerCache for RotatingCache {
         self.buf.decode_kv(Some(self.window))
     }
 
+    fn has_decode_slots(&self, device: &Device) -> bool {
+        self.buf.has_decode_slots(device)
+    }
+
     fn decode_slot(
         &mut self,
         shape: (usize, usize),

@@ -49,6 +49,10 @@ impl LayerCache for SimpleCache {
         self.buf.decode_kv(None)
     }
 
+    fn has_decode_slots(&self, device: &Device) -> bool {
+        self.buf.has_decode_slots(device)
+    }
+
     fn decode_slot(
         &mut self,
         shape: (usize, usize),

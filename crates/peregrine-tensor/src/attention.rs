@@ -17,22 +17,22 @@ pub fn many_enabled() -> bool {
 
 /// A decode step's attention for many sequences at once, each over its own cache: `q:
 /// [sequences, heads, d]`, `kvs[s]` sequence `s`'s visible keys and values (`[1, kv_heads, n,
-/// d]`, all of them seen: one new position each). `[sequences, heads, d]` in `q`'s dtype; `None`
+/// d]`, all of them seen: one new position each). `[sequences, heads, d]` in `dtype`; `None`
 /// where no batched kernel takes them (the CPU, other layouts; on CUDA unless
 /// `PEREGRINE_CUDA_BATCH_ATTN=1`, until it has been measured on a GPU): attend each alone.
 pub fn attention_many(
     q: &Tensor,
     kvs: &[(Tensor, Tensor)],
-    scale: f64,
-    softcap: Option<f32>,
+    (scale, softcap): (f64, Option<f32>),
+    dtype: DType,
 ) -> Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
     if crate::attention_cuda::batch_enabled()
         && let Some(y) = crate::attention_cuda::decode_attention_many(q, kvs, scale, softcap)?
     {
-        return Ok(Some(y.to_dtype(q.dtype())?));
+        return Ok(Some(y.to_dtype(dtype)?));
     }
-    let _ = (q, kvs, scale, softcap);
+    let _ = (q, kvs, scale, softcap, dtype);
     Ok(None)
 }
 

@@ -227,3 +227,85 @@ fn append_rows_matches_slice_set() {
         }
     }
 }
+
+/// The fused decode rows (`RotaryEmbedding::turn_and_append`): queries and keys of sequences at
+/// different positions turned and the keys and values written into their caches in one launch,
+/// against candle's `rope` of each row alone (`apply`), cast and `slice_set`, bit for bit: the
+/// kernel turns in the activations' type operation by operation as candle's kernels do. Both
+/// RoPE styles, a partial rotation, bf16 and f16 rows, f16 and bf16 caches.
+#[test]
+fn turn_and_append_matches_rope_and_slice_set() {
+    use peregrine_tensor::attention::AppendSlot;
+    use peregrine_tensor::{RopeScaling, RopeStyle, RotaryEmbedding};
+    let gpu = Device::new_cuda(0).expect("these tests need a CUDA GPU");
+    let (heads, kv_heads, d) = (8, 2, 64);
+    let positions = [0u32, 1500, 7, 4095];
+    let n = positions.len();
+    for (style, rot) in [
+        (RopeStyle::Half, 64),
+        (RopeStyle::Interleaved, 64),
+        (RopeStyle::Half, 32),
+    ] {
+        for (dtype, cache_dtype) in [(DType::BF16, DType::F16), (DType::F16, DType::BF16)] {
+            let case =
+                format!("{style:?} rotating {rot} of {d}, {dtype:?} rows, {cache_dtype:?} caches");
+            let scaling = RopeScaling::None;
+            let rope =
+                RotaryEmbedding::new_partial((d, rot), 1e4, &scaling, style, 8192, dtype, &gpu)
+                    .unwrap();
+            let q = wave(&[1, n, heads, d], 1.0, dtype, &gpu)
+                .transpose(1, 2)
+                .unwrap();
+            let k = wave(&[1, n, kv_heads, d], 2.0, dtype, &gpu)
+                .transpose(1, 2)
+                .unwrap();
+            let v = wave(&[1, kv_heads, n, d], 3.0, dtype, &gpu);
+            assert!(rope.turns_in_place(&q, (&k, &v), &positions), "{case}");
+            let caches: Vec<(Tensor, Tensor)> = (0..n)
+                .map(|i| {
+                    let c = |s: f32| wave(&[1, kv_heads, 256 * (i + 1), d], s, cache_dtype, &gpu);
+                    (c(10.0 + i as f32), c(20.0 + i as f32))
+                })
+                .collect();
+            let slot_of = |i: usize| 3 * i + 1;
+            let mut want_q = Vec::new();
+            let mut want_caches = Vec::new();
+            for (i, (ck, cv)) in caches.iter().enumerate() {
+                let row = |t: &Tensor| t.narrow(2, i, 1).unwrap();
+                let p = positions[i] as usize;
+                let (tq, tk) = (
+                    rope.apply(&row(&q), p).unwrap(),
+                    rope.apply(&row(&k), p).unwrap(),
+                );
+                want_q.push(tq.to_dtype(DType::F32).unwrap());
+                let (ck, cv) = (ck.copy().unwrap(), cv.copy().unwrap());
+                let put = |dst: &Tensor, src: &Tensor| {
+                    let src = src.to_dtype(cache_dtype).unwrap().contiguous().unwrap();
+                    dst.slice_set(&src, 2, slot_of(i)).unwrap();
+                };
+                put(&ck, &tk);
+                put(&cv, &row(&v));
+                want_caches.push((ck, cv));
+            }
+            let slots: Vec<AppendSlot> = (caches.iter().enumerate())
+                .map(|(i, (ck, cv))| AppendSlot {
+                    row: i,
+                    k: ck.clone(),
+                    v: cv.clone(),
+                    slot: slot_of(i),
+                })
+                .collect();
+            let got_q = rope
+                .turn_and_append(&q, (&k, &v), &positions, &slots)
+                .unwrap();
+            assert_eq!(got_q.dims(), &[n, heads, d], "{case}");
+            for i in 0..n {
+                let got = flat(&got_q.narrow(0, i, 1).unwrap());
+                assert_eq!(got, flat(&want_q[i]), "{case}: queries of row {i}");
+                let ((gk, gv), (wk, wv)) = (&caches[i], &want_caches[i]);
+                assert_eq!(flat(gk), flat(wk), "{case}: keys of row {i}");
+                assert_eq!(flat(gv), flat(wv), "{case}: values of row {i}");
+            }
+        }
+    }
+}

@@ -8,7 +8,7 @@ use peregrine_tensor::attention::{
     AppendSlot, AttnScratch, append_rows, append_rows_takes, attention_many,
 };
 use peregrine_tensor::ops::{rms_norm, sigmoid};
-use peregrine_tensor::{QLinear, RotaryEmbedding, Tensor};
+use peregrine_tensor::{DType, Device, QLinear, RotaryEmbedding, Tensor};
 use rayon::prelude::*;
 
 use crate::layers::batch::{RopeRows, Segment, per_segment};
@@ -211,11 +211,7 @@ impl Attention {
         split: &impl Fn(Rows, usize, usize, &Option<Tensor>) -> Result<Tensor>,
         n_proj: usize,
     ) -> Result<Option<DecodeRows>> {
-        let position = |s: &Segment| match (s.len, s.rope, s.both_ways) {
-            (1, RopeRows::From(p), None) => u32::try_from(p).ok(),
-            _ => None,
-        };
-        let positions: Option<Vec<u32>> = segments.iter().map(position).collect();
+        let positions = decode_positions(segments);
         let Some(positions) = positions.filter(|p| p.len() > 1 && !self.no_rope) else {
             return Ok(None);
         };
@@ -232,6 +228,76 @@ impl Attention {
         };
         let (k, q) = (qk.remove(1), qk.remove(0));
         Ok(Some((q, Some((k, v)))))
+    }
+
+    /// A decode step on the GPU with every sequence's rows in one launch (queries and keys
+    /// turned, keys and values written to the caches) and attention over every cache in one
+    /// more: `[1, sequences, heads · hd]`, or `None`, having changed nothing, where it does
+    /// not apply (the CPU, the batched kernels off, caches without slots, M-RoPE, no RoPE).
+    fn fused_decode_rows(
+        &self,
+        segments: &mut [Segment],
+        rope: &RotaryEmbedding,
+        split: &impl Fn(Rows, usize, usize, &Option<Tensor>) -> Result<Tensor>,
+        (n_proj, device): (usize, &Device),
+    ) -> Result<Option<Tensor>> {
+        let applies = !device.is_cpu()
+            && peregrine_tensor::attention::many_enabled()
+            && n_proj > 1
+            && !self.no_rope
+            && segments.iter().all(|s| s.cache.has_decode_slots(device));
+        let positions = decode_positions(segments).filter(|_| applies);
+        let Some(positions) = positions else {
+            return Ok(None);
+        };
+        let all = 0..positions.len();
+        let q = split(all.clone(), 0, self.heads, &self.q_norm)?;
+        let v = split(all.clone(), n_proj - 1, self.kv_heads, &self.v_norm)?;
+        let k = split(all, 1, self.kv_heads, &self.k_norm)?;
+        if !rope.turns_in_place(&q, (&k, &v), &positions) {
+            return Ok(None);
+        }
+        let mut slots = Vec::with_capacity(positions.len());
+        for (j, s) in segments.iter_mut().enumerate() {
+            let shape = (self.kv_heads, self.head_dim);
+            let Some((k, v, slot)) = s.cache.decode_slot(shape, q.dtype(), q.device())? else {
+                let why = "a cache with decode slots handed out none";
+                return Err(peregrine_tensor::candle::Error::Msg(why.into()).into());
+            };
+            slots.push(AppendSlot { row: j, k, v, slot });
+        }
+        let q_rows = rope.turn_and_append(&q, (&k, &v), &positions, &slots)?;
+        self.attend_rows(&q_rows, segments, q.dtype()).map(Some)
+    }
+
+    /// Attention of `q_rows: [sequences, heads, hd]` (each sequence's one new position, its
+    /// keys and values appended) over every cache, in one launch where the kernel takes them,
+    /// else each alone: `[1, sequences, heads · hd]` in `dtype`.
+    fn attend_rows(&self, q_rows: &Tensor, segments: &[Segment], dtype: DType) -> Result<Tensor> {
+        let (seqs, hd) = (segments.len(), self.head_dim);
+        let kvs: Option<Vec<(Tensor, Tensor)>> =
+            segments.iter().map(|s| s.cache.decode_kv()).collect();
+        let many = match kvs {
+            Some(kvs) => attention_many(q_rows, &kvs, (self.scale, self.softcap), dtype)?,
+            None => None,
+        };
+        let y = match many {
+            Some(y) => y,
+            None => {
+                let rows = (segments.iter().enumerate())
+                    .map(|(j, s)| {
+                        let q = q_rows.narrow(0, j, 1)?.to_dtype(dtype)?;
+                        let q = q.reshape((1, self.heads, 1, hd))?;
+                        Ok(s.cache.attend(&q, &self.params())?)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&rows, 2)?
+                    .transpose(1, 2)?
+                    .reshape((seqs, self.heads, hd))?
+                    .to_dtype(dtype)?
+            }
+        };
+        Ok(y.reshape((1, seqs, self.heads * hd))?)
     }
 
     /// A decode step's appends and attention for every sequence, the attention in one launch
@@ -274,26 +340,8 @@ impl Attention {
             }
             append_rows(k, v, &slots)?;
         }
-        let kvs: Option<Vec<(Tensor, Tensor)>> =
-            segments.iter().map(|s| s.cache.decode_kv()).collect();
         let q_rows = q.transpose(1, 2)?.reshape((seqs, self.heads, hd))?;
-        let many = match kvs {
-            Some(kvs) => attention_many(&q_rows, &kvs, self.scale, self.softcap)?,
-            None => None,
-        };
-        let y = match many {
-            Some(y) => y,
-            // Appended already: each sequence attends alone.
-            None => {
-                let rows = (segments.iter().enumerate())
-                    .map(|(j, s)| Ok(s.cache.attend(&row(q, j)?, &self.params())?))
-                    .collect::<Result<Vec<_>>>()?;
-                Tensor::cat(&rows, 2)?
-                    .transpose(1, 2)?
-                    .reshape((seqs, self.heads, hd))?
-            }
-        };
-        Ok(Some(y.reshape((1, seqs, self.heads * hd))?))
+        self.attend_rows(&q_rows, segments, q.dtype()).map(Some)
     }
 
     fn params(&self) -> AttnParams {
@@ -341,11 +389,16 @@ impl SelfAttention for Attention {
             };
             Ok(t.transpose(1, 2)?)
         };
-        // Every sequence's queries and keys turned in one go in a decode step's rows.
-        let turned = self.turn_decode_rows(segments, rope, &split, n_proj)?;
-        let batched = match &turned {
-            Some(rows) => self.attend_decode_rows(rows, segments)?,
-            None => None,
+        // A decode step's rows: in one launch on the GPU, else turned in one go.
+        let fused = self.fused_decode_rows(segments, rope, &split, (n_proj, x.device()))?;
+        let turned = match fused {
+            Some(_) => None,
+            None => self.turn_decode_rows(segments, rope, &split, n_proj)?,
+        };
+        let batched = match (fused, &turned) {
+            (Some(y), _) => Some(y),
+            (None, Some(rows)) => self.attend_decode_rows(rows, segments)?,
+            (None, None) => None,
         };
         let y = match batched {
             Some(y) => y,
@@ -472,4 +525,13 @@ impl SelfAttention for Attention {
             .sum::<usize>()
             + o
     }
+}
+
+/// Each segment's position where all of them are one row at a plain position (a decode step).
+fn decode_positions(segments: &[Segment]) -> Option<Vec<u32>> {
+    let position = |s: &Segment| match (s.len, s.rope, s.both_ways) {
+        (1, RopeRows::From(p), None) => u32::try_from(p).ok(),
+        _ => None,
+    };
+    segments.iter().map(position).collect()
 }
