@@ -7,7 +7,7 @@ use half::{bf16, f16};
 #[cfg(feature = "cuda")]
 pub use crate::attention_cuda::{decode_attention, decode_attention_many};
 
-/// Whether [`attention_many`] may take a batch (a CUDA build with `PEREGRINE_CUDA_BATCH_ATTN=1`).
+/// Whether [`attention_many`] may take a batch (a CUDA build, unless `PEREGRINE_CUDA_BATCH_ATTN=0`).
 pub fn many_enabled() -> bool {
     #[cfg(feature = "cuda")]
     return crate::attention_cuda::batch_enabled();
@@ -18,8 +18,8 @@ pub fn many_enabled() -> bool {
 /// A decode step's attention for many sequences at once, each over its own cache: `q:
 /// [sequences, heads, d]`, `kvs[s]` sequence `s`'s visible keys and values (`[1, kv_heads, n,
 /// d]`, all of them seen: one new position each). `[sequences, heads, d]` in `dtype`; `None`
-/// where no batched kernel takes them (the CPU, other layouts; on CUDA unless
-/// `PEREGRINE_CUDA_BATCH_ATTN=1`, until it has been measured on a GPU): attend each alone.
+/// where no batched kernel takes them (the CPU, other layouts, `PEREGRINE_CUDA_BATCH_ATTN=0`):
+/// attend each alone.
 pub fn attention_many(
     q: &Tensor,
     kvs: &[(Tensor, Tensor)],
