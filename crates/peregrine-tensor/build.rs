@@ -28,6 +28,7 @@ fn main() {
         "fused",
         "attn_decode",
         "kv_append",
+        "gguf_gemv",
     ];
     for name in kernels {
         let src = Path::new("cuda").join(format!("{name}.cu"));

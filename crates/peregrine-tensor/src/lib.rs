@@ -20,6 +20,8 @@ pub mod device;
 #[cfg(feature = "cuda")]
 mod fused_cuda;
 #[cfg(feature = "cuda")]
+mod gguf_cuda;
+#[cfg(feature = "cuda")]
 mod kv_append_cuda;
 pub mod linear;
 pub mod mlx;

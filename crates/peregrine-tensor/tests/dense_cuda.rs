@@ -81,3 +81,51 @@ fn product(x: &Tensor, w: &Tensor) -> Tensor {
 fn flat(t: &Tensor) -> Vec<f32> {
     t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
 }
+
+/// The Q4_K GEMV (`kernels/cuda/gguf_gemv.cu`): a GGUF Q4_K matrix on the GPU (through
+/// `GgufMatrix::forward`, as the model calls it) times 1-8 bf16/f16 rows, against the f32
+/// product on the CPU of candle's dequantization of the same blocks and the same rounded
+/// inputs; 9 rows take candle's kernels and are checked against a looser bound (they quantize
+/// the input to 8 bits). Tolerance as above: the output's rounding step plus 1e-5 of Σ|w·x|.
+#[test]
+fn the_q4k_gemv_matches_the_dequantized_product() {
+    use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+    use peregrine_tensor::GgufMatrix;
+    use std::sync::Arc;
+    let gpu = Device::new_cuda(0).expect("these tests need a CUDA GPU");
+    for (out, inp) in [(8, 256), (1000, 768), (4096, 4096), (1024, 14336)] {
+        let w = wave(&[out, inp], out as f32, DType::F32);
+        let q = QTensor::quantize(&w, GgmlDType::Q4K).unwrap();
+        let w32 = q.dequantize(&Device::Cpu).unwrap();
+        // The same blocks on the GPU.
+        let blocks = QStorage::from_data(q.data().unwrap(), &gpu, GgmlDType::Q4K).unwrap();
+        let q_gpu = QTensor::new(blocks, (out, inp)).unwrap();
+        let matrix = GgufMatrix::new(Arc::new(q_gpu)).unwrap();
+        for dtype in [DType::BF16, DType::F16] {
+            for m in [1, 2, 8, 9] {
+                let x = wave(&[1, m, inp], (m + out) as f32 + 0.5, dtype);
+                let x32 = f32s(&x);
+                let want = product(&x32, &w32);
+                let scale = product(&x32.abs().unwrap(), &w32.abs().unwrap());
+                let got = matrix.forward(&x.to_device(&gpu).unwrap()).unwrap();
+                assert_eq!(got.dims(), want.dims());
+                let got = got.to_device(&Device::Cpu).unwrap();
+                let step = if dtype == DType::BF16 {
+                    1.0 / 256.0
+                } else {
+                    1.0 / 2048.0
+                };
+                // candle's path (9 rows) multiplies 8-bit inputs: about 2⁻⁸ of Σ|w·x|.
+                let loose = if m > 8 { 1.0 / 128.0 } else { 1e-5 };
+                let (got, want, scale) = (flat(&f32s(&got)), flat(&want), flat(&scale));
+                for (i, ((g, w), s)) in got.iter().zip(&want).zip(&scale).enumerate() {
+                    let tol = w.abs() * step + loose * s + 1e-6;
+                    assert!(
+                        (g - w).abs() <= tol,
+                        "{dtype:?} {out}x{inp}, {m} rows, output {i}: {g} against {w}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,1 @@
+../../../kernels/cuda/gguf_gemv.cu
