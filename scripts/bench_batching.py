@@ -182,6 +182,8 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--peregrine-args", default="",
+                    help="more `peregrine serve` flags for the batched runs (e.g. --batch-tokens 512)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cuda: Peregrine on the GPU, llama-server with every layer there "
                          "(-ngl 99) and its flash attention (ours is a fused kernel there too)")
@@ -220,6 +222,7 @@ def main():
             if name == "peregrine":
                 cmd = [a.peregrine, "--threads", str(a.threads), "serve", "--model", a.model,
                        "--port", str(port), "--parallel", str(n), "--prompt-cache-entries", "0", "--device", a.device]
+                cmd += a.peregrine_args.split()
             else:
                 # llama-server splits --ctx-size over its slots.
                 cmd = [a.llama_server, "-m", a.model, "--port", str(port), "-np", str(n),
