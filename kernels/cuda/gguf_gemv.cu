@@ -1,9 +1,10 @@
 // GGUF Q4_K matrices times a few input rows (decode): y[t][r] = sum_i w[r][i] * x[t][i].
-// candle's path quantizes the input to 8 bits (a launch of its own) and runs its MMVQ kernel,
-// which read Q4_K weights at ~1 TB/s on an H100 (Nsight Compute, an 8B Q4_K_M decode step:
-// ~48 % of the step, docs/cuda.md). Here a warp takes an output row, eight lanes a 144-byte
-// block (each lane 16 bytes of its 4-bit codes, 32 weights), four blocks a pass; the input is
-// read in bf16/f16 and everything is summed in f32.
+// candle's path quantizes the input to 8 bits (a launch of its own) and runs its MMVQ kernel
+// (~48 % of an 8B Q4_K_M decode step on an H100, docs/cuda.md). Here a warp takes an output
+// row, eight lanes a 144-byte block (each lane 16 bytes of its 4-bit codes, 32 weights), four
+// blocks a pass; the input is read in bf16/f16 and everything is summed in f32. Measured
+// slower than candle's (0.78x its decode on an H100: a conversion and a scalar FMA per weight
+// where MMVQ does four 8-bit products an instruction), so off by default; see gguf_cuda.rs.
 // Q4_K block (256 weights): f16 d, f16 dmin, 12 bytes of 6-bit scales and mins for eight
 // sub-blocks of 32, then 128 bytes of codes: bytes 32p..32p+31 hold weights 64p..64p+31 in
 // their low nibbles (sub-block 2p) and 64p+32..64p+63 in their high ones (sub-block 2p+1);

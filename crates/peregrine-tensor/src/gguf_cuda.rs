@@ -1,8 +1,10 @@
-//! GGUF Q4_K matrices times a few input rows on CUDA (`kernels/cuda/gguf_gemv.cu`): the
-//! decode step's projections of a Q4_K_M file, where candle quantizes the input to 8 bits in a
-//! launch of its own and then reads the weights at about a third of the HBM bandwidth
-//! (docs/cuda.md). Other formats and larger batches keep candle's kernels.
-//! `PEREGRINE_CUDA_GGUF_GEMV=0` keeps candle's path (to compare).
+//! GGUF Q4_K matrices times a few input rows on CUDA (`kernels/cuda/gguf_gemv.cu`): a warp
+//! per output row reading the bf16/f16 input as it is, where candle first quantizes it to 8 bits
+//! in a launch of its own. Correct (tests/dense_cuda.rs passes on an H100) but slower than
+//! candle's MMVQ: an 8-layer 8B Q4_K_M decoded at 430-437 tok/s with it against 556 without
+//! (docs/cuda.md); each 4-bit weight costs it a conversion and a scalar FMA where candle's
+//! kernel multiplies four 8-bit pairs an instruction. Off unless `PEREGRINE_CUDA_GGUF_GEMV=1`,
+//! as the starting point for a faster one.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
@@ -19,10 +21,10 @@ const MODULE: &str = "peregrine_gguf_gemv";
 /// Input rows the kernel takes at once (its `MAX_ROWS`).
 const MAX_ROWS: usize = 8;
 
-/// Whether the kernel runs (`PEREGRINE_CUDA_GGUF_GEMV`, read once; on unless `0`).
+/// Whether the kernel runs (`PEREGRINE_CUDA_GGUF_GEMV=1`, read once; off: slower than candle's).
 fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("PEREGRINE_CUDA_GGUF_GEMV").map_or(true, |v| v != "0"))
+    *ON.get_or_init(|| std::env::var("PEREGRINE_CUDA_GGUF_GEMV").is_ok_and(|v| v == "1"))
 }
 
 /// `x: [.., in] · w[out, in]ᵀ` by the kernel when it applies (a Q4_K `w` on the GPU, `x` bf16

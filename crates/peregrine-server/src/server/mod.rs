@@ -62,17 +62,14 @@ pub struct ServeArgs {
     #[arg(long)]
     parallel: Option<usize>,
     /// Tokens one forward pass may take: a token for each decoding sequence, then chunks of
-    /// waiting prompts (so a long prompt never stalls the decodes). Default: 512 on the CPU,
-    /// 2048 on a GPU (as llama.cpp's batch), where a pass of many prompts costs little more
-    /// than one.
-    #[arg(long)]
-    batch_tokens: Option<usize>,
+    /// waiting prompts (so a long prompt never stalls the decodes).
+    #[arg(long, default_value_t = 512)]
+    batch_tokens: usize,
     /// Prompt tokens one forward pass may take while other sequences decode. On a CPU each
     /// prompt token costs about as much as a decode: a small value (e.g. 4) keeps streams
     /// flowing while a long prompt arrives, and that prompt's first token comes later.
-    /// Default: as --batch-tokens.
-    #[arg(long)]
-    prefill_while_decoding: Option<usize>,
+    #[arg(long, default_value_t = 512)]
+    prefill_while_decoding: usize,
     /// While others decode, prompts longer than one chunk get only the tokens that keep the
     /// mean step within this many times a step of decodes alone (measured as it runs; shorter
     /// prompts go at once). 1 turns it off: chunks of --prefill-while-decoding.
@@ -372,17 +369,15 @@ fn parallel(args: &ServeArgs) -> usize {
 }
 
 fn load(args: &ServeArgs, parallel: usize, queue_size: usize) -> Result<Engine> {
-    let base = args.model.engine_config();
-    let batch_tokens = (args.batch_tokens).unwrap_or(if base.device.is_cpu() { 512 } else { 2048 });
     let config = EngineConfig {
         parallel: parallel.max(1),
-        batch_tokens: batch_tokens.max(1),
-        prefill_while_decoding: args.prefill_while_decoding.unwrap_or(batch_tokens).max(1),
+        batch_tokens: args.batch_tokens.max(1),
+        prefill_while_decoding: args.prefill_while_decoding.max(1),
         decode_stretch: args.decode_stretch,
         kv_budget: args.kv_budget_mb.map(|mb| mb << 20),
         queue_size,
         panic_marker: args.test_panic_marker.clone(),
-        ..base
+        ..args.model.engine_config()
     };
     let args = &args.model;
     args.load_with(config)
