@@ -206,7 +206,7 @@ fn rope_tables(turn: &Turn, dtype: DType, half: usize) -> Result<(Tensor, Tensor
 }
 
 /// The device address of a CUDA storage's first element under `layout`.
-fn address(
+pub(crate) fn address(
     storage: &Storage,
     layout: &Layout,
     stream: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,

@@ -132,3 +132,44 @@ fn the_q4k_gemv_matches_the_dequantized_product() {
         }
     }
 }
+
+/// GGUF matrices multiplied as a group on the GPU (`GgufMatrix::forward_group`: the input
+/// quantized to 8 bits once for all of them, candle's MMVQ kernel per matrix) give each
+/// matrix's own `forward` bit for bit: the same kernels over the same 8-bit input. Q4_K, Q6_K
+/// and Q8_0 matrices of different heights, 1, 3 and 8 bf16/f16 rows.
+#[test]
+fn grouped_gguf_products_equal_each_alone() {
+    use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+    use peregrine_tensor::GgufMatrix;
+    use std::sync::Arc;
+    let gpu = Device::new_cuda(0).expect("these tests need a CUDA GPU");
+    let inp = 2048;
+    let mats: Vec<GgufMatrix> = [
+        (GgmlDType::Q4K, 512),
+        (GgmlDType::Q6K, 128),
+        (GgmlDType::Q8_0, 96),
+    ]
+    .into_iter()
+    .map(|(format, out)| {
+        let w = wave(&[out, inp], out as f32, DType::F32);
+        let q = QTensor::quantize(&w, format).unwrap();
+        let blocks = QStorage::from_data(q.data().unwrap(), &gpu, format).unwrap();
+        GgufMatrix::new(Arc::new(QTensor::new(blocks, (out, inp)).unwrap())).unwrap()
+    })
+    .collect();
+    let refs: Vec<&GgufMatrix> = mats.iter().collect();
+    for dtype in [DType::BF16, DType::F16] {
+        for m in [1, 3, 8] {
+            let x = wave(&[1, m, inp], m as f32 + 0.25, dtype)
+                .to_device(&gpu)
+                .unwrap();
+            let grouped = GgufMatrix::forward_group(&refs, &x).unwrap();
+            for (i, (w, y)) in mats.iter().zip(&grouped).enumerate() {
+                let alone = w.forward(&x).unwrap();
+                assert_eq!(y.dims(), alone.dims());
+                let host = |t: &Tensor| flat(&f32s(&t.to_device(&Device::Cpu).unwrap()));
+                assert_eq!(host(y), host(&alone), "{dtype:?}, {m} rows, matrix {i}");
+            }
+        }
+    }
+}

@@ -304,6 +304,20 @@ impl GgufMatrix {
     /// parallel pass: `x` is quantized once and their rows are split over the pool together
     /// (q/k/v, or gate/up, cost one dispatch instead of three or two).
     pub fn forward_group(mats: &[&Self], x: &Tensor) -> Result<Vec<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            let rows: Option<Vec<&QTensor>> = (mats.iter())
+                .map(|w| match &w.storage {
+                    Layout::Rows { qtensor, .. } => Some(&**qtensor),
+                    _ => None,
+                })
+                .collect();
+            if let Some(rows) = rows
+                && let Some(ys) = crate::gguf_cuda::matmul_group(&rows, x)?
+            {
+                return Ok(ys);
+            }
+        }
         let fused = mats.iter().all(|w| w.format.is_some());
         if !fused || !matches!(x.device(), Device::Cpu) {
             return (mats.iter())
