@@ -28,8 +28,7 @@ pub fn attention_many(
 ) -> Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
     if crate::attention_cuda::batch_enabled()
-        && let Some(y) =
-            crate::attention_cuda::decode_attention_many(q, kvs, (scale, softcap), dtype)?
+        && let Some(y) = crate::attention_cuda::decode_attention_many(q, kvs, scale, softcap)?
     {
         return Ok(Some(y.to_dtype(dtype)?));
     }

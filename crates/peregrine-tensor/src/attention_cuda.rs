@@ -233,14 +233,13 @@ impl CustomOp3 for DecodeAttention {
 
 /// [`decode_attention`] for a decode step's sequences at once: `q: [sequences, heads, d]`, row
 /// `s` attending every key of `kvs[s]` (each `[1, kv_heads, n_s, d]`, as `decode_attention`
-/// takes them; the same dtype, heads and size throughout). `[sequences, heads, d]` in `out`
-/// (f32, f16 or bf16: the join writes it, no cast after); `None` where the kernel does not take
-/// them (the caller attends each alone).
+/// takes them; the same dtype, heads and size throughout). `[sequences, heads, d]` in the
+/// caches' dtype; `None` where the kernel does not take them (the caller attends each alone).
 pub fn decode_attention_many(
     q: &Tensor,
     kvs: &[(Tensor, Tensor)],
-    (scale, softcap): (f64, Option<f32>),
-    out: DType,
+    scale: f64,
+    softcap: Option<f32>,
 ) -> Result<Option<Tensor>> {
     let (Ok((seqs, heads, d)), Some((k0, _))) = (q.dims3(), kvs.first()) else {
         return Ok(None);
@@ -252,15 +251,11 @@ pub fn decode_attention_many(
     if seqs != kvs.len() || kd != d || !kvs.iter().all(|(k, v)| takes(shape, k0.dtype(), (k, v))) {
         return Ok(None);
     }
-    if !matches!(out, DType::F32 | DType::F16 | DType::BF16) {
-        return Ok(None);
-    }
     let q = q.to_dtype(DType::F32)?.contiguous()?;
     let op = DecodeAttentionMany {
         kvs: kvs.to_vec(),
         scale: scale as f32,
         softcap: softcap.unwrap_or(0.0),
-        out,
     };
     Ok(Some(q.apply_op1_no_bwd(&op)?))
 }
@@ -271,8 +266,6 @@ struct DecodeAttentionMany {
     scale: f32,
     /// 0 for none.
     softcap: f32,
-    /// The output's dtype.
-    out: DType,
 }
 
 impl DecodeAttentionMany {
@@ -329,11 +322,12 @@ impl DecodeAttentionMany {
         let (k_table, v_table) = (dev.clone_htod(&ptrs.0)?, dev.clone_htod(&ptrs.1)?);
         let (strides, ns) = (dev.clone_htod(&strides)?, dev.clone_htod(&ns)?);
         let qs = q.as_cuda_slice::<f32>()?.slice(ql.start_offset()..);
-        // SAFETY: every element of the two is written by the kernels below before it is read.
-        let (part_o, part_ml) = unsafe {
+        // SAFETY: every element of the three is written by the kernels below before it is read.
+        let (part_o, part_ml, out) = unsafe {
             (
                 dev.alloc::<f32>(seqs * heads * chunks * d)?,
                 dev.alloc::<f32>(2 * seqs * heads * chunks)?,
+                dev.alloc::<T>(seqs * heads * d)?,
             )
         };
         let groups32 = int(groups)?;
@@ -361,29 +355,18 @@ impl DecodeAttentionMany {
         // `decode_attention` checks one, and the guards keep their storage until the launch.
         unsafe { launch.launch(cfg) }.w()?;
         drop(guards);
-        let parts = (&part_o, &part_ml);
-        match self.out {
-            DType::BF16 => join_into::<bf16>(dev, "bf16", (heads, seqs), parts, (chunks, d)),
-            DType::F16 => join_into::<f16>(dev, "f16", (heads, seqs), parts, (chunks, d)),
-            _ => join_into::<f32>(dev, "f32", (heads, seqs), parts, (chunks, d)),
-        }
+        let kernel = format!("attn_join_many_{name}");
+        join(
+            dev,
+            &kernel,
+            (heads, seqs),
+            (&part_o, &part_ml),
+            chunks,
+            d,
+            &out,
+        )?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
-}
-
-/// The join of a batched call's parts into a new `[sequences, heads, d]` buffer of `T` (the
-/// join reads only the f32 parts, so any output type takes any cache's).
-fn join_into<T: CudaDType + DeviceRepr>(
-    dev: &candle_core::CudaDevice,
-    name: &str,
-    (heads, seqs): (usize, usize),
-    parts: (&CudaSlice<f32>, &CudaSlice<f32>),
-    (chunks, d): (usize, usize),
-) -> Result<CudaStorage> {
-    // SAFETY: every element is written by the join kernel.
-    let out = unsafe { dev.alloc::<T>(seqs * heads * d)? };
-    let kernel = format!("attn_join_many_{name}");
-    join(dev, &kernel, (heads, seqs), parts, chunks, d, &out)?;
-    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }
 
 impl CustomOp1 for DecodeAttentionMany {

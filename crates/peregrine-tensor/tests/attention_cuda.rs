@@ -139,10 +139,9 @@ fn decode_attention_many_matches_each_sequence_alone() {
                 .collect();
             let q = wave(&[lengths.len(), heads, d], 9.0, dtype, &gpu);
             let scale = 1.0 / (d as f64).sqrt();
-            let got =
-                peregrine_tensor::attention::decode_attention_many(&q, &kvs, (scale, None), dtype)
-                    .unwrap()
-                    .expect("the kernel takes these");
+            let got = peregrine_tensor::attention::decode_attention_many(&q, &kvs, scale, None)
+                .unwrap()
+                .expect("the kernel takes these");
             for (s, (k, v)) in kvs.iter().enumerate() {
                 let case = format!("{dtype:?} d {d}, sequence {s} of {} keys", lengths[s]);
                 let cpu = |t: &Tensor| {
