@@ -118,10 +118,11 @@ const ROW_PADDING: usize = 512;
 /// Bytes of one 8-bit input block of 32 values (candle's `block_q8_1`: two halves, 32 bytes).
 const Q8_1_BYTES: usize = 36;
 
-/// Whether [`matmul_group`] runs (`PEREGRINE_CUDA_MMVQ_GROUP`, read once; on unless `0`).
+/// Whether [`matmul_group`] runs (`PEREGRINE_CUDA_MMVQ_GROUP=1`, read once; off until its test
+/// and its speed have been seen on a GPU: written after the session's device time ran out).
 fn group_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("PEREGRINE_CUDA_MMVQ_GROUP").map_or(true, |v| v != "0"))
+    *ON.get_or_init(|| std::env::var("PEREGRINE_CUDA_MMVQ_GROUP").is_ok_and(|v| v == "1"))
 }
 
 /// One MMVQ launcher of candle's kernels (the same for every format and input type).
