@@ -4,9 +4,7 @@
 //! (KV sharing: no k/v projections; the caller hands them that layer's cache).
 
 use peregrine_kv::{AttnParams, LayerCache};
-use peregrine_tensor::attention::{
-    AppendSlot, AttnScratch, append_rows, append_rows_takes, attention_many,
-};
+use peregrine_tensor::attention::{AppendSlot, AttnScratch, attention_many};
 use peregrine_tensor::ops::{rms_norm, sigmoid};
 use peregrine_tensor::{DType, Device, QLinear, RotaryEmbedding, Tensor};
 use rayon::prelude::*;
@@ -319,26 +317,15 @@ impl Attention {
         let (seqs, hd) = (segments.len(), self.head_dim);
         let row = |t: &Tensor, j: usize| t.narrow(2, j, 1);
         if let Some((k, v)) = kv {
-            // Every cache that hands out a slot takes its row in one launch for all.
-            let in_place = append_rows_takes(k, v, dtype);
-            let mut slots = Vec::with_capacity(seqs * usize::from(in_place));
+            // Caches with decode slots took the fused path; these append one by one, each
+            // row in the caches' dtype and sequence-major once, so each append is one copy.
+            let by_sequence = |t: &Tensor| t.to_dtype(dtype)?.transpose(1, 2)?.contiguous();
+            let (k, v) = (by_sequence(k)?, by_sequence(v)?);
+            let one = |t: &Tensor, j: usize| t.narrow(1, j, 1)?.reshape((1, self.kv_heads, 1, hd));
             for (j, s) in segments.iter_mut().enumerate() {
                 s.cache.note_queries(&row(q, j)?, self.kv_heads)?;
-                let slot = match in_place {
-                    true => (s.cache).decode_slot((self.kv_heads, hd), k.dtype(), k.device())?,
-                    false => None,
-                };
-                match slot {
-                    Some((ck, cv, slot)) => slots.push(AppendSlot {
-                        row: j,
-                        k: ck,
-                        v: cv,
-                        slot,
-                    }),
-                    None => s.cache.append(&row(k, j)?, &row(v, j)?)?,
-                }
+                s.cache.append(&one(&k, j)?, &one(&v, j)?)?;
             }
-            append_rows(k, v, &slots)?;
         }
         let q_rows = q.transpose(1, 2)?.reshape((seqs, self.heads, hd))?;
         self.attend_rows(&q_rows, segments, q.dtype()).map(Some)
