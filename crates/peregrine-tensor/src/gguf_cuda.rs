@@ -1,116 +1,27 @@
-//! GGUF Q4_K matrices times a few input rows on CUDA (`kernels/cuda/gguf_gemv.cu`): a warp
-//! per output row reading the bf16/f16 input as it is, where candle first quantizes it to 8 bits
-//! in a launch of its own. Correct (tests/dense_cuda.rs passes on an H100) but slower than
-//! candle's MMVQ: an 8-layer 8B Q4_K_M decoded at 430-437 tok/s with it against 556 without
-//! (docs/cuda.md); each 4-bit weight costs it a conversion and a scalar FMA where candle's
-//! kernel multiplies four 8-bit pairs an instruction. Off unless `PEREGRINE_CUDA_GGUF_GEMV=1`,
-//! as the starting point for a faster one.
+//! GGUF matrices times a few input rows on CUDA through 8-bit inputs: the input quantized to
+//! candle's `block_q8_1` once for a group of matrices of the same input width (q/k/v,
+//! gate/up), then candle's MMVQ kernel per matrix, or ours for Q4_K (`kernels/cuda/gguf_gemv.cu`:
+//! a warp per output row, 16-byte loads, `PEREGRINE_CUDA_GGUF_GEMV`).
 
-use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::{CudaStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, bail};
+use candle_core::{CudaStorage, DType, Result, Tensor};
 use half::{bf16, f16};
-
-use crate::cuda_op::cuda_only_op;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gguf_gemv.ptx"));
 /// The name the PTX module is loaded under (once per device).
 const MODULE: &str = "peregrine_gguf_gemv";
-/// Input rows the kernel takes at once (its `MAX_ROWS`).
+/// Input rows the kernels take at once (our kernel's `MAX_ROWS`; candle's MMVQ takes 8 too).
 const MAX_ROWS: usize = 8;
 
-/// Whether the kernel runs (`PEREGRINE_CUDA_GGUF_GEMV=1`, read once; off: slower than candle's).
-fn enabled() -> bool {
+/// Whether our Q4_K kernel replaces candle's MMVQ for Q4_K matrices
+/// (`PEREGRINE_CUDA_GGUF_GEMV=1`, read once).
+fn ours_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("PEREGRINE_CUDA_GGUF_GEMV").is_ok_and(|v| v == "1"))
-}
-
-/// `x: [.., in] · w[out, in]ᵀ` by the kernel when it applies (a Q4_K `w` on the GPU, `x` bf16
-/// or f16 and contiguous there, at most 8 rows, `in` a multiple of 256); else `None`.
-pub(crate) fn matmul(w: &QTensor, x: &Tensor) -> Result<Option<Tensor>> {
-    let (Some(&in_dim), Ok((out, w_in))) = (x.dims().last(), w.shape().dims2()) else {
-        return Ok(None);
-    };
-    let m = x.elem_count() / in_dim.max(1);
-    let applies = enabled()
-        && x.device().is_cuda()
-        && w.device().same_device(x.device())
-        && w.dtype() == GgmlDType::Q4K
-        && matches!(x.dtype(), DType::BF16 | DType::F16)
-        && w_in == in_dim
-        && in_dim.is_multiple_of(256)
-        && (1..=MAX_ROWS).contains(&m)
-        && x.is_contiguous();
-    if !applies {
-        return Ok(None);
-    }
-    let op = Q4kGemv {
-        w: w.device_ptr()? as u64,
-        out,
-        m,
-    };
-    let mut dims = x.dims().to_vec();
-    *dims.last_mut().expect("checked above") = out;
-    Ok(Some(x.apply_op1_no_bwd(&op)?.reshape(dims)?))
-}
-
-struct Q4kGemv {
-    /// The weights' device address (the matrix outlives the launch: its owner calls `matmul`).
-    w: u64,
-    out: usize,
-    m: usize,
-}
-
-impl Q4kGemv {
-    fn run<T: CudaDType + DeviceRepr>(&self, x: &CudaStorage, xl: &Layout) -> Result<CudaStorage> {
-        let in_dim = *xl.dims().last().expect("rows of a matrix");
-        // 16-byte vector loads: every row must start on a 16-byte boundary.
-        if !xl.start_offset().is_multiple_of(8) {
-            bail!("q4k-gemv: rows not 16-byte aligned");
-        }
-        let dev = &x.device;
-        let xs = x.as_cuda_slice::<T>()?.slice(xl.start_offset()..);
-        let name = match x.dtype() {
-            DType::BF16 => "q4k_gemv_bf16",
-            _ => "q4k_gemv_f16",
-        };
-        let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
-        // SAFETY: every element is written by the kernel below.
-        let y = unsafe { dev.alloc::<T>(self.m * self.out)? };
-        let int = |n: usize| {
-            i32::try_from(n).map_err(|_| candle_core::Error::Msg(format!("q4k-gemv: {n}")))
-        };
-        let (m, o, i) = (int(self.m)?, int(self.out)?, int(in_dim)?);
-        // A warp per output row, 8 rows a block.
-        let cfg = LaunchConfig {
-            grid_dim: (self.out.div_ceil(8) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut launch = func.builder();
-        launch.arg(&self.w).arg(&xs).arg(&y).arg(&m).arg(&o).arg(&i);
-        // SAFETY: the kernel's arguments, in its order and types (the weights' address as a
-        // 64-bit word); `matmul` checked the shapes and the format.
-        unsafe { launch.launch(cfg) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
-    }
-}
-
-impl CustomOp1 for Q4kGemv {
-    cuda_only_op!("q4k-gemv", a);
-
-    fn cuda_fwd(&self, x: &CudaStorage, xl: &Layout) -> Result<(CudaStorage, Shape)> {
-        let y = match x.dtype() {
-            DType::BF16 => self.run::<bf16>(x, xl)?,
-            DType::F16 => self.run::<f16>(x, xl)?,
-            other => bail!("q4k-gemv: {other:?} is not supported"),
-        };
-        Ok((y, Shape::from((self.m, self.out))))
-    }
 }
 
 /// Columns of a quantized input row are padded to this (candle's `MATRIX_ROW_PADDING`).
@@ -169,17 +80,20 @@ fn launcher(format: GgmlDType, dtype: DType) -> Option<Launcher> {
 }
 
 /// `x: [.., in]` times each of `ws` (GGUF matrices on the GPU, `in` columns each) through
-/// candle's MMVQ kernels with the input quantized to 8 bits once for all of them, where candle
-/// quantizes it again for each (q/k/v: three quantizations a layer become one, gate/up two);
-/// the same kernels and the same 8-bit input, so the same bits. `None` where it does not
-/// apply: not 1-8 rows of bf16/f16 on the GPU, fewer than two matrices, a format MMVQ lacks.
+/// candle's MMVQ kernels (ours for Q4_K when [`ours_enabled`]) with the input quantized to 8
+/// bits once for all of them, where candle quantizes it again for each (q/k/v: three
+/// quantizations a layer become one, gate/up two); candle's kernels over the same 8-bit input
+/// give the same bits. `None` where it does not apply: not 1-8 rows of bf16/f16 on the GPU, a
+/// format MMVQ lacks, or neither switch on for these matrices (a group needs two of them
+/// unless one is Q4_K for our kernel).
 pub(crate) fn matmul_group(ws: &[&QTensor], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
     let Some(&k) = x.dims().last() else {
         return Ok(None);
     };
     let rows = x.elem_count() / k.max(1);
-    let applies = group_enabled()
-        && ws.len() > 1
+    let ours = |w: &&QTensor| ours_enabled() && w.dtype() == GgmlDType::Q4K && k % 256 == 0;
+    let wanted = (group_enabled() && ws.len() > 1) || ws.iter().any(ours);
+    let applies = wanted
         && x.device().is_cuda()
         && matches!(x.dtype(), DType::BF16 | DType::F16)
         && (1..=MAX_ROWS).contains(&rows)
@@ -224,9 +138,12 @@ pub(crate) fn matmul_group(ws: &[&QTensor], x: &Tensor) -> Result<Option<Vec<Ten
     for w in ws {
         let (out, _) = w.shape().dims2()?;
         let launch = launcher(w.dtype(), x.dtype()).expect("checked above");
-        let y = match x.dtype() {
-            DType::BF16 => mmvq::<bf16>(&dev, launch, (w, out), (scratch_ptr, k, rows))?,
-            _ => mmvq::<f16>(&dev, launch, (w, out), (scratch_ptr, k, rows))?,
+        let input = (scratch_ptr, k, rows);
+        let y = match (x.dtype(), ours(w)) {
+            (DType::BF16, true) => q4k_q8::<bf16>(&dev, (w, out), input)?,
+            (_, true) => q4k_q8::<f16>(&dev, (w, out), input)?,
+            (DType::BF16, false) => mmvq::<bf16>(&dev, launch, (w, out), input)?,
+            _ => mmvq::<f16>(&dev, launch, (w, out), input)?,
         };
         let mut dims = x.dims().to_vec();
         *dims.last_mut().expect("checked above") = out;
@@ -273,5 +190,37 @@ fn mmvq<T: CudaDType + DeviceRepr>(
         );
     }
     drop(_guard);
+    Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+}
+
+/// [`mmvq`] through our Q4_K kernel (`kernels/cuda/gguf_gemv.cu`): a warp per output row,
+/// eight rows a block.
+fn q4k_q8<T: CudaDType + DeviceRepr + candle_core::WithDType>(
+    dev: &candle_core::CudaDevice,
+    (w, out): (&QTensor, usize),
+    (scratch, k, rows): (u64, usize, usize),
+) -> Result<CudaStorage> {
+    let name = match T::DTYPE {
+        DType::BF16 => "q4k_q8_gemv_bf16",
+        _ => "q4k_q8_gemv_f16",
+    };
+    let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+    let int = |n: usize| i32::try_from(n).map_err(|_| candle_core::Error::Msg(format!("q4k: {n}")));
+    // SAFETY: every element is written by the kernel below.
+    let y = unsafe { dev.alloc::<T>(rows * out)? };
+    let (m, o, i) = (int(rows)?, int(out)?, int(k)?);
+    let q8_row = int(k.div_ceil(ROW_PADDING) * ROW_PADDING / 32)?;
+    let w_ptr = w.device_ptr()? as u64;
+    let cfg = LaunchConfig {
+        grid_dim: (out.div_ceil(8) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = func.builder();
+    launch.arg(&w_ptr).arg(&scratch).arg(&y);
+    launch.arg(&m).arg(&o).arg(&i).arg(&q8_row);
+    // SAFETY: the kernel's arguments, in its order and types (addresses as 64-bit words): a
+    // Q4_K matrix of `out` rows of `k` columns, `rows` quantized input rows.
+    unsafe { launch.launch(cfg) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
 }

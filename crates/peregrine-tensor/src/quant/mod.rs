@@ -322,14 +322,6 @@ impl GgufMatrix {
         if !fused || !matches!(x.device(), Device::Cpu) {
             return (mats.iter())
                 .map(|w| match &w.storage {
-                    #[cfg(feature = "cuda")]
-                    Layout::Rows { qtensor, fallback } => {
-                        match crate::gguf_cuda::matmul(qtensor, x)? {
-                            Some(y) => Ok(y),
-                            None => fallback.forward(x),
-                        }
-                    }
-                    #[cfg(not(feature = "cuda"))]
                     Layout::Rows { fallback, .. } => fallback.forward(x),
                     Layout::Interleaved(_) | Layout::Blocks(_) | Layout::Shared(_) => {
                         bail!("gguf matmul: CPU weights, input on {:?}", x.device())

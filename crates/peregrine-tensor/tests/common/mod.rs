@@ -100,3 +100,28 @@ pub fn flat(t: &Tensor) -> Vec<f32> {
         .unwrap();
     t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
 }
+
+/// A deterministic tensor of `dims` with values in [-1, 1] of every magnitude.
+pub fn ramp(dims: &[usize], seed: f32, dtype: DType) -> Tensor {
+    let n: usize = dims.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|i| {
+            ((i as f32 * 0.7548777 + seed * 0.5698403).fract() * 2.0 - 1.0) * ((i % 7) as f32 + 1.0)
+                / 7.0
+        })
+        .collect();
+    Tensor::from_vec(v, dims, &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+}
+
+/// `t` in f32.
+pub fn f32s(t: &Tensor) -> Tensor {
+    t.to_dtype(DType::F32).unwrap()
+}
+
+/// `x: [1, m, in] · w[out, in]ᵀ` in f32 on the CPU.
+pub fn product(x: &Tensor, w: &Tensor) -> Tensor {
+    x.matmul(&w.t().unwrap().unsqueeze(0).unwrap()).unwrap()
+}
