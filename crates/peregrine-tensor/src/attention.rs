@@ -28,9 +28,10 @@ pub fn attention_many(
 ) -> Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
     if crate::attention_cuda::batch_enabled()
-        && let Some(y) = crate::attention_cuda::decode_attention_many(q, kvs, scale, softcap)?
+        && let Some(y) =
+            crate::attention_cuda::decode_attention_many(q, kvs, (scale, softcap), dtype)?
     {
-        return Ok(Some(y.to_dtype(dtype)?));
+        return Ok(Some(y));
     }
     let _ = (q, kvs, scale, softcap, dtype);
     Ok(None)

@@ -233,13 +233,14 @@ impl CustomOp3 for DecodeAttention {
 
 /// [`decode_attention`] for a decode step's sequences at once: `q: [sequences, heads, d]`, row
 /// `s` attending every key of `kvs[s]` (each `[1, kv_heads, n_s, d]`, as `decode_attention`
-/// takes them; the same dtype, heads and size throughout). `[sequences, heads, d]` in the
-/// caches' dtype; `None` where the kernel does not take them (the caller attends each alone).
+/// takes them; the same dtype, heads and size throughout). `[sequences, heads, d]` in `dtype`
+/// (f32, f16 or bf16: the join writes it, so no cast follows); `None` where the kernel does
+/// not take them (the caller attends each alone).
 pub fn decode_attention_many(
     q: &Tensor,
     kvs: &[(Tensor, Tensor)],
-    scale: f64,
-    softcap: Option<f32>,
+    (scale, softcap): (f64, Option<f32>),
+    dtype: DType,
 ) -> Result<Option<Tensor>> {
     let (Ok((seqs, heads, d)), Some((k0, _))) = (q.dims3(), kvs.first()) else {
         return Ok(None);
@@ -248,7 +249,9 @@ pub fn decode_attention_many(
         return Ok(None);
     };
     let shape = (heads, kv_heads, kd);
-    if seqs != kvs.len() || kd != d || !kvs.iter().all(|(k, v)| takes(shape, k0.dtype(), (k, v))) {
+    let takes_all = kvs.iter().all(|(k, v)| takes(shape, k0.dtype(), (k, v)));
+    let float = matches!(dtype, DType::F32 | DType::F16 | DType::BF16);
+    if seqs != kvs.len() || kd != d || !takes_all || !float {
         return Ok(None);
     }
     let q = q.to_dtype(DType::F32)?.contiguous()?;
@@ -256,6 +259,7 @@ pub fn decode_attention_many(
         kvs: kvs.to_vec(),
         scale: scale as f32,
         softcap: softcap.unwrap_or(0.0),
+        out: dtype,
     };
     Ok(Some(q.apply_op1_no_bwd(&op)?))
 }
@@ -266,6 +270,8 @@ struct DecodeAttentionMany {
     scale: f32,
     /// 0 for none.
     softcap: f32,
+    /// The output's dtype.
+    out: DType,
 }
 
 impl DecodeAttentionMany {
@@ -307,27 +313,37 @@ impl DecodeAttentionMany {
                 k.as_cuda_slice::<T>()?.slice(kl.start_offset()..),
                 v.as_cuda_slice::<T>()?.slice(vl.start_offset()..),
             ));
-            strides.push(kl.stride()[1] as i64);
-            ns.push(int(kl.dims()[2])?);
+            strides.push(kl.stride()[1] as u64);
+            ns.push(int(kl.dims()[2])? as u32);
         }
-        let mut ptrs = (Vec::with_capacity(seqs), Vec::with_capacity(seqs));
+        // One upload a layer: keys' and values' first rows, head strides, then the key counts
+        // as 32-bit words two to a 64-bit one.
+        let mut table = Vec::with_capacity(3 * seqs + seqs.div_ceil(2));
         let mut guards = Vec::with_capacity(2 * seqs);
-        for (ks, vs) in &views {
-            let ((kp, kg), (vp, vg)) = (ks.device_ptr(&stream), vs.device_ptr(&stream));
-            ptrs.0.push(kp);
-            ptrs.1.push(vp);
-            guards.push(kg);
-            guards.push(vg);
+        for (ks, _) in &views {
+            let (p, g) = ks.device_ptr(&stream);
+            table.push(p);
+            guards.push(g);
         }
-        let (k_table, v_table) = (dev.clone_htod(&ptrs.0)?, dev.clone_htod(&ptrs.1)?);
-        let (strides, ns) = (dev.clone_htod(&strides)?, dev.clone_htod(&ns)?);
+        for (_, vs) in &views {
+            let (p, g) = vs.device_ptr(&stream);
+            table.push(p);
+            guards.push(g);
+        }
+        table.extend(&strides);
+        table.extend(
+            ns.chunks(2)
+                .map(|p| p[0] as u64 | (*p.get(1).unwrap_or(&0) as u64) << 32),
+        );
+        let table = dev.clone_htod(&table)?;
+        let (k_table, v_table) = (table.slice(..seqs), table.slice(seqs..2 * seqs));
+        let (strides, ns) = (table.slice(2 * seqs..3 * seqs), table.slice(3 * seqs..));
         let qs = q.as_cuda_slice::<f32>()?.slice(ql.start_offset()..);
-        // SAFETY: every element of the three is written by the kernels below before it is read.
-        let (part_o, part_ml, out) = unsafe {
+        // SAFETY: every element of the two is written by the kernel below before it is read.
+        let (part_o, part_ml) = unsafe {
             (
                 dev.alloc::<f32>(seqs * heads * chunks * d)?,
                 dev.alloc::<f32>(2 * seqs * heads * chunks)?,
-                dev.alloc::<T>(seqs * heads * d)?,
             )
         };
         let groups32 = int(groups)?;
@@ -355,18 +371,28 @@ impl DecodeAttentionMany {
         // `decode_attention` checks one, and the guards keep their storage until the launch.
         unsafe { launch.launch(cfg) }.w()?;
         drop(guards);
-        let kernel = format!("attn_join_many_{name}");
-        join(
-            dev,
-            &kernel,
-            (heads, seqs),
-            (&part_o, &part_ml),
-            chunks,
-            d,
-            &out,
-        )?;
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+        let parts = (&part_o, &part_ml);
+        match self.out {
+            DType::BF16 => join_many::<bf16>(dev, "bf16", (heads, seqs), parts, (chunks, d)),
+            DType::F16 => join_many::<f16>(dev, "f16", (heads, seqs), parts, (chunks, d)),
+            _ => join_many::<f32>(dev, "f32", (heads, seqs), parts, (chunks, d)),
+        }
     }
+}
+
+/// [`join`] of every sequence's parts into a new `[sequences, heads, d]` buffer of `O`.
+fn join_many<O: CudaDType + DeviceRepr>(
+    dev: &candle_core::CudaDevice,
+    name: &str,
+    (heads, seqs): (usize, usize),
+    parts: (&CudaSlice<f32>, &CudaSlice<f32>),
+    (chunks, d): (usize, usize),
+) -> Result<CudaStorage> {
+    // SAFETY: every element is written by the join below.
+    let out = unsafe { dev.alloc::<O>(seqs * heads * d)? };
+    let kernel = format!("attn_join_many_{name}");
+    join(dev, &kernel, (heads, seqs), parts, chunks, d, &out)?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }
 
 impl CustomOp1 for DecodeAttentionMany {

@@ -139,9 +139,19 @@ fn decode_attention_many_matches_each_sequence_alone() {
                 .collect();
             let q = wave(&[lengths.len(), heads, d], 9.0, dtype, &gpu);
             let scale = 1.0 / (d as f64).sqrt();
-            let got = peregrine_tensor::attention::decode_attention_many(&q, &kvs, scale, None)
-                .unwrap()
-                .expect("the kernel takes these");
+            let many = |out| {
+                peregrine_tensor::attention::decode_attention_many(&q, &kvs, (scale, None), out)
+                    .unwrap()
+                    .expect("the kernel takes these")
+            };
+            let got = many(dtype);
+            // The join writes the dtype asked for: f32 out, rounded after, gives the same bits.
+            let wide = many(DType::F32).to_dtype(dtype).unwrap();
+            assert_eq!(
+                flat(&wide),
+                flat(&got),
+                "{dtype:?} d {d}: f32 out, rounded after"
+            );
             for (s, (k, v)) in kvs.iter().enumerate() {
                 let case = format!("{dtype:?} d {d}, sequence {s} of {} keys", lengths[s]);
                 let cpu = |t: &Tensor| {
