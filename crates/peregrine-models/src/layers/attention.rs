@@ -9,7 +9,7 @@ use peregrine_tensor::ops::{rms_norm, sigmoid};
 use peregrine_tensor::{DType, Device, QLinear, RotaryEmbedding, Tensor};
 use rayon::prelude::*;
 
-use crate::layers::batch::{RopeRows, Segment, per_segment};
+use crate::layers::batch::{RopeRows, Segment, per_segment, per_segment_from};
 use crate::layers::decoder::SelfAttention;
 use crate::layers::norm_weight;
 use crate::layers::step::{StepBuffers, StepRow, norm_rows_in_place};
@@ -232,12 +232,13 @@ impl Attention {
     /// turned, keys and values written to the caches) and attention over every cache in one
     /// more: `[1, sequences, heads · hd]`, or `None`, having changed nothing, where it does
     /// not apply (the CPU, the batched kernels off, caches without slots, M-RoPE, no RoPE).
+    /// The segments' rows start at row `first` of the step's.
     fn fused_decode_rows(
         &self,
         segments: &mut [Segment],
         rope: &RotaryEmbedding,
         split: &impl Fn(Rows, usize, usize, &Option<Tensor>) -> Result<Tensor>,
-        (n_proj, device): (usize, &Device),
+        (first, n_proj, device): (usize, usize, &Device),
     ) -> Result<Option<Tensor>> {
         let applies = !device.is_cpu()
             && peregrine_tensor::attention::many_enabled()
@@ -248,7 +249,7 @@ impl Attention {
         let Some(positions) = positions else {
             return Ok(None);
         };
-        let all = 0..positions.len();
+        let all = first..first + positions.len();
         let q = split(all.clone(), 0, self.heads, &self.q_norm)?;
         let v = split(all.clone(), n_proj - 1, self.kv_heads, &self.v_norm)?;
         let k = split(all, 1, self.kv_heads, &self.k_norm)?;
@@ -296,6 +297,45 @@ impl Attention {
             }
         };
         Ok(y.reshape((1, seqs, self.heads * hd))?)
+    }
+
+    /// A GPU step mixing decode rows with prompt chunks (a server admitting prompts while others
+    /// decode): each run of consecutive one-row segments through
+    /// [`fused_decode_rows`](Self::fused_decode_rows), the others each alone (`one`), so that
+    /// the running sequences' rows cost a few launches a layer, not a dozen each. `None` on
+    /// the CPU, or where every segment or none is one row (the callers' paths).
+    fn mixed_rows(
+        &self,
+        segments: &mut [Segment],
+        rope: &RotaryEmbedding,
+        split: &impl Fn(Rows, usize, usize, &Option<Tensor>) -> Result<Tensor>,
+        (n_proj, device): (usize, &Device),
+        one: &(impl Fn(Rows, &mut Segment) -> Result<Tensor> + Sync),
+    ) -> Result<Option<Tensor>> {
+        let single = |s: &Segment| s.len == 1;
+        let some = segments.iter().any(single) && !segments.iter().all(single);
+        if device.is_cpu() || !some {
+            return Ok(None);
+        }
+        let (mut parts, mut at, mut row) = (Vec::new(), 0, 0);
+        while at < segments.len() {
+            let decode = single(&segments[at]);
+            let end = (at..segments.len())
+                .find(|&j| single(&segments[j]) != decode)
+                .unwrap_or(segments.len());
+            let run = &mut segments[at..end];
+            let rows: usize = run.iter().map(|s| s.len).sum();
+            let fused = match decode {
+                true => self.fused_decode_rows(run, rope, split, (row, n_proj, device))?,
+                false => None,
+            };
+            parts.push(match fused {
+                Some(y) => y,
+                None => per_segment_from(run, row, device, one)?,
+            });
+            (at, row) = (end, row + rows);
+        }
+        Ok(Some(Tensor::cat(&parts, 1)?))
     }
 
     /// A decode step's appends and attention for every sequence, the attention in one launch
@@ -377,7 +417,7 @@ impl SelfAttention for Attention {
             Ok(t.transpose(1, 2)?)
         };
         // A decode step's rows: in one launch on the GPU, else turned in one go.
-        let fused = self.fused_decode_rows(segments, rope, &split, (n_proj, x.device()))?;
+        let fused = self.fused_decode_rows(segments, rope, &split, (0, n_proj, x.device()))?;
         let turned = match fused {
             Some(_) => None,
             None => self.turn_decode_rows(segments, rope, &split, n_proj)?,
@@ -387,46 +427,52 @@ impl SelfAttention for Attention {
             (None, Some(rows)) => self.attend_decode_rows(rows, segments)?,
             (None, None) => None,
         };
+        // One sequence's part: its rows' queries (and keys and values) turned, appended to its
+        // cache, attended.
+        let one = |rows: Rows, s: &mut Segment| -> Result<Tensor> {
+            let n = rows.len();
+            let turn = |t: Tensor| match (self.no_rope, s.rope) {
+                (true, _) => Ok(t.contiguous()?),
+                (false, RopeRows::From(p)) => rope.apply(&t, p),
+                (false, RopeRows::Axes(axes)) => rope.apply_positions(&t, axes),
+            };
+            let row = |t: &Tensor| t.narrow(2, rows.start, 1);
+            let (q, kv) = match &turned {
+                Some((q, kv)) => (row(q)?, kv.as_ref().map(|(k, v)| (row(k), row(v)))),
+                None => (
+                    turn(split(rows.clone(), 0, self.heads, &self.q_norm)?)?,
+                    None,
+                ),
+            };
+            if n_proj > 1 {
+                // Values are the keys' projection when the layer has no v_proj.
+                let (k, v) = match kv {
+                    Some((k, v)) => (k?, v?),
+                    None => {
+                        let v = split(rows.clone(), n_proj - 1, self.kv_heads, &self.v_norm)?;
+                        (
+                            turn(split(rows.clone(), 1, self.kv_heads, &self.k_norm)?)?,
+                            v,
+                        )
+                    }
+                };
+                s.cache.note_queries(&q, self.kv_heads)?;
+                s.cache.append(&k, &v)?;
+            }
+            let params = AttnParams {
+                both_ways: s.both_ways,
+                ..self.params()
+            };
+            let y = s.cache.attend(&q, &params)?; // [1, heads, n, hd]
+            Ok(y.transpose(1, 2)?
+                .reshape((1, n, self.heads * self.head_dim))?)
+        };
         let y = match batched {
             Some(y) => y,
-            None => per_segment(segments, x.device(), |rows, s| {
-                let n = rows.len();
-                let turn = |t: Tensor| match (self.no_rope, s.rope) {
-                    (true, _) => Ok(t.contiguous()?),
-                    (false, RopeRows::From(p)) => rope.apply(&t, p),
-                    (false, RopeRows::Axes(axes)) => rope.apply_positions(&t, axes),
-                };
-                let row = |t: &Tensor| t.narrow(2, rows.start, 1);
-                let (q, kv) = match &turned {
-                    Some((q, kv)) => (row(q)?, kv.as_ref().map(|(k, v)| (row(k), row(v)))),
-                    None => (
-                        turn(split(rows.clone(), 0, self.heads, &self.q_norm)?)?,
-                        None,
-                    ),
-                };
-                if n_proj > 1 {
-                    // Values are the keys' projection when the layer has no v_proj.
-                    let (k, v) = match kv {
-                        Some((k, v)) => (k?, v?),
-                        None => {
-                            let v = split(rows.clone(), n_proj - 1, self.kv_heads, &self.v_norm)?;
-                            (
-                                turn(split(rows.clone(), 1, self.kv_heads, &self.k_norm)?)?,
-                                v,
-                            )
-                        }
-                    };
-                    s.cache.note_queries(&q, self.kv_heads)?;
-                    s.cache.append(&k, &v)?;
-                }
-                let params = AttnParams {
-                    both_ways: s.both_ways,
-                    ..self.params()
-                };
-                let y = s.cache.attend(&q, &params)?; // [1, heads, n, hd]
-                Ok(y.transpose(1, 2)?
-                    .reshape((1, n, self.heads * self.head_dim))?)
-            })?,
+            None => match self.mixed_rows(segments, rope, &split, (n_proj, x.device()), &one)? {
+                Some(y) => y,
+                None => per_segment(segments, x.device(), one)?,
+            },
         };
         let y = match self.output_gate {
             true => {

@@ -228,7 +228,17 @@ pub fn per_segment(
     device: &candle::Device,
     f: impl Fn(std::ops::Range<usize>, &mut Segment) -> Result<Tensor> + Sync,
 ) -> Result<Tensor> {
-    let mut at = 0;
+    per_segment_from(segments, 0, device, f)
+}
+
+/// [`per_segment`] for segments whose rows start at row `first` of the stacked rows.
+pub fn per_segment_from(
+    segments: &mut [Segment],
+    first: usize,
+    device: &candle::Device,
+    f: impl Fn(std::ops::Range<usize>, &mut Segment) -> Result<Tensor> + Sync,
+) -> Result<Tensor> {
+    let mut at = first;
     let ranges: Vec<std::ops::Range<usize>> = (segments.iter())
         .map(|s| {
             at += s.len;
