@@ -1,9 +1,9 @@
 // GGUF Q4_K matrices times a few 8-bit input rows (decode): y[t][r] = sum_i w[r][i] * x[t][i],
 // x already quantized to candle's block_q8_1 (gguf_cuda.rs quantizes it once per group of
 // matrices). Where candle's MMVQ kernel gives a row 128 threads that each read 4-byte words, a
-// warp here takes an output row, eight lanes a 144-byte block (each lane one 16-byte load of
-// codes and the block's 16-byte head), four blocks a pass, and multiplies four 8-bit pairs an
-// instruction (dp4a), summing in f32.
+// warp here takes four output rows, eight lanes a 144-byte block (each lane one 16-byte load of
+// codes and the block's 16-byte head per row, its 8-bit inputs once for the four), four
+// blocks a pass, and multiplies four 8-bit pairs an instruction (dp4a), summing in f32.
 // Q4_K block (256 weights): f16 d, f16 dmin, 12 bytes of 6-bit scales and mins for eight
 // sub-blocks of 32, then 128 bytes of codes: bytes 32p..32p+31 hold weights 64p..64p+31 in
 // their low nibbles (sub-block 2p) and 64p+32..64p+63 in their high ones (sub-block 2p+1);
@@ -32,73 +32,88 @@ __device__ __forceinline__ void scale_min(int j, const uint8_t* q, int* sc, int*
     }
 }
 
-// Sixteen 4-bit codes (`codes`, a byte each) against sixteen 8-bit inputs at `u`: the products'
-// sum and the inputs' sum (for the min term).
-__device__ __forceinline__ void dot16(const uint32_t* codes, const int* u, int* dot, int* sum) {
-    int d = 0, s = 0;
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-        const int v = __ldg(u + w);
-        d = __dp4a(static_cast<int>(codes[w]), v, d);
-        s = __dp4a(0x01010101, v, s);
-    }
-    *dot = d;
-    *sum = s;
-}
-
-// `in` is a multiple of 256; `q8_row` is an input row's stride in 8-bit blocks.
+// `in` is a multiple of 256; `q8_row` is an input row's stride in 8-bit blocks. A warp takes
+// WARP_ROWS consecutive output rows, so each lane's inputs (the same for every row) are read
+// once for all of them.
+#define WARP_ROWS 4
 template <typename T>
 __device__ void q4k_q8_gemv(const uint8_t* __restrict__ w, const uint8_t* __restrict__ q8,
                             T* __restrict__ y, int m, int out, int in, int q8_row) {
-    const int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-    if (r >= out) return;
+    const int r0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * WARP_ROWS;
+    const int lane = threadIdx.x & 31;
+    if (r0 >= out) return;
     const int blocks = in >> 8;
-    const uint8_t* row = w + (size_t)r * blocks * BLOCK_BYTES;
     const int part = lane & 7;   // 16 bytes of a block's 128 code bytes
     const int pair = part >> 1;  // sub-blocks 2·pair (low nibbles) and 2·pair+1 (high)
     const int at = 4 + 16 * (part & 1);  // the lane's 16 inputs within each 8-bit block
-    float acc[MAX_ROWS];
+    float acc[MAX_ROWS][WARP_ROWS];
 #pragma unroll
-    for (int t = 0; t < MAX_ROWS; ++t) acc[t] = 0.f;
-#pragma unroll 4
+    for (int t = 0; t < MAX_ROWS; ++t)
+#pragma unroll
+        for (int i = 0; i < WARP_ROWS; ++i) acc[t][i] = 0.f;
     for (int b = lane >> 3; b < blocks; b += 4) {
-        const uint8_t* blk = row + (size_t)b * BLOCK_BYTES;
-        // Codes are read once: stream them past the caches.
-        const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(blk + 16 + 16 * part));
-        const uint4 head = __ldg(reinterpret_cast<const uint4*>(blk));
-        const uint32_t all[4] = {raw.x, raw.y, raw.z, raw.w};
-        uint32_t lo[4], hi[4];
+        uint32_t lo[WARP_ROWS][4], hi[WARP_ROWS][4];
+        float dl[WARP_ROWS], ml[WARP_ROWS], dh[WARP_ROWS], mh[WARP_ROWS];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            lo[k] = all[k] & 0x0F0F0F0Fu;
-            hi[k] = (all[k] >> 4) & 0x0F0F0F0Fu;
+        for (int i = 0; i < WARP_ROWS; ++i) {
+            const int r = min(r0 + i, out - 1);  // past the last row: a duplicate, not stored
+            const uint8_t* blk = w + ((size_t)r * blocks + b) * BLOCK_BYTES;
+            // Codes are read once: stream them past the caches.
+            const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(blk + 16 + 16 * part));
+            const uint4 head = __ldg(reinterpret_cast<const uint4*>(blk));
+            const uint32_t all[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                lo[i][k] = all[k] & 0x0F0F0F0Fu;
+                hi[i][k] = (all[k] >> 4) & 0x0F0F0F0Fu;
+            }
+            const uint8_t* h = reinterpret_cast<const uint8_t*>(&head);
+            const float d = __half2float(*reinterpret_cast<const __half*>(h));
+            const float dmin = __half2float(*reinterpret_cast<const __half*>(h + 2));
+            int sc_lo, m_lo, sc_hi, m_hi;
+            scale_min(2 * pair, h + 4, &sc_lo, &m_lo);
+            scale_min(2 * pair + 1, h + 4, &sc_hi, &m_hi);
+            dl[i] = d * sc_lo, ml[i] = dmin * m_lo, dh[i] = d * sc_hi, mh[i] = dmin * m_hi;
         }
-        const uint8_t* h = reinterpret_cast<const uint8_t*>(&head);
-        const float d = __half2float(*reinterpret_cast<const __half*>(h));
-        const float dmin = __half2float(*reinterpret_cast<const __half*>(h + 2));
-        int sc_lo, m_lo, sc_hi, m_hi;
-        scale_min(2 * pair, h + 4, &sc_lo, &m_lo);
-        scale_min(2 * pair + 1, h + 4, &sc_hi, &m_hi);
-        const float dl = d * sc_lo, ml = dmin * m_lo, dh = d * sc_hi, mh = dmin * m_hi;
 #pragma unroll
         for (int t = 0; t < MAX_ROWS; ++t) {
             if (t >= m) break;
             const uint8_t* qb = q8 + ((size_t)t * q8_row + 8 * b + 2 * pair) * Q8_BYTES;
-            int dot_lo, sum_lo, dot_hi, sum_hi;
-            dot16(lo, reinterpret_cast<const int*>(qb + at), &dot_lo, &sum_lo);
-            dot16(hi, reinterpret_cast<const int*>(qb + Q8_BYTES + at), &dot_hi, &sum_hi);
+            const int* ul = reinterpret_cast<const int*>(qb + at);
+            const int* uh = reinterpret_cast<const int*>(qb + Q8_BYTES + at);
+            int u_lo[4], u_hi[4], sum_lo = 0, sum_hi = 0;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                u_lo[k] = __ldg(ul + k);
+                u_hi[k] = __ldg(uh + k);
+                sum_lo = __dp4a(0x01010101, u_lo[k], sum_lo);
+                sum_hi = __dp4a(0x01010101, u_hi[k], sum_hi);
+            }
             const float d8_lo = __low2float(__ldg(reinterpret_cast<const __half2*>(qb)));
             const float d8_hi = __low2float(__ldg(reinterpret_cast<const __half2*>(qb + Q8_BYTES)));
-            acc[t] += d8_lo * (dl * dot_lo - ml * sum_lo) + d8_hi * (dh * dot_hi - mh * sum_hi);
+#pragma unroll
+            for (int i = 0; i < WARP_ROWS; ++i) {
+                int dot_lo = 0, dot_hi = 0;
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    dot_lo = __dp4a(static_cast<int>(lo[i][k]), u_lo[k], dot_lo);
+                    dot_hi = __dp4a(static_cast<int>(hi[i][k]), u_hi[k], dot_hi);
+                }
+                acc[t][i] += d8_lo * (dl[i] * dot_lo - ml[i] * sum_lo) +
+                             d8_hi * (dh[i] * dot_hi - mh[i] * sum_hi);
+            }
         }
     }
 #pragma unroll
     for (int t = 0; t < MAX_ROWS; ++t) {
         if (t >= m) break;
-        float s = acc[t];
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (lane == 0) put(y + (size_t)t * out + r, s);
+        for (int i = 0; i < WARP_ROWS; ++i) {
+            float s = acc[t][i];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            if (lane == 0 && r0 + i < out) put(y + (size_t)t * out + r0 + i, s);
+        }
     }
 }
 

@@ -1,7 +1,7 @@
 //! GGUF matrices times a few input rows on CUDA through 8-bit inputs: the input quantized to
 //! candle's `block_q8_1` once for a group of matrices of the same input width (q/k/v,
 //! gate/up), then candle's MMVQ kernel per matrix, or ours for Q4_K (`kernels/cuda/gguf_gemv.cu`:
-//! a warp per output row, 16-byte loads, `PEREGRINE_CUDA_GGUF_GEMV`).
+//! a warp per four output rows, 16-byte loads, `PEREGRINE_CUDA_GGUF_GEMV`).
 
 use candle_core::cuda_backend::cudarc::driver::{
     DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -18,7 +18,9 @@ const MODULE: &str = "peregrine_gguf_gemv";
 const MAX_ROWS: usize = 8;
 
 /// Whether our Q4_K kernel replaces candle's MMVQ for Q4_K matrices
-/// (`PEREGRINE_CUDA_GGUF_GEMV=1`, read once).
+/// (`PEREGRINE_CUDA_GGUF_GEMV=1`, read once). Off: on an H100 it decoded an 8-layer 8B
+/// Q4_K_M 8-11 % faster at batch 1, the 32-layer one no faster (153.9 against 156.1 tok/s),
+/// and 8 streams 6 % slower (docs/cuda.md).
 fn ours_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("PEREGRINE_CUDA_GGUF_GEMV").is_ok_and(|v| v == "1"))
@@ -29,11 +31,12 @@ const ROW_PADDING: usize = 512;
 /// Bytes of one 8-bit input block of 32 values (candle's `block_q8_1`: two halves, 32 bytes).
 const Q8_1_BYTES: usize = 36;
 
-/// Whether [`matmul_group`] runs (`PEREGRINE_CUDA_MMVQ_GROUP=1`, read once; off until its test
-/// and its speed have been seen on a GPU: written after the session's device time ran out).
+/// Whether [`matmul_group`] runs (on unless `PEREGRINE_CUDA_MMVQ_GROUP=0`, read once): the
+/// 8B Q4_K_M decoded 146.6 → 156.1 tok/s at batch 1 and 8 streams' bench 1,984 → 2,213 on 8
+/// layers (an H100, docs/cuda.md).
 fn group_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("PEREGRINE_CUDA_MMVQ_GROUP").is_ok_and(|v| v == "1"))
+    *ON.get_or_init(|| std::env::var("PEREGRINE_CUDA_MMVQ_GROUP").map_or(true, |v| v != "0"))
 }
 
 /// One MMVQ launcher of candle's kernels (the same for every format and input type).
@@ -193,8 +196,8 @@ fn mmvq<T: CudaDType + DeviceRepr>(
     Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
 }
 
-/// [`mmvq`] through our Q4_K kernel (`kernels/cuda/gguf_gemv.cu`): a warp per output row,
-/// eight rows a block.
+/// [`mmvq`] through our Q4_K kernel (`kernels/cuda/gguf_gemv.cu`): a warp per four output
+/// rows, 32 rows a block.
 fn q4k_q8<T: CudaDType + DeviceRepr + candle_core::WithDType>(
     dev: &candle_core::CudaDevice,
     (w, out): (&QTensor, usize),
@@ -212,7 +215,7 @@ fn q4k_q8<T: CudaDType + DeviceRepr + candle_core::WithDType>(
     let q8_row = int(k.div_ceil(ROW_PADDING) * ROW_PADDING / 32)?;
     let w_ptr = w.device_ptr()? as u64;
     let cfg = LaunchConfig {
-        grid_dim: (out.div_ceil(8) as u32, 1, 1),
+        grid_dim: (out.div_ceil(32) as u32, 1, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
