@@ -140,16 +140,34 @@ impl<A: SelfAttention> DecoderLm<A> {
         let x = self.embed_tokens.forward(&ids, self.dtype)?; // [1, rows, hidden]
         let x = splice_media(x, batch)?; // image rows in place of their tokens' embeddings
         let limits = moe_limits(batch);
-        run_layers(
+        // Each layer's MLP output is added to the residual by the next layer's first norm
+        // (one fused launch on a GPU instead of an add and a norm), except where image rows
+        // may add deepstack features between layers.
+        let defer = batch.iter().all(|s| s.media.is_none());
+        let pending = std::cell::RefCell::new(None);
+        let x = run_layers(
             batch,
             x,
             self.layers.len(),
             |i| i,
             |i, x, segments| {
                 let next = self.layers.get(i + 1).map(|l| &l.mlp);
-                self.layers[i].forward(x, eps, &self.rope, (segments, &limits), next)
+                let rows = (segments, limits.as_slice());
+                let delta = pending.borrow_mut().take();
+                let (x, out) = self.layers[i].forward(x, delta, eps, &self.rope, rows, next)?;
+                match defer {
+                    true => {
+                        *pending.borrow_mut() = Some(out);
+                        Ok(x)
+                    }
+                    false => Ok((x + out)?),
+                }
             },
-        )
+        )?;
+        match pending.into_inner() {
+            Some(out) => Ok((x + out)?),
+            None => Ok(x),
+        }
     }
 }
 
@@ -220,23 +238,29 @@ impl<A: SelfAttention> DecoderLayer<A> {
     }
 
     /// `x: [1, rows, hidden]`, the stacked rows of `segments`, each routed to at most
-    /// `limits[row]` experts (when given). `next`: the next layer's feed-forward, whose experts a
-    /// streaming store starts reading on a guess from this layer's input to its own.
+    /// `limits[row]` experts (when given), plus `delta`, the previous layer's MLP output when
+    /// it left it to this layer to add. Returns the residual after attention and the MLP's
+    /// output, whose sum is the layer's output. `next`: the next layer's feed-forward, whose
+    /// experts a streaming store starts reading on a guess from this layer's input to its own.
     fn forward(
         &self,
         x: &Tensor,
+        delta: Option<Tensor>,
         eps: f32,
         rope: &RotaryEmbedding,
         (segments, limits): (&mut [Segment], &[usize]),
         next: Option<&Ffn>,
-    ) -> Result<Tensor> {
-        let normed = rms_norm(x, &self.input_layernorm, eps)?;
+    ) -> Result<(Tensor, Tensor)> {
+        let (x, normed) = match delta {
+            Some(d) => add_rms_norm(x, &d, &self.input_layernorm, eps)?,
+            None => (x.clone(), rms_norm(x, &self.input_layernorm, eps)?),
+        };
         let attn = self.self_attn.forward(&normed, rope, segments)?;
-        let (x, normed) = add_rms_norm(x, &attn, &self.post_attention_layernorm, eps)?;
+        let (x, normed) = add_rms_norm(&x, &attn, &self.post_attention_layernorm, eps)?;
         if let Some(next) = next {
             next.speculate(&normed)?;
         }
-        Ok((&x + self.mlp.forward(&normed, limits)?)?)
+        Ok((x, self.mlp.forward(&normed, limits)?))
     }
 
     /// [`step`](Self::step) for a batched step's rows (`b.x`, one per sequence of `seqs`), on

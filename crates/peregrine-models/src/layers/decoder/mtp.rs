@@ -123,8 +123,8 @@ impl<A: SelfAttention> MtpHead<A> {
             2,
         )?;
         let x = self.eh_proj.forward(&joined)?;
-        let x = (self.block).forward(&x, eps, &lm.rope, (segments, &[]), None)?;
-        Ok(rms_norm(&x, &self.post_norm, eps)?)
+        let (x, out) = (self.block).forward(&x, None, eps, &lm.rope, (segments, &[]), None)?;
+        Ok(rms_norm(&(x + out)?, &self.post_norm, eps)?)
     }
 
     /// Brings the head of each sequence of `batch` that keeps one up to the pass just run:
