@@ -135,7 +135,7 @@ struct DecodeAttention {
 }
 
 fn int(n: usize) -> Result<i32> {
-    i32::try_from(n).map_err(|_| candle_core::Error::Msg(format!("decode attention: {n}")))
+    crate::cuda_op::int("decode attention", n)
 }
 
 impl DecodeAttention {

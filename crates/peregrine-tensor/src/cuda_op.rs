@@ -18,3 +18,10 @@ macro_rules! cuda_only_op {
     };
 }
 pub(crate) use cuda_only_op;
+
+/// `n` as a kernel's 32-bit argument, or an error naming `op` where it does not fit.
+pub(crate) fn int(op: &str, n: usize) -> candle_core::Result<i32> {
+    i32::try_from(n).map_err(|_| {
+        candle_core::Error::Msg(format!("{op}: {n} does not fit a 32-bit kernel argument"))
+    })
+}

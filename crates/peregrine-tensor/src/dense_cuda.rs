@@ -82,9 +82,7 @@ impl Gemv {
         let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
         // SAFETY: every element is written by the kernel below.
         let y = unsafe { dev.alloc::<T>(self.m * out)? };
-        let int = |n: usize| {
-            i32::try_from(n).map_err(|_| candle_core::Error::Msg(format!("dense-gemv: {n}")))
-        };
+        let int = |n| crate::cuda_op::int("dense-gemv", n);
         let (m, o, i) = (int(self.m)?, int(out)?, int(in_dim)?);
         // A warp per output row, 8 rows a block.
         let cfg = LaunchConfig {

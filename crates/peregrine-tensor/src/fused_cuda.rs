@@ -42,7 +42,7 @@ fn takes(ts: &[&Tensor]) -> bool {
 }
 
 fn int(n: usize) -> Result<i32> {
-    i32::try_from(n).map_err(|_| candle_core::Error::Msg(format!("fused kernel: {n} elements")))
+    crate::cuda_op::int("fused kernel", n)
 }
 
 /// `(x + y, rms_norm(x + y) · w)` over the last dimension in one launch, when `x` and `y` (same

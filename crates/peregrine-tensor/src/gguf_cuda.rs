@@ -31,6 +31,15 @@ const ROW_PADDING: usize = 512;
 /// Bytes of one 8-bit input block of 32 values (candle's `block_q8_1`: two halves, 32 bytes).
 const Q8_1_BYTES: usize = 36;
 
+/// 8-bit input blocks in a quantized row of `k` values (padded to [`ROW_PADDING`]).
+fn q8_row_blocks(k: usize) -> usize {
+    k.div_ceil(ROW_PADDING) * ROW_PADDING / 32
+}
+
+fn int(n: usize) -> Result<i32> {
+    crate::cuda_op::int("gguf matmul", n)
+}
+
 /// Whether [`matmul_group`] runs (on unless `PEREGRINE_CUDA_MMVQ_GROUP=0`, read once): the
 /// 8B Q4_K_M decoded 146.6 → 156.1 tok/s at batch 1 and 8 streams' bench 1,984 → 2,213 on 8
 /// layers (an H100, docs/cuda.md).
@@ -112,12 +121,10 @@ pub(crate) fn matmul_group(ws: &[&QTensor], x: &Tensor) -> Result<Option<Vec<Ten
     let dev = x.device().as_cuda_device()?.clone();
     let stream = dev.cuda_stream();
     let stream_ptr = stream.cu_stream() as *mut std::ffi::c_void;
-    let padded = k.div_ceil(ROW_PADDING) * ROW_PADDING;
-    let int =
-        |n: usize| i32::try_from(n).map_err(|_| candle_core::Error::Msg(format!("mmvq: {n}")));
+    let padded = q8_row_blocks(k) * 32;
     // SAFETY: written by the quantize kernel below before any MMVQ kernel reads it (the
     // padding columns too: it writes zeros there).
-    let scratch = unsafe { dev.alloc::<u8>(rows * padded / 32 * Q8_1_BYTES)? };
+    let scratch = unsafe { dev.alloc::<u8>(rows * q8_row_blocks(k) * Q8_1_BYTES)? };
     let (storage, layout) = x.storage_and_layout();
     let x_ptr = crate::kv_append_cuda::address(&storage, layout, &stream)?;
     let (scratch_ptr, _guard) = scratch.device_ptr(&stream);
@@ -171,12 +178,9 @@ fn mmvq<T: CudaDType + DeviceRepr>(
     (scratch, k, rows): (u64, usize, usize),
 ) -> Result<CudaStorage> {
     let stream = dev.cuda_stream();
-    let int =
-        |n: usize| i32::try_from(n).map_err(|_| candle_core::Error::Msg(format!("mmvq: {n}")));
     // SAFETY: every element is written by the kernel below.
     let y = unsafe { dev.alloc::<T>(rows * out)? };
     let (y_ptr, _guard) = y.device_ptr(&stream);
-    let padded = k.div_ceil(ROW_PADDING) * ROW_PADDING;
     // SAFETY: as candle's MMVQ path calls it: weights of `out` rows of `k` columns, the
     // quantized input's row stride in blocks, the output's row stride in elements.
     unsafe {
@@ -186,7 +190,7 @@ fn mmvq<T: CudaDType + DeviceRepr>(
             y_ptr as *mut std::ffi::c_void,
             int(k)?,
             int(out)?,
-            int(padded / 32)?,
+            int(q8_row_blocks(k))?,
             int(out)?,
             int(rows)?,
             stream.cu_stream() as *mut std::ffi::c_void,
@@ -208,11 +212,10 @@ fn q4k_q8<T: CudaDType + DeviceRepr + candle_core::WithDType>(
         _ => "q4k_q8_gemv_f16",
     };
     let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
-    let int = |n: usize| i32::try_from(n).map_err(|_| candle_core::Error::Msg(format!("q4k: {n}")));
     // SAFETY: every element is written by the kernel below.
     let y = unsafe { dev.alloc::<T>(rows * out)? };
     let (m, o, i) = (int(rows)?, int(out)?, int(k)?);
-    let q8_row = int(k.div_ceil(ROW_PADDING) * ROW_PADDING / 32)?;
+    let q8_row = int(q8_row_blocks(k))?;
     let w_ptr = w.device_ptr()? as u64;
     let cfg = LaunchConfig {
         grid_dim: (out.div_ceil(32) as u32, 1, 1),

@@ -134,8 +134,7 @@ pub(crate) fn decode_rows(
         ]);
     }
     let table = dev.clone_htod(&table)?;
-    let int =
-        |n: usize| i32::try_from(n).map_err(|_| candle_core::Error::Msg(format!("kv append: {n}")));
+    let int = |n| crate::cuda_op::int("kv append", n);
     let (half, interleaved) = turn
         .as_ref()
         .map_or((0, 0), |t| (t.half, i32::from(t.interleaved)));

@@ -79,8 +79,7 @@ fn kernel_name(kind: &str, x: DType, scales: DType) -> Result<String> {
 fn ints<const N: usize>(sizes: [usize; N]) -> Result<[i32; N]> {
     let mut out = [0; N];
     for (o, n) in out.iter_mut().zip(sizes) {
-        *o = i32::try_from(n)
-            .map_err(|_| candle_core::Error::Msg(format!("mlx (cuda): size {n} too large")))?;
+        *o = crate::cuda_op::int("mlx (cuda)", n)?;
     }
     Ok(out)
 }
