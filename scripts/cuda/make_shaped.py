@@ -2,19 +2,26 @@
 """A random-weight checkpoint of a real model's shape, made where it will run (a GPU machine:
 multi-GB weights cannot be carried there), for speed runs.
 
-usage: make_shaped.py OUT [--shape llama-3.1-8b|qwen3-30b-a3b] [--layers N]
+usage: make_shaped.py OUT [--shape llama-3.1-8b|qwen3-30b-a3b] [--layers N] [--vocab N]
 Writes bf16 safetensors (in shards of at most 4 GiB), config.json and a byte-level BPE tokenizer
 of the model's full vocabulary (the 256 bytes, then fillers `w256` ... `wN`), so the output head
-costs what the real one costs.
-Weights: Gaussian, std 0.02 (norm weights 1), drawn on the GPU when there is one. Needs torch
-and safetensors. Convert afterwards with `peregrine quantize` (MLX 4-bit, GGUF blocks).
+costs what the real one costs (`--vocab` cuts it, for runs that measure the layers alone).
+Weights: Gaussian, std 0.02 (norm weights 1), drawn on the GPU when torch and one are there,
+else by numpy (a CPU host without torch: about a minute a billion weights on one core).
+Convert afterwards with `peregrine quantize` (MLX 4-bit, GGUF blocks).
 """
 import argparse
 import json
+import math
+import struct
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
+try:
+    import torch
+    from safetensors.torch import save_file
+except ImportError:
+    torch = None
+    import numpy as np
 
 SHAPES = {
     "llama-3.1-8b": dict(
@@ -93,36 +100,67 @@ def tokenizer(vocab):
                       "ignore_merges": False, "vocab": words, "merges": []}}
 
 
+def gaussian_bf16():
+    """shape -> bf16 weights: torch tensors, or numpy uint16 bit patterns without torch."""
+    if torch:
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        gen = torch.Generator(device=dev).manual_seed(0)
+        return lambda shape: torch.ones(shape, dtype=torch.bfloat16) if len(shape) == 1 else \
+            (torch.randn(shape, generator=gen, device=dev) * 0.02).to(torch.bfloat16).cpu()
+    rng = np.random.default_rng(0)
+
+    def draw(shape):
+        if len(shape) == 1:
+            return np.full(shape, 0x3F80, np.uint16)  # bf16 1.0
+        bits = (rng.standard_normal(shape, np.float32) * np.float32(0.02)).view(np.uint32)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # round to even
+    return draw
+
+
+def save_bf16(shard, path):
+    """safetensors of numpy bf16 bit patterns (the format: a JSON header, then the bytes)."""
+    header, at = {"__metadata__": {"format": "pt"}}, 0
+    for name, t in shard.items():
+        header[name] = {"dtype": "BF16", "shape": list(t.shape), "data_offsets": [at, at + t.nbytes]}
+        at += t.nbytes
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        for t in shard.values():
+            f.write(t.tobytes())
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--shape", choices=SHAPES, default="llama-3.1-8b")
     ap.add_argument("--layers", type=int, help="fewer layers than the model's (a quicker run)")
+    ap.add_argument("--vocab", type=int, help="a smaller vocabulary than the model's")
     a = ap.parse_args()
-    v = SHAPES[a.shape]["vocab_size"]
-    c = dict(SHAPES[a.shape], torch_dtype="bfloat16", bos_token_id=v - 2, eos_token_id=v - 1)
+    v = a.vocab or SHAPES[a.shape]["vocab_size"]
+    c = dict(SHAPES[a.shape], torch_dtype="bfloat16", vocab_size=v, bos_token_id=v - 2,
+             eos_token_id=v - 1)
     if a.layers:
         c["num_hidden_layers"] = a.layers
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator(device=dev).manual_seed(0)
+    draw = gaussian_bf16()
     shard, size, index, n = {}, 0, {}, 0
 
     def flush():
         nonlocal shard, size, n
         name = f"model-{n:05d}.safetensors"
-        save_file(shard, str(out / name), metadata={"format": "pt"})
+        if torch:
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+        else:
+            save_bf16(shard, out / name)
         index.update({k: name for k in shard})
         shard, size, n = {}, 0, n + 1
 
     for name, shape in tensors(c):
-        if len(shape) == 1:
-            t = torch.ones(shape, dtype=torch.bfloat16)
-        else:
-            t = (torch.randn(shape, generator=gen, device=dev) * 0.02).to(torch.bfloat16).cpu()
-        shard[name] = t
-        size += t.numel() * 2
+        shard[name] = draw(shape)
+        size += 2 * math.prod(shape)
         if size >= 4 << 30:
             flush()
     if shard:
