@@ -29,6 +29,7 @@ fn main() {
         "attn_decode",
         "kv_append",
         "gguf_gemv",
+        "moe_gemv",
     ];
     for name in kernels {
         let src = Path::new("cuda").join(format!("{name}.cu"));

@@ -26,6 +26,11 @@ pub trait ExpertStore<E>: Send + Sync {
     fn speculates(&self) -> bool {
         false
     }
+    /// Every expert, where all of them are held in memory (the resident store); `None` for a
+    /// store that reads them on use.
+    fn all(&self) -> Option<&[Arc<E>]> {
+        None
+    }
     /// Bytes of expert weights held in memory.
     fn weight_bytes(&self) -> usize;
     /// After a pass computed with experts from [`expert`](Self::expert): an error if their
@@ -59,6 +64,10 @@ impl<E: Send + Sync> ExpertStore<E> for ResidentExperts<E> {
 
     fn expert(&self, id: usize) -> std::io::Result<Arc<E>> {
         Ok(self.experts[id].clone())
+    }
+
+    fn all(&self) -> Option<&[Arc<E>]> {
+        Some(&self.experts)
     }
 
     fn weight_bytes(&self) -> usize {

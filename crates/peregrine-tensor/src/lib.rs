@@ -25,6 +25,9 @@ mod gguf_cuda;
 mod kv_append_cuda;
 pub mod linear;
 pub mod mlx;
+pub mod moe;
+#[cfg(feature = "cuda")]
+mod moe_cuda;
 pub mod ops;
 pub mod quant;
 pub mod rope;

@@ -60,6 +60,15 @@ impl GatedMlp {
         }
     }
 
+    /// `[gate, up, down]` when the activation is SiLU (what GPU expert tables take).
+    pub fn silu_parts(&self) -> Option<[&QLinear; 3]> {
+        (self.activation == Activation::Silu).then_some([
+            &self.gate_proj,
+            &self.up_proj,
+            &self.down_proj,
+        ])
+    }
+
     /// `x: [.., hidden]` → `[.., hidden]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let [gate, up]: [Tensor; 2] = QLinear::forward_group(&[&self.gate_proj, &self.up_proj], x)?

@@ -6,12 +6,13 @@
 //! (never a loop over tokens × experts); the decode step routes one token over buffers it
 //! reuses and allocates nothing.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use peregrine_moe::{
     ExpertCheck, ExpertReader, ExpertStore, ResidentExperts, Router, Scoring, StreamedExperts,
     tokens_by_expert,
 };
+use peregrine_tensor::moe::ExpertTables;
 use peregrine_tensor::ops::{rms_norm, sigmoid};
 use peregrine_tensor::{DType, QLinear, Tensor};
 
@@ -109,6 +110,8 @@ pub struct MoeBlock {
     /// RMSNorm weight of the experts' input (Gemma 4's `pre_feedforward_layernorm_2`).
     input_norm: Option<Tensor>,
     eps: f32,
+    /// The experts' GPU tables, made on the first pass that can use them (`None`: they cannot).
+    tables: OnceLock<Option<ExpertTables>>,
 }
 
 /// HF names of one MoE layer's tensors: the block's prefix, its router's name and the
@@ -281,6 +284,7 @@ impl MoeBlock {
             router_norm: None,
             input_norm: None,
             eps: c.rms_norm_eps as f32,
+            tables: OnceLock::new(),
         })
     }
 
@@ -307,6 +311,7 @@ impl MoeBlock {
             router_norm: Some((router_norm * (h as f64).powf(-0.5))?),
             input_norm: Some(norm_weight(c, w, &input_norm, h)?),
             eps: c.rms_norm_eps as f32,
+            tables: OnceLock::new(),
         })
     }
 
@@ -353,22 +358,10 @@ impl MoeBlock {
             Some(w) => rms_norm(&flat, w, self.eps)?,
             None => flat,
         };
-        let (experts, k) = (self.experts.len(), self.router.top_k);
-        let groups = tokens_by_expert(experts, k, &ids, &weights);
-        let hit: Vec<usize> = (0..experts).filter(|&e| !groups[e].0.is_empty()).collect();
-        self.experts.prefetch(&hit);
-        let mut out = flat.zeros_like()?;
-        for e in hit {
-            let (tokens, weights) = &groups[e];
-            let idx = Tensor::new(tokens.as_slice(), x.device())?;
-            let expert = self.experts.expert(e).map_err(expert_err(e))?;
-            let y = expert.forward(&flat.index_select(&idx, 0)?)?; // [m, hidden]
-            let w = Tensor::new(weights.as_slice(), x.device())?
-                .to_dtype(y.dtype())?
-                .unsqueeze(1)?;
-            out = out.index_add(&idx, &y.broadcast_mul(&w)?, 0)?;
-        }
-        self.experts.verify().map_err(experts_err)?;
+        let mut out = match self.tables(&flat)? {
+            Some(tables) => tables.forward(&flat, &ids, &weights)?,
+            None => self.routed(&flat, &ids, &weights)?,
+        };
         if let Some(shared) = &self.shared {
             let mut y = shared.forward(&flat)?;
             if let Some(gate) = &self.shared_gate {
@@ -378,6 +371,53 @@ impl MoeBlock {
             out = (out + y)?;
         }
         Ok(out.reshape((b, n, h))?)
+    }
+
+    /// The routed experts' weighted sum for `flat` `[rows, hidden]`: each chosen expert run
+    /// once over the rows sent to it.
+    fn routed(&self, flat: &Tensor, ids: &[usize], weights: &[f32]) -> Result<Tensor> {
+        let (experts, k) = (self.experts.len(), self.router.top_k);
+        let groups = tokens_by_expert(experts, k, ids, weights);
+        let hit: Vec<usize> = (0..experts).filter(|&e| !groups[e].0.is_empty()).collect();
+        self.experts.prefetch(&hit);
+        let mut out = flat.zeros_like()?;
+        for e in hit {
+            let (tokens, weights) = &groups[e];
+            let idx = Tensor::new(tokens.as_slice(), flat.device())?;
+            let expert = self.experts.expert(e).map_err(expert_err(e))?;
+            let y = expert.forward(&flat.index_select(&idx, 0)?)?; // [m, hidden]
+            let w = Tensor::new(weights.as_slice(), flat.device())?
+                .to_dtype(y.dtype())?
+                .unsqueeze(1)?;
+            out = out.index_add(&idx, &y.broadcast_mul(&w)?, 0)?;
+        }
+        self.experts.verify().map_err(experts_err)?;
+        Ok(out)
+    }
+
+    /// The experts' GPU tables when they take `flat` (a few bf16/f16 rows on a CUDA device,
+    /// every expert resident in a format the tables take; `PEREGRINE_CUDA_MOE_TABLES=0`: never),
+    /// made on first use.
+    fn tables(&self, flat: &Tensor) -> Result<Option<&ExpertTables>> {
+        let rows = flat.dims().first().copied().unwrap_or(0);
+        let applies = flat.device().is_cuda()
+            && matches!(flat.dtype(), DType::BF16 | DType::F16)
+            && (1..=ExpertTables::MAX_TOKENS).contains(&rows)
+            && flat.is_contiguous()
+            && tables_enabled();
+        if !applies {
+            return Ok(None);
+        }
+        if let Some(tables) = self.tables.get() {
+            return Ok(tables.as_ref());
+        }
+        let parts: Option<Vec<[&QLinear; 3]>> =
+            (self.experts.all()).and_then(|all| all.iter().map(|e| e.silu_parts()).collect());
+        let made = match parts {
+            Some(parts) => ExpertTables::new(&parts)?,
+            None => None,
+        };
+        Ok(self.tables.get_or_init(|| made).as_ref())
     }
 
     /// [`forward`](Self::forward) for one token over a decode step's buffers: reads
@@ -448,6 +488,13 @@ impl MoeBlock {
             + self.shared_gate.as_ref().map_or(0, QLinear::weight_bytes);
         self.gate.weight_bytes() + self.experts.weight_bytes() + shared
     }
+}
+
+/// Whether MoE layers on a GPU take their experts' tables (on unless
+/// `PEREGRINE_CUDA_MOE_TABLES=0`, read once).
+fn tables_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("PEREGRINE_CUDA_MOE_TABLES").map_or(true, |v| v != "0"))
 }
 
 /// The routed experts' bytes were lost while they were used (see [`ExpertStore::verify`]).

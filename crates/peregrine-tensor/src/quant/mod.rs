@@ -220,6 +220,15 @@ impl GgufMatrix {
         matches!(self.storage, Layout::Shared(_))
     }
 
+    /// candle's tensor of the blocks in the file's row layout, where they are held so (a GPU's
+    /// matrices, or a CPU without the x86 kernels).
+    pub fn rows_qtensor(&self) -> Option<&Arc<QTensor>> {
+        match &self.storage {
+            Layout::Rows { qtensor, .. } => Some(qtensor),
+            _ => None,
+        }
+    }
+
     /// Whether the rows are interleaved 8 at a time for the x86 kernels.
     pub fn is_interleaved(&self) -> bool {
         matches!(self.storage, Layout::Interleaved(_))

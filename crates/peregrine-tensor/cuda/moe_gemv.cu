@@ -1,0 +1,1 @@
+../../../kernels/cuda/moe_gemv.cu

@@ -1,0 +1,164 @@
+// A MoE layer's routed experts for a few tokens (decode) in two launches, GGUF Q4_K / Q6_K
+// weights read where they lie (each expert's matrices at its own address, from a table).
+// Slot s = t * k + j is token t's j-th choice: expert ids[s] (outside 0..experts: unused).
+// moe_gate_up: h[s][r] = silu(gate_e[r] . x_t) * (up_e[r] . x_t), a warp per r.
+// moe_down: y[t][c] = sum over j of w[t * k + j] * (down_e[c] . h[t * k + j]), a warp per c,
+// the choices summed in their order (no atomics: the same bits every run).
+// Each lane takes 8 of a 256-weight super-block's weights, inputs in f32.
+// Q4_K block (144 bytes): f16 d, f16 dmin, 12 bytes of 6-bit scales and mins of eight
+// sub-blocks of 32, then 128 code bytes: bytes 32p..32p+31 hold weights 64p..64p+31 in their low
+// nibbles (sub-block 2p) and 64p+32..64p+63 in their high ones; w = d*sc*q - dmin*m.
+// Q6_K block (210 bytes): ql[128], qh[64], 16 int8 scales of sub-blocks of 16, f16 d; each
+// half n of 128 weights: w[l + 32i] = d * sc[l/16 + 2i] * (q - 32), q of 6 bits (llama.cpp's
+// dequantize_row_q6_K). Reference: the dequantized experts' f32 products (tests/moe_cuda.rs).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#define Q4K 0
+#define Q6K 1
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+__device__ __forceinline__ void put(__nv_bfloat16* y, float v) { *y = __float2bfloat16(v); }
+__device__ __forceinline__ void put(__half* y, float v) { *y = __float2half(v); }
+
+__device__ __forceinline__ float warp_sum(float s) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    return s;
+}
+
+// Sub-block j's 6-bit scale and min (llama.cpp's get_scale_min_k4).
+__device__ __forceinline__ void scale_min(int j, const uint8_t* q, int* sc, int* m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// This lane's 8 weights of a Q4_K super-block times their inputs x[0..256).
+template <typename In>
+__device__ __forceinline__ float q4k_lane(const uint8_t* blk, const In* x, int lane) {
+    const int p = lane >> 3, c = (lane & 7) << 2;
+    const float d = __half2float(*reinterpret_cast<const __half*>(blk));
+    const float dmin = __half2float(*reinterpret_cast<const __half*>(blk + 2));
+    int sc0, m0, sc1, m1;
+    scale_min(2 * p, blk + 4, &sc0, &m0);
+    scale_min(2 * p + 1, blk + 4, &sc1, &m1);
+    const uint32_t q = __ldg(reinterpret_cast<const uint32_t*>(blk + 16 + 32 * p + c));
+    const In* x0 = x + 64 * p + c;
+    float dot0 = 0.f, dot1 = 0.f, sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float a = to_f(x0[i]), b = to_f(x0[32 + i]);
+        dot0 += static_cast<float>((q >> (8 * i)) & 0xF) * a;
+        dot1 += static_cast<float>((q >> (8 * i + 4)) & 0xF) * b;
+        sum0 += a;
+        sum1 += b;
+    }
+    return d * (sc0 * dot0 + sc1 * dot1) - dmin * (m0 * sum0 + m1 * sum1);
+}
+
+// This lane's 8 weights of a Q6_K super-block times their inputs x[0..256).
+template <typename In>
+__device__ __forceinline__ float q6k_lane(const uint8_t* blk, const In* x, int lane) {
+    const int n = lane >> 4, l = (lane & 15) << 1;
+    const uint8_t* ql = blk + 64 * n;
+    const uint8_t* qh = blk + 128 + 32 * n;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192) + 8 * n + (l >> 4);
+    const In* xs = x + 128 * n;
+    float a[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        const int L = l + u, h = qh[L], lo = ql[L], hi = ql[L + 32];
+        a[0] += static_cast<float>(((lo & 0xF) | ((h & 3) << 4)) - 32) * to_f(xs[L]);
+        a[1] += static_cast<float>(((hi & 0xF) | (((h >> 2) & 3) << 4)) - 32) * to_f(xs[L + 32]);
+        a[2] += static_cast<float>(((lo >> 4) | (((h >> 4) & 3) << 4)) - 32) * to_f(xs[L + 64]);
+        a[3] += static_cast<float>(((hi >> 4) | (((h >> 6) & 3) << 4)) - 32) * to_f(xs[L + 96]);
+    }
+    const float d = __half2float(*reinterpret_cast<const __half*>(blk + 208));
+    return d * (sc[0] * a[0] + sc[2] * a[1] + sc[4] * a[2] + sc[6] * a[3]);
+}
+
+template <int F>
+__device__ __forceinline__ int block_bytes() { return F == Q4K ? 144 : 210; }
+
+// This lane's share of row `row` (blocks super-blocks) times x.
+template <int F, typename In>
+__device__ __forceinline__ float row_lane(const uint8_t* row, const In* x, int blocks, int lane) {
+    float s = 0.f;
+    for (int b = 0; b < blocks; ++b) {
+        const uint8_t* blk = row + b * block_bytes<F>();
+        s += F == Q4K ? q4k_lane(blk, x + 256 * b, lane) : q6k_lane(blk, x + 256 * b, lane);
+    }
+    return s;
+}
+
+// Grid (inter / warps a block, slots); `inter` and `hidden` multiples of 256.
+template <int F, typename T>
+__device__ void moe_gate_up(const uint64_t* gates, const uint64_t* ups, const int* ids,
+                            const T* x, float* h, int experts, int k, int inter, int hidden) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int s = blockIdx.y;
+    if (r >= inter) return;
+    const int e = ids[s];
+    float* out = h + (size_t)s * inter + r;
+    if (e < 0 || e >= experts) {
+        if (lane == 0) *out = 0.f;
+        return;
+    }
+    const int blocks = hidden >> 8;
+    const size_t at = (size_t)r * blocks * block_bytes<F>();
+    const T* xt = x + (size_t)(s / k) * hidden;
+    const float g = warp_sum(row_lane<F>(reinterpret_cast<const uint8_t*>(gates[e]) + at, xt, blocks, lane));
+    const float u = warp_sum(row_lane<F>(reinterpret_cast<const uint8_t*>(ups[e]) + at, xt, blocks, lane));
+    if (lane == 0) *out = g / (1.f + __expf(-g)) * u;
+}
+
+// Grid (hidden / warps a block, tokens).
+template <int F, typename T>
+__device__ void moe_down(const uint64_t* downs, const int* ids, const float* weights,
+                         const float* h, T* y, int experts, int k, int inter, int hidden) {
+    const int lane = threadIdx.x & 31;
+    const int c = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int t = blockIdx.y;
+    if (c >= hidden) return;
+    const int blocks = inter >> 8;
+    const size_t at = (size_t)c * blocks * block_bytes<F>();
+    float acc = 0.f;
+    for (int j = 0; j < k; ++j) {
+        const int s = t * k + j, e = ids[s];
+        if (e < 0 || e >= experts) continue;
+        const uint8_t* row = reinterpret_cast<const uint8_t*>(downs[e]) + at;
+        acc += weights[s] * warp_sum(row_lane<F>(row, h + (size_t)s * inter, blocks, lane));
+    }
+    if (lane == 0) put(y + (size_t)t * hidden + c, acc);
+}
+
+#define GATE_UP(name, F, T)                                                                      \
+    extern "C" __global__ void name(const uint64_t* gates, const uint64_t* ups, const int* ids,  \
+                                    const T* x, float* h, int experts, int k, int inter,         \
+                                    int hidden) {                                                \
+        moe_gate_up<F, T>(gates, ups, ids, x, h, experts, k, inter, hidden);                     \
+    }
+#define DOWN(name, F, T)                                                                         \
+    extern "C" __global__ void name(const uint64_t* downs, const int* ids, const float* weights, \
+                                    const float* h, T* y, int experts, int k, int inter,         \
+                                    int hidden) {                                                \
+        moe_down<F, T>(downs, ids, weights, h, y, experts, k, inter, hidden);                    \
+    }
+
+GATE_UP(moe_gate_up_q4k_bf16, Q4K, __nv_bfloat16)
+GATE_UP(moe_gate_up_q4k_f16, Q4K, __half)
+GATE_UP(moe_gate_up_q6k_bf16, Q6K, __nv_bfloat16)
+GATE_UP(moe_gate_up_q6k_f16, Q6K, __half)
+DOWN(moe_down_q4k_bf16, Q4K, __nv_bfloat16)
+DOWN(moe_down_q4k_f16, Q4K, __half)
+DOWN(moe_down_q6k_bf16, Q6K, __nv_bfloat16)
+DOWN(moe_down_q6k_f16, Q6K, __half)
