@@ -162,3 +162,69 @@ DOWN(moe_down_q4k_bf16, Q4K, __nv_bfloat16)
 DOWN(moe_down_q4k_f16, Q4K, __half)
 DOWN(moe_down_q6k_bf16, Q6K, __nv_bfloat16)
 DOWN(moe_down_q6k_f16, Q6K, __half)
+
+// The routing of moe_gate_up / moe_down made where the router's logits are (Mixtral's and
+// Qwen-MoE's): per token, softmax over the experts, the k largest scores (the first index of
+// equal ones, as the host router), renormalised to sum to 1 when `normalize`, times `scale`.
+// Writes ids[t * k + j] and, as float bits, weights at ids + slots. A warp per token; at most
+// 32 * ROUTE_PER_LANE experts.
+#define ROUTE_PER_LANE 16
+extern "C" __global__ void moe_route(const float* __restrict__ logits, int* __restrict__ ids,
+                                     int experts, int k, int slots, int normalize, float scale) {
+    const int t = blockIdx.x, lane = threadIdx.x;
+    const float* row = logits + (size_t)t * experts;
+    float p[ROUTE_PER_LANE];
+    float max = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < ROUTE_PER_LANE; ++j) {
+        const int e = lane + 32 * j;
+        p[j] = e < experts ? row[e] : -INFINITY;
+        max = fmaxf(max, p[j]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) max = fmaxf(max, __shfl_xor_sync(0xffffffffu, max, o));
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < ROUTE_PER_LANE; ++j) {
+        p[j] = lane + 32 * j < experts ? expf(p[j] - max) : 0.f;
+        sum += p[j];
+    }
+    sum = warp_sum(sum);
+    float taken[ROUTE_PER_LANE];
+#pragma unroll
+    for (int j = 0; j < ROUTE_PER_LANE; ++j) {
+        p[j] /= sum;
+        taken[j] = lane + 32 * j < experts ? p[j] : -INFINITY;
+    }
+    float* weights = reinterpret_cast<float*>(ids + slots);
+    float chosen = 0.f;
+    for (int i = 0; i < k; ++i) {
+        float best = -INFINITY;
+        int at = experts;
+#pragma unroll
+        for (int j = 0; j < ROUTE_PER_LANE; ++j) {
+            if (taken[j] > best) best = taken[j], at = lane + 32 * j;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float b = __shfl_xor_sync(0xffffffffu, best, o);
+            const int a = __shfl_xor_sync(0xffffffffu, at, o);
+            if (b > best || (b == best && a < at)) best = b, at = a;
+        }
+#pragma unroll
+        for (int j = 0; j < ROUTE_PER_LANE; ++j) {
+            if (lane + 32 * j == at) taken[j] = -INFINITY;
+        }
+        chosen += best;
+        if (lane == 0) {
+            ids[t * k + i] = at;
+            weights[t * k + i] = best;
+        }
+    }
+    if (lane == 0) {
+        for (int i = 0; i < k; ++i) {
+            const float w = weights[t * k + i];
+            weights[t * k + i] = (normalize ? w / chosen : w) * scale;
+        }
+    }
+}

@@ -44,4 +44,24 @@ impl ExpertTables {
             candle_core::bail!("expert tables: built without the cuda feature")
         }
     }
+
+    /// [`forward`](Self::forward) routed on the device from the router's `logits` `[n,
+    /// experts]`, as Mixtral and Qwen-MoE route: softmax over the experts, the `k` best (the
+    /// first of equal scores), renormalised to sum to 1 when `normalize`, times `scale`; no
+    /// upload and no wait for the host.
+    pub fn forward_routed(
+        &self,
+        x: &Tensor,
+        logits: &Tensor,
+        k: usize,
+        (normalize, scale): (bool, f32),
+    ) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        return self.inner.forward_routed(x, logits, k, (normalize, scale));
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (x, logits, k, normalize, scale);
+            candle_core::bail!("expert tables: built without the cuda feature")
+        }
+    }
 }

@@ -106,19 +106,85 @@ impl Tables {
     }
 
     pub(crate) fn forward(&self, x: &Tensor, ids: &[usize], weights: &[f32]) -> Result<Tensor> {
-        let (n, hidden) = x.dims2()?;
-        if hidden != self.dims.2 || !x.is_contiguous() || !x.device().same_device(&self.device()) {
-            bail!(
-                "moe gemv: input {:?} for experts of width {hidden}",
-                x.shape()
-            );
-        }
-        if n == 0 || ids.len() != weights.len() || !ids.len().is_multiple_of(n) {
+        let n = self.check(x)?;
+        if ids.len() != weights.len() || !ids.len().is_multiple_of(n) {
             bail!("moe gemv: {} choices for {n} tokens", ids.len());
         }
+        // The routing in one upload: the ids (-1: unused), then the weights' bits.
+        let routing: Vec<i32> = (ids.iter().map(|&e| i32::try_from(e).unwrap_or(-1)))
+            .chain(weights.iter().map(|w| w.to_bits() as i32))
+            .collect();
+        let routing = self.dev.clone_htod(&routing)?;
+        self.launch(x, &routing, ids.len() / n)
+    }
+
+    pub(crate) fn forward_routed(
+        &self,
+        x: &Tensor,
+        logits: &Tensor,
+        k: usize,
+        (normalize, scale): (bool, f32),
+    ) -> Result<Tensor> {
+        let n = self.check(x)?;
+        let experts = self.dims.0;
+        if logits.dims2()? != (n, experts) || !(1..=experts).contains(&k) || experts > 32 * 16 {
+            bail!(
+                "moe route: logits {:?}, {k} of {experts} experts",
+                logits.shape()
+            );
+        }
+        let logits = logits.to_dtype(DType::F32)?.contiguous()?;
+        // SAFETY: every element is written by the routing kernel below.
+        let routing = unsafe { self.dev.alloc::<i32>(2 * n * k)? };
+        let stream = self.dev.cuda_stream();
+        let (storage, layout) = logits.storage_and_layout();
+        let logits_ptr = crate::kv_append_cuda::address(&storage, layout, &stream)?;
+        let func = self.dev.get_or_load_custom_func("moe_route", MODULE, PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (e, kk, slots, norm) = (int(experts)?, int(k)?, int(n * k)?, i32::from(normalize));
+        let mut launch = func.builder();
+        launch
+            .arg(&logits_ptr)
+            .arg(&routing)
+            .arg(&e)
+            .arg(&kk)
+            .arg(&slots)
+            .arg(&norm)
+            .arg(&scale);
+        // SAFETY: the kernel's arguments in its order and types: `n` rows of `experts` f32
+        // logits, a routing buffer of `2 n k` words.
+        unsafe { launch.launch(cfg) }.w()?;
+        drop(storage);
+        self.launch(x, &routing, k)
+    }
+
+    /// Rows of `x`, checked to fit the tables.
+    fn check(&self, x: &Tensor) -> Result<usize> {
+        let (n, hidden) = x.dims2()?;
+        if n == 0
+            || hidden != self.dims.2
+            || !x.is_contiguous()
+            || !x.device().same_device(&self.device())
+        {
+            bail!(
+                "moe gemv: input {:?} for experts of width {}",
+                x.shape(),
+                self.dims.2
+            );
+        }
+        Ok(n)
+    }
+
+    /// The two expert launches over `routing` (`n k` ids, then their weights' bits).
+    fn launch(&self, x: &Tensor, routing: &CudaSlice<i32>, k: usize) -> Result<Tensor> {
+        let (n, hidden) = x.dims2()?;
         let y = match x.dtype() {
-            DType::BF16 => self.run::<bf16>(x, ids, weights)?,
-            DType::F16 => self.run::<f16>(x, ids, weights)?,
+            DType::BF16 => self.run::<bf16>(x, routing, k)?,
+            DType::F16 => self.run::<f16>(x, routing, k)?,
             other => bail!("moe gemv: {other:?} input"),
         };
         let none = candle_core::op::BackpropOp::none();
@@ -137,22 +203,16 @@ impl Tables {
     fn run<T: CudaDType + DeviceRepr + candle_core::WithDType>(
         &self,
         x: &Tensor,
-        ids: &[usize],
-        weights: &[f32],
+        routing: &CudaSlice<i32>,
+        k: usize,
     ) -> Result<CudaStorage> {
         let (experts, inter, hidden) = self.dims;
         let n = x.dims2()?.0;
-        let slots = ids.len();
-        let k = slots / n;
+        let slots = n * k;
         let suffix = match T::DTYPE {
             DType::BF16 => "bf16",
             _ => "f16",
         };
-        // The routing in one upload: the ids (-1: unused), then the weights' bits.
-        let routing: Vec<i32> = (ids.iter().map(|&e| i32::try_from(e).unwrap_or(-1)))
-            .chain(weights.iter().map(|w| w.to_bits() as i32))
-            .collect();
-        let routing = self.dev.clone_htod(&routing)?;
         let stream = self.dev.cuda_stream();
         let (ids_ptr, _g) = routing.device_ptr(&stream);
         let weights_ptr = ids_ptr + 4 * slots as u64;

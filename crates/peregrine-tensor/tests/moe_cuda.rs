@@ -144,3 +144,76 @@ fn expert_tables_match_the_f32_experts() {
     .unwrap();
     assert!(ExpertTables::new(&[[&cpu, &cpu, &cpu]]).unwrap().is_none());
 }
+
+/// The host router's choice for one token (`peregrine-moe`'s `Router::softmax`): softmax, the
+/// `k` best (the first of equal scores), renormalised when `normalize`, times `scale`.
+fn host_route(logits: &[f32], k: usize, normalize: bool, scale: f32) -> (Vec<usize>, Vec<f32>) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exp: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
+    let sum: f32 = exp.iter().sum();
+    let mut p: Vec<f32> = exp.iter().map(|e| e / sum).collect();
+    let (mut ids, mut weights) = (vec![], vec![]);
+    for _ in 0..k {
+        let best = (0..p.len()).fold(0, |b, i| if p[i] > p[b] { i } else { b });
+        ids.push(best);
+        weights.push(p[best]);
+        p[best] = f32::NEG_INFINITY;
+    }
+    let total: f32 = weights.iter().sum();
+    let weights = weights
+        .iter()
+        .map(|w| if normalize { w / total } else { *w } * scale)
+        .collect();
+    (ids, weights)
+}
+
+/// Routing on the device (`forward_routed`) chooses the host router's experts with its weights
+/// (to an f32 rounding): its output equals `forward` over the host's choice within one
+/// rounding step of the output dtype.
+#[test]
+fn routing_on_the_device_matches_the_host_router() {
+    let gpu = Device::new_cuda(0).expect("these tests need a CUDA GPU");
+    let (experts, inter, hidden) = (40, 256, 256);
+    let mats: Vec<[QLinear; 3]> = (0..experts)
+        .map(|e| {
+            let s = 3.0 * e as f32 + 0.125;
+            [
+                matrix(&gpu, (inter, hidden), GgmlDType::Q4K, s).0,
+                matrix(&gpu, (inter, hidden), GgmlDType::Q4K, s + 1.0).0,
+                matrix(&gpu, (hidden, inter), GgmlDType::Q6K, s + 2.0).0,
+            ]
+        })
+        .collect();
+    let parts: Vec<[&QLinear; 3]> = mats.iter().map(|m| [&m[0], &m[1], &m[2]]).collect();
+    let tables = ExpertTables::new(&parts).unwrap().unwrap();
+    for (n, k, normalize, scale) in [(1, 8, true, 1.0), (5, 3, false, 2.5), (8, 1, true, 1.0)] {
+        let x = ramp(&[n, hidden], 7.0 + n as f32, DType::BF16)
+            .to_device(&gpu)
+            .unwrap();
+        let logits = (ramp(&[n, experts], k as f32, DType::F32) * 4.0).unwrap();
+        let host = flat(&logits.to_dtype(DType::BF16).unwrap());
+        let (mut ids, mut weights) = (vec![], vec![]);
+        for row in host.chunks(experts) {
+            let (i, w) = host_route(row, k, normalize, scale);
+            ids.extend(i);
+            weights.extend(w);
+        }
+        let logits = logits
+            .to_dtype(DType::BF16)
+            .unwrap()
+            .to_device(&gpu)
+            .unwrap();
+        let got = flat(
+            &tables
+                .forward_routed(&x, &logits, k, (normalize, scale))
+                .unwrap(),
+        );
+        let want = flat(&tables.forward(&x, &ids, &weights).unwrap());
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g - w).abs() <= w.abs() / 128.0 + 1e-6,
+                "{n} tokens, top {k}: output {i}: {g} routed on the device, {w} by the host"
+            );
+        }
+    }
+}

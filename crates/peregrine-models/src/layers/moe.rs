@@ -353,14 +353,24 @@ impl MoeBlock {
     pub fn forward(&self, x: &Tensor, limits: &[usize]) -> Result<Tensor> {
         let (b, n, h) = x.dims3()?;
         let flat = x.reshape((b * n, h))?;
-        let (ids, weights) = self.route_rows(&flat, limits)?;
-        let flat = match &self.input_norm {
-            Some(w) => rms_norm(&flat, w, self.eps)?,
-            None => flat,
-        };
-        let mut out = match self.tables(&flat)? {
-            Some(tables) => tables.forward(&flat, &ids, &weights)?,
-            None => self.routed(&flat, &ids, &weights)?,
+        let (flat, mut out) = match self.tables(&flat)? {
+            Some(tables) if self.routes_on_device(limits) => {
+                let (logits, r) = (self.gate.forward(&flat)?, &self.router);
+                let out = tables.forward_routed(&flat, &logits, r.top_k, (r.normalize, r.scale))?;
+                (flat, out)
+            }
+            _ => {
+                let (ids, weights) = self.route_rows(&flat, limits)?;
+                let flat = match &self.input_norm {
+                    Some(w) => rms_norm(&flat, w, self.eps)?,
+                    None => flat,
+                };
+                let out = match self.tables(&flat)? {
+                    Some(tables) => tables.forward(&flat, &ids, &weights)?,
+                    None => self.routed(&flat, &ids, &weights)?,
+                };
+                (flat, out)
+            }
         };
         if let Some(shared) = &self.shared {
             let mut y = shared.forward(&flat)?;
@@ -395,6 +405,21 @@ impl MoeBlock {
         Ok(out)
     }
 
+    /// Whether the expert tables route a pass themselves: softmax top-k routing of the
+    /// block's input as it is (Mixtral, Qwen-MoE), every row to the model's number of experts,
+    /// and `PEREGRINE_CUDA_MOE_ROUTE=1` (off by default until its test has run on a GPU).
+    fn routes_on_device(&self, limits: &[usize]) -> bool {
+        let r = &self.router;
+        r.scoring == Scoring::Softmax
+            && r.choice_bias.is_none()
+            && r.groups.is_none()
+            && r.expert_scale.is_none()
+            && self.router_norm.is_none()
+            && self.input_norm.is_none()
+            && limits.iter().all(|&l| l >= r.top_k)
+            && switch("PEREGRINE_CUDA_MOE_ROUTE", false)
+    }
+
     /// The experts' GPU tables when they take `flat` (a few bf16/f16 rows on a CUDA device,
     /// every expert resident in a format the tables take; `PEREGRINE_CUDA_MOE_TABLES=0`: never),
     /// made on first use.
@@ -404,7 +429,7 @@ impl MoeBlock {
             && matches!(flat.dtype(), DType::BF16 | DType::F16)
             && (1..=ExpertTables::MAX_TOKENS).contains(&rows)
             && flat.is_contiguous()
-            && tables_enabled();
+            && switch("PEREGRINE_CUDA_MOE_TABLES", true);
         if !applies {
             return Ok(None);
         }
@@ -490,11 +515,15 @@ impl MoeBlock {
     }
 }
 
-/// Whether MoE layers on a GPU take their experts' tables (on unless
-/// `PEREGRINE_CUDA_MOE_TABLES=0`, read once).
-fn tables_enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("PEREGRINE_CUDA_MOE_TABLES").map_or(true, |v| v != "0"))
+/// Whether a GPU switch of the MoE block is on: `default` unless its variable `name` is set
+/// (`0`: off, anything else: on; each read once).
+fn switch(name: &'static str, default: bool) -> bool {
+    static READ: OnceLock<[(&str, Option<bool>); 2]> = OnceLock::new();
+    let set = |n: &str| std::env::var(n).ok().map(|v| v != "0");
+    let names = ["PEREGRINE_CUDA_MOE_TABLES", "PEREGRINE_CUDA_MOE_ROUTE"];
+    let read = READ.get_or_init(|| names.map(|n| (n, set(n))));
+    let found = read.iter().find(|(n, _)| *n == name);
+    found.and_then(|&(_, v)| v).unwrap_or(default)
 }
 
 /// The routed experts' bytes were lost while they were used (see [`ExpertStore::verify`]).
