@@ -228,3 +228,170 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int* __re
         }
     }
 }
+
+// A prompt's tokens (more than a few), grouped by expert so that each expert's rows are read
+// once for all the tokens sent to it. `routing` (i32 words): offsets[experts + 1] of each
+// expert's run of positions, tokens[slots] (the token at each position), pos[slots] (the
+// position of slot t * k + j, -1: unused), weights[slots] (f32 bits, by slot).
+#define TILE 4
+
+// This lane's 8 weights of super-block `blk` and their indices within it.
+template <int F>
+__device__ __forceinline__ void lane_weights(const uint8_t* blk, int lane, float* w, int* at) {
+    if (F == Q4K) {
+        const int p = lane >> 3, c = (lane & 7) << 2;
+        const float d = __half2float(*reinterpret_cast<const __half*>(blk));
+        const float dmin = __half2float(*reinterpret_cast<const __half*>(blk + 2));
+        int sc0, m0, sc1, m1;
+        scale_min(2 * p, blk + 4, &sc0, &m0);
+        scale_min(2 * p + 1, blk + 4, &sc1, &m1);
+        const uint32_t q = __ldg(reinterpret_cast<const uint32_t*>(blk + 16 + 32 * p + c));
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            w[i] = d * sc0 * static_cast<float>((q >> (8 * i)) & 0xF) - dmin * m0;
+            w[4 + i] = d * sc1 * static_cast<float>((q >> (8 * i + 4)) & 0xF) - dmin * m1;
+            at[i] = 64 * p + c + i;
+            at[4 + i] = 64 * p + 32 + c + i;
+        }
+    } else {
+        const int n = lane >> 4, l = (lane & 15) << 1;
+        const uint8_t* ql = blk + 64 * n;
+        const uint8_t* qh = blk + 128 + 32 * n;
+        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192) + 8 * n + (l >> 4);
+        const float d = __half2float(*reinterpret_cast<const __half*>(blk + 208));
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const int L = l + u, h = qh[L], lo = ql[L], hi = ql[L + 32];
+            w[4 * u + 0] = d * sc[0] * static_cast<float>(((lo & 0xF) | ((h & 3) << 4)) - 32);
+            w[4 * u + 1] = d * sc[2] * static_cast<float>(((hi & 0xF) | (((h >> 2) & 3) << 4)) - 32);
+            w[4 * u + 2] = d * sc[4] * static_cast<float>(((lo >> 4) | (((h >> 4) & 3) << 4)) - 32);
+            w[4 * u + 3] = d * sc[6] * static_cast<float>(((hi >> 4) | (((h >> 6) & 3) << 4)) - 32);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) at[4 * u + i] = 128 * n + L + 32 * i;
+        }
+    }
+}
+
+// Grid (inter / warps a block, experts): h[p][r] = silu(gate_e[r] . x) * (up_e[r] . x) for
+// each position p of expert e (token tokens[p]), TILE tokens a pass over the rows.
+template <int F, typename T>
+__device__ void moe_gate_up_grouped(const uint64_t* gates, const uint64_t* ups,
+                                    const int* routing, const T* x, float* h, int experts,
+                                    int inter, int hidden) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int e = blockIdx.y;
+    const int begin = routing[e], end = routing[e + 1];
+    if (r >= inter || begin == end) return;
+    const int* tokens = routing + experts + 1;
+    const int blocks = hidden >> 8;
+    const size_t at0 = (size_t)r * blocks * block_bytes<F>();
+    const uint8_t* gate = reinterpret_cast<const uint8_t*>(gates[e]) + at0;
+    const uint8_t* up = reinterpret_cast<const uint8_t*>(ups[e]) + at0;
+    for (int p0 = begin; p0 < end; p0 += TILE) {
+        const int count = min(TILE, end - p0);
+        float g[TILE] = {0.f, 0.f, 0.f, 0.f}, u[TILE] = {0.f, 0.f, 0.f, 0.f};
+        for (int b = 0; b < blocks; ++b) {
+            float wg[8], wu[8];
+            int at[8];
+            lane_weights<F>(gate + b * block_bytes<F>(), lane, wg, at);
+            lane_weights<F>(up + b * block_bytes<F>(), lane, wu, at);
+#pragma unroll
+            for (int q = 0; q < TILE; ++q) {
+                if (q >= count) break;
+                const T* xb = x + (size_t)tokens[p0 + q] * hidden + 256 * b;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const float v = to_f(xb[at[i]]);
+                    g[q] += wg[i] * v;
+                    u[q] += wu[i] * v;
+                }
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < TILE; ++q) {
+            if (q >= count) break;
+            const float gs = warp_sum(g[q]), us = warp_sum(u[q]);
+            if (lane == 0) h[(size_t)(p0 + q) * inter + r] = gs / (1.f + __expf(-gs)) * us;
+        }
+    }
+}
+
+// Grid (hidden / warps a block, experts): ys[p][c] = down_e[c] . h[p] for each position p of
+// expert e.
+template <int F>
+__device__ void moe_down_grouped(const uint64_t* downs, const int* routing, const float* h,
+                                 float* ys, int inter, int hidden) {
+    const int lane = threadIdx.x & 31;
+    const int c = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int e = blockIdx.y;
+    const int begin = routing[e], end = routing[e + 1];
+    if (c >= hidden || begin == end) return;
+    const int blocks = inter >> 8;
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(downs[e]) + (size_t)c * blocks * block_bytes<F>();
+    for (int p0 = begin; p0 < end; p0 += TILE) {
+        const int count = min(TILE, end - p0);
+        float acc[TILE] = {0.f, 0.f, 0.f, 0.f};
+        for (int b = 0; b < blocks; ++b) {
+            float w[8];
+            int at[8];
+            lane_weights<F>(row + b * block_bytes<F>(), lane, w, at);
+#pragma unroll
+            for (int q = 0; q < TILE; ++q) {
+                if (q >= count) break;
+                const float* hb = h + (size_t)(p0 + q) * inter + 256 * b;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[q] += w[i] * hb[at[i]];
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < TILE; ++q) {
+            if (q >= count) break;
+            const float s = warp_sum(acc[q]);
+            if (lane == 0) ys[(size_t)(p0 + q) * hidden + c] = s;
+        }
+    }
+}
+
+// Grid (hidden / 256, tokens), 256 threads: y[t][c] = sum over j of w[t k + j] * ys[pos][c],
+// the choices in order.
+template <typename T>
+__device__ void moe_combine(const int* routing, const float* ys, T* y, int experts, int k,
+                            int slots, int hidden) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
+    if (c >= hidden) return;
+    const int* pos = routing + experts + 1 + slots;
+    const float* weights = reinterpret_cast<const float*>(pos + slots);
+    float acc = 0.f;
+    for (int j = 0; j < k; ++j) {
+        const int s = t * k + j, p = pos[s];
+        if (p >= 0) acc += weights[s] * ys[(size_t)p * hidden + c];
+    }
+    put(y + (size_t)t * hidden + c, acc);
+}
+
+#define GATE_UP_GROUPED(name, F, T)                                                              \
+    extern "C" __global__ void name(const uint64_t* gates, const uint64_t* ups,                  \
+                                    const int* routing, const T* x, float* h, int experts,       \
+                                    int inter, int hidden) {                                     \
+        moe_gate_up_grouped<F, T>(gates, ups, routing, x, h, experts, inter, hidden);            \
+    }
+#define DOWN_GROUPED(name, F)                                                                    \
+    extern "C" __global__ void name(const uint64_t* downs, const int* routing, const float* h,   \
+                                    float* ys, int inter, int hidden) {                          \
+        moe_down_grouped<F>(downs, routing, h, ys, inter, hidden);                               \
+    }
+#define COMBINE(name, T)                                                                         \
+    extern "C" __global__ void name(const int* routing, const float* ys, T* y, int experts,      \
+                                    int k, int slots, int hidden) {                              \
+        moe_combine<T>(routing, ys, y, experts, k, slots, hidden);                               \
+    }
+
+GATE_UP_GROUPED(moe_gate_up_grouped_q4k_bf16, Q4K, __nv_bfloat16)
+GATE_UP_GROUPED(moe_gate_up_grouped_q4k_f16, Q4K, __half)
+GATE_UP_GROUPED(moe_gate_up_grouped_q6k_bf16, Q6K, __nv_bfloat16)
+GATE_UP_GROUPED(moe_gate_up_grouped_q6k_f16, Q6K, __half)
+DOWN_GROUPED(moe_down_grouped_q4k, Q4K)
+DOWN_GROUPED(moe_down_grouped_q6k, Q6K)
+COMBINE(moe_combine_bf16, __nv_bfloat16)
+COMBINE(moe_combine_f16, __half)

@@ -14,8 +14,9 @@ pub struct ExpertTables {
 }
 
 impl ExpertTables {
-    /// Tokens [`forward`](Self::forward) is meant for: it reads each routed expert's weights
-    /// once a token, so a prompt's chunk takes the per-expert products instead.
+    /// Most tokens [`forward`](Self::forward) takes one choice at a time (each routed
+    /// expert's rows read once a choice, two launches); more are grouped by expert (each
+    /// expert's rows read once for all its tokens, three launches and a larger upload).
     pub const MAX_TOKENS: usize = 8;
 
     /// Tables of `experts` (`[gate, up, down]` each, `gate`/`up` `[inter, hidden]`, `down`

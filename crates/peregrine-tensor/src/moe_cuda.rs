@@ -110,6 +110,24 @@ impl Tables {
         if ids.len() != weights.len() || !ids.len().is_multiple_of(n) {
             bail!("moe gemv: {} choices for {n} tokens", ids.len());
         }
+        if n > crate::moe::ExpertTables::MAX_TOKENS {
+            let routing = self
+                .dev
+                .clone_htod(&grouped(self.dims.0, n, ids, weights))?;
+            let y = match x.dtype() {
+                DType::BF16 => self.run_grouped::<bf16>(x, &routing, ids.len() / n)?,
+                DType::F16 => self.run_grouped::<f16>(x, &routing, ids.len() / n)?,
+                other => bail!("moe gemv: {other:?} input"),
+            };
+            let none = candle_core::op::BackpropOp::none();
+            let shape = (n, self.dims.2);
+            return Ok(Tensor::from_storage(
+                candle_core::Storage::Cuda(y),
+                shape,
+                none,
+                false,
+            ));
+        }
         // The routing in one upload: the ids (-1: unused), then the weights' bits.
         let routing: Vec<i32> = (ids.iter().map(|&e| i32::try_from(e).unwrap_or(-1)))
             .chain(weights.iter().map(|w| w.to_bits() as i32))
@@ -200,6 +218,88 @@ impl Tables {
         candle_core::Device::Cuda(self.dev.clone())
     }
 
+    /// The grouped launches (`moe_*_grouped`, `moe_combine`) over `routing` ([`grouped`]).
+    fn run_grouped<T: CudaDType + DeviceRepr + candle_core::WithDType>(
+        &self,
+        x: &Tensor,
+        routing: &CudaSlice<i32>,
+        k: usize,
+    ) -> Result<CudaStorage> {
+        let (experts, inter, hidden) = self.dims;
+        let n = x.dims2()?.0;
+        let slots = n * k;
+        let suffix = match T::DTYPE {
+            DType::BF16 => "bf16",
+            _ => "f16",
+        };
+        let stream = self.dev.cuda_stream();
+        // SAFETY: the rows of every used position are written by the first kernel before the
+        // second reads them, and the second's before the third; unused rows are never read.
+        let h = unsafe { self.dev.alloc::<f32>(slots * inter)? };
+        // SAFETY: as above.
+        let ys = unsafe { self.dev.alloc::<f32>(slots * hidden)? };
+        // SAFETY: every element is written by the combining kernel.
+        let y = unsafe { self.dev.alloc::<T>(n * hidden)? };
+        let (storage, layout) = x.storage_and_layout();
+        let x_ptr = crate::kv_append_cuda::address(&storage, layout, &stream)?;
+        let (e, kk, s, i, hd) = (
+            int(experts)?,
+            int(k)?,
+            int(slots)?,
+            int(inter)?,
+            int(hidden)?,
+        );
+        let grid = |rows: usize, y: usize| LaunchConfig {
+            grid_dim: (rows.div_ceil(WARPS) as u32, y as u32, 1),
+            block_dim: (32 * WARPS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let name = format!("moe_gate_up_grouped_{}_{suffix}", self.formats.0);
+        let func = self.dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let mut launch = func.builder();
+        launch
+            .arg(&self.gate)
+            .arg(&self.up)
+            .arg(routing)
+            .arg(&x_ptr)
+            .arg(&h);
+        launch.arg(&e).arg(&i).arg(&hd);
+        // SAFETY: the kernel's arguments in its order and types; `routing` is [`grouped`]'s.
+        unsafe { launch.launch(grid(inter, experts)) }.w()?;
+        let name = format!("moe_down_grouped_{}", self.formats.1);
+        let func = self.dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let mut launch = func.builder();
+        launch
+            .arg(&self.down)
+            .arg(routing)
+            .arg(&h)
+            .arg(&ys)
+            .arg(&i)
+            .arg(&hd);
+        // SAFETY: as above.
+        unsafe { launch.launch(grid(hidden, experts)) }.w()?;
+        let func =
+            (self.dev).get_or_load_custom_func(&format!("moe_combine_{suffix}"), MODULE, PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (hidden.div_ceil(256) as u32, n as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = func.builder();
+        launch
+            .arg(routing)
+            .arg(&ys)
+            .arg(&y)
+            .arg(&e)
+            .arg(&kk)
+            .arg(&s)
+            .arg(&hd);
+        // SAFETY: as above.
+        unsafe { launch.launch(cfg) }.w()?;
+        drop(storage);
+        Ok(CudaStorage::wrap_cuda_slice(y, self.dev.clone()))
+    }
+
     fn run<T: CudaDType + DeviceRepr + candle_core::WithDType>(
         &self,
         x: &Tensor,
@@ -262,4 +362,29 @@ impl Tables {
         drop(storage);
         Ok(CudaStorage::wrap_cuda_slice(y, self.dev.clone()))
     }
+}
+
+/// The routing of `n` tokens grouped by expert, as the `moe_*_grouped` kernels read it (i32
+/// words): each expert's offset into the positions (`experts + 1`), the token at each position,
+/// each choice's position (`-1`: unused) and each choice's weight (f32 bits); positions keep
+/// the tokens' order within an expert.
+fn grouped(experts: usize, n: usize, ids: &[usize], weights: &[f32]) -> Vec<i32> {
+    let (slots, k) = (ids.len(), ids.len() / n.max(1));
+    let mut offsets = vec![0i32; experts + 1];
+    for &e in ids.iter().filter(|&&e| e < experts) {
+        offsets[e + 1] += 1;
+    }
+    for e in 0..experts {
+        offsets[e + 1] += offsets[e];
+    }
+    let mut next = offsets[..experts].to_vec();
+    let (mut tokens, mut pos) = (vec![0i32; slots], vec![-1i32; slots]);
+    for (s, &e) in ids.iter().enumerate().filter(|&(_, &e)| e < experts) {
+        let p = next[e];
+        next[e] += 1;
+        tokens[p as usize] = (s / k) as i32;
+        pos[s] = p;
+    }
+    let bits = weights.iter().map(|w| w.to_bits() as i32);
+    (offsets.into_iter().chain(tokens).chain(pos).chain(bits)).collect()
 }

@@ -45,9 +45,10 @@ fn matvec(w: &[f32], x: &[f64]) -> (Vec<f64>, Vec<f64>) {
 }
 
 /// Routed tokens through Q4_K/Q6_K experts (both formats in both kernels), 1, 3 and 8 tokens
-/// of bf16 and f16, one choice of a token unused: each output within its dtype's rounding step
-/// plus 1e-4 of the sum of absolute products (the kernels add f32 products in another order
-/// than the f64 reference; their inputs and weights are exactly the reference's).
+/// a choice at a time and 40 grouped by expert, bf16 and f16, one choice unused: each output
+/// within its dtype's rounding step plus 1e-4 of the sum of absolute products (the kernels add
+/// f32 products in another order than the f64 reference; their inputs and weights are exactly
+/// the reference's).
 #[test]
 fn expert_tables_match_the_f32_experts() {
     let gpu = Device::new_cuda(0).expect("these tests need a CUDA GPU");
@@ -71,7 +72,7 @@ fn expert_tables_match_the_f32_experts() {
             .unwrap()
             .expect("Q4_K/Q6_K experts on the GPU");
         for dtype in [DType::BF16, DType::F16] {
-            for n in [1, 3, 8] {
+            for n in [1, 3, 8, 40] {
                 let x = ramp(&[n, hidden], n as f32 + 0.25, dtype);
                 let xs = flat(&f32s(&x));
                 let ids: Vec<usize> = (0..n * k)

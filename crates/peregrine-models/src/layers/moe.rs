@@ -354,7 +354,7 @@ impl MoeBlock {
         let (b, n, h) = x.dims3()?;
         let flat = x.reshape((b * n, h))?;
         let (flat, mut out) = match self.tables(&flat)? {
-            Some(tables) if self.routes_on_device(limits) => {
+            Some(tables) if self.routes_on_device(&flat, limits) => {
                 let (logits, r) = (self.gate.forward(&flat)?, &self.router);
                 let out = tables.forward_routed(&flat, &logits, r.top_k, (r.normalize, r.scale))?;
                 (flat, out)
@@ -408,9 +408,11 @@ impl MoeBlock {
     /// Whether the expert tables route a pass themselves: softmax top-k routing of the
     /// block's input as it is (Mixtral, Qwen-MoE), every row to the model's number of experts,
     /// and `PEREGRINE_CUDA_MOE_ROUTE=1` (off by default until its test has run on a GPU).
-    fn routes_on_device(&self, limits: &[usize]) -> bool {
+    fn routes_on_device(&self, flat: &Tensor, limits: &[usize]) -> bool {
         let r = &self.router;
-        r.scoring == Scoring::Softmax
+        let rows = flat.dims().first().copied().unwrap_or(0);
+        rows <= ExpertTables::MAX_TOKENS
+            && r.scoring == Scoring::Softmax
             && r.choice_bias.is_none()
             && r.groups.is_none()
             && r.expert_scale.is_none()
@@ -420,14 +422,16 @@ impl MoeBlock {
             && switch("PEREGRINE_CUDA_MOE_ROUTE", false)
     }
 
-    /// The experts' GPU tables when they take `flat` (a few bf16/f16 rows on a CUDA device,
-    /// every expert resident in a format the tables take; `PEREGRINE_CUDA_MOE_TABLES=0`: never),
-    /// made on first use.
+    /// The experts' GPU tables when they take `flat` (bf16/f16 rows on a CUDA device, every
+    /// expert resident in a format the tables take; `PEREGRINE_CUDA_MOE_TABLES=0`: never; more
+    /// than a few rows only with `PEREGRINE_CUDA_MOE_GROUPED=1`, off until its test has run on
+    /// a GPU), made on first use.
     fn tables(&self, flat: &Tensor) -> Result<Option<&ExpertTables>> {
         let rows = flat.dims().first().copied().unwrap_or(0);
         let applies = flat.device().is_cuda()
             && matches!(flat.dtype(), DType::BF16 | DType::F16)
-            && (1..=ExpertTables::MAX_TOKENS).contains(&rows)
+            && ((1..=ExpertTables::MAX_TOKENS).contains(&rows)
+                || (rows > 0 && switch("PEREGRINE_CUDA_MOE_GROUPED", false)))
             && flat.is_contiguous()
             && switch("PEREGRINE_CUDA_MOE_TABLES", true);
         if !applies {
@@ -518,9 +522,13 @@ impl MoeBlock {
 /// Whether a GPU switch of the MoE block is on: `default` unless its variable `name` is set
 /// (`0`: off, anything else: on; each read once).
 fn switch(name: &'static str, default: bool) -> bool {
-    static READ: OnceLock<[(&str, Option<bool>); 2]> = OnceLock::new();
+    static READ: OnceLock<[(&str, Option<bool>); 3]> = OnceLock::new();
     let set = |n: &str| std::env::var(n).ok().map(|v| v != "0");
-    let names = ["PEREGRINE_CUDA_MOE_TABLES", "PEREGRINE_CUDA_MOE_ROUTE"];
+    let names = [
+        "PEREGRINE_CUDA_MOE_TABLES",
+        "PEREGRINE_CUDA_MOE_ROUTE",
+        "PEREGRINE_CUDA_MOE_GROUPED",
+    ];
     let read = READ.get_or_init(|| names.map(|n| (n, set(n))));
     let found = read.iter().find(|(n, _)| *n == name);
     found.and_then(|&(_, v)| v).unwrap_or(default)
