@@ -66,3 +66,51 @@ impl ExpertTables {
         }
     }
 }
+
+/// The routing of `n` tokens grouped by expert, as the `moe_*_grouped` kernels read it (i32
+/// words): each expert's offset into the positions (`experts + 1`), the token at each position,
+/// each choice's position (`-1`: unused) and each choice's weight (f32 bits); positions keep
+/// the tokens' order within an expert.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn grouped(experts: usize, n: usize, ids: &[usize], weights: &[f32]) -> Vec<i32> {
+    let (slots, k) = (ids.len(), ids.len() / n.max(1));
+    let mut offsets = vec![0i32; experts + 1];
+    for &e in ids.iter().filter(|&&e| e < experts) {
+        offsets[e + 1] += 1;
+    }
+    for e in 0..experts {
+        offsets[e + 1] += offsets[e];
+    }
+    let mut next = offsets[..experts].to_vec();
+    let (mut tokens, mut pos) = (vec![0i32; slots], vec![-1i32; slots]);
+    for (s, &e) in ids.iter().enumerate().filter(|&(_, &e)| e < experts) {
+        let p = next[e];
+        next[e] += 1;
+        tokens[p as usize] = (s / k) as i32;
+        pos[s] = p;
+    }
+    let bits = weights.iter().map(|w| w.to_bits() as i32);
+    (offsets.into_iter().chain(tokens).chain(pos).chain(bits)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::grouped;
+
+    /// Three tokens, two choices each, over four experts (token 1's second choice unused):
+    /// positions run expert by expert in token order, each choice finds its position.
+    #[test]
+    fn routing_groups_by_expert_in_token_order() {
+        let ids = [2, 0, 0, usize::MAX, 2, 3];
+        let weights = [0.6, 0.4, 1.0, 0.0, 0.7, 0.3];
+        let words = grouped(4, 3, &ids, &weights);
+        let (offsets, rest) = words.split_at(5);
+        let (tokens, rest) = rest.split_at(6);
+        let (pos, bits) = rest.split_at(6);
+        assert_eq!(offsets, [0, 2, 2, 4, 5]);
+        assert_eq!(&tokens[..5], [0, 1, 0, 2, 2]);
+        assert_eq!(pos, [2, 0, 1, -1, 3, 4]);
+        let back: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b as u32)).collect();
+        assert_eq!(back, weights);
+    }
+}

@@ -111,9 +111,9 @@ impl Tables {
             bail!("moe gemv: {} choices for {n} tokens", ids.len());
         }
         if n > crate::moe::ExpertTables::MAX_TOKENS {
-            let routing = self
-                .dev
-                .clone_htod(&grouped(self.dims.0, n, ids, weights))?;
+            let routing =
+                self.dev
+                    .clone_htod(&crate::moe::grouped(self.dims.0, n, ids, weights))?;
             let y = match x.dtype() {
                 DType::BF16 => self.run_grouped::<bf16>(x, &routing, ids.len() / n)?,
                 DType::F16 => self.run_grouped::<f16>(x, &routing, ids.len() / n)?,
@@ -218,7 +218,7 @@ impl Tables {
         candle_core::Device::Cuda(self.dev.clone())
     }
 
-    /// The grouped launches (`moe_*_grouped`, `moe_combine`) over `routing` ([`grouped`]).
+    /// The grouped launches (`moe_*_grouped`, `moe_combine`) over `moe::grouped`'s `routing`.
     fn run_grouped<T: CudaDType + DeviceRepr + candle_core::WithDType>(
         &self,
         x: &Tensor,
@@ -264,7 +264,7 @@ impl Tables {
             .arg(&x_ptr)
             .arg(&h);
         launch.arg(&e).arg(&i).arg(&hd);
-        // SAFETY: the kernel's arguments in its order and types; `routing` is [`grouped`]'s.
+        // SAFETY: the kernel's arguments in its order and types; `routing` is `moe::grouped`'s.
         unsafe { launch.launch(grid(inter, experts)) }.w()?;
         let name = format!("moe_down_grouped_{}", self.formats.1);
         let func = self.dev.get_or_load_custom_func(&name, MODULE, PTX)?;
@@ -362,29 +362,4 @@ impl Tables {
         drop(storage);
         Ok(CudaStorage::wrap_cuda_slice(y, self.dev.clone()))
     }
-}
-
-/// The routing of `n` tokens grouped by expert, as the `moe_*_grouped` kernels read it (i32
-/// words): each expert's offset into the positions (`experts + 1`), the token at each position,
-/// each choice's position (`-1`: unused) and each choice's weight (f32 bits); positions keep
-/// the tokens' order within an expert.
-fn grouped(experts: usize, n: usize, ids: &[usize], weights: &[f32]) -> Vec<i32> {
-    let (slots, k) = (ids.len(), ids.len() / n.max(1));
-    let mut offsets = vec![0i32; experts + 1];
-    for &e in ids.iter().filter(|&&e| e < experts) {
-        offsets[e + 1] += 1;
-    }
-    for e in 0..experts {
-        offsets[e + 1] += offsets[e];
-    }
-    let mut next = offsets[..experts].to_vec();
-    let (mut tokens, mut pos) = (vec![0i32; slots], vec![-1i32; slots]);
-    for (s, &e) in ids.iter().enumerate().filter(|&(_, &e)| e < experts) {
-        let p = next[e];
-        next[e] += 1;
-        tokens[p as usize] = (s / k) as i32;
-        pos[s] = p;
-    }
-    let bits = weights.iter().map(|w| w.to_bits() as i32);
-    (offsets.into_iter().chain(tokens).chain(pos).chain(bits)).collect()
 }
