@@ -23,6 +23,23 @@ fn int(n: usize) -> Result<i32> {
     crate::cuda_op::int("moe gemv", n)
 }
 
+/// A warp per output row of `rows`, for each of `y` (grid y: slots, tokens or experts).
+fn warps(rows: usize, y: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.div_ceil(WARPS) as u32, y as u32, 1),
+        block_dim: (32 * WARPS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The kernels' name for an activation dtype (bf16, else f16).
+fn suffix(dtype: DType) -> &'static str {
+    match dtype {
+        DType::BF16 => "bf16",
+        _ => "f16",
+    }
+}
+
 /// The kernels' name for a weight format they take.
 fn format_name(dtype: GgmlDType) -> Option<&'static str> {
     match dtype {
@@ -226,13 +243,8 @@ impl Tables {
         k: usize,
     ) -> Result<CudaStorage> {
         let (experts, inter, hidden) = self.dims;
-        let n = x.dims2()?.0;
+        let (n, suffix, stream) = (x.dims2()?.0, suffix(T::DTYPE), self.dev.cuda_stream());
         let slots = n * k;
-        let suffix = match T::DTYPE {
-            DType::BF16 => "bf16",
-            _ => "f16",
-        };
-        let stream = self.dev.cuda_stream();
         // SAFETY: the rows of every used position are written by the first kernel before the
         // second reads them, and the second's before the third; unused rows are never read.
         let h = unsafe { self.dev.alloc::<f32>(slots * inter)? };
@@ -249,11 +261,6 @@ impl Tables {
             int(inter)?,
             int(hidden)?,
         );
-        let grid = |rows: usize, y: usize| LaunchConfig {
-            grid_dim: (rows.div_ceil(WARPS) as u32, y as u32, 1),
-            block_dim: (32 * WARPS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
         let name = format!("moe_gate_up_grouped_{}_{suffix}", self.formats.0);
         let func = self.dev.get_or_load_custom_func(&name, MODULE, PTX)?;
         let mut launch = func.builder();
@@ -265,7 +272,7 @@ impl Tables {
             .arg(&h);
         launch.arg(&e).arg(&i).arg(&hd);
         // SAFETY: the kernel's arguments in its order and types; `routing` is `moe::grouped`'s.
-        unsafe { launch.launch(grid(inter, experts)) }.w()?;
+        unsafe { launch.launch(warps(inter, experts)) }.w()?;
         let name = format!("moe_down_grouped_{}", self.formats.1);
         let func = self.dev.get_or_load_custom_func(&name, MODULE, PTX)?;
         let mut launch = func.builder();
@@ -277,7 +284,7 @@ impl Tables {
             .arg(&i)
             .arg(&hd);
         // SAFETY: as above.
-        unsafe { launch.launch(grid(hidden, experts)) }.w()?;
+        unsafe { launch.launch(warps(hidden, experts)) }.w()?;
         let func =
             (self.dev).get_or_load_custom_func(&format!("moe_combine_{suffix}"), MODULE, PTX)?;
         let cfg = LaunchConfig {
@@ -307,13 +314,8 @@ impl Tables {
         k: usize,
     ) -> Result<CudaStorage> {
         let (experts, inter, hidden) = self.dims;
-        let n = x.dims2()?.0;
+        let (n, suffix, stream) = (x.dims2()?.0, suffix(T::DTYPE), self.dev.cuda_stream());
         let slots = n * k;
-        let suffix = match T::DTYPE {
-            DType::BF16 => "bf16",
-            _ => "f16",
-        };
-        let stream = self.dev.cuda_stream();
         let (ids_ptr, _g) = routing.device_ptr(&stream);
         let weights_ptr = ids_ptr + 4 * slots as u64;
         // SAFETY: every element is written by the gate/up kernel before the down kernel reads it.
@@ -323,14 +325,9 @@ impl Tables {
         let (storage, layout) = x.storage_and_layout();
         let x_ptr = crate::kv_append_cuda::address(&storage, layout, &stream)?;
         let (e, kk, i, hd) = (int(experts)?, int(k)?, int(inter)?, int(hidden)?);
-        let block = (32 * WARPS as u32, 1, 1);
         let name = format!("moe_gate_up_{}_{suffix}", self.formats.0);
         let func = self.dev.get_or_load_custom_func(&name, MODULE, PTX)?;
-        let cfg = LaunchConfig {
-            grid_dim: (inter.div_ceil(WARPS) as u32, slots as u32, 1),
-            block_dim: block,
-            shared_mem_bytes: 0,
-        };
+        let cfg = warps(inter, slots);
         let mut launch = func.builder();
         launch
             .arg(&self.gate)
@@ -344,11 +341,7 @@ impl Tables {
         unsafe { launch.launch(cfg) }.w()?;
         let name = format!("moe_down_{}_{suffix}", self.formats.1);
         let func = self.dev.get_or_load_custom_func(&name, MODULE, PTX)?;
-        let cfg = LaunchConfig {
-            grid_dim: (hidden.div_ceil(WARPS) as u32, n as u32, 1),
-            block_dim: block,
-            shared_mem_bytes: 0,
-        };
+        let cfg = warps(hidden, n);
         let mut launch = func.builder();
         launch
             .arg(&self.down)
