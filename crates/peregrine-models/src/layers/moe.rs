@@ -353,7 +353,8 @@ impl MoeBlock {
     pub fn forward(&self, x: &Tensor, limits: &[usize]) -> Result<Tensor> {
         let (b, n, h) = x.dims3()?;
         let flat = x.reshape((b * n, h))?;
-        let (flat, mut out) = match self.tables(&flat)? {
+        let tables = self.tables(&flat)?;
+        let (flat, mut out) = match tables {
             Some(tables) if self.routes_on_device(&flat, limits) => {
                 let (logits, r) = (self.gate.forward(&flat)?, &self.router);
                 let out = tables.forward_routed(&flat, &logits, r.top_k, (r.normalize, r.scale))?;
@@ -365,7 +366,7 @@ impl MoeBlock {
                     Some(w) => rms_norm(&flat, w, self.eps)?,
                     None => flat,
                 };
-                let out = match self.tables(&flat)? {
+                let out = match tables {
                     Some(tables) => tables.forward(&flat, &ids, &weights)?,
                     None => self.routed(&flat, &ids, &weights)?,
                 };
