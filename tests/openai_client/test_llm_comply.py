@@ -4,9 +4,11 @@ ones, which run against the tiny vision-language fixtures (Gemma 3, SmolVLM) ins
 tool skips itself (reasoning models only) are skipped.
 
 The checks sample at the server's default temperature from a 135M model, and some want a
-natural end (`end_turn`) within 1,024 tokens, which such a model now and then misses by looping:
-a failed check is run twice more on its own, and passes only if one of those runs passes (a
-broken endpoint fails all three)."""
+natural end (`end_turn`) within 1,024 tokens, which such a model now and then misses by
+rambling: `anth-system-prompt` ran to 1,024 tokens in 16 of 200 samples here, and once failed
+three tries in a row in CI. So a failed check is run up to five more times on its own, and passes
+if one of those runs passes (a broken endpoint fails all six; chance ones at 8% fail all six about
+once in four million)."""
 import json
 import os
 import subprocess
@@ -15,7 +17,7 @@ import sys
 import pytest
 
 COMPLY = os.path.join(os.path.dirname(sys.executable), "llm-comply")
-RETRIES = 2
+RETRIES = 5
 
 
 def comply(base_url, model, api, only=None):
