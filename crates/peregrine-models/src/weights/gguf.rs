@@ -16,7 +16,7 @@ use peregrine_tensor::quant::Format;
 use peregrine_tensor::{Device, GgufMatrix};
 
 use super::LoadProgress;
-use super::mapped::{MappedRange, check_length};
+use super::mapped::{MappedFile, MappedRange, check_length};
 use super::sigbus::Guard;
 use crate::{ModelError, Result};
 
@@ -30,7 +30,7 @@ pub struct GgufFile {
     reader: File,
     /// The file mapped read-only, when first asked for (streamed experts multiplied in place),
     /// and its SIGBUS guard (dropped first); `None` if it could not be mapped.
-    map: OnceLock<Option<(Option<Guard>, Arc<Mmap>)>>,
+    map: OnceLock<Option<(Option<Guard>, Arc<MappedFile>)>>,
     /// Counts the bytes of every tensor read.
     progress: Arc<LoadProgress>,
     /// The file's length when opened.
@@ -321,14 +321,17 @@ impl GgufFile {
 
     /// The file mapped read-only, made on first use; `None` where it cannot be mapped (then
     /// its experts are read instead).
-    fn mapping(&self) -> Option<&Arc<Mmap>> {
+    fn mapping(&self) -> Option<&Arc<MappedFile>> {
         let map = self.map.get_or_init(|| {
             // SAFETY: mapped read-only. A file cut short under the mapping faults when its
             // lost pages are touched: every range is checked against the file's length when
             // made and before each use (`still_whole`), and paged in when made; a fault in
             // between reads zeros and fails the use (the guard, `unharmed`).
             let map = unsafe { Mmap::map(&self.reader) }.ok()?;
-            Some((Guard::new(map.as_ptr(), map.len()), Arc::new(map)))
+            Some((
+                Guard::new(map.as_ptr(), map.len()),
+                Arc::new(MappedFile::new(map)),
+            ))
         });
         map.as_ref().map(|(_, map)| map)
     }
@@ -341,7 +344,7 @@ impl GgufFile {
     /// `len` bytes of `map` from `at` (within tensor `name`), paged in.
     fn mapped_range(
         &self,
-        map: &Arc<Mmap>,
+        map: &Arc<MappedFile>,
         name: &str,
         at: usize,
         len: usize,

@@ -6,68 +6,144 @@
 //! thread that prefetches it, multiplied, and dropped from the process with the expert (the OS
 //! page cache keeps them for as long as it has room, the process's resident set does not).
 
+use std::collections::BTreeMap;
 use std::fs::File;
+use std::ops::Range;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use memmap2::Mmap;
 use peregrine_tensor::quant::SharedBytes;
 
-/// A fault maps the cached pages around it as well as its own (Linux's fault-around: 64 KB
-/// windows by default), so a range's pages are dropped over the aligned windows it touches:
-/// pages of a neighbouring range there go too, and map again from the page cache on their next
-/// use (a read-only file mapping: the same bytes). Dropping only the pages wholly inside each
-/// range left the edges mapped, which added up to half a gigabyte of resident set over a 3.5 GB
-/// model whose file sat whole in the page cache.
-const RELEASE_ALIGN: usize = 64 << 10;
+/// A fault maps the cached pages around it as well as its own: Linux's fault-around, 64 KB
+/// windows by default, and since 6.18 a large folio of the page cache whole (up to 2 MB, as a
+/// file read sequentially comes to be held). So the pages around a range are dropped over the
+/// aligned 2 MB regions it touches, but for those of other ranges in use ([`MappedFile`]).
+/// Without that, a 256 MB window of kept experts held ~1 GB of resident set once the file had
+/// been read sequentially into the page cache; dropping only the pages wholly inside each range
+/// left the edges mapped.
+const REGION: usize = 2 << 20;
+
+/// A checkpoint file mapped read-only, and which ranges of it are in use ([`MappedRange`]), so
+/// that dropping the pages around one never drops another's (which its next use would fault
+/// in again, whole folios at a time, around it).
+#[derive(Debug)]
+pub(crate) struct MappedFile {
+    map: Mmap,
+    /// How many ranges in use span each `start..end`.
+    live: Mutex<BTreeMap<(usize, usize), usize>>,
+}
+
+impl MappedFile {
+    /// `map`, no range of it in use. Its pages map one at a time, never 2 MB at once: a large
+    /// folio of the page cache mapped whole (a PMD) counts all of it in the resident set, and
+    /// dropping part of it unmaps all of it, which the range's next use maps whole again (a
+    /// 256 MB window of kept experts held ~0.9 GB of resident set that way).
+    pub(crate) fn new(map: Mmap) -> Self {
+        #[cfg(target_os = "linux")]
+        // A failure only means huge mappings stay allowed.
+        let _ = map.advise(memmap2::Advice::NoHugePage);
+        Self {
+            map,
+            live: Mutex::default(),
+        }
+    }
+
+    /// Drops the pages of the aligned regions around `range` that no range in `live` uses.
+    fn drop_unused(&self, live: &BTreeMap<(usize, usize), usize>, range: Range<usize>) {
+        let page = page_size();
+        let end = range.end.next_multiple_of(REGION).min(self.map.len());
+        let mut at = range.start / REGION * REGION;
+        for &(s, e) in live.keys().take_while(|&&(s, _)| s < end) {
+            let (s, e) = (s / page * page, e.next_multiple_of(page));
+            if e > at {
+                if s > at {
+                    release(&self.map, at..s);
+                }
+                at = e;
+            }
+        }
+        if at < end {
+            release(&self.map, at..end);
+        }
+    }
+}
+
+/// The system's page size.
+fn page_size() -> usize {
+    #[cfg(unix)]
+    // SAFETY: sysconf reads a constant of the system.
+    if let Ok(page) = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }) {
+        return page;
+    }
+    4096
+}
 
 /// A range of a mapped file, its pages mapped in when made and dropped from the process when
 /// it is.
 #[derive(Debug)]
 pub(crate) struct MappedRange {
-    map: Arc<Mmap>,
+    file: Arc<MappedFile>,
     start: usize,
     len: usize,
 }
 
 impl MappedRange {
-    /// `len` bytes of `map` (of `file`, at `path`) from `start`, their pages mapped in now:
-    /// a file cut short since it was mapped is an error here (never a fault later, so long as
-    /// the file stays whole while the range is used: [`check_length`] again before use).
+    /// `len` bytes of `file`'s mapping (of `reader`, at `path`) from `start`, their pages
+    /// mapped in now and those mapped around them dropped: a file cut short since it was mapped
+    /// is an error here (never a fault later, so long as the file stays whole while the range
+    /// is used: [`check_length`] again before use).
     pub(crate) fn new(
-        map: &Arc<Mmap>,
-        file: &File,
+        file: &Arc<MappedFile>,
+        reader: &File,
         path: &Path,
         start: usize,
         len: usize,
     ) -> std::io::Result<Self> {
-        check_length(file, path, (start + len) as u64)?;
-        #[cfg(target_os = "linux")]
-        map.advise_range(memmap2::Advice::PopulateRead, start, len)
-            .map_err(|e| std::io::Error::other(format!("mapping bytes {start}..: {e}")))?;
-        Ok(Self {
-            map: map.clone(),
+        check_length(reader, path, (start + len) as u64)?;
+        // In use before its pages map in, so that another range's dropping spares them.
+        *file.lock().entry((start, start + len)).or_insert(0) += 1;
+        let range = Self {
+            file: file.clone(),
             start,
             len,
-        })
+        };
+        #[cfg(target_os = "linux")]
+        {
+            (file
+                .map
+                .advise_range(memmap2::Advice::PopulateRead, start, len))
+            .map_err(|e| std::io::Error::other(format!("mapping bytes {start}..: {e}")))?;
+            file.drop_unused(&file.lock(), start..start + len);
+        }
+        Ok(range)
+    }
+}
+
+impl MappedFile {
+    /// The ranges in use (a poisoned lock's map is still whole: every update is one call).
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<(usize, usize), usize>> {
+        self.live.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
 impl SharedBytes for MappedRange {
     fn bytes(&self) -> &[u8] {
-        &self.map[self.start..self.start + self.len]
+        &self.file.map[self.start..self.start + self.len]
     }
 }
 
 impl Drop for MappedRange {
     fn drop(&mut self) {
-        let start = self.start / RELEASE_ALIGN * RELEASE_ALIGN;
-        let end = (self.start + self.len)
-            .next_multiple_of(RELEASE_ALIGN)
-            .min(self.map.len());
-        if end > start {
-            release(&self.map, start..end);
+        let key = (self.start, self.start + self.len);
+        let mut live = self.file.lock();
+        if let Some(count) = live.get_mut(&key) {
+            *count -= 1;
+            if *count == 0 {
+                live.remove(&key);
+            }
         }
+        self.file.drop_unused(&live, key.0..key.1);
     }
 }
 
@@ -118,26 +194,41 @@ mod tests {
     }
 
     /// A range's pages, and those the OS mapped around them, leave the resident set with the
-    /// range, wherever its ends fall; a file since cut short is refused when a range is made.
+    /// range, wherever its ends fall, but for another range's in use; a file since cut short is
+    /// refused when a range is made.
     #[test]
     fn a_range_leaves_nothing_mapped_when_dropped() {
-        let path = std::env::temp_dir().join(format!("peregrine-mapped-{}", std::process::id()));
-        // Written a page at a time, so that the page cache holds it in pages, not in larger
-        // folios a fault would map whole (which hides the pages mapped around a range).
+        // Written a page at a time the page cache holds the file in pages; written at once,
+        // where the file system and kernel keep large folios, in folios a fault maps whole.
+        ranges_in_a_file_written_in(4096, "pages");
+        ranges_in_a_file_written_in(2 << 20, "folios");
+    }
+
+    fn ranges_in_a_file_written_in(chunk: usize, name: &str) {
+        let file_name = format!("peregrine-mapped-{}-{name}", std::process::id());
+        let path = std::env::temp_dir().join(file_name);
         let mut out = File::create(&path).unwrap();
-        for _ in 0..512 {
-            std::io::Write::write_all(&mut out, &[7u8; 4096]).unwrap();
+        for _ in 0..(2 << 20) / chunk {
+            std::io::Write::write_all(&mut out, &vec![7u8; chunk]).unwrap();
         }
         drop(out);
         let file = File::open(&path).unwrap();
         // SAFETY: a read-only mapping of a file nothing else writes.
-        let map = Arc::new(unsafe { Mmap::map(&file) }.unwrap());
-        let addr = map.as_ptr() as usize;
+        let map = Arc::new(MappedFile::new(unsafe { Mmap::map(&file) }.unwrap()));
+        let addr = map.map.as_ptr() as usize;
         assert_eq!(resident_kb(addr), 0);
         let range = MappedRange::new(&map, &file, &path, 100_003, 700_001).unwrap();
         assert!(range.bytes().iter().all(|&b| b == 7));
-        assert!(resident_kb(addr) >= 700, "{} kB", resident_kb(addr));
+        // Its own pages, none of those the OS mapped around them.
+        let page = page_size();
+        let own = (800_004usize.next_multiple_of(page) - 100_003 / page * page) / 1024;
+        assert_eq!(resident_kb(addr), own);
+        // A neighbour in the same 2 MB region keeps its pages when the first range goes.
+        let neighbour = MappedRange::new(&map, &file, &path, 1_000_000, 400_000).unwrap();
         drop(range);
+        let own = (1_400_000usize.next_multiple_of(page) - 1_000_000 / page * page) / 1024;
+        assert_eq!(resident_kb(addr), own, "the neighbour's pages");
+        drop(neighbour);
         assert_eq!(resident_kb(addr), 0, "pages left mapped");
         std::fs::write(&path, [7u8; 10]).unwrap();
         let err = MappedRange::new(&map, &file, &path, 0, 4096).unwrap_err();
