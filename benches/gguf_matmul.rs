@@ -3,7 +3,10 @@
 //! threads rayon uses (set `RAYON_NUM_THREADS`). Shapes are SmolLM2's MLP (1536 × 576), or
 //! `GGUF_BENCH_SHAPE=OUTxIN` (e.g. `262144x640`, Gemma 3's output matrix; K-quants round IN up
 //! to a multiple of 256). `GGUF_BENCH_KERNEL=avx2` (etc.) runs one kernel only;
-//! `GGUF_BENCH_BATCHES=1,4,8` sets the batch sizes (default 1 and 128).
+//! `GGUF_BENCH_BATCHES=1,4,8` sets the batch sizes (default 1 and 128). `GGUF_BENCH_COPIES=N`
+//! multiplies N copies of the matrix in turn, so that a small one (an expert, `768x2048`) comes
+//! from memory as decode meets it rather than from cache (the interleaved and in-place layouts;
+//! the row layout's copies share one tensor's bytes).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -41,6 +44,10 @@ fn run() {
         .ok()
         .map(|s| s.split(',').filter_map(|b| b.trim().parse().ok()).collect())
         .unwrap_or_else(|| vec![1, 128]);
+    let copies: usize = std::env::var("GGUF_BENCH_COPIES")
+        .ok()
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(1);
     let formats = [
         GgmlDType::Q4_0,
         GgmlDType::Q4_1,
@@ -67,16 +74,25 @@ fn run() {
         let qt = Arc::new(QTensor::quantize(w, dtype).unwrap());
         // The file's row layout too where the x86 kernels interleave rows, and those rows
         // multiplied in place 8 at a time (a streamed expert's mapped bytes) where they can be.
-        let q = GgufMatrix::new(qt.clone()).unwrap();
-        let mut layouts = vec![("interleaved", q)];
-        if layouts[0].1.is_interleaved() {
-            layouts.push(("rows", GgufMatrix::new_rows(qt.clone()).unwrap()));
+        let copies =
+            |make: &dyn Fn() -> GgufMatrix| (0..copies).map(|_| make()).collect::<Vec<_>>();
+        let mut layouts = vec![(
+            "interleaved",
+            copies(&|| GgufMatrix::new(qt.clone()).unwrap()),
+        )];
+        if layouts[0].1[0].is_interleaved() {
+            layouts.push((
+                "rows",
+                copies(&|| GgufMatrix::new_rows(qt.clone()).unwrap()),
+            ));
         }
         let format = Format::of(dtype).unwrap();
         if GgufMatrix::multiplies_in_place(format, n, k) {
-            let bytes = Arc::new(InPlace(qt.data().unwrap().to_vec()));
-            let m = GgufMatrix::from_shared(format, bytes, (n, k)).unwrap();
-            layouts.push(("in_place", m));
+            let in_place = || {
+                let bytes = Arc::new(InPlace(qt.data().unwrap().to_vec()));
+                GgufMatrix::from_shared(format, bytes, (n, k)).unwrap()
+            };
+            layouts.push(("in_place", copies(&in_place)));
         }
         let only = std::env::var("GGUF_BENCH_KERNEL").ok();
         let kernels: Vec<Kernel> = Kernel::available()
@@ -93,9 +109,10 @@ fn run() {
                     .collect();
                 let reps =
                     ((if m == 1 { 2e9 } else { 2e10 }) / (n * k * m) as f64).max(3.0) as usize;
-                q.matmul_with(&x, m, kernel).unwrap();
+                q[0].matmul_with(&x, m, kernel).unwrap();
                 let start = Instant::now();
-                for _ in 0..reps {
+                for r in 0..reps {
+                    let q = &q[r % q.len()];
                     std::hint::black_box(q.matmul_with(&x, m, kernel).unwrap());
                 }
                 let secs = start.elapsed().as_secs_f64();
