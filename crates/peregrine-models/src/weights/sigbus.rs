@@ -108,6 +108,10 @@ impl Guard {
             s.hi.fetch_max(hi, Ordering::AcqRel);
             return Err(io::Error::last_os_error());
         }
+        // As the rest of the mapping (`MappedFile::new`): no 2 MB huge mappings. A failure only
+        // means they stay allowed here.
+        // SAFETY: advice on the span just mapped.
+        let _ = unsafe { libc::madvise(at, hi - lo, libc::MADV_NOHUGEPAGE) };
         Ok(())
     }
 }
