@@ -49,6 +49,11 @@ impl MappedFile {
         }
     }
 
+    /// The ranges in use (a poisoned lock's map is still whole: every update is one call).
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<(usize, usize), usize>> {
+        self.live.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Drops the pages of the aligned regions around `range` that no range in `live` uses.
     fn drop_unused(&self, live: &BTreeMap<(usize, usize), usize>, range: Range<usize>) {
         let page = page_size();
@@ -71,7 +76,7 @@ impl MappedFile {
 
 /// The system's page size.
 fn page_size() -> usize {
-    #[cfg(unix)]
+    #[cfg(target_os = "linux")]
     // SAFETY: sysconf reads a constant of the system.
     if let Ok(page) = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }) {
         return page;
@@ -110,20 +115,14 @@ impl MappedRange {
         };
         #[cfg(target_os = "linux")]
         {
-            (file
+            let populated = file
                 .map
-                .advise_range(memmap2::Advice::PopulateRead, start, len))
-            .map_err(|e| std::io::Error::other(format!("mapping bytes {start}..: {e}")))?;
+                .advise_range(memmap2::Advice::PopulateRead, start, len);
+            populated
+                .map_err(|e| std::io::Error::other(format!("mapping bytes {start}..: {e}")))?;
             file.drop_unused(&file.lock(), start..start + len);
         }
         Ok(range)
-    }
-}
-
-impl MappedFile {
-    /// The ranges in use (a poisoned lock's map is still whole: every update is one call).
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<(usize, usize), usize>> {
-        self.live.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
