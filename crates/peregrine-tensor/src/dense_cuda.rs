@@ -5,11 +5,15 @@
 //! It takes inputs of up to `PEREGRINE_CUDA_GEMV_ROWS` rows (default 1, at most 8; 0: never):
 //! one row measured 1.29× cuBLAS's decode on an 8B model (docs/cuda.md); at 8 rows each lane
 //! reads 8 input vectors per weight vector and batched decode was not compared with cuBLAS yet.
+//! Matrices that read the same input (q/k/v, gate/up) go in one launch ([`matmul_group`]),
+//! unless `PEREGRINE_CUDA_GEMV_GROUP=0` keeps the first kernel, one launch per matrix.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{CudaStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, bail};
+use candle_core::{CudaStorage, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor, bail};
 use half::{bf16, f16};
 
 use crate::cuda_op::cuda_only_op;
@@ -33,28 +37,142 @@ fn max_rows() -> usize {
     })
 }
 
-/// `x: [.., in] · w[out, in]ᵀ` by the GEMV kernel when it applies (both on a CUDA device in
-/// bf16 or f16, at most `max_rows()` rows, contiguous, `in` a multiple of 8); else `None`.
-pub(crate) fn matmul(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
-    let (Some(&in_dim), [out, w_in]) = (x.dims().last(), w.dims()) else {
-        return Ok(None);
+/// Whether [`matmul_group`]'s kernel runs (on unless `PEREGRINE_CUDA_GEMV_GROUP=0`, read once).
+fn group_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("PEREGRINE_CUDA_GEMV_GROUP").map_or(true, |v| v != "0"))
+}
+
+/// The most matrices one [`matmul_group`] launch takes (the kernel's three).
+const MAX_GROUP: usize = 3;
+
+/// The input rows of `x` when the GEMV takes `x · wᵀ` (both on a CUDA device in bf16 or f16,
+/// at most `max_rows()` rows, contiguous, `in` a multiple of 8, rows 16-byte aligned).
+fn gemv_rows(x: &Tensor, w: &Tensor) -> Option<usize> {
+    let (Some(&in_dim), [_, w_in]) = (x.dims().last(), w.dims()) else {
+        return None;
     };
     let m = x.elem_count() / in_dim.max(1);
+    let aligned = |t: &Tensor| t.layout().start_offset().is_multiple_of(8);
     let applies = x.device().is_cuda()
         && matches!(x.dtype(), DType::BF16 | DType::F16)
         && w.dtype() == x.dtype()
+        && w.device().same_device(x.device())
         && *w_in == in_dim
         && in_dim.is_multiple_of(8)
         && (1..=max_rows()).contains(&m)
         && x.is_contiguous()
-        && w.is_contiguous();
-    if !applies {
-        return Ok(None);
+        && w.is_contiguous()
+        && aligned(x)
+        && aligned(w);
+    applies.then_some(m)
+}
+
+/// `x: [.., in] · w[out, in]ᵀ` by the GEMV kernel when it applies ([`gemv_rows`]); else `None`.
+pub(crate) fn matmul(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
+    if group_enabled() {
+        return Ok(matmul_group(x, &[w])?.and_then(|mut ys| ys.pop()));
     }
+    let Some(m) = gemv_rows(x, w) else {
+        return Ok(None);
+    };
+    let out = w.dims()[0];
     let mut dims = x.dims().to_vec();
-    *dims.last_mut().expect("checked above") = *out;
+    *dims.last_mut().expect("checked above") = out;
     let y = x.apply_op2_no_bwd(w, &Gemv { m })?;
     Ok(Some(y.reshape(dims)?))
+}
+
+/// `x · wᵀ` for each of `ws` (1-3 matrices of one input width) in one launch: the q/k/v or
+/// gate/up projections of a decode step. `None` where the GEMV does not apply to all of them
+/// (or `PEREGRINE_CUDA_GEMV_GROUP=0`).
+pub(crate) fn matmul_group(x: &Tensor, ws: &[&Tensor]) -> Result<Option<Vec<Tensor>>> {
+    let rows = ws.first().and_then(|w| gemv_rows(x, w));
+    let applies = group_enabled()
+        && (1..=MAX_GROUP).contains(&ws.len())
+        && ws.iter().all(|w| gemv_rows(x, w) == rows);
+    let (Some(m), true) = (rows, applies) else {
+        return Ok(None);
+    };
+    let dev = x.device().as_cuda_device()?.clone();
+    let stream = dev.cuda_stream();
+    let in_dim = *x.dims().last().expect("checked by gemv_rows");
+    let (xs, xl) = x.storage_and_layout();
+    let x_ptr = crate::cuda_op::address(&xs, xl, &stream)?;
+    let mut w_ptr = [0u64; MAX_GROUP];
+    let mut outs = [0usize; MAX_GROUP];
+    for (i, w) in ws.iter().enumerate() {
+        let (s, l) = w.storage_and_layout();
+        w_ptr[i] = crate::cuda_op::address(&s, l, &stream)?;
+        outs[i] = w.dims()[0];
+    }
+    let ys: Vec<CudaStorage> = match x.dtype() {
+        DType::BF16 => launch_group::<bf16>(&dev, (x_ptr, m, in_dim), &w_ptr, &outs[..ws.len()])?,
+        _ => launch_group::<f16>(&dev, (x_ptr, m, in_dim), &w_ptr, &outs[..ws.len()])?,
+    };
+    drop(xs);
+    let shape = |out: usize| {
+        let mut dims = x.dims().to_vec();
+        *dims.last_mut().expect("checked by gemv_rows") = out;
+        dims
+    };
+    let none = candle_core::op::BackpropOp::none;
+    Ok(Some(
+        (ys.into_iter().zip(outs))
+            .map(|(y, out)| Tensor::from_storage(Storage::Cuda(y), shape(out), none(), false))
+            .collect(),
+    ))
+}
+
+/// One launch of the group kernel: `m` rows of `in_dim` at `x` times the matrices at `w`
+/// (`outs[i]` rows each), into a new `[m, outs[i]]` buffer per matrix.
+fn launch_group<T: CudaDType + DeviceRepr + candle_core::WithDType>(
+    dev: &candle_core::CudaDevice,
+    (x, m, in_dim): (u64, usize, usize),
+    w: &[u64; MAX_GROUP],
+    outs: &[usize],
+) -> Result<Vec<CudaStorage>> {
+    let name = match T::DTYPE {
+        DType::BF16 => "dense_gemv_group_bf16",
+        _ => "dense_gemv_group_f16",
+    };
+    let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+    // SAFETY: every element is written by the kernel below.
+    let ys = (outs.iter())
+        .map(|&out| unsafe { dev.alloc::<T>(m * out) })
+        .collect::<Result<Vec<_>>>()?;
+    let int = |n| crate::cuda_op::int("dense-gemv", n);
+    let mut out = [0i32; MAX_GROUP];
+    for (o, &n) in out.iter_mut().zip(outs) {
+        *o = int(n)?;
+    }
+    let (m_arg, in_arg) = (int(m)?, int(in_dim)?);
+    let stream = dev.cuda_stream();
+    let mut y_ptr = [0u64; MAX_GROUP];
+    for (p, y) in y_ptr.iter_mut().zip(&ys) {
+        *p = y.device_ptr(&stream).0;
+    }
+    // A warp per output row of all the matrices, 8 rows a block.
+    let cfg = LaunchConfig {
+        grid_dim: (outs.iter().sum::<usize>().div_ceil(8) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = func.builder();
+    launch.arg(&x).arg(&w[0]).arg(&w[1]).arg(&w[2]);
+    launch.arg(&y_ptr[0]).arg(&y_ptr[1]).arg(&y_ptr[2]);
+    launch
+        .arg(&out[0])
+        .arg(&out[1])
+        .arg(&out[2])
+        .arg(&m_arg)
+        .arg(&in_arg);
+    // SAFETY: the kernel's arguments, in its order and types (addresses as 64-bit words); the
+    // unused matrices have no rows, so their null addresses are never read.
+    unsafe { launch.launch(cfg) }.w()?;
+    Ok((ys.into_iter())
+        .map(|y| CudaStorage::wrap_cuda_slice(y, dev.clone()))
+        .collect())
 }
 
 struct Gemv {
@@ -68,10 +186,6 @@ impl Gemv {
         (w, wl): (&CudaStorage, &Layout),
     ) -> Result<CudaStorage> {
         let (out, in_dim) = wl.shape().dims2()?;
-        // 16-byte vector loads: every row must start on a 16-byte boundary.
-        if xl.start_offset() % 8 != 0 || wl.start_offset() % 8 != 0 {
-            bail!("dense-gemv: rows not 16-byte aligned");
-        }
         let dev = &x.device;
         let xs = x.as_cuda_slice::<T>()?.slice(xl.start_offset()..);
         let ws = w.as_cuda_slice::<T>()?.slice(wl.start_offset()..);

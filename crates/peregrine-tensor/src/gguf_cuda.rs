@@ -126,7 +126,7 @@ pub(crate) fn matmul_group(ws: &[&QTensor], x: &Tensor) -> Result<Option<Vec<Ten
     // padding columns too: it writes zeros there).
     let scratch = unsafe { dev.alloc::<u8>(rows * q8_row_blocks(k) * Q8_1_BYTES)? };
     let (storage, layout) = x.storage_and_layout();
-    let x_ptr = crate::kv_append_cuda::address(&storage, layout, &stream)?;
+    let x_ptr = crate::cuda_op::address(&storage, layout, &stream)?;
     let (scratch_ptr, _guard) = scratch.device_ptr(&stream);
     // SAFETY: candle's launchers with the arguments its own MMVQ path passes (fast_mmvq.rs):
     // `x` is `rows` contiguous rows of `k` values, the scratch holds `rows` padded 8-bit rows.

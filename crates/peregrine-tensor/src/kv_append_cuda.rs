@@ -3,13 +3,12 @@
 //! and again for values: the per-sequence launches that made a batched GPU step grow with its
 //! sequences (docs/cuda.md).
 
-use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::WrapErr;
-use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::{CudaStorage, DType, Layout, Result, Storage, Tensor};
-use half::{bf16, f16};
 
 use crate::attention::AppendSlot;
+use crate::cuda_op::address;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kv_append.ptx"));
 /// The name the PTX module is loaded under (once per device).
@@ -202,26 +201,6 @@ fn rope_tables(turn: &Turn, dtype: DType, half: usize) -> Result<(Tensor, Tensor
         }
     }
     Ok((cos, sin))
-}
-
-/// The device address of a CUDA storage's first element under `layout`.
-pub(crate) fn address(
-    storage: &Storage,
-    layout: &Layout,
-    stream: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
-) -> Result<u64> {
-    let Storage::Cuda(s) = storage else {
-        candle_core::bail!("kv append: a tensor off the GPU")
-    };
-    let base = |s: &CudaStorage| -> Result<u64> {
-        Ok(match s.dtype() {
-            DType::BF16 => s.as_cuda_slice::<bf16>()?.device_ptr(stream).0,
-            DType::F16 => s.as_cuda_slice::<f16>()?.device_ptr(stream).0,
-            DType::F32 => s.as_cuda_slice::<f32>()?.device_ptr(stream).0,
-            other => candle_core::bail!("kv append: {other:?}"),
-        })
-    };
-    Ok(base(s)? + (layout.start_offset() * s.dtype().size_in_bytes()) as u64)
 }
 
 fn suffix(dtype: DType) -> &'static str {

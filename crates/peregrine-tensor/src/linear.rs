@@ -72,7 +72,10 @@ impl QLinear {
         let ys = match (gguf, mlx) {
             (Some(mats), _) if mats.len() > 1 => GgufMatrix::forward_group(&mats, x)?,
             (_, Some(mats)) if mats.len() > 1 => MlxQuantized::forward_group(&mats, x)?,
-            _ => return layers.iter().map(|l| l.forward(x)).collect(),
+            _ => match Self::dense_group(layers, x)? {
+                Some(ys) => ys,
+                None => return layers.iter().map(|l| l.forward(x)).collect(),
+            },
         };
         (layers.iter().zip(ys))
             .map(|(l, y)| match l.bias() {
@@ -80,6 +83,25 @@ impl QLinear {
                 None => Ok(y),
             })
             .collect()
+    }
+
+    /// Dense layers of a group in one GPU launch (`dense_cuda::matmul_group`: a decode step's
+    /// q/k/v or gate/up); `None` where that does not apply (always on the CPU).
+    #[allow(unused_variables)]
+    fn dense_group(layers: &[&Self], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
+        #[cfg(feature = "cuda")]
+        if layers.len() > 1 {
+            let ws: Option<Vec<&Tensor>> = (layers.iter())
+                .map(|l| match l {
+                    Self::Dense { w, .. } => Some(w),
+                    _ => None,
+                })
+                .collect();
+            if let Some(ws) = ws {
+                return crate::dense_cuda::matmul_group(x, &ws);
+            }
+        }
+        Ok(None)
     }
 
     /// [`forward_group`](Self::forward_group) for one input row into the caller's buffers

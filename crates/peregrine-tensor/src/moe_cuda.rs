@@ -173,7 +173,7 @@ impl Tables {
         let routing = unsafe { self.dev.alloc::<i32>(2 * n * k)? };
         let stream = self.dev.cuda_stream();
         let (storage, layout) = logits.storage_and_layout();
-        let logits_ptr = crate::kv_append_cuda::address(&storage, layout, &stream)?;
+        let logits_ptr = crate::cuda_op::address(&storage, layout, &stream)?;
         let func = self.dev.get_or_load_custom_func("moe_route", MODULE, PTX)?;
         let cfg = LaunchConfig {
             grid_dim: (n as u32, 1, 1),
@@ -253,7 +253,7 @@ impl Tables {
         // SAFETY: every element is written by the combining kernel.
         let y = unsafe { self.dev.alloc::<T>(n * hidden)? };
         let (storage, layout) = x.storage_and_layout();
-        let x_ptr = crate::kv_append_cuda::address(&storage, layout, &stream)?;
+        let x_ptr = crate::cuda_op::address(&storage, layout, &stream)?;
         let (e, kk, s, i, hd) = (
             int(experts)?,
             int(k)?,
@@ -323,7 +323,7 @@ impl Tables {
         // SAFETY: every element is written by the down kernel.
         let y = unsafe { self.dev.alloc::<T>(n * hidden)? };
         let (storage, layout) = x.storage_and_layout();
-        let x_ptr = crate::kv_append_cuda::address(&storage, layout, &stream)?;
+        let x_ptr = crate::cuda_op::address(&storage, layout, &stream)?;
         let (e, kk, i, hd) = (int(experts)?, int(k)?, int(inter)?, int(hidden)?);
         let name = format!("moe_gate_up_{}_{suffix}", self.formats.0);
         let func = self.dev.get_or_load_custom_func(&name, MODULE, PTX)?;

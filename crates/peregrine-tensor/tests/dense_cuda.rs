@@ -25,32 +25,65 @@ fn the_gemv_matches_the_f32_product_at_every_row_count() {
                 let seed = (out * 31 + inp * 7 + m) as f32;
                 let w = ramp(&[out, inp], seed, dtype);
                 let x = ramp(&[1, m, inp], seed + 1.0, dtype);
-                let (x32, w32) = (f32s(&x), f32s(&w));
-                let want = product(&x32, &w32);
-                let scale = product(&x32.abs().unwrap(), &w32.abs().unwrap());
                 let layer = QLinear::Dense {
                     w: w.to_device(&gpu).unwrap(),
                     b: None,
                 };
                 let got = layer.forward(&x.to_device(&gpu).unwrap()).unwrap();
-                assert_eq!(got.dims(), want.dims());
-                let got = got
-                    .to_dtype(DType::F32)
-                    .unwrap()
-                    .to_device(&Device::Cpu)
-                    .unwrap();
-                let step = if dtype == DType::BF16 {
-                    1.0 / 256.0
-                } else {
-                    1.0 / 2048.0
-                };
-                let (got, want, scale) = (flat(&got), flat(&want), flat(&scale));
-                for (i, ((g, w), s)) in got.iter().zip(&want).zip(&scale).enumerate() {
-                    let tol = w.abs() * step + 1e-5 * s + 1e-6;
-                    assert!(
-                        (g - w).abs() <= tol,
-                        "{dtype:?} {out}x{inp}, {m} rows, output {i}: {g} against {w}"
-                    );
+                check(&got, &x, &w, &format!("{dtype:?} {out}x{inp}, {m} rows"));
+            }
+        }
+    }
+}
+
+/// `got` (on the GPU) against the f32 product of `x` and `w` within the tolerance above.
+fn check(got: &Tensor, x: &Tensor, w: &Tensor, what: &str) {
+    let (x32, w32) = (f32s(x), f32s(w));
+    let want = product(&x32, &w32);
+    let scale = product(&x32.abs().unwrap(), &w32.abs().unwrap());
+    assert_eq!(got.dims(), want.dims(), "{what}");
+    let got = got
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_device(&Device::Cpu)
+        .unwrap();
+    let step = if x.dtype() == DType::BF16 {
+        1.0 / 256.0
+    } else {
+        1.0 / 2048.0
+    };
+    let (got, want, scale) = (flat(&got), flat(&want), flat(&scale));
+    for (i, ((g, w), s)) in got.iter().zip(&want).zip(&scale).enumerate() {
+        let tol = w.abs() * step + 1e-5 * s + 1e-6;
+        assert!((g - w).abs() <= tol, "{what}, output {i}: {g} against {w}");
+    }
+}
+
+/// Dense layers that read one input (q/k/v, gate/up) in one launch (`QLinear::forward_group`
+/// through the group kernel): each output against its own matrix's f32 product, three
+/// matrices of different heights (the warps of one launch split between them), 1-8 rows.
+#[test]
+fn grouped_dense_products_match_the_f32_product() {
+    // SAFETY: set before any other thread of this test binary reads the environment.
+    unsafe { std::env::set_var("PEREGRINE_CUDA_GEMV_ROWS", "8") };
+    let gpu = Device::new_cuda(0).expect("these tests need a CUDA GPU");
+    for dtype in [DType::BF16, DType::F16] {
+        for (outs, inp) in [([1000, 64, 8], 776), ([4096, 1024, 1024], 4096)] {
+            let ws: Vec<Tensor> = (outs.iter())
+                .map(|&out| ramp(&[out, inp], (out + inp) as f32, dtype))
+                .collect();
+            let layers: Vec<QLinear> = (ws.iter())
+                .map(|w| QLinear::Dense {
+                    w: w.to_device(&gpu).unwrap(),
+                    b: None,
+                })
+                .collect();
+            let refs: Vec<&QLinear> = layers.iter().collect();
+            for m in [1, 3, 8] {
+                let x = ramp(&[1, m, inp], m as f32 + 0.5, dtype);
+                let ys = QLinear::forward_group(&refs, &x.to_device(&gpu).unwrap()).unwrap();
+                for (i, (y, w)) in ys.iter().zip(&ws).enumerate() {
+                    check(y, &x, w, &format!("{dtype:?} matrix {i} of {outs:?}, {m} rows"));
                 }
             }
         }

@@ -326,11 +326,23 @@ impl GgufMatrix {
             {
                 return Ok(ys);
             }
+            // f16/bf16 GGUF tensors, dequantized at load: the dense GEMV, not candle's cuBLAS.
+            let dense: Option<Vec<&Tensor>> = mats.iter().map(|w| w.dense()).collect();
+            if let Some(ws) = dense
+                && let Some(ys) = crate::dense_cuda::matmul_group(x, &ws)?
+            {
+                return Ok(ys);
+            }
         }
         let fused = mats.iter().all(|w| w.format.is_some());
         if !fused || !matches!(x.device(), Device::Cpu) {
             return (mats.iter())
                 .map(|w| match &w.storage {
+                    // Dense (f16/bf16 GGUF) off the CPU: the GEMV where it applies.
+                    Layout::Rows {
+                        fallback: QMatMul::Tensor(t),
+                        ..
+                    } if !x.device().is_cpu() => crate::linear::dense_matmul(x, t),
                     Layout::Rows { fallback, .. } => fallback.forward(x),
                     Layout::Interleaved(_) | Layout::Blocks(_) | Layout::Shared(_) => {
                         bail!("gguf matmul: CPU weights, input on {:?}", x.device())
