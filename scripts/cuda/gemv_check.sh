@@ -4,19 +4,27 @@
 # decoded by each GEMV variant of one binary (cuBLAS, the one-matrix GEMV, the grouped one;
 # candle's MMVQ and our Q4_K kernel), alternating, and Nsight Compute's GPU time per kernel
 # over one decode token of each file (when `ncu` is on the machine). About 5 minutes.
-# Carry: carry/cuda/{peregrine.xz,libcudart.so.13} (scripts/cuda/build.sh --bundle),
-# carry/cuda/tests/dense_cuda.xz (the test binary, stripped, xz), carry/lcpp/quantize.tar.xz.
+# usage: scripts/cuda/gemv_check.sh [all|q4k]   (q4k: the Q4_K kernels' test and Q4_K_M only)
+# Carry: carry/cuda/{peregrine.xz,libcudart.so.13} (scripts/cuda/build.sh --bundle), the test
+# binaries carry/cuda/tests/{dense,gguf}_cuda.xz (stripped, xz), carry/lcpp/quantize.tar.xz.
 cd "$(dirname "$0")/../.."
 source scripts/cuda/unpack.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-xz -dc carry/cuda/tests/dense_cuda.xz > /tmp/dense_cuda && chmod +x /tmp/dense_cuda
-echo "== dense_cuda"; timeout 120 /tmp/dense_cuda 2>&1 | grep -E "^test |test result|panicked|against" | head -12
+what=${1:-all}
+tests=dense_cuda
+[ "$what" = q4k ] && tests=gguf_cuda
+for t in $tests; do
+  xz -dc carry/cuda/tests/$t.xz > /tmp/$t && chmod +x /tmp/$t
+  echo "== $t"; timeout 120 /tmp/$t 2>&1 | grep -E "^test |test result|panicked|against" | head -12
+done
 m=/tmp/m8b
 python3 scripts/cuda/make_shaped.py $m --layers 2 > /tmp/make.log 2>&1; tail -1 /tmp/make.log
 peregrine quantize -m $m --format gguf --type f16 --out $m-f16.gguf > /tmp/q.log 2>&1 || tail -3 /tmp/q.log
 mkdir -p /tmp/lq && tar xJf carry/lcpp/quantize.tar.xz -C /tmp/lq
 LD_LIBRARY_PATH=/tmp/lq /tmp/lq/llama-quantize $m-f16.gguf $m-q4km.gguf Q4_K_M 16 > /tmp/lq.log 2>&1
-for f in f16 q4km; do
+files="f16 q4km"
+[ "$what" = q4k ] && files=q4km
+for f in $files; do
   python3 scripts/cuda/inflate_gguf.py $m-$f.gguf ${m}32-$f.gguf --layers 32 2>&1 | tail -1
 done
 bench() { # file, then VAR=value settings
@@ -26,16 +34,20 @@ bench() { # file, then VAR=value settings
     --gen-tokens 64 --repeat 2 --warmup 1 2>/dev/null \
     | grep -o '"prefill_tps":[0-9.]*\|"decode_tps":[0-9.]*' | tr '\n' ' '; echo
 }
-for round in 1 2; do
-  bench f16 PEREGRINE_CUDA_GEMV_ROWS=0
-  bench f16 PEREGRINE_CUDA_GEMV_GROUP=0
-  bench f16 PEREGRINE_CUDA_GEMV_GROUP=1
+for round in 1 2 3; do
+  if [ "$what" != q4k ]; then
+    bench f16 PEREGRINE_CUDA_GEMV_ROWS=0
+    bench f16 PEREGRINE_CUDA_GEMV_GROUP=0
+    bench f16 PEREGRINE_CUDA_GEMV_GROUP=1
+  fi
+  # MMVQ, ours for one input row (the default), ours for every row count.
   bench q4km PEREGRINE_CUDA_GGUF_GEMV=0
-  bench q4km PEREGRINE_CUDA_GGUF_GEMV=1
+  bench q4km PEREGRINE_CUDA_GGUF_GEMV=
+  [ "$what" = q4k ] || bench q4km PEREGRINE_CUDA_GGUF_GEMV=1
 done
 ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 [ -n "$ncu" ] || { echo "no ncu"; exit 0; }
-for f in f16 q4km; do
+for f in $files; do
   # Skip the load's and the 1-token prompt's kernels: the tail of 6 tokens repeats per token.
   timeout 150 "$ncu" --metrics gpu__time_duration.sum --csv -c 6000 peregrine bench \
     -m ${m}32-$f.gguf --device cuda --prompt-tokens 1 --gen-tokens 6 --repeat 1 --warmup 0 \

@@ -17,13 +17,17 @@ const MODULE: &str = "peregrine_gguf_gemv";
 /// Input rows the kernels take at once (our kernel's `MAX_ROWS`; candle's MMVQ takes 8 too).
 const MAX_ROWS: usize = 8;
 
-/// Whether our Q4_K kernel replaces candle's MMVQ for Q4_K matrices
-/// (`PEREGRINE_CUDA_GGUF_GEMV=1`, read once). Off: on an H100 it decoded an 8-layer 8B
-/// Q4_K_M 8-11 % faster at batch 1, the 32-layer one no faster (153.9 against 156.1 tok/s),
-/// and 8 streams 6 % slower (docs/cuda.md).
-fn ours_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("PEREGRINE_CUDA_GGUF_GEMV").is_ok_and(|v| v == "1"))
+/// The most input rows for which our Q4_K kernel replaces candle's MMVQ for Q4_K matrices
+/// (`PEREGRINE_CUDA_GGUF_GEMV`, read once): unset, one (batch-1 decode, where each lane keeps a
+/// row's loads in flight); `1`, every row count up to 8 (at 8 streams it was 6 % slower than
+/// MMVQ on an H100, docs/cuda.md); `0`, none.
+fn ours_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| match std::env::var("PEREGRINE_CUDA_GGUF_GEMV").as_deref() {
+        Ok("0") => 0,
+        Ok("1") => MAX_ROWS,
+        _ => 1,
+    })
 }
 
 /// Columns of a quantized input row are padded to this (candle's `MATRIX_ROW_PADDING`).
@@ -92,7 +96,7 @@ fn launcher(format: GgmlDType, dtype: DType) -> Option<Launcher> {
 }
 
 /// `x: [.., in]` times each of `ws` (GGUF matrices on the GPU, `in` columns each) through
-/// candle's MMVQ kernels (ours for Q4_K when [`ours_enabled`]) with the input quantized to 8
+/// candle's MMVQ kernels (ours for Q4_K up to [`ours_rows`] rows) with the input quantized to 8
 /// bits once for all of them, where candle quantizes it again for each (q/k/v: three
 /// quantizations a layer become one, gate/up two); candle's kernels over the same 8-bit input
 /// give the same bits. `None` where it does not apply: not 1-8 rows of bf16/f16 on the GPU, a
@@ -103,7 +107,7 @@ pub(crate) fn matmul_group(ws: &[&QTensor], x: &Tensor) -> Result<Option<Vec<Ten
         return Ok(None);
     };
     let rows = x.elem_count() / k.max(1);
-    let ours = |w: &&QTensor| ours_enabled() && w.dtype() == GgmlDType::Q4K && k % 256 == 0;
+    let ours = |w: &&QTensor| rows <= ours_rows() && w.dtype() == GgmlDType::Q4K && k % 256 == 0;
     let wanted = (group_enabled() && ws.len() > 1) || ws.iter().any(ours);
     let applies = wanted
         && x.device().is_cuda()
@@ -200,8 +204,8 @@ fn mmvq<T: CudaDType + DeviceRepr>(
     Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
 }
 
-/// [`mmvq`] through our Q4_K kernel (`kernels/cuda/gguf_gemv.cu`): a warp per four output
-/// rows, 32 rows a block.
+/// [`mmvq`] through our Q4_K kernel (`kernels/cuda/gguf_gemv.cu`): a warp per output row for
+/// one input row (8 output rows a block), else per four output rows (32 a block).
 fn q4k_q8<T: CudaDType + DeviceRepr + candle_core::WithDType>(
     dev: &candle_core::CudaDevice,
     (w, out): (&QTensor, usize),
@@ -217,8 +221,10 @@ fn q4k_q8<T: CudaDType + DeviceRepr + candle_core::WithDType>(
     let (m, o, i) = (int(rows)?, int(out)?, int(k)?);
     let q8_row = int(q8_row_blocks(k))?;
     let w_ptr = w.device_ptr()? as u64;
+    // Eight warps a block, a warp per output row for one input row, else per four rows.
+    let rows_per_block = if rows == 1 { 8 } else { 32 };
     let cfg = LaunchConfig {
-        grid_dim: (out.div_ceil(32) as u32, 1, 1),
+        grid_dim: (out.div_ceil(rows_per_block) as u32, 1, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
