@@ -34,7 +34,7 @@ bench() { # file, then VAR=value settings
     --gen-tokens 64 --repeat 2 --warmup 1 2>/dev/null \
     | grep -o '"prefill_tps":[0-9.]*\|"decode_tps":[0-9.]*' | tr '\n' ' '; echo
 }
-for round in 1 2 3; do
+for round in $(seq "${ROUNDS:-3}"); do
   if [ "$what" != q4k ]; then
     bench f16 PEREGRINE_CUDA_GEMV_ROWS=0
     bench f16 PEREGRINE_CUDA_GEMV_GROUP=0
