@@ -35,8 +35,8 @@ __device__ __forceinline__ void scale_min(int j, const uint8_t* q, int* sc, int*
 // `in` is a multiple of 256; `q8_row` is an input row's stride in 8-bit blocks. A warp takes
 // WR consecutive output rows, so each lane's inputs (the same for every row) are read once for
 // all of them, and U passes of four blocks a row: each lane's 16-byte loads for all U passes
-// are issued before it multiplies, so a row's bytes are in flight at once (with U = 1 each
-// pass waited for its loads: ~1.1 TB/s on an H100, docs/cuda.md).
+// are issued before it multiplies. Both forms measured slower than candle's MMVQ on an H100
+// (docs/cuda.md), so gguf_cuda.rs takes this kernel only when asked.
 template <typename T, int WR, int U>
 __device__ void q4k_q8_gemv(const uint8_t* __restrict__ w, const uint8_t* __restrict__ q8,
                             T* __restrict__ y, int m, int out, int in, int q8_row) {

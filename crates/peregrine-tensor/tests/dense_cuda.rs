@@ -83,7 +83,12 @@ fn grouped_dense_products_match_the_f32_product() {
                 let x = ramp(&[1, m, inp], m as f32 + 0.5, dtype);
                 let ys = QLinear::forward_group(&refs, &x.to_device(&gpu).unwrap()).unwrap();
                 for (i, (y, w)) in ys.iter().zip(&ws).enumerate() {
-                    check(y, &x, w, &format!("{dtype:?} matrix {i} of {outs:?}, {m} rows"));
+                    check(
+                        y,
+                        &x,
+                        w,
+                        &format!("{dtype:?} matrix {i} of {outs:?}, {m} rows"),
+                    );
                 }
             }
         }
