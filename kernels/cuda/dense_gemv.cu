@@ -35,44 +35,10 @@ __device__ __forceinline__ __nv_bfloat16 narrow(float v, const __nv_bfloat16*) {
 }
 __device__ __forceinline__ __half narrow(float v, const __half*) { return __float2half(v); }
 
-// `in` is a multiple of 8 and every row starts 16-byte aligned (the caller checks).
-template <typename T>
-__device__ void gemv(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, int m,
-                     int out, int in) {
-    int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-    if (r >= out) return;
-    const uint4* row = reinterpret_cast<const uint4*>(w + (size_t)r * in);
-    int vecs = in >> 3;
-    float acc[MAX_ROWS];
-#pragma unroll
-    for (int t = 0; t < MAX_ROWS; ++t) acc[t] = 0.f;
-#pragma unroll 4
-    for (int j = lane; j < vecs; j += 32) {
-        float wf[8];
-        // Weights are read once: stream them past the caches.
-        widen8(__ldcs(row + j), w, wf);
-#pragma unroll
-        for (int t = 0; t < MAX_ROWS; ++t) {
-            if (t >= m) break;
-            float xf[8];
-            widen8(__ldg(reinterpret_cast<const uint4*>(x + (size_t)t * in) + j), x, xf);
-#pragma unroll
-            for (int k = 0; k < 8; ++k) acc[t] = fmaf(wf[k], xf[k], acc[t]);
-        }
-    }
-#pragma unroll
-    for (int t = 0; t < MAX_ROWS; ++t) {
-        if (t >= m) break;
-        float s = acc[t];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (lane == 0) y[(size_t)t * out + r] = narrow(s, y);
-    }
-}
-
-// Each lane keeps UNROLL 16-byte weight loads in flight before it multiplies, so an H200's HBM
-// sees enough bytes outstanding (the loop above leaves that to the compiler); M rows of input
-// known at compile time (1: batch-1 decode), or up to MAX_ROWS with `m` checked.
+// `in` is a multiple of 8 and every row starts 16-byte aligned (the caller checks). Each lane
+// keeps UNROLL 16-byte weight loads in flight before it multiplies (a first kernel that left
+// that to the compiler, a launch per matrix, decoded 15 % slower, docs/cuda.md); M rows of
+// input known at compile time (1: batch-1 decode), or up to MAX_ROWS with `m` checked.
 #define UNROLL 4
 template <typename T, int M>
 __device__ __forceinline__ void gemv_row(const T* __restrict__ x, const T* __restrict__ w,
@@ -157,14 +123,4 @@ extern "C" __global__ void dense_gemv_group_f16(const __half* x, const __half* w
                                                 __half* y1, __half* y2, int out0, int out1,
                                                 int out2, int m, int in) {
     gemv_group(x, w0, w1, w2, y0, y1, y2, out0, out1, out2, m, in);
-}
-
-extern "C" __global__ void dense_gemv_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w,
-                                           __nv_bfloat16* y, int m, int out, int in) {
-    gemv(x, w, y, m, out, in);
-}
-
-extern "C" __global__ void dense_gemv_f16(const __half* x, const __half* w, __half* y, int m,
-                                          int out, int in) {
-    gemv(x, w, y, m, out, in);
 }

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine: the dense GEMV kernels (tests/dense_cuda.rs), then a random Llama-3.1-8B
 # (2 layers made, inflated to 32 by inflate_gguf.py) as f16 GGUF and llama-quantize's Q4_K_M,
-# decoded by each GEMV variant of one binary (cuBLAS, the one-matrix GEMV, the grouped one;
-# candle's MMVQ and our Q4_K kernel), alternating, and Nsight Compute's GPU time per kernel
+# decoded by each GEMV variant of one binary (cuBLAS and our GEMV; candle's MMVQ and our Q4_K
+# kernel), alternating, and Nsight Compute's GPU time per kernel
 # over one decode token of each file (when `ncu` is on the machine). About 5 minutes.
 # usage: scripts/cuda/gemv_check.sh [all|q4k]   (q4k: the Q4_K kernels' test and Q4_K_M only)
 # Carry: carry/cuda/{peregrine.xz,libcudart.so.13} (scripts/cuda/build.sh --bundle), the test
@@ -37,13 +37,11 @@ bench() { # file, then VAR=value settings
 for round in $(seq "${ROUNDS:-3}"); do
   if [ "$what" != q4k ]; then
     bench f16 PEREGRINE_CUDA_GEMV_ROWS=0
-    bench f16 PEREGRINE_CUDA_GEMV_GROUP=0
-    bench f16 PEREGRINE_CUDA_GEMV_GROUP=1
+    bench f16 PEREGRINE_CUDA_GEMV_ROWS=1
   fi
-  # MMVQ, ours for one input row (the default), ours for every row count.
+  # candle's MMVQ (the default), our Q4_K kernel.
   bench q4km PEREGRINE_CUDA_GGUF_GEMV=0
-  bench q4km PEREGRINE_CUDA_GGUF_GEMV=
-  [ "$what" = q4k ] || bench q4km PEREGRINE_CUDA_GGUF_GEMV=1
+  bench q4km PEREGRINE_CUDA_GGUF_GEMV=1
 done
 ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 [ -n "$ncu" ] || { echo "no ncu"; exit 0; }

@@ -2,21 +2,18 @@
 //! decode step's projections, where cuBLAS runs split-K GEMMs plus a reduce kernel each; a warp
 //! per output row streams the weights once instead. Larger batches keep cuBLAS.
 //!
-//! It takes inputs of up to `PEREGRINE_CUDA_GEMV_ROWS` rows (default 1, at most 8; 0: never):
-//! one row measured 1.29× cuBLAS's decode on an 8B model (docs/cuda.md); at 8 rows each lane
-//! reads 8 input vectors per weight vector and batched decode was not compared with cuBLAS yet.
-//! Matrices that read the same input (q/k/v, gate/up) go in one launch ([`matmul_group`]),
-//! unless `PEREGRINE_CUDA_GEMV_GROUP=0` keeps the first kernel, one launch per matrix.
+//! It takes inputs of up to `PEREGRINE_CUDA_GEMV_ROWS` rows (default 1, at most 8; 0: never,
+//! cuBLAS for all): one row decoded an 8B f16 model 1.12× faster than cuBLAS on an H100
+//! (docs/cuda.md); at 8 rows each lane reads 8 input vectors per weight vector and batched
+//! decode was not compared with cuBLAS yet. Matrices that read the same input (q/k/v,
+//! gate/up) go in one launch ([`matmul_group`]).
 
-use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{CudaStorage, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor, bail};
+use candle_core::{CudaStorage, DType, Result, Storage, Tensor};
 use half::{bf16, f16};
-
-use crate::cuda_op::cuda_only_op;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/dense_gemv.ptx"));
 /// The name the PTX module is loaded under (once per device).
@@ -35,12 +32,6 @@ fn max_rows() -> usize {
             .unwrap_or(1)
             .min(MAX_ROWS)
     })
-}
-
-/// Whether [`matmul_group`]'s kernel runs (on unless `PEREGRINE_CUDA_GEMV_GROUP=0`, read once).
-fn group_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("PEREGRINE_CUDA_GEMV_GROUP").map_or(true, |v| v != "0"))
 }
 
 /// The most matrices one [`matmul_group`] launch takes (the kernel's three).
@@ -70,27 +61,14 @@ fn gemv_rows(x: &Tensor, w: &Tensor) -> Option<usize> {
 
 /// `x: [.., in] · w[out, in]ᵀ` by the GEMV kernel when it applies ([`gemv_rows`]); else `None`.
 pub(crate) fn matmul(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
-    if group_enabled() {
-        return Ok(matmul_group(x, &[w])?.and_then(|mut ys| ys.pop()));
-    }
-    let Some(m) = gemv_rows(x, w) else {
-        return Ok(None);
-    };
-    let out = w.dims()[0];
-    let mut dims = x.dims().to_vec();
-    *dims.last_mut().expect("checked above") = out;
-    let y = x.apply_op2_no_bwd(w, &Gemv { m })?;
-    Ok(Some(y.reshape(dims)?))
+    Ok(matmul_group(x, &[w])?.and_then(|mut ys| ys.pop()))
 }
 
 /// `x · wᵀ` for each of `ws` (1-3 matrices of one input width) in one launch: the q/k/v or
-/// gate/up projections of a decode step. `None` where the GEMV does not apply to all of them
-/// (or `PEREGRINE_CUDA_GEMV_GROUP=0`).
+/// gate/up projections of a decode step. `None` where the GEMV does not apply to all of them.
 pub(crate) fn matmul_group(x: &Tensor, ws: &[&Tensor]) -> Result<Option<Vec<Tensor>>> {
     let rows = ws.first().and_then(|w| gemv_rows(x, w));
-    let applies = group_enabled()
-        && (1..=MAX_GROUP).contains(&ws.len())
-        && ws.iter().all(|w| gemv_rows(x, w) == rows);
+    let applies = (1..=MAX_GROUP).contains(&ws.len()) && ws.iter().all(|w| gemv_rows(x, w) == rows);
     let (Some(m), true) = (rows, applies) else {
         return Ok(None);
     };
@@ -173,60 +151,4 @@ fn launch_group<T: CudaDType + DeviceRepr + candle_core::WithDType>(
     Ok((ys.into_iter())
         .map(|y| CudaStorage::wrap_cuda_slice(y, dev.clone()))
         .collect())
-}
-
-struct Gemv {
-    m: usize,
-}
-
-impl Gemv {
-    fn run<T: CudaDType + DeviceRepr>(
-        &self,
-        (x, xl): (&CudaStorage, &Layout),
-        (w, wl): (&CudaStorage, &Layout),
-    ) -> Result<CudaStorage> {
-        let (out, in_dim) = wl.shape().dims2()?;
-        let dev = &x.device;
-        let xs = x.as_cuda_slice::<T>()?.slice(xl.start_offset()..);
-        let ws = w.as_cuda_slice::<T>()?.slice(wl.start_offset()..);
-        let name = match x.dtype() {
-            DType::BF16 => "dense_gemv_bf16",
-            _ => "dense_gemv_f16",
-        };
-        let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
-        // SAFETY: every element is written by the kernel below.
-        let y = unsafe { dev.alloc::<T>(self.m * out)? };
-        let int = |n| crate::cuda_op::int("dense-gemv", n);
-        let (m, o, i) = (int(self.m)?, int(out)?, int(in_dim)?);
-        // A warp per output row, 8 rows a block.
-        let cfg = LaunchConfig {
-            grid_dim: (out.div_ceil(8) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut launch = func.builder();
-        launch.arg(&xs).arg(&ws).arg(&y).arg(&m).arg(&o).arg(&i);
-        // SAFETY: the kernel's arguments, in its order and types; shapes checked by `matmul`.
-        unsafe { launch.launch(cfg) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
-    }
-}
-
-impl CustomOp2 for Gemv {
-    cuda_only_op!("dense-gemv", a, b);
-
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        xl: &Layout,
-        w: &CudaStorage,
-        wl: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        let y = match x.dtype() {
-            DType::BF16 => self.run::<bf16>((x, xl), (w, wl))?,
-            DType::F16 => self.run::<f16>((x, xl), (w, wl))?,
-            other => bail!("dense-gemv: {other:?} is not supported"),
-        };
-        Ok((y, Shape::from((self.m, wl.shape().dims()[0]))))
-    }
 }
