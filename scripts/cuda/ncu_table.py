@@ -19,7 +19,10 @@ def rows(path):
     for r in csv.DictReader(lines):
         if r.get("Metric Name") == "gpu__time_duration.sum":
             value = float(r["Metric Value"].replace(",", ""))
-            yield r["Kernel Name"], value * SCALE.get(r["Metric Unit"], 1.0)
+            unit = r["Metric Unit"]
+            if unit not in SCALE:
+                raise SystemExit(f"unknown time unit {unit!r} in {path}")
+            yield r["Kernel Name"], value * SCALE[unit]
 
 
 def last_period(names, shortest=20):
