@@ -33,6 +33,12 @@ pub(crate) fn int(op: &str, n: usize) -> candle_core::Result<i32> {
     })
 }
 
+/// A kernel's output buffer as a tensor of `shape` (no gradient: inference only).
+pub(crate) fn tensor(y: CudaStorage, shape: impl Into<candle_core::Shape>) -> candle_core::Tensor {
+    let none = candle_core::op::BackpropOp::none();
+    candle_core::Tensor::from_storage(Storage::Cuda(y), shape, none, false)
+}
+
 /// The device address of a CUDA storage's first element under `layout`.
 pub(crate) fn address(storage: &Storage, layout: &Layout, stream: &Arc<CudaStream>) -> Result<u64> {
     let Storage::Cuda(s) = storage else {

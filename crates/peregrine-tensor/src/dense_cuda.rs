@@ -12,7 +12,7 @@ use candle_core::cuda_backend::cudarc::driver::{
     DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{CudaStorage, DType, Result, Storage, Tensor};
+use candle_core::{CudaStorage, DType, Result, Tensor};
 use half::{bf16, f16};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/dense_gemv.ptx"));
@@ -94,10 +94,9 @@ pub(crate) fn matmul_group(x: &Tensor, ws: &[&Tensor]) -> Result<Option<Vec<Tens
         *dims.last_mut().expect("checked by gemv_rows") = out;
         dims
     };
-    let none = candle_core::op::BackpropOp::none;
     Ok(Some(
         (ys.into_iter().zip(outs))
-            .map(|(y, out)| Tensor::from_storage(Storage::Cuda(y), shape(out), none(), false))
+            .map(|(y, out)| crate::cuda_op::tensor(y, shape(out)))
             .collect(),
     ))
 }

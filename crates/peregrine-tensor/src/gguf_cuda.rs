@@ -159,13 +159,7 @@ pub(crate) fn matmul_group(ws: &[&QTensor], x: &Tensor) -> Result<Option<Vec<Ten
         };
         let mut dims = x.dims().to_vec();
         *dims.last_mut().expect("checked above") = out;
-        let none = candle_core::op::BackpropOp::none();
-        ys.push(Tensor::from_storage(
-            candle_core::Storage::Cuda(y),
-            dims,
-            none,
-            false,
-        ));
+        ys.push(crate::cuda_op::tensor(y, dims));
     }
     drop(storage);
     Ok(Some(ys))

@@ -5,7 +5,7 @@
 
 use candle_core::cuda_backend::WrapErr;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-use candle_core::{CudaStorage, DType, Layout, Result, Storage, Tensor};
+use candle_core::{CudaStorage, DType, Layout, Result, Tensor};
 
 use crate::attention::AppendSlot;
 use crate::cuda_op::address;
@@ -177,14 +177,7 @@ pub(crate) fn decode_rows(
         return Ok(None);
     }
     let q_out = CudaStorage::wrap_cuda_slice(q_out, dev.clone());
-    let shape = candle_core::Shape::from((slots.len(), heads, d));
-    let none = candle_core::op::BackpropOp::none();
-    Ok(Some(Tensor::from_storage(
-        Storage::Cuda(q_out),
-        shape,
-        none,
-        false,
-    )))
+    Ok(Some(crate::cuda_op::tensor(q_out, (slots.len(), heads, d))))
 }
 
 /// `turn`'s tables, checked: `[positions, half]` rows of `dtype`, covering every position.

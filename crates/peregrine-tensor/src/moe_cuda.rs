@@ -136,14 +136,7 @@ impl Tables {
                 DType::F16 => self.run_grouped::<f16>(x, &routing, ids.len() / n)?,
                 other => bail!("moe gemv: {other:?} input"),
             };
-            let none = candle_core::op::BackpropOp::none();
-            let shape = (n, self.dims.2);
-            return Ok(Tensor::from_storage(
-                candle_core::Storage::Cuda(y),
-                shape,
-                none,
-                false,
-            ));
+            return Ok(crate::cuda_op::tensor(y, (n, self.dims.2)));
         }
         // The routing in one upload: the ids (-1: unused), then the weights' bits.
         let routing: Vec<i32> = (ids.iter().map(|&e| i32::try_from(e).unwrap_or(-1)))
@@ -222,13 +215,7 @@ impl Tables {
             DType::F16 => self.run::<f16>(x, routing, k)?,
             other => bail!("moe gemv: {other:?} input"),
         };
-        let none = candle_core::op::BackpropOp::none();
-        Ok(Tensor::from_storage(
-            candle_core::Storage::Cuda(y),
-            (n, hidden),
-            none,
-            false,
-        ))
+        Ok(crate::cuda_op::tensor(y, (n, hidden)))
     }
 
     fn device(&self) -> candle_core::Device {

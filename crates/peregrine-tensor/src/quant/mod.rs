@@ -338,11 +338,6 @@ impl GgufMatrix {
         if !fused || !matches!(x.device(), Device::Cpu) {
             return (mats.iter())
                 .map(|w| match &w.storage {
-                    // Dense (f16/bf16 GGUF) off the CPU: the GEMV where it applies.
-                    Layout::Rows {
-                        fallback: QMatMul::Tensor(t),
-                        ..
-                    } if !x.device().is_cpu() => crate::linear::dense_matmul(x, t),
                     Layout::Rows { fallback, .. } => fallback.forward(x),
                     Layout::Interleaved(_) | Layout::Blocks(_) | Layout::Shared(_) => {
                         bail!("gguf matmul: CPU weights, input on {:?}", x.device())
