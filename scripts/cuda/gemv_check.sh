@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine: the dense GEMV kernels (tests/dense_cuda.rs), then a random Llama-3.1-8B
 # (2 layers made, inflated to 32 by inflate_gguf.py) as f16 GGUF and llama-quantize's Q4_K_M,
-# decoded by each GEMV variant of one binary (cuBLAS and our GEMV; candle's MMVQ and our Q4_K
-# kernel), alternating, and Nsight Compute's GPU time per kernel
+# decoded by each GEMV variant of one binary (cuBLAS and our GEMV; candle's MMVQ and our
+# kernels for Q4_K, and Q4_K and Q6_K), alternating, and Nsight Compute's GPU time per kernel
 # over one decode token of each file (when `ncu` is on the machine). About 5 minutes.
 # usage: scripts/cuda/gemv_check.sh [all|q4k]   (q4k: the Q4_K kernels' test and Q4_K_M only)
 # Carry: carry/cuda/{peregrine.xz,libcudart.so.13} (scripts/cuda/build.sh --bundle), the test
@@ -39,15 +39,16 @@ for round in $(seq "${ROUNDS:-3}"); do
     bench f16 PEREGRINE_CUDA_GEMV_ROWS=0
     bench f16 PEREGRINE_CUDA_GEMV_ROWS=1
   fi
-  # candle's MMVQ (the default), our Q4_K kernel.
+  # candle's MMVQ, ours for Q4_K only, ours for Q4_K and Q6_K (the default).
   bench q4km PEREGRINE_CUDA_GGUF_GEMV=0
+  bench q4km PEREGRINE_CUDA_GGUF_GEMV=q4k
   bench q4km PEREGRINE_CUDA_GGUF_GEMV=1
 done
 ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 [ -n "$ncu" ] || { echo "no ncu"; exit 0; }
 for f in $files; do
   # Skip the load's and the 1-token prompt's kernels: the tail of 6 tokens repeats per token.
-  timeout 150 "$ncu" --metrics gpu__time_duration.sum --csv -c 6000 peregrine bench \
+  timeout 150 "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv -c 6000 peregrine bench \
     -m ${m}32-$f.gguf --device cuda --prompt-tokens 1 --gen-tokens 6 --repeat 1 --warmup 0 \
     > /tmp/ncu-$f.csv 2>/dev/null
   echo "== ncu $f"; python3 scripts/cuda/ncu_table.py /tmp/ncu-$f.csv --last-token
