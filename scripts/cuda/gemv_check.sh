@@ -5,6 +5,7 @@
 # kernels for Q4_K, and Q4_K and Q6_K), alternating, and Nsight Compute's GPU time per kernel
 # over one decode token of each file (when `ncu` is on the machine). About 5 minutes.
 # usage: scripts/cuda/gemv_check.sh [all|q4k]   (q4k: the Q4_K kernels' test and Q4_K_M only)
+# ROUNDS=N alternating rounds (default 3); NCU=0 skips the Nsight Compute pass.
 # Carry: carry/cuda/{peregrine.xz,libcudart.so.13} (scripts/cuda/build.sh --bundle), the test
 # binaries carry/cuda/tests/{dense,gguf}_cuda.xz (stripped, xz), carry/lcpp/quantize.tar.xz.
 cd "$(dirname "$0")/../.."
@@ -44,6 +45,7 @@ for round in $(seq "${ROUNDS:-3}"); do
   bench q4km PEREGRINE_CUDA_GGUF_GEMV=q4k
   bench q4km PEREGRINE_CUDA_GGUF_GEMV=1
 done
+[ "${NCU:-1}" = 0 ] && exit 0  # NCU=0: no Nsight Compute pass
 ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 [ -n "$ncu" ] || { echo "no ncu"; exit 0; }
 for f in $files; do
