@@ -23,6 +23,20 @@ __device__ __forceinline__ float load(const __half* x) { return __half2float(*x)
 __device__ __forceinline__ void put(__nv_bfloat16* y, float v) { *y = __float2bfloat16(v); }
 __device__ __forceinline__ void put(__half* y, float v) { *y = __float2half(v); }
 
+// Each of the first m of a warp's M partial sums reduced across the lanes, into y[t][r].
+template <typename T, int M>
+__device__ __forceinline__ void store_sums(const float (&acc)[M], T* y, int m, int r, int out,
+                                           int lane) {
+#pragma unroll
+    for (int t = 0; t < M; ++t) {
+        if (t >= m) break;
+        float v = acc[t];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0) put(y + (size_t)t * out + r, v);
+    }
+}
+
 // `x` ([m, k], k a multiple of 32) to 8 bits: a warp per 32 inputs, d8 = max|x| / 127, code =
 // round(x / d8) (candle's quantize_q8_1 rule, so the same codes); codes [m, k] int8, then
 // ds [m, k / 32] float2 (d8, d8 * sum of the 32 codes).
@@ -53,12 +67,14 @@ extern "C" __global__ void q8_split_f16(const __half* x, int8_t* codes, float2* 
     q8_split(x, codes, ds, blocks);
 }
 
-// Sub-block j's 6-bit scale and min from the 12 bytes at `q` (llama.cpp's get_scale_min_k4),
-// without a branch: lanes of one warp take j below and above 4.
-__device__ __forceinline__ void scale_min(int j, const uint8_t* q, float d, float dmin,
-                                          float* scale, float* min) {
-    const int lo = j & 3;
-    const int a = q[lo], b = q[lo + 4], c = q[lo + 8];
+// Sub-block j's 6-bit scale and min (llama.cpp's get_scale_min_k4) from the block head's last
+// 12 bytes, held as three words (bytes 0-3, 4-7, 8-11): shifts, not byte indexing, since j
+// differs between lanes (indexing would put the head in local memory), and no branch.
+__device__ __forceinline__ void scale_min(int j, uint4 head, float d, float dmin, float* scale,
+                                          float* min) {
+    const int shift = 8 * (j & 3);
+    const int a = (head.y >> shift) & 0xFF, b = (head.z >> shift) & 0xFF;
+    const int c = (head.w >> shift) & 0xFF;
     const bool high = j >= 4;
     const int sc = high ? (c & 0xF) | ((a >> 6) << 4) : a & 63;
     const int m = high ? (c >> 4) | ((b >> 6) << 4) : b & 63;
@@ -96,12 +112,10 @@ __device__ __forceinline__ void q4k_row(const uint8_t* __restrict__ w,
             const int b = b0 + 4 * u;
             if (b >= blocks) break;
             const uint32_t all[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
-            const uint8_t* h = reinterpret_cast<const uint8_t*>(&head[u]);
-            const float d = __half2float(*reinterpret_cast<const __half*>(h));
-            const float dmin = __half2float(*reinterpret_cast<const __half*>(h + 2));
+            const float2 dm = __half22float2(*reinterpret_cast<const __half2*>(&head[u].x));
             float sl, ml, sh, mh;
-            scale_min(2 * pair, h + 4, d, dmin, &sl, &ml);
-            scale_min(2 * pair + 1, h + 4, d, dmin, &sh, &mh);
+            scale_min(2 * pair, head[u], dm.x, dm.y, &sl, &ml);
+            scale_min(2 * pair + 1, head[u], dm.x, dm.y, &sh, &mh);
             // The two lanes of a sub-block: one adds its min term for all 32 inputs.
             if (half) ml = mh = 0.f;
 #pragma unroll
@@ -124,14 +138,7 @@ __device__ __forceinline__ void q4k_row(const uint8_t* __restrict__ w,
             }
         }
     }
-#pragma unroll
-    for (int t = 0; t < M; ++t) {
-        if (t >= m) break;
-        float v = acc[t];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (lane == 0) put(y + (size_t)t * out + r, v);
-    }
+    store_sums(acc, y, m, r, out, lane);
 }
 
 // Q6_K block (210 bytes, so only 2-byte aligned): 128 bytes `ql` of low 4 bits, 64 bytes `qh`
@@ -217,14 +224,7 @@ __device__ __forceinline__ void q6k_row(const uint8_t* __restrict__ w,
             }
         }
     }
-#pragma unroll
-    for (int t = 0; t < M; ++t) {
-        if (t >= m) break;
-        float v = acc[t];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (lane == 0) put(y + (size_t)t * out + r, v);
-    }
+    store_sums(acc, y, m, r, out, lane);
 }
 
 // Up to three Q4_K / Q6_K matrices of the same input in one launch: warps [0, out0) take
