@@ -21,16 +21,16 @@ const MAX_ROWS: usize = 8;
 const MAX_GROUP: usize = 3;
 
 /// Which GGUF formats our kernel takes from candle's MMVQ (`PEREGRINE_CUDA_GGUF_GEMV`, read
-/// once): unset or else, Q4_K and Q6_K; `q4k`, Q4_K only; `0`, none.
+/// once): `1`, Q4_K and Q6_K; `q4k`, Q4_K only; unset or else, none (not yet measured on a GPU
+/// against candle's: docs/cuda.md).
 fn ours_formats() -> &'static [GgmlDType] {
     static FORMATS: std::sync::OnceLock<&'static [GgmlDType]> = std::sync::OnceLock::new();
-    FORMATS.get_or_init(
-        || match std::env::var("PEREGRINE_CUDA_GGUF_GEMV").as_deref() {
-            Ok("0") => &[],
-            Ok("q4k") => &[GgmlDType::Q4K],
-            _ => &[GgmlDType::Q4K, GgmlDType::Q6K],
-        },
-    )
+    let pick = || match std::env::var("PEREGRINE_CUDA_GGUF_GEMV").as_deref() {
+        Ok("1") => &[GgmlDType::Q4K, GgmlDType::Q6K][..],
+        Ok("q4k") => &[GgmlDType::Q4K],
+        _ => &[],
+    };
+    FORMATS.get_or_init(pick)
 }
 
 /// Columns of a quantized input row are padded to this (candle's `MATRIX_ROW_PADDING`).
